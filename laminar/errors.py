@@ -1,0 +1,47 @@
+"""The one exception tree of the project. Each class says when it is raised."""
+
+from __future__ import annotations
+
+
+class LaminarError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class ConfigError(LaminarError):
+    """A run config or deployment setting is invalid (names the field, the value and the fix)."""
+
+
+class StoreError(LaminarError):
+    """An object-store operation failed."""
+
+
+class StoreUnavailableError(StoreError):
+    """The object store could not be reached (wrong endpoint, server down) after bounded retries."""
+
+
+class BucketNotFoundError(StoreError):
+    """The configured S3 bucket does not exist at the configured endpoint."""
+
+
+class ObjectNotFoundError(StoreError):
+    """A key that was expected in the store is absent."""
+
+
+class CorruptDataError(StoreError):
+    """Stored bytes fail verification: checksum mismatch, truncated part or schema mismatch."""
+
+
+class NoCheckpointError(StoreError):
+    """No committed, verifiable checkpoint exists for a run."""
+
+
+class RelayError(LaminarError):
+    """A weight relay could not be reached or answered with an error."""
+
+
+class DevStackError(LaminarError):
+    """The embedded dev stack (Temporal dev server, S3 server) could not be started or stopped."""
+
+
+class EngineError(LaminarError):
+    """The rollout engine was given input it cannot serve (prompt too long, no weights loaded)."""

@@ -1,0 +1,43 @@
+"""structlog set-up, once per process: a console renderer locally, JSON lines with `--log-format json`.
+
+Log events are past-tense snake_case facts with key=value context (STYLE.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+_configured = False
+
+
+def configure_logging(fmt: str = "console", level: str = "info", stream=None) -> None:
+    """Configure structlog and stdlib logging for this process; later calls are ignored."""
+    global _configured
+    if _configured:
+        return
+    if fmt not in ("console", "json"):
+        raise ValueError(f"log format {fmt!r} is not one of console, json")
+    stream = stream or sys.stderr
+    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        cache_logger_on_first_use=True,
+    )
+    logging.basicConfig(level=logging.WARNING, stream=stream, format="%(levelname)s %(name)s: %(message)s")
+    _configured = True
+
+
+def get_logger(name: str | None = None, **context):
+    return structlog.get_logger(name).bind(**context) if context else structlog.get_logger(name)

@@ -1,0 +1,30 @@
+"""Data-plane records (never sent through Temporal)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Trajectory:
+    """One generated response to one prompt; a row of an experience segment (DESIGN.md §4).
+
+    Every trajectory is generated from start to end by exactly one policy version.
+    `finish_reason` is "stop" (EOS), "length" (hit max_new_tokens) or "partial" (in-flight prefix
+    in the partial-response pool).
+    """
+
+    run_id: str
+    prompt_id: int
+    group_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    reward: float
+    policy_version: int
+    replica_id: str
+    started_at: float
+    ended_at: float
+    finish_reason: str
+    extra: dict[str, str] = field(default_factory=dict)
