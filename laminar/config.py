@@ -78,6 +78,10 @@ class RolloutSection(_Section):
     )
     max_new_tokens: int = Field(96, ge=1, le=1_000_000, description="Response length cap (tokens).")
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature (unitless).")
+    max_ready_groups: int = Field(
+        16, ge=1, le=1_000_000,
+        description="Stop leasing new prompts while this many complete groups wait for the trainer (groups).",
+    )
     flush_interval_s: float = Field(
         2.0, gt=0.0, le=600.0, description="Completed groups are written and reported at least this often (s)."
     )

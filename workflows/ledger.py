@@ -1,0 +1,149 @@
+"""Exactly-once accounting over RunState (DESIGN.md §5): leases, the experience index, consumed
+batches and counters. Pure and deterministic, so it is unit-tested without Temporal.
+
+Invariants:
+- a group id is leased to at most one replica at a time, and enters `ready` at most once;
+- a group leaves `ready` only when a train step that consumed it has returned;
+- batches consumed since the last committed checkpoint are kept (`uncommitted`) so that a restarted
+  trainer replays them instead of consuming new groups or skipping them.
+"""
+
+from __future__ import annotations
+
+from laminar.config import RunConfig
+from laminar.messages import BatchPart, Lease, ReplicaReport, RunStatus, TrainStepInput, TrainStepResult
+from laminar.refs import SegmentRef
+from workflows.state import RECENT_REWARDS, OpenLease, ReadyGroup, RunState
+
+
+class Ledger:
+    def __init__(self, state: RunState) -> None:
+        self.s = state
+
+    # -- replicas ----------------------------------------------------------------------------
+
+    def note_report(self, report: ReplicaReport) -> None:
+        self.s.replicas[report.replica_id] = report
+        in_use = self.versions_in_use()
+        self.s.max_versions_in_use = max(self.s.max_versions_in_use, len(in_use))
+
+    def versions_in_use(self) -> list[int]:
+        return sorted({r.policy_version for r in self.s.replicas.values() if r.policy_version >= 0})
+
+    def lease(self, replica_id: str, n: int) -> list[Lease]:
+        """Hand out up to n groups: returned leases first (oldest first), then fresh prompts."""
+        out: list[Lease] = []
+        while len(out) < n and self.s.returned:
+            old = self.s.returned.pop(0)
+            out.append(self._open(old.group_id, old.prompt_id, replica_id))
+        while len(out) < n:
+            prompt_id = self.s.prompt_cursor
+            self.s.prompt_cursor += 1
+            out.append(self._open(f"g{prompt_id:08d}", prompt_id, replica_id))
+        return out
+
+    def _open(self, group_id: str, prompt_id: int, replica_id: str) -> Lease:
+        self.s.open_leases[group_id] = OpenLease(group_id=group_id, prompt_id=prompt_id, replica_id=replica_id)
+        return Lease(group_id=group_id, prompt_id=prompt_id)
+
+    def release_leases_of(self, replica_id: str, keep: set[str]) -> list[str]:
+        """A (re)started replica holds only what it resumes: its other open leases go back to the pool."""
+        released = [g for g, lease in self.s.open_leases.items() if lease.replica_id == replica_id and g not in keep]
+        for g in released:
+            self.s.returned.append(self.s.open_leases.pop(g))
+        return released
+
+    def add_segment(self, seg: SegmentRef) -> tuple[list[str], list[str]]:
+        """Record complete groups; idempotent by group id (a retried report is a no-op)."""
+        accepted: list[str] = []
+        duplicates: list[str] = []
+        returned = {lease.group_id: i for i, lease in enumerate(self.s.returned)}
+        for g in seg.group_ids:
+            if g in self.s.open_leases:
+                del self.s.open_leases[g]
+            elif g in returned:  # a replica thought lost finished it after all
+                self.s.returned = [lease for lease in self.s.returned if lease.group_id != g]
+                returned = {lease.group_id: i for i, lease in enumerate(self.s.returned)}
+            else:
+                duplicates.append(g)
+                continue
+            self.s.ready.append(ReadyGroup(group_id=g, segment_key=seg.key, policy_version=seg.policy_version))
+            accepted.append(g)
+        if accepted:
+            self.s.segments[seg.key] = seg
+            self.s.groups_generated += len(accepted)
+        self.s.duplicate_reports += len(duplicates)
+        return accepted, duplicates
+
+    # -- trainer -----------------------------------------------------------------------------
+
+    def next_batch(self, groups: int) -> list[BatchPart]:
+        """The oldest `groups` ready groups, grouped by segment in arrival order."""
+        parts: list[BatchPart] = []
+        for g in self.s.ready[:groups]:
+            if parts and parts[-1].segment.key == g.segment_key:
+                parts[-1].group_ids.append(g.group_id)
+            else:
+                parts.append(BatchPart(segment=self.s.segments[g.segment_key], group_ids=[g.group_id]))
+        return parts
+
+    def next_train_input(self, cfg: RunConfig, chain: list[str]) -> TrainStepInput:
+        return TrainStepInput(
+            run_id=self.s.run_id,
+            config=cfg.to_json(),
+            step=self.s.step,
+            batch=self.next_batch(cfg.trainer.groups_per_step),
+            checkpoint=self.s.checkpoint,
+            replay=list(self.s.uncommitted),
+            relay_chain=chain,
+        )
+
+    def commit_step(self, inp: TrainStepInput, res: TrainStepResult, keep_last: int) -> None:
+        consumed = {g for part in inp.batch for g in part.group_ids}
+        self.s.ready = [g for g in self.s.ready if g.group_id not in consumed]
+        live = {g.segment_key for g in self.s.ready}
+        self.s.segments = {k: v for k, v in self.s.segments.items() if k in live}
+        self.s.step, self.s.policy_version = res.step, res.policy_version
+        self.s.uncommitted.append(inp.batch)
+        if res.checkpoint is not None:
+            self.s.checkpoint = res.checkpoint
+            self.s.uncommitted = []
+            self.s.checkpoints = (self.s.checkpoints + [res.checkpoint])[-keep_last:]
+        m = res.metrics
+        self.s.groups_consumed += len(consumed)
+        self.s.groups_consumed_twice += m.consumed_twice
+        self.s.tokens_consumed += m.tokens
+        self.s.reward_recent = (self.s.reward_recent + [m.reward_mean])[-RECENT_REWARDS:]
+        for gap, n in m.staleness.items():
+            self.s.staleness_histogram[gap] = self.s.staleness_histogram.get(gap, 0) + n
+
+    # -- status ------------------------------------------------------------------------------
+
+    def status(self, phase: str, total_steps: int, history_events: int) -> RunStatus:
+        s = self.s
+        busy, wait = s.trainer_busy_s, s.trainer_wait_s
+        return RunStatus(
+            run_id=s.run_id,
+            phase=phase,
+            step=s.step,
+            total_steps=total_steps,
+            policy_version=s.policy_version,
+            ready_groups=len(s.ready),
+            open_leases=len(s.open_leases),
+            groups_generated=s.groups_generated,
+            groups_consumed=s.groups_consumed,
+            groups_consumed_twice=s.groups_consumed_twice,
+            tokens_consumed=s.tokens_consumed,
+            reward_recent=list(s.reward_recent),
+            versions_in_use=self.versions_in_use(),
+            max_versions_in_use=s.max_versions_in_use,
+            staleness_histogram=dict(sorted(s.staleness_histogram.items(), key=lambda kv: int(kv[0]))),
+            trainer_wait_fraction=wait / (wait + busy) if wait + busy > 0 else 0.0,
+            history_events=history_events,
+            history_events_max=max(s.history_events_max, history_events),
+            continued_as_new=s.continued_as_new,
+            checkpoints=list(s.checkpoints),
+            relays=[r for _, r in sorted(s.relays.items())],
+            replicas=[r for _, r in sorted(s.replicas.items())],
+            started_at=s.started_at,
+        )

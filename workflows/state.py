@@ -1,0 +1,70 @@
+"""The durable state of one training run: what TrainingRunWorkflow owns and carries across
+continue-as-new. Small by construction: ids, refs and counters, never per-token or per-trajectory data,
+and nothing that grows with the number of steps except bounded windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from laminar.messages import BatchPart, RelayInfo, ReplicaReport
+from laminar.refs import CheckpointRef, SegmentRef
+
+RECENT_REWARDS = 20  # steps of reward kept for the live status
+
+
+@dataclass
+class OpenLease:
+    group_id: str
+    prompt_id: int
+    replica_id: str
+
+
+@dataclass
+class ReadyGroup:
+    group_id: str
+    segment_key: str
+    policy_version: int
+
+
+@dataclass
+class RunState:
+    run_id: str
+    step: int = 0
+    policy_version: int = 0
+    trainer_ready: bool = False
+    checkpoint: CheckpointRef | None = None
+    checkpoints: list[CheckpointRef] = field(default_factory=list)
+    prompt_cursor: int = 0
+    open_leases: dict[str, OpenLease] = field(default_factory=dict)  # group_id -> lease
+    returned: list[OpenLease] = field(default_factory=list)  # leases to hand out again (lost replicas)
+    segments: dict[str, SegmentRef] = field(default_factory=dict)  # key -> ref, while any group unconsumed
+    ready: list[ReadyGroup] = field(default_factory=list)  # complete, not yet consumed, oldest first
+    uncommitted: list[list[BatchPart]] = field(default_factory=list)  # batches since the checkpoint
+    relays: dict[str, RelayInfo] = field(default_factory=dict)
+    replicas: dict[str, ReplicaReport] = field(default_factory=dict)
+    paused: bool = False
+    stopping: bool = False
+    groups_generated: int = 0
+    groups_consumed: int = 0
+    groups_consumed_twice: int = 0
+    duplicate_reports: int = 0
+    tokens_consumed: int = 0
+    reward_recent: list[float] = field(default_factory=list)
+    staleness_histogram: dict[str, int] = field(default_factory=dict)
+    max_versions_in_use: int = 0
+    history_events_max: int = 0
+    continued_as_new: int = 0
+    trainer_wait_s: float = 0.0
+    trainer_busy_s: float = 0.0
+    started_at: float = 0.0
+
+
+@dataclass
+class TrainingRunInput:
+    """client -> TrainingRunWorkflow. `config` is the RunConfig as JSON (what `temporal workflow start
+    --input '{"config": {...}}'` sends); `state` is set only by continue-as-new."""
+
+    config: dict[str, Any]
+    state: RunState | None = None

@@ -1,0 +1,320 @@
+"""TrainingRunWorkflow: the durable owner of one RL run (DESIGN.md §3, §5).
+
+Owns step, policy version, committed checkpoint, prompt leases, the experience index, relay chain and
+replica table. Rollout replicas and relays are long-running activities; each trainer step is one
+activity on the trainer's queue. Deterministic: no I/O, no torch, activities called by name.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from temporalio.converter import value_to_type
+
+    from laminar.config import RunConfig
+    from laminar.errors import ConfigError
+    from laminar.messages import (
+        CONTROL_QUEUE,
+        ROLLOUT_QUEUE,
+        TRAINER_QUEUE,
+        AddExperienceInput,
+        AddExperienceResult,
+        ClaimPromptsInput,
+        ClaimPromptsResult,
+        RelayInfo,
+        RolloutReplicaInput,
+        RunRelayInput,
+        RunStatus,
+        TrainerInitInput,
+        TrainerInitResult,
+        TrainStepResult,
+        relay_queue,
+    )
+    from workflows.ledger import Ledger
+    from workflows.state import RunState, TrainingRunInput
+
+__all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
+
+RELAY_JOIN_TIMEOUT = timedelta(seconds=120)
+DRAIN_TIMEOUT = timedelta(seconds=120)
+FAST_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
+
+
+@workflow.defn(name="TrainingRunWorkflow")
+class TrainingRunWorkflow:
+    @workflow.init
+    def __init__(self, inp: Any) -> None:
+        self._error: str | None = None
+        self._cfg: RunConfig | None = None
+        self._replicas: dict[str, Any] = {}
+        self._relay_tasks: dict[str, Any] = {}
+        self._handover = False
+        try:
+            self._cfg, state = _parse_input(inp)
+            run_id = self._cfg.run.run_id or workflow.info().workflow_id.removeprefix("run/")
+            self.s = state or RunState(run_id=run_id, started_at=workflow.time())
+        except ConfigError as e:
+            self._error = str(e)
+            self.s = RunState(run_id="invalid")
+        self.ledger = Ledger(self.s)
+
+    # -- the run, as a table of contents -----------------------------------------------------
+
+    @workflow.run
+    async def run(self, inp: Any) -> RunStatus:
+        if self._error is not None or self._cfg is None:
+            raise ApplicationError(self._error or "invalid input", type="InvalidConfig", non_retryable=True)
+        self._start_relays()
+        await self._wait_for_relays()
+        if not self.s.trainer_ready:
+            await self._init_trainer()
+        self._start_replicas()
+        while self.s.step < self._cfg.run.steps and not self.s.stopping:
+            if not await self._wait_for_batch():
+                break
+            await self._train_one_step()
+            if self._should_continue_as_new():
+                await self._continue_as_new()
+        return await self._finish()
+
+    # -- relays ------------------------------------------------------------------------------
+
+    def _start_relays(self) -> None:
+        assert self._cfg is not None
+        for i in range(self._cfg.relay.relays):
+            relay_id = f"host-{i}"
+            self._relay_tasks[relay_id] = workflow.start_activity(
+                "run_relay",
+                RunRelayInput(run_id=self.s.run_id, workflow_id=workflow.info().workflow_id, relay_id=relay_id),
+                task_queue=relay_queue(relay_id),
+                start_to_close_timeout=timedelta(days=30),
+                heartbeat_timeout=timedelta(seconds=self._cfg.rollout.heartbeat_timeout_s),
+                retry_policy=FAST_RETRY,
+                activity_id=f"relay-{relay_id}",
+            )
+
+    async def _wait_for_relays(self) -> None:
+        assert self._cfg is not None
+        want = self._cfg.relay.relays
+        try:
+            await workflow.wait_condition(lambda: len(self.s.relays) >= want, timeout=RELAY_JOIN_TIMEOUT)
+        except TimeoutError:
+            workflow.logger.warning("relays_missing", extra={"joined": sorted(self.s.relays), "wanted": want})
+            await workflow.wait_condition(lambda: len(self.s.relays) >= 1)
+
+    def _chain(self) -> list[str]:
+        return [r.address for _, r in sorted(self.s.relays.items())]
+
+    @workflow.signal
+    def relay_joined(self, info: RelayInfo) -> None:
+        self.s.relays[info.relay_id] = info
+
+    # -- trainer -----------------------------------------------------------------------------
+
+    async def _init_trainer(self) -> None:
+        assert self._cfg is not None
+        res: TrainerInitResult = await workflow.execute_activity(
+            "init_trainer",
+            TrainerInitInput(
+                run_id=self.s.run_id,
+                config=self._cfg.to_json(),
+                checkpoint=self.s.checkpoint,
+                relay_chain=self._chain(),
+            ),
+            result_type=TrainerInitResult,
+            task_queue=TRAINER_QUEUE,
+            start_to_close_timeout=timedelta(minutes=30),
+            heartbeat_timeout=timedelta(seconds=60),
+            retry_policy=FAST_RETRY,
+        )
+        self.s.step, self.s.policy_version, self.s.trainer_ready = res.step, res.policy_version, True
+
+    async def _wait_for_batch(self) -> bool:
+        """Wait until the trainer has a full batch of complete groups; False when the run is stopping."""
+        assert self._cfg is not None
+        need = self._cfg.trainer.groups_per_step
+        t0 = workflow.time()
+        await workflow.wait_condition(lambda: self.s.stopping or (not self.s.paused and len(self.s.ready) >= need))
+        self.s.trainer_wait_s += workflow.time() - t0
+        return not self.s.stopping
+
+    async def _train_one_step(self) -> None:
+        assert self._cfg is not None
+        inp = self.ledger.next_train_input(self._cfg, self._chain())
+        t0 = workflow.time()
+        res = await workflow.execute_activity(
+            "train_step",
+            inp,
+            result_type=TrainStepResult,
+            task_queue=TRAINER_QUEUE,
+            start_to_close_timeout=timedelta(minutes=30),
+            heartbeat_timeout=timedelta(seconds=60),
+            retry_policy=FAST_RETRY,
+            cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+        )
+        self.s.trainer_busy_s += workflow.time() - t0
+        self.ledger.commit_step(inp, res, keep_last=self._cfg.trainer.keep_last)
+        self._note_history()
+
+    # -- rollout replicas --------------------------------------------------------------------
+
+    def _start_replicas(self) -> None:
+        assert self._cfg is not None
+        for i in range(self._cfg.rollout.replicas):
+            replica_id = f"replica-{i}"
+            self._replicas[replica_id] = workflow.start_activity(
+                "run_rollout_replica",
+                RolloutReplicaInput(
+                    run_id=self.s.run_id,
+                    workflow_id=workflow.info().workflow_id,
+                    replica_id=replica_id,
+                    config=self._cfg.to_json(),
+                ),
+                task_queue=ROLLOUT_QUEUE,
+                start_to_close_timeout=timedelta(days=30),
+                heartbeat_timeout=timedelta(seconds=self._cfg.rollout.heartbeat_timeout_s),
+                retry_policy=FAST_RETRY,
+                activity_id=f"rollout-{replica_id}",
+            )
+
+    @workflow.update
+    def claim_prompts(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
+        assert self._cfg is not None
+        self.ledger.note_report(inp.report)
+        if inp.first_claim:
+            self.ledger.release_leases_of(inp.report.replica_id, keep=set(inp.resuming))
+        stop, handover = self.s.stopping, self._handover
+        leases = []
+        if not (stop or handover or self.s.paused or not self.s.trainer_ready):
+            room = self._cfg.rollout.max_ready_groups - len(self.s.ready)
+            leases = self.ledger.lease(inp.report.replica_id, max(0, min(inp.max_groups, room)))
+        return ClaimPromptsResult(
+            leases=leases,
+            newest_policy_version=self.s.policy_version,
+            relays=[r for _, r in sorted(self.s.relays.items())],
+            stop=stop,
+            handover=handover,
+            paused=self.s.paused,
+        )
+
+    @claim_prompts.validator
+    def _validate_claim(self, inp: ClaimPromptsInput) -> None:
+        if inp.max_groups < 0:
+            raise ValueError(f"claim_prompts: max_groups={inp.max_groups} must be >= 0")
+        if self._error is not None:
+            raise ValueError(f"run failed validation: {self._error}")
+
+    @workflow.update
+    def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
+        self.ledger.note_report(inp.report)
+        accepted, duplicates = self.ledger.add_segment(inp.segment)
+        return AddExperienceResult(
+            accepted=accepted, duplicates=duplicates, stop=self.s.stopping, handover=self._handover
+        )
+
+    @add_experience.validator
+    def _validate_add(self, inp: AddExperienceInput) -> None:
+        if not inp.segment.key or not inp.segment.group_ids:
+            raise ValueError("add_experience: segment must have a key and at least one group id")
+
+    # -- operator controls -------------------------------------------------------------------
+
+    @workflow.update
+    def pause(self) -> str:
+        self.s.paused = True
+        return self._phase()
+
+    @workflow.update
+    def resume(self) -> str:
+        self.s.paused = False
+        return self._phase()
+
+    @workflow.update
+    def stop(self) -> str:
+        self.s.stopping = True
+        return self._phase()
+
+    @workflow.query
+    def status(self) -> RunStatus:
+        return self.ledger.status(
+            phase=self._phase(),
+            total_steps=self._cfg.run.steps if self._cfg else 0,
+            history_events=workflow.info().get_current_history_length(),
+        )
+
+    def _phase(self) -> str:
+        if self._error is not None:
+            return "failed"
+        if self.s.stopping or self.s.step >= (self._cfg.run.steps if self._cfg else 0):
+            return "stopping"
+        if self.s.paused:
+            return "paused"
+        return "running" if self.s.trainer_ready else "starting"
+
+    # -- continue-as-new and finish ----------------------------------------------------------
+
+    def _should_continue_as_new(self) -> bool:
+        assert self._cfg is not None
+        if self.s.step >= self._cfg.run.steps or self.s.stopping:
+            return False
+        every = self._cfg.run.continue_as_new_every
+        return self.s.step % every == 0 or workflow.info().is_continue_as_new_suggested()
+
+    async def _drain(self) -> None:
+        """Let replicas write their in-flight groups to the partial pool and return, then stop relays."""
+        try:
+            await workflow.wait_condition(
+                lambda: all(t.done() for t in self._replicas.values()), timeout=DRAIN_TIMEOUT
+            )
+        except TimeoutError:
+            workflow.logger.warning("replicas_drain_timed_out")
+        for task in list(self._replicas.values()) + list(self._relay_tasks.values()):
+            if not task.done():
+                task.cancel()
+        await workflow.wait_condition(workflow.all_handlers_finished)
+
+    async def _continue_as_new(self) -> None:
+        assert self._cfg is not None
+        self._handover = True
+        await self._drain()
+        self._note_history()
+        self.s.continued_as_new += 1
+        self.s.relays = {}
+        workflow.continue_as_new(TrainingRunInput(config=self._cfg.to_json(), state=self.s))
+
+    async def _finish(self) -> RunStatus:
+        self.s.stopping = True
+        await self._drain()
+        self._note_history()
+        return self.ledger.status(
+            phase="finished",
+            total_steps=self._cfg.run.steps if self._cfg else 0,
+            history_events=workflow.info().get_current_history_length(),
+        )
+
+    def _note_history(self) -> None:
+        n = workflow.info().get_current_history_length()
+        self.s.history_events_max = max(self.s.history_events_max, n)
+
+
+def _parse_input(inp: Any) -> tuple[RunConfig, RunState | None]:
+    """Validate the workflow input; ConfigError ends the run FAILED (never an endless task retry)."""
+    if not isinstance(inp, dict) or "config" not in inp:
+        raise ConfigError(
+            'workflow input must be a JSON object {"config": {...run config...}}, '
+            f"got {type(inp).__name__}: {str(inp)[:80]}"
+        )
+    cfg = RunConfig.from_json(inp["config"])
+    state = inp.get("state")
+    if state is None:
+        return cfg, None
+    try:
+        return cfg, value_to_type(RunState, state)
+    except Exception as e:  # a hand-written state that does not match RunState
+        raise ConfigError(f"workflow input state does not match RunState: {e}") from None
