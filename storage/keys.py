@@ -1,0 +1,125 @@
+"""Every object-store key layout of a run (DESIGN.md §4). Nothing else in the project spells keys.
+
+    runs/<run_id>/config.json
+    runs/<run_id>/checkpoints/step-<n:08d>/{model-00001.safetensors, optim-00001.safetensors,
+                                            trainer.json, manifest.json}
+    runs/<run_id>/experience/<replica>/<seq>.parquet
+    runs/<run_id>/partial/<replica>.parquet   (+ partial/<replica>.json, its commit manifest)
+    runs/<run_id>/drills/<drill_id>.json
+    runs/<run_id>/metrics/step-<n:08d>.json
+    runs/<run_id>/summary.json
+"""
+
+from __future__ import annotations
+
+import re
+
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+_PART_NAME = re.compile(r"^[A-Za-z0-9_.]+$")
+
+
+def check_id(kind: str, value: str) -> str:
+    """Return `value` if it is usable as one key segment, else raise ValueError naming kind and value."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{kind} must be a non-empty string, got {value!r}")
+    if "/" in value or value in (".", ".."):
+        raise ValueError(f"{kind} {value!r} cannot be used in an object key: it must not contain '/' "
+                         f"or be '.' or '..'; pick an id made of letters, digits, '-', '_' or '.'")
+    return value
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return step
+
+
+def run_prefix(run_id: str) -> str:
+    return f"runs/{check_id('run_id', run_id)}/"
+
+
+def config(run_id: str) -> str:
+    return f"{run_prefix(run_id)}config.json"
+
+
+def summary(run_id: str) -> str:
+    return f"{run_prefix(run_id)}summary.json"
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+
+def checkpoints_prefix(run_id: str) -> str:
+    return f"{run_prefix(run_id)}checkpoints/"
+
+
+def step_dir(step: int) -> str:
+    return f"step-{_check_step(step):08d}"
+
+
+def checkpoint_prefix(run_id: str, step: int) -> str:
+    return f"{checkpoints_prefix(run_id)}{step_dir(step)}/"
+
+
+def checkpoint_part_file(part: str) -> str:
+    """File name of a checkpoint part: part "model" -> "model-00001.safetensors"."""
+    check_id("checkpoint part", part)
+    if not _PART_NAME.match(part) or part in ("trainer", "manifest"):
+        raise ValueError(f"checkpoint part name {part!r} is not allowed: use letters, digits, '_' or '.', "
+                         f"and not 'trainer' or 'manifest' (those names are reserved)")
+    return f"{part}-00001.safetensors"
+
+
+def checkpoint_part(run_id: str, step: int, part: str) -> str:
+    return f"{checkpoint_prefix(run_id, step)}{checkpoint_part_file(part)}"
+
+
+def checkpoint_trainer(run_id: str, step: int) -> str:
+    return f"{checkpoint_prefix(run_id, step)}trainer.json"
+
+
+def checkpoint_manifest(run_id: str, step: int) -> str:
+    return f"{checkpoint_prefix(run_id, step)}manifest.json"
+
+
+def checkpoint_file(run_id: str, step: int, file_name: str) -> str:
+    """Key of a file named in a checkpoint manifest (the manifest stores names relative to its step)."""
+    return f"{checkpoint_prefix(run_id, step)}{check_id('checkpoint file name', file_name)}"
+
+
+def parse_checkpoint_step(run_id: str, key: str) -> int | None:
+    """The step of a key under runs/<run_id>/checkpoints/step-<n>/, or None if the key is not one."""
+    prefix = checkpoints_prefix(run_id)
+    if not key.startswith(prefix):
+        return None
+    head = key[len(prefix):].split("/", 1)[0]
+    match = _STEP_DIR.match(head)
+    return int(match.group(1)) if match else None
+
+
+# -- experience --------------------------------------------------------------------------------------
+
+def experience_prefix(run_id: str, replica_id: str | None = None) -> str:
+    base = f"{run_prefix(run_id)}experience/"
+    return base if replica_id is None else f"{base}{check_id('replica_id', replica_id)}/"
+
+
+def experience_segment(run_id: str, replica_id: str, seq: str) -> str:
+    return f"{experience_prefix(run_id, replica_id)}{check_id('segment seq', seq)}.parquet"
+
+
+def partial_pool(run_id: str, replica_id: str) -> str:
+    return f"{run_prefix(run_id)}partial/{check_id('replica_id', replica_id)}.parquet"
+
+
+def partial_manifest(run_id: str, replica_id: str) -> str:
+    return f"{run_prefix(run_id)}partial/{check_id('replica_id', replica_id)}.json"
+
+
+# -- reports -----------------------------------------------------------------------------------------
+
+def drill_report(run_id: str, drill_id: str) -> str:
+    return f"{run_prefix(run_id)}drills/{check_id('drill_id', drill_id)}.json"
+
+
+def step_metrics(run_id: str, step: int) -> str:
+    return f"{run_prefix(run_id)}metrics/{step_dir(step)}.json"

@@ -1,0 +1,176 @@
+"""Experience segments and partial-response pools as Parquet, one row per trajectory (DESIGN.md §4).
+
+A segment is one atomic put: it is committed once it exists, and its SegmentRef (with sha256) is the
+commit record reported to the workflow. A replica's partial pool is overwritten each flush: Parquet first,
+then a small JSON manifest (sha256, size, rows) last; readers trust the pool only through that manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from laminar.errors import CorruptDataError, ObjectNotFoundError
+from laminar.records import Trajectory
+from laminar.refs import SegmentRef
+from storage import keys
+from storage.objects import ObjectStore, sha256_hex
+
+TRAJECTORY_SCHEMA = pa.schema([
+    pa.field("run_id", pa.string(), nullable=False),
+    pa.field("prompt_id", pa.int64(), nullable=False),
+    pa.field("group_id", pa.string(), nullable=False),
+    pa.field("sample_index", pa.int32(), nullable=False),
+    pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+    pa.field("reward", pa.float64(), nullable=False),
+    pa.field("policy_version", pa.int64(), nullable=False),
+    pa.field("replica_id", pa.string(), nullable=False),
+    pa.field("started_at", pa.float64(), nullable=False),  # unix seconds
+    pa.field("ended_at", pa.float64(), nullable=False),  # unix seconds
+    pa.field("finish_reason", pa.string(), nullable=False),
+    pa.field("extra", pa.map_(pa.string(), pa.string()), nullable=False),
+])
+
+_FIELDS = [f.name for f in dataclasses.fields(Trajectory)]
+if _FIELDS != TRAJECTORY_SCHEMA.names:  # a new Trajectory field must get a column here, and vice versa
+    raise AssertionError(f"TRAJECTORY_SCHEMA columns {TRAJECTORY_SCHEMA.names} != Trajectory fields {_FIELDS}")
+
+
+def trajectories_to_table(trajectories: list[Trajectory]) -> pa.Table:
+    """An Arrow table with TRAJECTORY_SCHEMA, one row per trajectory."""
+    rows = []
+    for t in trajectories:
+        row = dataclasses.asdict(t)
+        row["extra"] = sorted(t.extra.items())
+        rows.append(row)
+    return pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
+
+
+def table_to_trajectories(table: pa.Table) -> list[Trajectory]:
+    """Trajectories from a table with TRAJECTORY_SCHEMA (see check_schema)."""
+    out = []
+    for row in table.select(TRAJECTORY_SCHEMA.names).to_pylist():
+        row["extra"] = dict(row["extra"])
+        out.append(Trajectory(**row))
+    return out
+
+
+def check_schema(schema: pa.Schema, where: str) -> None:
+    """Raise CorruptDataError naming missing, mismatched and unexpected columns of `schema`."""
+    missing = [n for n in TRAJECTORY_SCHEMA.names if n not in schema.names]
+    mismatched = [f"{f.name} is {schema.field(f.name).type}, expected {f.type}"
+                  for f in TRAJECTORY_SCHEMA if f.name in schema.names and schema.field(f.name).type != f.type]
+    extra = [n for n in schema.names if n not in TRAJECTORY_SCHEMA.names]
+    if missing or mismatched or extra:
+        details = "; ".join(filter(None, [
+            f"missing columns {missing}" if missing else "",
+            f"mismatched columns: {', '.join(mismatched)}" if mismatched else "",
+            f"unexpected columns {extra}" if extra else "",
+        ]))
+        raise CorruptDataError(f"{where} does not match the trajectory schema: {details}; it was written by "
+                               f"another version or another tool; rewrite it with storage.trajectories")
+
+
+def _to_parquet(trajectories: list[Trajectory]) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(trajectories_to_table(trajectories), buf, compression="zstd")
+    return buf.getvalue()
+
+
+def _from_parquet(data: bytes, where: str) -> list[Trajectory]:
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except (pa.ArrowException, OSError) as exc:
+        raise CorruptDataError(f"{where} is not readable Parquet ({exc}); the store holds a corrupt object") from exc
+    check_schema(table.schema, where)
+    return table_to_trajectories(table)
+
+
+def _verify(data: bytes, key: str, size: int, sha256: str) -> None:
+    if len(data) != size:
+        raise CorruptDataError(f"{key}: size mismatch (expected {size} bytes, got {len(data)}); the store holds "
+                               f"a truncated or replaced object")
+    actual = sha256_hex(data)
+    if actual != sha256:
+        raise CorruptDataError(f"{key}: sha256 mismatch (expected {sha256[:8]}.., got {actual[:8]}..); the store "
+                               f"holds a corrupt object")
+
+
+class TrajectoryStore:
+    """Writes and reads experience segments and partial-response pools of a run in an ObjectStore."""
+
+    def __init__(self, store: ObjectStore):
+        self.store = store
+
+    def write_segment(self, run_id: str, replica_id: str, seq: str, trajectories: list[Trajectory]) -> SegmentRef:
+        """Write one segment (complete groups) in a single atomic put and return its commit record."""
+        if not trajectories:
+            raise ValueError(f"segment {seq} of replica {replica_id} (run {run_id}) has no trajectories; "
+                             f"write a segment only when at least one group is complete")
+        key = keys.experience_segment(run_id, replica_id, seq)
+        data = _to_parquet(trajectories)
+        self.store.put(key, data)
+        return SegmentRef(
+            key=key, sha256=sha256_hex(data), size=len(data), rows=len(trajectories),
+            group_ids=sorted({t.group_id for t in trajectories}),
+            policy_version=max(t.policy_version for t in trajectories),
+            tokens=sum(len(t.response_ids) for t in trajectories),
+        )
+
+    def read_segment(self, ref: SegmentRef) -> list[Trajectory]:
+        """The trajectories of a committed segment, after checking size, sha256, schema and row count."""
+        data = self.store.get(ref.key)
+        _verify(data, ref.key, ref.size, ref.sha256)
+        trajectories = _from_parquet(data, f"segment {ref.key}")
+        if len(trajectories) != ref.rows:
+            raise CorruptDataError(f"segment {ref.key} has {len(trajectories)} rows but its ref says {ref.rows}; "
+                                   f"the ref was built for another object")
+        return trajectories
+
+    # -- partial-response pool -----------------------------------------------------------------------
+
+    def write_partial(self, run_id: str, replica_id: str, trajectories: list[Trajectory]) -> None:
+        """Replace the replica's partial pool: Parquet first, then its manifest (the commit) last."""
+        data = _to_parquet(trajectories)
+        manifest_key = keys.partial_manifest(run_id, replica_id)
+        # Uncommit before overwriting, so a crash mid-flush reads as "no pool", never a mismatched one.
+        self.store.delete(manifest_key)
+        self.store.put(keys.partial_pool(run_id, replica_id), data)
+        manifest = {"sha256": sha256_hex(data), "size": len(data), "rows": len(trajectories)}
+        self.store.put(manifest_key, json.dumps(manifest, sort_keys=True).encode())
+
+    def read_partial(self, run_id: str, replica_id: str) -> list[Trajectory]:
+        """The replica's committed partial pool, verified; [] if none was committed."""
+        manifest_key = keys.partial_manifest(run_id, replica_id)
+        pool_key = keys.partial_pool(run_id, replica_id)
+        try:
+            manifest_bytes = self.store.get(manifest_key)
+        except ObjectNotFoundError:
+            return []
+        try:
+            manifest = json.loads(manifest_bytes)
+            size, sha256, rows = int(manifest["size"]), str(manifest["sha256"]), int(manifest["rows"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptDataError(f"partial pool manifest {manifest_key} is unreadable ({exc!r}); the store "
+                                   f"holds a corrupt object; clear_partial() discards the pool") from exc
+        try:
+            data = self.store.get(pool_key)
+        except ObjectNotFoundError as exc:
+            raise CorruptDataError(f"partial pool {pool_key} is missing but its manifest {manifest_key} exists; "
+                                   f"clear_partial() discards the pool") from exc
+        _verify(data, pool_key, size, sha256)
+        trajectories = _from_parquet(data, f"partial pool {pool_key}")
+        if len(trajectories) != rows:
+            raise CorruptDataError(f"partial pool {pool_key} has {len(trajectories)} rows, manifest says {rows}")
+        return trajectories
+
+    def clear_partial(self, run_id: str, replica_id: str) -> None:
+        """Discard the replica's partial pool (manifest first, so it is uncommitted before it vanishes)."""
+        self.store.delete(keys.partial_manifest(run_id, replica_id))
+        self.store.delete(keys.partial_pool(run_id, replica_id))
