@@ -1,0 +1,106 @@
+"""Passing a version down the relay chain, skipping dead relays, from one background thread."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from laminar.errors import RelayError
+from laminar.logs import get_logger
+from relay import client
+from relay.versions import Version
+
+log = get_logger("relay")
+
+
+@dataclass
+class ForwardCounters:
+    """Forwarding counters reported by `stats`; pending counts the queued and the in-flight version."""
+
+    done: int = 0
+    failed: int = 0
+    superseded: int = 0
+    pending: int = 0
+    in_flight: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Forwarder:
+    """One background thread that sends the newest pending version down its chain."""
+
+    def __init__(self, relay_id: str, timeout_s: float) -> None:
+        self._relay_id = relay_id
+        self._timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._pending: tuple[Version, list[str]] | None = None
+        self._stopping = False
+        self.counters = ForwardCounters()
+        self._thread = threading.Thread(target=self._run, name=f"relay-{relay_id}-forwarder", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def submit(self, version: Version, chain: list[str]) -> None:
+        """Queue `version` for forwarding, replacing an older pending one."""
+        if not chain:
+            return
+        with self._cond:
+            if self._pending is not None:
+                old = self._pending[0].policy_version
+                if old > version.policy_version:
+                    return  # a newer version is already waiting; this one is stale
+                with self.counters.lock:
+                    self.counters.superseded += 1
+                log.info("relay_forward_superseded", relay_id=self._relay_id, policy_version=old,
+                         by_policy_version=version.policy_version)
+            self._pending = (version, list(chain))
+            with self.counters.lock:
+                self.counters.pending = 1
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                version, chain = self._pending
+                self._pending = None
+                with self.counters.lock:
+                    self.counters.pending = 0
+                    self.counters.in_flight = True
+            try:
+                self._forward(version, chain)
+            finally:
+                with self.counters.lock:
+                    self.counters.in_flight = False
+
+    def _forward(self, version: Version, chain: list[str]) -> None:
+        for i, target in enumerate(chain):
+            downstream = chain[i + 1:]
+            try:
+                spent_s = client.push(target, version.policy_version, version.payload, downstream,
+                                      timeout_s=self._timeout_s, sha256=version.sha256)
+            except RelayError as exc:
+                with self.counters.lock:
+                    self.counters.failed += 1
+                log.warning("relay_forward_failed", relay_id=self._relay_id, target=target,
+                            policy_version=version.policy_version, error=str(exc),
+                            next_target=downstream[0] if downstream else None)
+                continue
+            with self.counters.lock:
+                self.counters.done += 1
+            log.info("relay_version_forwarded", relay_id=self._relay_id, target=target,
+                     policy_version=version.policy_version, bytes=len(version.payload),
+                     skipped=i, spent_s=round(spent_s, 4))
+            return
+        log.error("relay_chain_exhausted", relay_id=self._relay_id, policy_version=version.policy_version,
+                  chain=chain)

@@ -1,0 +1,180 @@
+"""Wire format of the relay data plane: length-prefixed frames over TCP.
+
+A frame is
+
+    4 bytes   big-endian unsigned length of the header
+    N bytes   UTF-8 JSON object (the header); `payload_bytes` says how many payload bytes follow
+    M bytes   raw payload (opaque weight bytes, e.g. a safetensors file made by the caller)
+
+Nothing is ever pickled: headers are JSON, payloads are bytes the relay never interprets.
+
+Direction of the messages (every request is answered by exactly one reply frame):
+
+    client -> relay   {"op": "put", "policy_version", "sha256", "chain": ["host:port", ...]} + payload
+    relay  -> client  {"ok": true, "stored": bool, "newest": int}
+    client -> relay   {"op": "latest"}
+    relay  -> client  {"ok": true, "policy_version": int | null, "sha256": str | null} + payload
+    client -> relay   {"op": "get", "policy_version"}
+    relay  -> client  {"ok": true, "policy_version", "sha256"} + payload    (or ok=false if not held)
+    client -> relay   {"op": "version"}
+    relay  -> client  {"ok": true, "policy_version": int | null}
+    client -> relay   {"op": "stats"}
+    relay  -> client  {"ok": true, "relay_id", "versions", "bytes_held", "forwards_done", ...}
+
+Any reply may be {"ok": false, "error": "..."}.
+
+The header is read separately from the payload (`recv_header`, then `recv_payload_into` or
+`iter_payload`), so a later chunked, pipelined relay can forward each chunk downstream while the rest
+is still arriving without changing the frame format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+from laminar.errors import RelayError
+
+PROTOCOL_VERSION = 1
+HEADER_LEN = struct.Struct(">I")
+MAX_HEADER_BYTES = 1 << 20  # 1 MiB: headers are small JSON objects; anything larger is a bad frame
+MAX_PAYLOAD_BYTES = 1 << 40  # 1 TiB: a sanity bound so a garbage header cannot ask for absurd memory
+RECV_CHUNK_BYTES = 4 << 20  # 4 MiB per recv_into call
+
+OP_PUT = "put"
+OP_LATEST = "latest"
+OP_GET = "get"
+OP_VERSION = "version"
+OP_STATS = "stats"
+OPS = (OP_PUT, OP_LATEST, OP_GET, OP_VERSION, OP_STATS)
+
+
+def sha256_hex(payload: bytes | bytearray | memoryview) -> str:
+    """Hex sha256 of a payload, the checksum every put carries and every relay verifies."""
+    return hashlib.sha256(payload).hexdigest()
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """Split "host:port" (or "[v6]:port") into (host, port); raise RelayError on anything else."""
+    if not isinstance(addr, str) or ":" not in addr:
+        raise RelayError(f"relay address {addr!r} is not of the form host:port")
+    host, _, port_text = addr.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise RelayError(f"relay address {addr!r}: port {port_text!r} is not an integer") from None
+    if not host or not 0 < port < 65536:
+        raise RelayError(f"relay address {addr!r} needs a host and a port in 1..65535")
+    return host, port
+
+
+def encode_header(header: dict[str, Any], payload_bytes: int) -> bytes:
+    """Length prefix + JSON header with `payload_bytes` set; the payload itself is sent separately."""
+    body = json.dumps({**header, "payload_bytes": payload_bytes}, separators=(",", ":")).encode()
+    if len(body) > MAX_HEADER_BYTES:
+        raise RelayError(f"frame header is {len(body)} bytes, above the {MAX_HEADER_BYTES}-byte limit")
+    return HEADER_LEN.pack(len(body)) + body
+
+
+def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+    """Send one frame; socket errors and timeouts become RelayError."""
+    data = encode_header(header, len(payload))
+    try:
+        if len(payload) <= 64 << 10:
+            sock.sendall(data + bytes(payload))
+        else:
+            sock.sendall(data)
+            sock.sendall(memoryview(payload))
+    except TimeoutError:
+        raise RelayError(f"sending a {len(payload)}-byte frame timed out after {sock.gettimeout()} s") from None
+    except OSError as exc:
+        raise RelayError(f"sending a {len(payload)}-byte frame failed: {exc}") from exc
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview, what: str) -> None:
+    """Fill `view` completely from the socket; EOF, timeout or socket error raise RelayError."""
+    got, total = 0, len(view)
+    while got < total:
+        try:
+            n = sock.recv_into(view[got:], min(total - got, RECV_CHUNK_BYTES))
+        except TimeoutError:
+            raise RelayError(
+                f"timed out after {sock.gettimeout()} s reading {what} ({got} of {total} bytes received)"
+            ) from None
+        except OSError as exc:
+            raise RelayError(f"reading {what} failed after {got} of {total} bytes: {exc}") from exc
+        if n == 0:
+            raise RelayError(f"connection closed while reading {what}: got {got} of {total} bytes (truncated frame)")
+        got += n
+
+
+def recv_header(sock: socket.socket, *, allow_eof: bool = False) -> dict[str, Any] | None:
+    """Read a frame's length prefix and JSON header, leaving the payload on the socket.
+
+    With allow_eof, a connection closed cleanly before the first byte of a frame returns None (the
+    peer is done); a close anywhere else is a truncated frame and raises RelayError.
+    """
+    prefix = bytearray(HEADER_LEN.size)
+    view = memoryview(prefix)
+    try:
+        first = sock.recv_into(view, HEADER_LEN.size)
+    except TimeoutError:
+        raise RelayError(f"timed out after {sock.gettimeout()} s waiting for a frame") from None
+    except OSError as exc:
+        raise RelayError(f"reading a frame header failed: {exc}") from exc
+    if first == 0:
+        if allow_eof:
+            return None
+        raise RelayError("connection closed before a reply frame arrived; the relay may have crashed")
+    recv_exact_into(sock, view[first:], "frame length prefix")
+    (length,) = HEADER_LEN.unpack(prefix)
+    if length == 0 or length > MAX_HEADER_BYTES:
+        raise RelayError(
+            f"bad frame: header length {length} is outside 1..{MAX_HEADER_BYTES}; "
+            "the peer is not speaking the relay protocol"
+        )
+    body = bytearray(length)
+    recv_exact_into(sock, memoryview(body), "frame header")
+    try:
+        header = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RelayError(f"bad frame: header is not valid UTF-8 JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise RelayError(f"bad frame: header is a JSON {type(header).__name__}, expected an object")
+    n = header.get("payload_bytes")
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_PAYLOAD_BYTES:
+        raise RelayError(f"bad frame: payload_bytes={n!r} is not an integer in 0..{MAX_PAYLOAD_BYTES}")
+    return header
+
+
+def recv_payload(sock: socket.socket, header: dict[str, Any]) -> bytes:
+    """Read the whole payload announced by `header`."""
+    n = header["payload_bytes"]
+    if n == 0:
+        return b""
+    buf = bytearray(n)
+    recv_exact_into(sock, memoryview(buf), f"{n}-byte payload")
+    return bytes(buf)
+
+
+def iter_payload(sock: socket.socket, header: dict[str, Any], chunk_bytes: int = RECV_CHUNK_BYTES) -> Iterator[bytes]:
+    """Yield the payload announced by `header` in chunks of at most chunk_bytes (for pipelining)."""
+    left = header["payload_bytes"]
+    while left > 0:
+        chunk = bytearray(min(left, chunk_bytes))
+        recv_exact_into(sock, memoryview(chunk), f"payload chunk ({left} bytes left)")
+        left -= len(chunk)
+        yield bytes(chunk)
+
+
+def recv_frame(sock: socket.socket, *, allow_eof: bool = False) -> tuple[dict[str, Any], bytes] | None:
+    """Read one whole frame (header, payload); None only with allow_eof on a clean close."""
+    header = recv_header(sock, allow_eof=allow_eof)
+    if header is None:
+        return None
+    return header, recv_payload(sock, header)

@@ -1,0 +1,67 @@
+"""The versions a relay holds: the newest `keep_versions` complete policy versions, in memory."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Version:
+    """One complete, verified policy version: its number, checksum and opaque payload bytes."""
+
+    policy_version: int
+    sha256: str
+    payload: bytes
+
+
+@dataclass
+class PutOutcome:
+    """What a put did: stored as newest, to be forwarded, the newest held, or why it was refused."""
+
+    stored: bool
+    forward: bool
+    newest: int | None
+    error: str | None = None
+
+
+class VersionStore:
+    """The newest `keep_versions` complete versions, oldest first; thread-safe."""
+
+    def __init__(self, keep_versions: int) -> None:
+        self._keep = keep_versions
+        self._lock = threading.Lock()
+        self._versions: OrderedDict[int, Version] = OrderedDict()
+
+    def put(self, version: Version) -> PutOutcome:
+        with self._lock:
+            newest = next(reversed(self._versions), None)
+            if newest is not None and version.policy_version < newest:
+                return PutOutcome(stored=False, forward=False, newest=newest)
+            if newest is not None and version.policy_version == newest:
+                held = self._versions[newest]
+                if held.sha256 != version.sha256:
+                    return PutOutcome(False, False, newest, error=(
+                        f"policy_version {newest} is already held with sha256 {held.sha256[:12]}.., "
+                        f"this put has {version.sha256[:12]}..; a version's bytes never change, "
+                        "publish the new weights as a newer policy_version"
+                    ))
+                # Same bytes again: a re-broadcast (e.g. after the chain was rebuilt); pass it on.
+                return PutOutcome(stored=False, forward=True, newest=newest)
+            self._versions[version.policy_version] = version
+            while len(self._versions) > self._keep:
+                self._versions.popitem(last=False)
+            return PutOutcome(stored=True, forward=True, newest=version.policy_version)
+
+    def newest(self) -> Version | None:
+        with self._lock:
+            return self._versions[next(reversed(self._versions))] if self._versions else None
+
+    def get(self, policy_version: int) -> Version | None:
+        with self._lock:
+            return self._versions.get(policy_version)
+
+    def summary(self) -> tuple[list[int], int]:
+        with self._lock:
+            return list(self._versions), sum(len(v.payload) for v in self._versions.values())
