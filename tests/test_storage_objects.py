@@ -11,7 +11,7 @@ import pytest
 
 from laminar.errors import BucketNotFoundError, ObjectNotFoundError, StoreError, StoreUnavailableError
 from storage import keys
-from storage.objects import MiB, LocalObjectStore, S3ObjectStore, open_store
+from storage.objects import LocalObjectStore, MiB, S3ObjectStore, open_store
 from tests.fixtures.s3 import free_port
 
 # -- the contract, both backends ---------------------------------------------------------------------
