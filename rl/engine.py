@@ -1,0 +1,211 @@
+"""The `torch` rollout engine: continuous batching over a preallocated per-slot KV cache (CPU default).
+
+Each request owns one slot of a `KVCache` ([layers, slots, kv_heads, max_len, head_dim]) and a length.
+`add` only claims a slot; the next `step` prefills every newly added request (prompt and any resumed
+prefix, except its last token) in one batched forward, then runs one batched decode over all active
+slots, so every active sequence gains exactly one token per step and new requests join the running
+batch at the next step. A sequence that samples <eos> or reaches `max_new_tokens` is returned by that
+`step` and its slot is free immediately.
+
+Behaviour log-probs: for each sampled token the engine records log softmax(logits / temperature) at
+that token, i.e. the log-probability under the distribution it actually sampled from (at the default
+temperature 1 this is the policy's own log-prob). The trainer evaluates its policy at the same
+temperature, so the importance ratio compares like with like.
+
+The engine runs under torch.no_grad; the number of torch threads is the caller's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from laminar.errors import EngineError
+from rl.model import CausalLM, KVCache, load_model_state
+
+
+@dataclass
+class Finished:
+    """A sequence that ended this step; response_ids include the final <eos> when finish_reason is stop."""
+
+    request_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class _Seq:
+    request_id: str
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cached: int = 0  # token positions written to the KV cache
+    prefilled: bool = False
+
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+
+class TorchEngine:
+    """Continuous-batching generator for one policy version at a time."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer,
+        *,
+        max_inflight_seqs: int,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        eos_id: int,
+        max_prompt_len: int = 64,
+    ):
+        if max_inflight_seqs < 1 or max_new_tokens < 1 or temperature <= 0:
+            raise EngineError(
+                f"engine needs max_inflight_seqs >= 1, max_new_tokens >= 1 and temperature > 0; got "
+                f"{max_inflight_seqs}, {max_new_tokens}, {temperature}"
+            )
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.max_prompt_len = max_prompt_len
+        self.temperature = temperature
+        self.eos_id = eos_id
+        self.policy_version: int | None = None
+        self._gen = torch.Generator().manual_seed(seed)
+        dtype = next(model.parameters()).dtype
+        self._cache = KVCache(model.config, max_inflight_seqs, max_prompt_len + max_new_tokens, dtype)
+        self._slots: list[_Seq | None] = [None] * max_inflight_seqs
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> None:
+        """Replace the weights in place; only between batches (nothing in flight)."""
+        if self.in_flight():
+            raise EngineError(
+                f"cannot load policy_version={policy_version} while {self.in_flight()} sequences of "
+                f"policy_version={self.policy_version} are in flight; load a new policy version only "
+                "between batches"
+            )
+        with torch.no_grad():
+            load_model_state(self.model, state_dict)
+        self.policy_version = policy_version
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def free_slots(self) -> int:
+        return sum(1 for s in self._slots if s is None)
+
+    def in_flight(self) -> int:
+        return len(self._slots) - self.free_slots()
+
+    def kv_usage(self) -> tuple[int, int]:
+        """(token positions in use, token positions of capacity) of the KV cache."""
+        used = sum(len(s.tokens()) for s in self._slots if s is not None)
+        return used, self._cache.slots * self._cache.max_len
+
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        *,
+        prefix_ids: list[int] | None = None,
+        prefix_logprobs: list[float] | None = None,
+    ) -> None:
+        """Queue a request; it joins the running batch at the next `step`.
+
+        prefix_ids/prefix_logprobs resume a partially generated response (fault recovery): generation
+        continues after the prefix, which stays part of the returned response.
+        """
+        prefix_ids, prefix_logprobs = list(prefix_ids or []), list(prefix_logprobs or [])
+        if self.policy_version is None:
+            raise EngineError(f"request {request_id}: no weights loaded; call load_weights first")
+        if not prompt_ids or len(prompt_ids) > self.max_prompt_len:
+            raise EngineError(
+                f"request {request_id}: prompt of {len(prompt_ids)} tokens is outside 1..{self.max_prompt_len} "
+                "(max_prompt_len); shorten the prompt or build the engine with a larger max_prompt_len"
+            )
+        if len(prefix_ids) != len(prefix_logprobs) or len(prefix_ids) >= self.max_new_tokens:
+            raise EngineError(
+                f"request {request_id}: prefix of {len(prefix_ids)} tokens with {len(prefix_logprobs)} "
+                f"log-probs must have equal lengths below max_new_tokens={self.max_new_tokens}"
+            )
+        if self.eos_id in prefix_ids:
+            raise EngineError(
+                f"request {request_id}: prefix already contains <eos>; it is finished, not partial"
+            )
+        try:
+            slot = self._slots.index(None)
+        except ValueError:
+            raise EngineError(
+                f"request {request_id}: all {len(self._slots)} slots are busy; wait for free_slots() > 0"
+            ) from None
+        self._slots[slot] = _Seq(request_id, list(prompt_ids), prefix_ids, prefix_logprobs)
+
+    def snapshot_inflight(self) -> list[tuple[str, list[int], list[int], list[float]]]:
+        """(request_id, prompt_ids, response_ids so far, logprobs so far) of every in-flight sequence."""
+        return [
+            (s.request_id, list(s.prompt_ids), list(s.response_ids), list(s.logprobs))
+            for s in self._slots
+            if s is not None
+        ]
+
+    # -- generation ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> list[Finished]:
+        """Advance every active sequence by one token; return those that finished this step."""
+        self._prefill_new()
+        active = [i for i, s in enumerate(self._slots) if s is not None]
+        if not active:
+            return []
+        seqs = [self._slots[i] for i in active]
+        tokens = torch.tensor([[s.tokens()[-1]] for s in seqs])
+        positions = torch.tensor([[s.cached] for s in seqs])
+        kv_len = int(positions.max()) + 1
+        logits = self.model.forward_cached(tokens, positions, self._cache, torch.tensor(active), kv_len)
+        logp = torch.log_softmax(logits[:, -1] / self.temperature, dim=-1)
+        sampled = torch.multinomial(logp.exp(), 1, generator=self._gen)
+        chosen = logp.gather(1, sampled)[:, 0].tolist()
+        sampled = sampled[:, 0].tolist()
+        finished = []
+        for slot, s, tok, lp in zip(active, seqs, sampled, chosen, strict=True):
+            s.cached += 1
+            s.response_ids.append(tok)
+            s.logprobs.append(lp)
+            reason = (
+                "stop"
+                if tok == self.eos_id
+                else "length"
+                if len(s.response_ids) >= self.max_new_tokens
+                else ""
+            )
+            if reason:
+                finished.append(Finished(s.request_id, s.prompt_ids, s.response_ids, s.logprobs, reason))
+                self._slots[slot] = None
+        return finished
+
+    def _prefill_new(self) -> None:
+        """Write k/v of all tokens but the last of each new request, in one right-padded forward."""
+        new = [(i, s) for i, s in enumerate(self._slots) if s is not None and not s.prefilled]
+        if not new:
+            return
+        for _, s in new:
+            s.prefilled = True
+            s.cached = len(s.tokens()) - 1
+        new = [(i, s) for i, s in new if s.cached > 0]
+        if not new:
+            return
+        width = max(s.cached for _, s in new)
+        ids = torch.zeros(len(new), width, dtype=torch.long)
+        for row, (_, s) in enumerate(new):
+            ids[row, : s.cached] = torch.tensor(s.tokens()[: s.cached])
+        # Padding positions write garbage k/v beyond each slot's length; it is overwritten before
+        # any query can see it (queries only attend to positions <= their own).
+        positions = torch.arange(width).expand(len(new), width)
+        slots = torch.tensor([i for i, _ in new])
+        self.model.forward_cached(ids, positions, self._cache, slots, width)

@@ -1,0 +1,168 @@
+"""The GRPO trainer: one optimizer update per batch of trajectories (pure torch, no Temporal, no store).
+
+`Trainer.step` reads as the algorithm (DESIGN.md §7): drop-and-count stale samples, group-normalised
+advantages, recompute log-probs under the current policy, clipped token-level loss, AdamW with
+gradient clipping. Behaviour log-probs come from the trajectories (recorded by the engine).
+
+Checkpoint parts are flat tensor dicts with string keys (safetensors-ready, no pickle):
+`state_parts() -> {"model": {...}, "optim": {"<param name>/exp_avg": ..., "<param name>/step": ...}}`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from laminar.config import TrainerSection
+from laminar.records import Trajectory
+from rl.grpo import clipped_token_loss, group_advantages, split_stale
+from rl.model import CausalLM, load_model_state, model_state_dict
+
+
+@dataclass
+class StepMetrics:
+    """What one trainer step did. Staleness histogram: {trainer_version - policy_version: samples}."""
+
+    trainer_version: int
+    samples: int
+    tokens: int
+    reward_mean: float
+    loss: float
+    grad_norm: float
+    clip_fraction: float
+    entropy: float
+    response_len_mean: float
+    dropped_stale: int
+    staleness: dict[int, int] = field(default_factory=dict)
+    updated: bool = True
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [B, T] prompt + response, right-padded
+    attention_mask: torch.Tensor  # [B, T]
+    targets: torch.Tensor  # [B, T-1] ids[:, 1:]
+    response_mask: torch.Tensor  # [B, T-1] 1 where the target is a response token
+    behaviour_logp: torch.Tensor  # [B, T-1] aligned with targets (0 off the response)
+
+
+def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
+    """Right-pad prompt + response; align response tokens and behaviour log-probs with next-token targets."""
+    width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
+    b = len(trajectories)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    am = torch.zeros(b, width, dtype=torch.long)
+    rmask = torch.zeros(b, width - 1)
+    blogp = torch.zeros(b, width - 1)
+    for i, t in enumerate(trajectories):
+        if len(t.logprobs) != len(t.response_ids):
+            raise ValueError(
+                f"trajectory {t.group_id}/{t.sample_index}: {len(t.response_ids)} response tokens but "
+                f"{len(t.logprobs)} behaviour log-probs"
+            )
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        ids[i, : p + r] = torch.tensor(t.prompt_ids + t.response_ids)
+        am[i, : p + r] = 1
+        rmask[i, p - 1 : p + r - 1] = 1  # logits at position j predict token j + 1
+        blogp[i, p - 1 : p + r - 1] = torch.tensor(t.logprobs)
+    return Batch(ids, am, ids[:, 1:], rmask, blogp)
+
+
+class Trainer:
+    """Holds the policy and its AdamW optimizer between steps."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        cfg: TrainerSection,
+        *,
+        group_size: int,
+        temperature: float = 1.0,
+        pad_id: int = 0,
+    ):
+        self.model = model
+        self.cfg = cfg
+        self.group_size = group_size
+        self.temperature = temperature
+        self.pad_id = pad_id
+        self._named = dict(model.named_parameters())  # tied weights appear once
+        self.optim = torch.optim.AdamW(
+            self._named.values(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8
+        )
+
+    def step(self, trajectories: list[Trajectory], trainer_version: int) -> StepMetrics:
+        """One GRPO update on `trajectories`; trainer_version is the version being trained from."""
+        kept, hist, dropped = split_stale(trajectories, trainer_version, self.cfg.max_staleness)
+        if not kept:
+            return StepMetrics(
+                trainer_version, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, dropped, hist, updated=False
+            )
+        rewards = [t.reward for t in kept]
+        advantages = group_advantages(rewards, [t.group_id for t in kept])
+        batch = collate(kept, self.pad_id)
+
+        self.model.train()
+        logits = self.model(batch.ids, batch.attention_mask)[:, :-1] / self.temperature
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(-1, batch.targets[..., None])[..., 0]
+        parts = clipped_token_loss(
+            logp,
+            batch.behaviour_logp,
+            advantages,
+            batch.response_mask,
+            eps_low=self.cfg.eps_low,
+            eps_high=self.cfg.eps_high,
+            tis_cap=self.cfg.tis_cap,
+        )
+        self.optim.zero_grad(set_to_none=True)
+        parts.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(list(self._named.values()), self.cfg.grad_clip)
+        self.optim.step()
+        self.model.eval()
+
+        with torch.no_grad():
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+            entropy = float((ent * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1))
+        return StepMetrics(
+            trainer_version=trainer_version,
+            samples=len(kept),
+            tokens=parts.tokens,
+            reward_mean=sum(rewards) / len(rewards),
+            loss=float(parts.loss.detach()),
+            grad_norm=float(grad_norm),
+            clip_fraction=parts.clip_fraction,
+            entropy=entropy,
+            response_len_mean=sum(len(t.response_ids) for t in kept) / len(kept),
+            dropped_stale=dropped,
+            staleness=hist,
+        )
+
+    # -- weights and checkpoints ---------------------------------------------------------------
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """Hugging Face-named weights to publish (detached; lm_head omitted when tied)."""
+        return model_state_dict(self.model)
+
+    def state_parts(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{"model": weights, "optim": AdamW state flattened as "<param name>/<state key>" tensors}."""
+        optim: dict[str, torch.Tensor] = {}
+        for name, p in self._named.items():
+            for key, value in self.optim.state.get(p, {}).items():
+                t = value if torch.is_tensor(value) else torch.tensor(value)
+                optim[f"{name}/{key}"] = t.detach().clone().contiguous()
+        model = {k: v.clone().contiguous() for k, v in self.policy_state_dict().items()}
+        return {"model": model, "optim": optim}
+
+    def load_state_parts(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Restore weights and AdamW state written by `state_parts` (hyperparameters come from cfg)."""
+        with torch.no_grad():
+            load_model_state(self.model, parts["model"])
+        index = {name: i for i, name in enumerate(self._named)}
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in parts["optim"].items():
+            name, _, field_name = key.rpartition("/")
+            if name not in index:
+                raise ValueError(f"optimizer state names parameter {name!r}, which the model does not have")
+            state.setdefault(index[name], {})[field_name] = value.clone()
+        self.optim.load_state_dict({"state": state, "param_groups": self.optim.state_dict()["param_groups"]})
