@@ -75,6 +75,7 @@ class ClaimPromptsResult:
     stop: bool = False  # the run is over: finish and return
     handover: bool = False  # continue-as-new pending: write in-flight to the partial pool and return
     paused: bool = False
+    resume_ok: list[str] = field(default_factory=list)  # of `resuming`: still leased to this replica
 
 
 @dataclass

@@ -64,6 +64,7 @@ def push(
     timeout_s: float = 30.0,
     *,
     sha256: str | None = None,
+    run: str = "",
 ) -> float:
     """Hand `payload` as `policy_version` to the relay at addr, which forwards it down `chain`.
 
@@ -77,6 +78,7 @@ def push(
         "policy_version": policy_version,
         "sha256": sha256 or protocol.sha256_hex(payload),
         "chain": list(chain),
+        "run": run,
     }
     request(addr, header, payload, timeout_s)
     return time.perf_counter() - start
@@ -93,23 +95,24 @@ def _verified(addr: str, reply: dict[str, Any], body: bytes) -> bytes:
     return body
 
 
-def fetch_latest(addr: str, timeout_s: float = 30.0) -> tuple[int | None, bytes | None]:
-    """(policy_version, payload) of the newest complete version the relay holds, or (None, None)."""
-    reply, body = request(addr, {"op": protocol.OP_LATEST}, timeout_s=timeout_s)
+def fetch_latest(addr: str, timeout_s: float = 30.0, *, run: str = "") -> tuple[int | None, bytes | None]:
+    """(policy_version, payload) of the newest complete version of `run` the relay holds, or (None, None)."""
+    reply, body = request(addr, {"op": protocol.OP_LATEST, "run": run}, timeout_s=timeout_s)
     if reply.get("policy_version") is None:
         return None, None
     return reply["policy_version"], _verified(addr, reply, body)
 
 
-def fetch_version(addr: str, policy_version: int, timeout_s: float = 30.0) -> bytes:
-    """Payload of `policy_version`; RelayError if the relay no longer (or never) held it."""
-    reply, body = request(addr, {"op": protocol.OP_GET, "policy_version": policy_version}, timeout_s=timeout_s)
+def fetch_version(addr: str, policy_version: int, timeout_s: float = 30.0, *, run: str = "") -> bytes:
+    """Payload of `policy_version` of `run`; RelayError if the relay no longer (or never) held it."""
+    header = {"op": protocol.OP_GET, "policy_version": policy_version, "run": run}
+    reply, body = request(addr, header, timeout_s=timeout_s)
     return _verified(addr, reply, body)
 
 
-def latest_version(addr: str, timeout_s: float = 5.0) -> int | None:
-    """Newest complete policy_version the relay holds (None if none); a cheap poll, no payload."""
-    reply, _ = request(addr, {"op": protocol.OP_VERSION}, timeout_s=timeout_s)
+def latest_version(addr: str, timeout_s: float = 5.0, *, run: str = "") -> int | None:
+    """Newest complete policy_version of `run` the relay holds (None if none); a cheap poll, no payload."""
+    reply, _ = request(addr, {"op": protocol.OP_VERSION, "run": run}, timeout_s=timeout_s)
     return reply.get("policy_version")
 
 

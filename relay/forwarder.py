@@ -88,7 +88,7 @@ class Forwarder:
             downstream = chain[i + 1:]
             try:
                 spent_s = client.push(target, version.policy_version, version.payload, downstream,
-                                      timeout_s=self._timeout_s, sha256=version.sha256)
+                                      timeout_s=self._timeout_s, sha256=version.sha256, run=version.run)
             except RelayError as exc:
                 with self.counters.lock:
                     self.counters.failed += 1

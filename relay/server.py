@@ -95,6 +95,7 @@ class RelayServer:
         self.keep_versions = keep_versions
         self.io_timeout_s = io_timeout_s
         self._store = VersionStore(keep_versions)
+        self._run = ""  # the run whose versions this relay holds; a put for another run replaces them
         self._forwarder = Forwarder(relay_id, forward_timeout_s)
         self._server: _TCPServer | None = None
         self._thread: threading.Thread | None = None
@@ -168,6 +169,13 @@ class RelayServer:
         handler = handlers.get(op)
         if handler is None:
             return _error(f"unknown op {op!r}; this relay serves {', '.join(protocol.OPS)}"), b""
+        run = header.get("run", "")
+        if op != protocol.OP_STATS and run != self._run:
+            if op != protocol.OP_PUT:  # versions of another run are never served
+                return _no_version(op, run, self._run), b""
+            log.info("relay_run_switched", relay_id=self.relay_id, run=run, previous=self._run)
+            self._store.clear()
+            self._run = run
         try:
             return handler(header, payload)
         except RelayError as exc:
@@ -188,7 +196,7 @@ class RelayServer:
                 f"put policy_version {version}: sha256 mismatch (expected {sha[:12]}.., got {got[:12]}.. over "
                 f"{len(payload)} bytes); the payload was corrupted in transit, push it again"
             )
-        entry = Version(version, sha, payload)
+        entry = Version(version, sha, payload, self._run)
         outcome = self._store.put(entry)
         if outcome.error is not None:
             raise RelayError(outcome.error)
@@ -237,6 +245,12 @@ def _require_version(header: dict[str, Any]) -> int:
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise RelayError(f"op {header.get('op')!r}: policy_version={version!r} is not a non-negative integer")
     return version
+
+
+def _no_version(op: str, run: str, held: str) -> dict[str, Any]:
+    if op == protocol.OP_GET:
+        return _error(f"relay holds versions of run {held!r}, not of run {run!r}")
+    return {"ok": True, "policy_version": None, "sha256": None}
 
 
 def _error(message: str) -> dict[str, Any]:

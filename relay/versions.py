@@ -14,6 +14,7 @@ class Version:
     policy_version: int
     sha256: str
     payload: bytes
+    run: str = ""  # the run this version belongs to; version numbers are per run
 
 
 @dataclass
@@ -24,6 +25,7 @@ class PutOutcome:
     forward: bool
     newest: int | None
     error: str | None = None
+    replaced: bool = False  # same policy_version, new bytes (a restarted trainer re-published it)
 
 
 class VersionStore:
@@ -42,17 +44,20 @@ class VersionStore:
             if newest is not None and version.policy_version == newest:
                 held = self._versions[newest]
                 if held.sha256 != version.sha256:
-                    return PutOutcome(False, False, newest, error=(
-                        f"policy_version {newest} is already held with sha256 {held.sha256[:12]}.., "
-                        f"this put has {version.sha256[:12]}..; a version's bytes never change, "
-                        "publish the new weights as a newer policy_version"
-                    ))
+                    # A restarted trainer recomputed this version from its checkpoint (replay need not be
+                    # bit-identical): the newest bytes win and are forwarded, so every relay converges.
+                    self._versions[newest] = version
+                    return PutOutcome(stored=True, forward=True, newest=newest, replaced=True)
                 # Same bytes again: a re-broadcast (e.g. after the chain was rebuilt); pass it on.
                 return PutOutcome(stored=False, forward=True, newest=newest)
             self._versions[version.policy_version] = version
             while len(self._versions) > self._keep:
                 self._versions.popitem(last=False)
             return PutOutcome(stored=True, forward=True, newest=version.policy_version)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._versions.clear()
 
     def newest(self) -> Version | None:
         with self._lock:

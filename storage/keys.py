@@ -123,3 +123,14 @@ def drill_report(run_id: str, drill_id: str) -> str:
 
 def step_metrics(run_id: str, step: int) -> str:
     return f"{run_prefix(run_id)}metrics/{step_dir(step)}.json"
+
+
+def step_metrics_prefix(run_id: str) -> str:
+    return f"{run_prefix(run_id)}metrics/"
+
+
+# -- model -------------------------------------------------------------------------------------------
+
+def model_file(run_id: str, file_name: str) -> str:
+    """The run's model config.json / tokenizer.json, published by the trainer for rollout replicas."""
+    return f"{run_prefix(run_id)}model/{check_id('model file', file_name)}"

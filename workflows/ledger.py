@@ -53,6 +53,9 @@ class Ledger:
             self.s.returned.append(self.s.open_leases.pop(g))
         return released
 
+    def held_by(self, replica_id: str, group_ids: list[str]) -> list[str]:
+        return [g for g in group_ids if g in self.s.open_leases and self.s.open_leases[g].replica_id == replica_id]
+
     def add_segment(self, seg: SegmentRef) -> tuple[list[str], list[str]]:
         """Record complete groups; idempotent by group id (a retried report is a no-op)."""
         accepted: list[str] = []

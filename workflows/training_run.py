@@ -187,8 +187,10 @@ class TrainingRunWorkflow:
     def claim_prompts(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
         assert self._cfg is not None
         self.ledger.note_report(inp.report)
+        resume_ok: list[str] = []
         if inp.first_claim:
             self.ledger.release_leases_of(inp.report.replica_id, keep=set(inp.resuming))
+            resume_ok = self.ledger.held_by(inp.report.replica_id, inp.resuming)
         stop, handover = self.s.stopping, self._handover
         leases = []
         if not (stop or handover or self.s.paused or not self.s.trainer_ready):
@@ -201,6 +203,7 @@ class TrainingRunWorkflow:
             stop=stop,
             handover=handover,
             paused=self.s.paused,
+            resume_ok=resume_ok,
         )
 
     @claim_prompts.validator

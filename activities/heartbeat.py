@@ -1,0 +1,45 @@
+"""Heartbeat from a background thread while a sync activity sits in long native calls (TEMPORAL.md rule 5).
+
+The beat is tied to a progress counter: if the work stops making progress for `stall_s`, beats stop,
+so a hang still shows up as a missed heartbeat.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from temporalio import activity
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.count = 0
+        self.changed_at = time.monotonic()
+
+    def tick(self) -> None:
+        self.count += 1
+        self.changed_at = time.monotonic()
+
+
+@contextmanager
+def background_heartbeat(every_s: float = 5.0, stall_s: float = 600.0) -> Iterator[Progress]:
+    progress = Progress()
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            if time.monotonic() - progress.changed_at < stall_s:
+                activity.heartbeat(progress.count)
+
+    ctx = contextvars.copy_context()
+    thread = threading.Thread(target=ctx.run, args=(beat,), daemon=True, name="heartbeat")
+    thread.start()
+    try:
+        yield progress
+    finally:
+        stop.set()
+        thread.join(timeout=every_s + 1)

@@ -1,0 +1,324 @@
+"""One rollout replica: the data-plane loop behind the `run_rollout_replica` activity.
+
+Loop (trajectory-level asynchrony, DESIGN.md §1):
+- admit leased prompt groups into the continuous batch while the replica's policy version is the newest
+  its relay holds; once a newer version is there, admit nothing more, let in-flight trajectories finish
+  on the version they started with, then pull and load the new version (only between batches);
+- write complete groups to the trajectory store, then report them (`add_experience`, idempotent);
+- every flush interval, write all in-flight groups to the partial-response pool, so a killed replica's
+  retry resumes them under the policy version they started on (or restarts them fresh, counted);
+- on hand-over (continue-as-new) or stop, flush the pool and return.
+
+Talks to the workflow only through `ControlPort`, so the loop is testable without Temporal.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from laminar.config import RunConfig
+from laminar.errors import RelayError
+from laminar.logs import get_logger
+from laminar.messages import (
+    AddExperienceInput,
+    AddExperienceResult,
+    ClaimPromptsInput,
+    ClaimPromptsResult,
+    Lease,
+    RelayInfo,
+    ReplicaReport,
+    RolloutReplicaResult,
+)
+from laminar.records import Trajectory
+from relay import client as relay_client
+from rl.engine import Finished, TorchEngine
+from rl.model import bytes_to_state_dict
+from services.model_files import load_run_model
+from storage.objects import ObjectStore
+from storage.trajectories import TrajectoryStore
+
+log = get_logger(__name__)
+
+VERSION_POLL_S = 0.5  # how often the replica asks its relay for the newest version
+CLAIM_POLL_S = 0.5  # how often an idle replica asks for work
+
+
+class ControlPort(Protocol):
+    """What the replica needs from the control plane (Temporal updates in production)."""
+
+    def claim(self, inp: ClaimPromptsInput) -> ClaimPromptsResult: ...
+    def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult: ...
+    def heartbeat(self, details: dict) -> None: ...
+    def cancelled(self) -> bool: ...
+
+
+@dataclass
+class _Group:
+    lease: Lease
+    prompt_ids: list[int]
+    started_at: float
+    done: dict[int, Trajectory] = field(default_factory=dict)  # sample index -> finished trajectory
+
+
+class RolloutReplica:
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        replica_id: str,
+        host_id: str,
+        segment_prefix: str,
+        cfg: RunConfig,
+        store: ObjectStore,
+        control: ControlPort,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.run_id, self.replica_id, self.host_id = run_id, replica_id, host_id
+        self.segment_prefix = segment_prefix  # attempt-scoped: a zombie never overwrites its retry's segments
+        self.cfg = cfg
+        self.trajectories = TrajectoryStore(store)
+        self.control = control
+        self.clock = clock
+        model, tokenizer, self.task = load_run_model(store, run_id, cfg)
+        r = cfg.rollout
+        self.engine = TorchEngine(
+            model,
+            tokenizer,
+            max_inflight_seqs=r.max_inflight_groups * r.group_size,
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            seed=hash((cfg.run.seed, replica_id, segment_prefix)) % (2**31),
+            eos_id=self.task.eos_id,
+        )
+        self.groups: dict[str, _Group] = {}
+        self.completed: list[_Group] = []
+        self.relays: list[RelayInfo] = []
+        self.newest_at_relay: int | None = None
+        self.seq = 0
+        self.stats = RolloutReplicaResult(replica_id=replica_id, groups_completed=0, tokens_generated=0, handed_over=0)
+        self.tokens_regenerated = 0
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> RolloutReplicaResult:
+        resumed = self._read_partial_pool()
+        first = self.control.claim(
+            ClaimPromptsInput(report=self._report(), max_groups=0, resuming=sorted(resumed), first_claim=True)
+        )
+        self.relays = first.relays
+        self._resume({g: rows for g, rows in resumed.items() if g in set(first.resume_ok)})
+        last_flush = last_claim = last_poll = 0.0
+        while True:
+            now = self.clock()
+            if self.control.cancelled():
+                self._write_partial_pool()
+                raise InterruptedError(f"replica {self.replica_id} cancelled")
+            if now - last_poll >= VERSION_POLL_S:
+                self._poll_relay()
+                last_poll = now
+            if self.engine.in_flight() == 0 and self._newer_available():
+                self._load_newest()
+            want = self._admissible_groups()
+            if want > 0 and now - last_claim >= CLAIM_POLL_S:
+                res = self.control.claim(ClaimPromptsInput(report=self._report(), max_groups=want))
+                last_claim = now
+                self.relays = res.relays or self.relays
+                if res.stop or res.handover:
+                    return self._hand_over(res.stop)
+                self._admit(res.leases)
+            if self.engine.in_flight():
+                self._record(self.engine.step())
+            else:
+                time.sleep(0.05)  # idle: nothing leased (paused, back-pressure) or waiting for weights
+            if now - last_flush >= self.cfg.rollout.flush_interval_s:
+                if self._flush_completed():
+                    return self._hand_over(stop=True)
+                self._write_partial_pool()
+                last_flush = now
+            self.control.heartbeat(self._heartbeat_details())
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def _relay_order(self) -> list[str]:
+        """Own host's relay first, then the others (a rollout whose relay is gone pulls elsewhere)."""
+        local = [r.address for r in self.relays if r.host_id == self.host_id]
+        return local + [r.address for r in self.relays if r.host_id != self.host_id]
+
+    def _poll_relay(self) -> None:
+        for addr in self._relay_order():
+            try:
+                self.newest_at_relay = relay_client.latest_version(addr, run=self.run_id)
+                return
+            except RelayError as e:
+                log.warning("relay_poll_failed", replica_id=self.replica_id, address=addr, error=str(e))
+
+    def _newer_available(self) -> bool:
+        current = self.engine.policy_version
+        return self.newest_at_relay is not None and (current is None or self.newest_at_relay > current)
+
+    def _load_newest(self) -> None:
+        for addr in self._relay_order():
+            try:
+                version, payload = relay_client.fetch_latest(addr, run=self.run_id)
+            except RelayError as e:
+                log.warning("relay_pull_failed", replica_id=self.replica_id, address=addr, error=str(e))
+                continue
+            if version is None or payload is None:
+                continue
+            self._load(version, payload)
+            return
+
+    def _load(self, version: int, payload: bytes) -> None:
+        t0 = time.perf_counter()
+        self.engine.load_weights(bytes_to_state_dict(payload), version)
+        log.info("policy_loaded", replica_id=self.replica_id, policy_version=version, bytes=len(payload),
+                 load_s=round(time.perf_counter() - t0, 3))
+
+    def _admissible_groups(self) -> int:
+        """Free group slots, or 0 while weights are missing or a newer version waits (drain first)."""
+        if self.engine.policy_version is None or self._newer_available():
+            return 0
+        return self.engine.free_slots() // self.cfg.rollout.group_size
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def _admit(self, leases: list[Lease]) -> None:
+        for lease in leases:
+            prompt = self.task.prompt(lease.prompt_id)
+            self.groups[lease.group_id] = _Group(lease, list(prompt.token_ids), self.clock())
+            for i in range(self.cfg.rollout.group_size):
+                self.engine.add(f"{lease.group_id}/{i}", prompt.token_ids)
+
+    def _record(self, finished: list[Finished]) -> None:
+        now = self.clock()
+        for f in finished:
+            group_id, index = f.request_id.rsplit("/", 1)
+            group = self.groups[group_id]
+            prompt = self.task.prompt(group.lease.prompt_id)
+            group.done[int(index)] = self._trajectory(group, int(index), f.response_ids, f.logprobs,
+                                                      self.task.reward(prompt, f.response_ids), f.finish_reason, now)
+            if len(group.done) == self.cfg.rollout.group_size:
+                self.completed.append(self.groups.pop(group_id))
+
+    def _trajectory(self, group: _Group, index: int, response: list[int], logprobs: list[float],
+                    reward: float, finish: str, now: float) -> Trajectory:
+        return Trajectory(
+            run_id=self.run_id, prompt_id=group.lease.prompt_id, group_id=group.lease.group_id,
+            sample_index=index, prompt_ids=group.prompt_ids, response_ids=list(response),
+            logprobs=list(logprobs), reward=reward, policy_version=int(self.engine.policy_version or 0),
+            replica_id=self.replica_id, started_at=group.started_at, ended_at=now, finish_reason=finish,
+        )
+
+    def _flush_completed(self) -> bool:
+        """Write complete groups as one segment, then report it. True when the run says stop."""
+        if not self.completed:
+            return False
+        rows = [t for g in self.completed for _, t in sorted(g.done.items())]
+        ref = self.trajectories.write_segment(self.run_id, self.replica_id, f"{self.segment_prefix}-{self.seq:06d}", rows)
+        self.seq += 1
+        res = self.control.add_experience(AddExperienceInput(report=self._report(), segment=ref))
+        self.stats.groups_completed += len(res.accepted)
+        self.stats.tokens_generated += sum(len(t.response_ids) for t in rows)
+        log.info("experience_reported", replica_id=self.replica_id, groups=len(self.completed),
+                 policy_version=ref.policy_version, duplicates=len(res.duplicates))
+        self.completed = []
+        return res.stop
+
+    # -- partial-response pool ------------------------------------------------------------------
+
+    def _write_partial_pool(self) -> None:
+        """All samples of every in-flight group: finished ones as they are, the rest as prefixes."""
+        now = self.clock()
+        rows = [t for g in self.groups.values() for t in g.done.values()]
+        for request_id, _prompt, response, logprobs in self.engine.snapshot_inflight():
+            group_id, index = request_id.rsplit("/", 1)
+            group = self.groups[group_id]
+            rows.append(self._trajectory(group, int(index), response, logprobs, 0.0, "partial", now))
+        rows += [t for g in self.completed for t in g.done.values()]  # complete but not yet reported
+        self.trajectories.write_partial(self.run_id, self.replica_id, rows)
+
+    def _read_partial_pool(self) -> dict[str, list[Trajectory]]:
+        by_group: dict[str, list[Trajectory]] = {}
+        for t in self.trajectories.read_partial(self.run_id, self.replica_id):
+            by_group.setdefault(t.group_id, []).append(t)
+        return by_group
+
+    def _resume(self, resumed: dict[str, list[Trajectory]]) -> None:
+        """Continue each resumed group under the policy version it started on, else restart it fresh."""
+        if not resumed:
+            return
+        versions = {t.policy_version for rows in resumed.values() for t in rows}
+        version = max(versions)
+        payload = self._fetch_version(version)
+        if payload is None or len(versions) > 1:
+            self._restart_fresh(resumed)
+            return
+        self._load(version, payload)
+        for group_id, rows in resumed.items():
+            first = rows[0]
+            group = _Group(Lease(group_id, first.prompt_id), list(first.prompt_ids), first.started_at)
+            self.groups[group_id] = group
+            for t in rows:
+                if t.finish_reason == "partial":
+                    self.engine.add(f"{group_id}/{t.sample_index}", t.prompt_ids,
+                                    prefix_ids=t.response_ids, prefix_logprobs=t.logprobs)
+                else:
+                    group.done[t.sample_index] = t
+            missing = set(range(self.cfg.rollout.group_size)) - {t.sample_index for t in rows}
+            for i in sorted(missing):
+                self.engine.add(f"{group_id}/{i}", first.prompt_ids)
+            if len(group.done) == self.cfg.rollout.group_size:
+                self.completed.append(self.groups.pop(group_id))
+        log.info("partial_groups_resumed", replica_id=self.replica_id, groups=len(resumed), policy_version=version)
+
+    def _fetch_version(self, version: int) -> bytes | None:
+        for addr in self._relay_order():
+            try:
+                got = relay_client.fetch_version(addr, version, run=self.run_id)
+            except RelayError:
+                continue
+            if got is not None:
+                return got
+        return None
+
+    def _restart_fresh(self, resumed: dict[str, list[Trajectory]]) -> None:
+        """The start version can no longer be loaded: regenerate those groups from scratch (counted)."""
+        self.tokens_regenerated += sum(len(t.response_ids) for rows in resumed.values() for t in rows)
+        self._poll_relay()
+        self._load_newest()
+        leases = [Lease(g, rows[0].prompt_id) for g, rows in resumed.items()]
+        log.warning("partial_groups_restarted", replica_id=self.replica_id, groups=len(leases),
+                    tokens_regenerated=self.tokens_regenerated)
+        self._admit(leases)
+
+    def _hand_over(self, stop: bool) -> RolloutReplicaResult:
+        self._flush_completed()
+        self._write_partial_pool()
+        self.stats.handed_over = len(self.groups)
+        log.info("replica_returned", replica_id=self.replica_id, stop=stop, in_flight_groups=len(self.groups))
+        return self.stats
+
+    # -- reports -------------------------------------------------------------------------------
+
+    def _report(self) -> ReplicaReport:
+        used, capacity = self.engine.kv_usage()
+        version = self.engine.policy_version
+        return ReplicaReport(
+            replica_id=self.replica_id, host_id=self.host_id,
+            policy_version=-1 if version is None else int(version),
+            in_flight=self.engine.in_flight(), kv_used=used, kv_capacity=capacity,
+        )
+
+    def _heartbeat_details(self) -> dict:
+        r = self._report()
+        return {"policy_version": r.policy_version, "in_flight": r.in_flight, "kv_used": r.kv_used,
+                "kv_capacity": r.kv_capacity, "groups_completed": self.stats.groups_completed}
+
+
+def set_torch_threads(n: int = 1) -> None:
+    torch.set_num_threads(n)

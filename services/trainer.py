@@ -1,0 +1,180 @@
+"""The trainer process's domain service: one policy and optimizer kept in memory between steps.
+
+`train_step` is idempotent by construction (DESIGN.md §5): the input names the step the policy must be
+at; a trainer elsewhere (fresh process, zombie-completed step) restores the committed checkpoint and
+replays the batches consumed since, then steps. The consumed-group set is part of the checkpoint, so a
+group consumed twice is detected and counted (it must stay 0), never silently trained on again.
+After each step the new version is pushed to the master relay, which broadcasts it down the chain
+while the trainer goes back to work.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from laminar.config import RunConfig
+from laminar.errors import RelayError
+from laminar.logs import get_logger
+from laminar.messages import (
+    BatchPart,
+    StepMetrics,
+    TrainerInitInput,
+    TrainerInitResult,
+    TrainStepInput,
+    TrainStepResult,
+)
+from laminar.records import Trajectory
+from laminar.refs import CheckpointRef
+from relay import client as relay_client
+from rl.model import load_pretrained, state_dict_to_bytes
+from rl.trainer import Trainer
+from services.model_files import publish_model_files, resolve_model_dir
+from storage import keys
+from storage.checkpoints import CheckpointStore
+from storage.objects import ObjectStore
+from storage.trajectories import TrajectoryStore
+
+log = get_logger(__name__)
+
+
+class TrainerService:
+    def __init__(self, store: ObjectStore, home: Path) -> None:
+        self.store = store
+        self.home = home
+        self.checkpoints = CheckpointStore(store)
+        self.trajectories = TrajectoryStore(store)
+        self.run_id: str | None = None
+        self.cfg: RunConfig | None = None
+        self.trainer: Trainer | None = None
+        self.step = -1  # steps applied to the in-memory policy; -1: nothing loaded
+        self.consumed: set[str] = set()
+        self.last_step_end: float | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def init(self, inp: TrainerInitInput) -> TrainerInitResult:
+        cfg = RunConfig.from_json(inp.config)
+        self._restore(inp.run_id, cfg, inp.checkpoint)
+        size = len(self._publish(inp.relay_chain)[1])
+        return TrainerInitResult(step=self.step, policy_version=self.step, published_bytes=size)
+
+    def _restore(self, run_id: str, cfg: RunConfig, checkpoint: CheckpointRef | None) -> None:
+        """Load the base model, then the checkpoint (weights, optimizer, step, consumed groups) if any."""
+        model_dir = resolve_model_dir(cfg, self.home)
+        model, tokenizer, _ = load_pretrained(model_dir)
+        publish_model_files(self.store, run_id, model_dir)
+        pad = tokenizer.token_to_id("<pad>")
+        trainer = Trainer(model, cfg.trainer, group_size=cfg.rollout.group_size,
+                          temperature=cfg.rollout.temperature, pad_id=0 if pad is None else pad)
+        step, consumed = 0, set()
+        if checkpoint is not None:
+            loaded = self.checkpoints.load(checkpoint)
+            trainer.load_state_parts(loaded.parts)
+            step, consumed = int(loaded.meta["step"]), set(loaded.meta.get("consumed", []))
+        self.run_id, self.cfg, self.trainer, self.step, self.consumed = run_id, cfg, trainer, step, consumed
+        log.info("trainer_restored", run_id=run_id, step=step, checkpoint=checkpoint.step if checkpoint else None)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def train_step(self, inp: TrainStepInput, heartbeat=lambda: None) -> TrainStepResult:
+        t_start = time.time()
+        wait_s = 0.0 if self.last_step_end is None else t_start - self.last_step_end
+        redone = 0
+        if self.run_id != inp.run_id or self.step != inp.step:
+            redone = self._rewind(inp, heartbeat)
+        assert self.trainer is not None and self.cfg is not None
+        trajectories, twice = self._read_batch(inp.batch)
+        m = self.trainer.step(trajectories, trainer_version=self.step)
+        self.step += 1
+        self.consumed.update(g for part in inp.batch for g in part.group_ids)
+        heartbeat()
+        ckpt = self._maybe_checkpoint()
+        stall_s, _ = self._publish(inp.relay_chain)
+        metrics = StepMetrics(
+            reward_mean=m.reward_mean, loss=m.loss, grad_norm=m.grad_norm, samples=m.samples, tokens=m.tokens,
+            response_len_mean=m.response_len_mean, staleness={str(k): v for k, v in m.staleness.items()},
+            dropped_stale=m.dropped_stale, clip_fraction=m.clip_fraction, consumed_twice=twice,
+        )
+        self._write_metrics(metrics, trajectories, wait_s=wait_s, busy_s=time.time() - t_start, stall_s=stall_s)
+        self.last_step_end = time.time()
+        log.info("train_step_completed", step=self.step, reward=round(m.reward_mean, 4), tokens=m.tokens,
+                 staleness=metrics.staleness, stall_s=round(stall_s, 4), checkpoint=ckpt is not None)
+        return TrainStepResult(step=self.step, policy_version=self.step, metrics=metrics, checkpoint=ckpt,
+                               steps_redone=redone, publish_stall_s=stall_s)
+
+    def _rewind(self, inp: TrainStepInput, heartbeat) -> int:
+        """Restore the committed checkpoint and replay the batches consumed since it."""
+        cfg = RunConfig.from_json(inp.config)
+        self._restore(inp.run_id, cfg, inp.checkpoint)
+        start = inp.checkpoint.step if inp.checkpoint else 0
+        if start + len(inp.replay) != inp.step:
+            raise ValueError(
+                f"train_step for step {inp.step}: checkpoint at step {start} plus {len(inp.replay)} replay "
+                f"batches does not reach it; the workflow's uncommitted batches are inconsistent"
+            )
+        assert self.trainer is not None
+        for batch in inp.replay:
+            trajectories, _ = self._read_batch(batch)
+            self.trainer.step(trajectories, trainer_version=self.step)
+            self.step += 1
+            self.consumed.update(g for part in batch for g in part.group_ids)
+            heartbeat()
+        log.info("trainer_replayed", run_id=inp.run_id, from_step=start, to_step=self.step, steps=len(inp.replay))
+        return len(inp.replay)
+
+    def _read_batch(self, batch: list[BatchPart]) -> tuple[list[Trajectory], int]:
+        """The batch's trajectories; groups already consumed are dropped and counted."""
+        out: list[Trajectory] = []
+        twice = 0
+        for part in batch:
+            wanted = set(part.group_ids)
+            again = wanted & self.consumed
+            if again:
+                twice += len(again)
+                log.error("groups_consumed_twice", groups=sorted(again), step=self.step)
+            rows = self.trajectories.read_segment(part.segment)
+            out.extend(t for t in rows if t.group_id in wanted - again)
+        return out, twice
+
+    # -- outputs -------------------------------------------------------------------------------
+
+    def _maybe_checkpoint(self) -> CheckpointRef | None:
+        assert self.cfg is not None and self.trainer is not None and self.run_id is not None
+        tc = self.cfg.trainer
+        if self.step % tc.checkpoint_every != 0 and self.step != self.cfg.run.steps:
+            return None
+        meta = {"step": self.step, "policy_version": self.step, "consumed": sorted(self.consumed)}
+        return self.checkpoints.save(self.run_id, self.step, self.trainer.state_parts(), meta,
+                                     policy_version=self.step, keep_last=tc.keep_last)
+
+    def _publish(self, chain: list[str]) -> tuple[float, bytes]:
+        """Push the current version to the master relay; returns (trainer stall seconds, payload)."""
+        assert self.trainer is not None
+        payload = state_dict_to_bytes(self.trainer.policy_state_dict())
+        if not chain:
+            log.warning("publish_skipped", reason="no relays joined", policy_version=self.step)
+            return 0.0, payload
+        for i, addr in enumerate(chain):  # a dead master is skipped: the next relay becomes master
+            try:
+                stall = relay_client.push(addr, self.step, payload, chain[i + 1:], run=self.run_id or "")
+                log.info("weights_published", policy_version=self.step, bytes=len(payload), stall_s=round(stall, 4))
+                return stall, payload
+            except RelayError as e:
+                log.warning("relay_push_failed", address=addr, error=str(e))
+        raise RelayError(f"no relay in chain {chain} accepted policy_version={self.step}; check the relay workers")
+
+    def _write_metrics(self, m: StepMetrics, trajectories: list[Trajectory], **timing: float) -> None:
+        assert self.run_id is not None
+        lengths = sorted(len(t.response_ids) for t in trajectories)
+        record = {"step": self.step, **asdict(m), **timing, "response_lengths": lengths,
+                  "policy_versions": sorted({t.policy_version for t in trajectories}), "time": time.time()}
+        self.store.put(keys.step_metrics(self.run_id, self.step), json.dumps(record).encode())
+
+
+def set_torch_threads(n: int) -> None:
+    torch.set_num_threads(n)

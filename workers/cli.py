@@ -1,0 +1,169 @@
+"""The `laminar` command line: run, start, status, stop, worker, dev.
+
+Exit codes: 0 success, 1 the run or a command failed, 2 invalid input (config, settings).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from laminar.config import RunConfig
+from laminar.errors import ConfigError, LaminarError
+from laminar.logs import configure_logging
+from workers.cli_dev import dev_app
+from workers.settings import Settings
+
+app = typer.Typer(
+    help="Laminar on Temporal: fault-tolerant asynchronous RL post-training.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
+app.add_typer(dev_app, name="dev", help="The embedded dev stack: Temporal dev server (+ optional S3).")
+console = Console()
+err = Console(stderr=True)
+
+
+def _load_config(config: Path | None, overrides: list[str], steps: int | None, run_id: str | None) -> RunConfig:
+    extra = list(overrides)
+    if steps is not None:
+        extra.append(f"run.steps={steps}")
+    cfg = RunConfig.load(config, extra)
+    return cfg.with_run_id(run_id) if run_id else cfg
+
+
+def _fail(e: Exception, code: int) -> typer.Exit:
+    err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+    return typer.Exit(code)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    ctx: typer.Context,
+    config: Path = typer.Argument(Path("examples/tiny.toml"), help="Run config (TOML)."),
+    steps: int | None = typer.Option(None, help="Override run.steps."),
+    run_id: str | None = typer.Option(None, "--run-id", help="Run id (default: generated)."),
+    summary: Path | None = typer.Option(None, help="Write the run summary JSON here."),
+    log_format: str = typer.Option("console", "--log-format", help="console | json"),
+) -> None:
+    """Run the embedded default end to end: dev stack, workers, workflow, live progress, summary.
+
+    Extra `--section.key=value` arguments override config values.
+    """
+    from workers.run_command import run_local
+
+    try:
+        cfg = _load_config(config, ctx.args, steps, run_id)
+        configure_logging(log_format)
+        code = run_local(cfg, summary_path=summary, console=console)
+    except ConfigError as e:
+        raise _fail(e, 2) from None
+    except LaminarError as e:
+        raise _fail(e, 1) from None
+    raise typer.Exit(code)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def start(
+    ctx: typer.Context,
+    config: Path = typer.Argument(..., help="Run config (TOML)."),
+    steps: int | None = typer.Option(None, help="Override run.steps."),
+    run_id: str | None = typer.Option(None, "--run-id", help="Run id (default: generated)."),
+) -> None:
+    """Start a run on running workers (Python client); prints the run id."""
+    from workers.run_control import start_run
+
+    try:
+        cfg = _load_config(config, ctx.args, steps, run_id)
+        settings = Settings.from_env()
+        rid = asyncio.run(start_run(settings, cfg))
+    except ConfigError as e:
+        raise _fail(e, 2) from None
+    except LaminarError as e:
+        raise _fail(e, 1) from None
+    console.print(f"run_id={rid}", highlight=False)
+
+
+@app.command()
+def status(run_id: str, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Show a run's status (the workflow's `status` query)."""
+    from workers.run_control import query_status, render_status
+
+    try:
+        st = asyncio.run(query_status(Settings.from_env(), run_id))
+    except ConfigError as e:
+        raise _fail(e, 2) from None
+    except LaminarError as e:
+        raise _fail(e, 1) from None
+    if as_json:
+        console.print_json(json.dumps(asdict(st)))
+    else:
+        console.print(render_status(st))
+
+
+@app.command()
+def stop(run_id: str) -> None:
+    """Ask a run to stop: replicas finish, the trainer stops, the workflow completes."""
+    from workers.run_control import stop_run
+
+    try:
+        phase = asyncio.run(stop_run(Settings.from_env(), run_id))
+    except ConfigError as e:
+        raise _fail(e, 2) from None
+    except LaminarError as e:
+        raise _fail(e, 1) from None
+    console.print(f"run_id={run_id} phase={phase}", highlight=False)
+
+
+@app.command()
+def pause(run_id: str) -> None:
+    """Pause a run: no new prompts are leased and the trainer waits."""
+    from workers.run_control import send_control
+
+    console.print(f"run_id={run_id} phase={asyncio.run(send_control(Settings.from_env(), run_id, 'pause'))}")
+
+
+@app.command()
+def resume(run_id: str) -> None:
+    """Resume a paused run."""
+    from workers.run_control import send_control
+
+    console.print(f"run_id={run_id} phase={asyncio.run(send_control(Settings.from_env(), run_id, 'resume'))}")
+
+
+@app.command()
+def worker(
+    role: str = typer.Argument(..., help="control | trainer | rollout | relay"),
+    slots: int = typer.Option(1, help="Rollout replicas this worker runs at once (rollout only)."),
+) -> None:
+    """Run one worker process against any Temporal address and store (LAMINAR_* settings)."""
+    from workers import processes
+
+    try:
+        settings = Settings.from_env()
+    except ConfigError as e:
+        raise _fail(e, 2) from None
+    configure_logging(settings.log_format, settings.log_level)
+    if role not in processes.ROLES:
+        raise _fail(ConfigError(f"worker role {role!r} is not one of {', '.join(processes.ROLES)}"), 2)
+    if slots < 1:
+        raise _fail(ConfigError(f"--slots={slots} must be at least 1"), 2)
+    main_fn = processes.ROLES[role]
+    try:
+        asyncio.run(main_fn(settings, slots) if role == "rollout" else main_fn(settings))
+    except LaminarError as e:
+        raise _fail(e, 1) from None
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Local launcher: starts one process per role for `laminar run`, supervises and stops them by pid.
+
+Layout for a config with H relays (simulated hosts) and R replicas: one control worker, one trainer
+worker, and per host `host-i` one relay worker and one rollout worker with its share of the R replica
+slots. A worker that dies is restarted with exponential backoff, as a cluster scheduler restarts a pod
+(recovery itself never depends on that restart: Temporal retries the work on any free worker).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from laminar.config import RunConfig
+from laminar.logs import get_logger
+from workers.settings import Settings
+
+log = get_logger(__name__)
+
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    restart_at: float | None = None
+    history: list[int] = field(default_factory=list)  # pids, oldest first
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+
+def plan_processes(cfg: RunConfig, settings: Settings, log_dir: Path) -> list[ManagedProcess]:
+    base = [sys.executable, "-m", "workers.cli", "worker"]
+    env = {**os.environ, **settings.to_env()}
+    procs = [
+        ManagedProcess("control", [*base, "control"], env, log_dir / "control.log"),
+        ManagedProcess("trainer", [*base, "trainer"], env, log_dir / "trainer.log"),
+    ]
+    hosts = cfg.relay.relays
+    for i in range(hosts):
+        host_env = {**env, "LAMINAR_HOST_ID": f"host-{i}"}
+        procs.append(ManagedProcess(f"relay-host-{i}", [*base, "relay"], host_env, log_dir / f"relay-host-{i}.log"))
+        slots = cfg.rollout.replicas // hosts + (1 if i < cfg.rollout.replicas % hosts else 0)
+        if slots:
+            procs.append(ManagedProcess(f"rollout-host-{i}", [*base, "rollout", "--slots", str(slots)], host_env,
+                                        log_dir / f"rollout-host-{i}.log"))
+    return procs
+
+
+class LocalLauncher:
+    def __init__(self, processes: list[ManagedProcess]) -> None:
+        self.processes = {p.name: p for p in processes}
+
+    def start_all(self) -> None:
+        for p in self.processes.values():
+            self._start(p)
+
+    def _start(self, p: ManagedProcess) -> None:
+        p.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(p.log_path, "ab")  # noqa: SIM115 - owned by the child
+        p.proc = subprocess.Popen(p.argv, env=p.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  start_new_session=True)
+        out.close()
+        p.history.append(p.proc.pid)
+        p.restart_at = None
+        log.info("process_started", name=p.name, pid=p.proc.pid, log=str(p.log_path))
+
+    def supervise(self) -> list[str]:
+        """Restart processes that exited, with backoff; returns the names restarted now."""
+        restarted = []
+        now = time.monotonic()
+        for p in self.processes.values():
+            if p.proc is None or p.proc.poll() is None:
+                continue
+            if p.restart_at is None:
+                delay = min(MAX_BACKOFF_S, 2.0**p.restarts)
+                p.restart_at = now + delay
+                log.warning("process_exited", name=p.name, pid=p.proc.pid, code=p.proc.returncode,
+                            restart_in_s=delay, log=str(p.log_path))
+            elif now >= p.restart_at:
+                p.restarts += 1
+                self._start(p)
+                restarted.append(p.name)
+        return restarted
+
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.processes.items() if p.pid is not None}
+
+    def stop_all(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM every live process we started, then SIGKILL what is left after timeout_s."""
+        live = [p for p in self.processes.values() if p.proc is not None and p.proc.poll() is None]
+        for p in live:
+            _signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in live:
+            assert p.proc is not None
+            try:
+                p.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(p, signal.SIGKILL)
+                p.proc.wait(timeout=5)
+        log.info("processes_stopped", count=len(live))
+
+
+def _signal(p: ManagedProcess, sig: int) -> None:
+    assert p.proc is not None
+    try:
+        os.kill(p.proc.pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,95 @@
+"""Worker process entry points: one process per role (`laminar worker {control,trainer,rollout,relay}`).
+
+- control: TrainingRunWorkflow on `laminar-control` (workflow tasks only; never waits behind GPU work).
+- trainer: `init_trainer` / `train_step` on `laminar-trainer`, one slot, model kept in memory.
+- rollout: `run_rollout_replica` on the shared `laminar-rollout` queue, `slots` replicas at once.
+- relay: a RelayServer (data plane) plus `run_relay` on `laminar-relay-<host_id>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+from temporalio.worker import Worker
+
+from activities.relay import RelayActivities
+from activities.rollout import RolloutActivities
+from activities.trainer import TrainerActivities
+from laminar.logs import get_logger
+from laminar.messages import CONTROL_QUEUE, ROLLOUT_QUEUE, TRAINER_QUEUE, relay_queue
+from workers.connect import connect, store_for
+from workers.settings import Settings
+from workflows.training_run import TrainingRunWorkflow
+
+log = get_logger(__name__)
+
+
+async def _serve(worker: Worker, role: str, **context) -> None:
+    """Run until SIGTERM/SIGINT, then shut the worker down gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("worker_started", role=role, task_queue=worker.task_queue, **context)
+    async with worker:
+        await stop.wait()
+    log.info("worker_stopped", role=role, **context)
+
+
+async def control(settings: Settings) -> None:
+    client = await connect(settings)
+    worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=[TrainingRunWorkflow])
+    await _serve(worker, "control")
+
+
+async def trainer(settings: Settings) -> None:
+    import torch
+
+    from services.trainer import TrainerService
+
+    torch.set_num_threads(1)
+    client = await connect(settings)
+    acts = TrainerActivities(TrainerService(store_for(settings), settings.home))
+    worker = Worker(
+        client,
+        task_queue=TRAINER_QUEUE,
+        activities=[acts.init_trainer, acts.train_step],
+        activity_executor=ThreadPoolExecutor(max_workers=2),
+        max_concurrent_activities=1,
+    )
+    await _serve(worker, "trainer", host_id=settings.host_id)
+
+
+async def rollout(settings: Settings, slots: int = 1) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    client = await connect(settings)
+    acts = RolloutActivities(client, asyncio.get_running_loop(), store_for(settings), settings.host_id)
+    worker = Worker(
+        client,
+        task_queue=ROLLOUT_QUEUE,
+        activities=[acts.run_rollout_replica],
+        activity_executor=ThreadPoolExecutor(max_workers=slots + 1),
+        max_concurrent_activities=slots,
+    )
+    await _serve(worker, "rollout", host_id=settings.host_id, slots=slots)
+
+
+async def relay(settings: Settings) -> None:
+    from relay.server import RelayServer
+
+    server = RelayServer(settings.host_id, bind_host=settings.relay_bind)
+    address = server.start()
+    try:
+        client = await connect(settings)
+        acts = RelayActivities(settings.host_id, settings.host_id, address)
+        worker = Worker(client, task_queue=relay_queue(settings.host_id), activities=[acts.run_relay])
+        await _serve(worker, "relay", host_id=settings.host_id, address=address)
+    finally:
+        server.stop()
+
+
+ROLES = {"control": control, "trainer": trainer, "rollout": rollout, "relay": relay}
