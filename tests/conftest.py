@@ -1,1 +1,1 @@
-pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.waiting"]
+pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.waiting", "tests.fixtures.temporal", "tests.fixtures.stack"]
