@@ -1,0 +1,51 @@
+"""The `laminar` command line through its real entry point, in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from laminar.messages import RunStatus, workflow_id_for
+from tests.fixtures.stack import TEST_OVERRIDES
+
+LAMINAR = [sys.executable, "-m", "workers.cli"]
+
+
+def _laminar(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*LAMINAR, *args], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_run_rejects_bad_config_before_starting_anything(tmp_path):
+    env = {"LAMINAR_HOME": str(tmp_path / "home")}
+    out = _laminar(["run", "examples/tiny.toml", "--rollout.group_size=1", "--trainer.lr=-1"], env)
+    assert out.returncode == 2, out.stdout + out.stderr
+    text = " ".join((out.stdout + out.stderr).split())
+    assert "rollout.group_size=1" in text and "greater than or equal to 2" in text
+    assert "trainer.lr=-1" in text
+    assert not (tmp_path / "home" / "dev.json").exists()  # no dev stack was started
+
+
+def test_run_rejects_unknown_field(tmp_path):
+    out = _laminar(["run", "examples/tiny.toml", "--trainer.learning_rate=0.1"], {"LAMINAR_HOME": str(tmp_path)})
+    assert out.returncode == 2
+    assert "trainer.learning_rate" in out.stderr and "unknown field" in out.stderr
+
+
+async def test_start_status_stop(stack, tmp_path):
+    env = {**stack.settings.to_env()}
+    overrides = [f"--{o}" for o in TEST_OVERRIDES if not o.startswith("run.steps")]
+    started = _laminar(["start", "examples/tiny.toml", "--steps", "500", "--run-id", "t-cli-sss", *overrides], env)
+    assert started.returncode == 0, started.stderr
+    assert started.stdout.strip().splitlines()[-1] == "run_id=t-cli-sss"
+    assert stack.store.exists("runs/t-cli-sss/config.json")
+    handle = stack.client.get_workflow_handle(workflow_id_for("t-cli-sss"), result_type=RunStatus)
+    status = _laminar(["status", "t-cli-sss", "--json"], env)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["run_id"] == "t-cli-sss"
+    stopped = _laminar(["stop", "t-cli-sss"], env)
+    assert stopped.returncode == 0, stopped.stderr
+    final = await handle.result()
+    assert final.phase == "finished" and final.step < 500 and final.groups_consumed_twice == 0
