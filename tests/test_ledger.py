@@ -1,0 +1,381 @@
+"""Exactly-once accounting (DESIGN.md §5) on the real Ledger over a real RunState: leases, the experience
+index, consumed batches, checkpoint replay and the counters behind the status query."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from laminar.config import RunConfig
+from laminar.messages import BatchPart, ReplicaReport, StepMetrics, TrainStepInput, TrainStepResult
+from laminar.refs import CheckpointRef, SegmentRef
+from storage import keys
+from storage.objects import sha256_hex
+from workflows.ledger import Ledger
+from workflows.state import RECENT_REWARDS, RunState
+
+RUN = "run-ledger"
+
+
+def _seg(seq: str, group_ids: list[str], policy_version: int = 0, replica: str = "replica-0") -> SegmentRef:
+    key = keys.experience_segment(RUN, replica, seq)
+    return SegmentRef(key=key, sha256=sha256_hex(key.encode()), size=100 * len(group_ids), rows=8 * len(group_ids),
+                      group_ids=list(group_ids), policy_version=policy_version, tokens=10 * len(group_ids))
+
+
+def _ckpt(step: int) -> CheckpointRef:
+    return CheckpointRef(run_id=RUN, step=step, manifest_key=keys.checkpoint_manifest(RUN, step),
+                         manifest_sha256=sha256_hex(str(step).encode()), policy_version=step)
+
+
+def _metrics(reward: float = 0.5, tokens: int = 0, staleness: dict[str, int] | None = None,
+             consumed_twice: int = 0) -> StepMetrics:
+    return StepMetrics(reward_mean=reward, loss=0.1, grad_norm=1.0, samples=8, tokens=tokens, response_len_mean=5.0,
+                       staleness=staleness or {}, dropped_stale=0, clip_fraction=0.0, consumed_twice=consumed_twice)
+
+
+def _input(ledger: Ledger, batch: list[BatchPart]) -> TrainStepInput:
+    return TrainStepInput(run_id=RUN, config={}, step=ledger.s.step, batch=batch, checkpoint=ledger.s.checkpoint,
+                          replay=list(ledger.s.uncommitted), relay_chain=[])
+
+
+def _result(step: int, checkpoint: bool = False, **metrics: object) -> TrainStepResult:
+    return TrainStepResult(step=step, policy_version=step, metrics=_metrics(**metrics),  # type: ignore[arg-type]
+                           checkpoint=_ckpt(step) if checkpoint else None, steps_redone=0, publish_stall_s=0.0)
+
+
+def _ids(parts: list[BatchPart]) -> list[str]:
+    return [g for p in parts for g in p.group_ids]
+
+
+def _ready_ids(ledger: Ledger) -> list[str]:
+    return [g.group_id for g in ledger.s.ready]
+
+
+# -- leases ---------------------------------------------------------------------------------------
+
+
+def test_fresh_leases_have_sequential_ids_and_one_owner() -> None:
+    ledger = Ledger(RunState(run_id=RUN))
+    a = ledger.lease("replica-0", 2)
+    b = ledger.lease("replica-1", 3)
+    # prompt_cursor runs 0,1 for replica-0 then 2,3,4 for replica-1; group ids are g + 8-digit prompt id
+    assert [(x.group_id, x.prompt_id) for x in a] == [("g00000000", 0), ("g00000001", 1)]
+    assert [(x.group_id, x.prompt_id) for x in b] == [("g00000002", 2), ("g00000003", 3), ("g00000004", 4)]
+    assert ledger.s.prompt_cursor == 5
+    assert {g: lease.replica_id for g, lease in ledger.s.open_leases.items()} == {
+        "g00000000": "replica-0", "g00000001": "replica-0",
+        "g00000002": "replica-1", "g00000003": "replica-1", "g00000004": "replica-1",
+    }
+    assert ledger.lease("replica-0", 0) == []
+    assert ledger.held_by("replica-0", ["g00000000", "g00000002", "g99999999"]) == ["g00000000"]
+
+
+def test_released_leases_go_out_again_first_with_their_ids() -> None:
+    ledger = Ledger(RunState(run_id=RUN))
+    ledger.lease("replica-0", 3)  # g0, g1, g2
+    ledger.lease("replica-1", 1)  # g3
+    # replica-0 restarted and resumes g1 from its partial pool: g0 and g2 go back, oldest first
+    assert ledger.release_leases_of("replica-0", keep={"g00000001"}) == ["g00000000", "g00000002"]
+    assert ledger.held_by("replica-0", ["g00000000", "g00000001", "g00000002"]) == ["g00000001"]
+    assert [x.group_id for x in ledger.s.returned] == ["g00000000", "g00000002"]
+    # the next claimant gets the two returned groups (same prompt ids) before one fresh prompt (id 4)
+    leases = ledger.lease("replica-1", 3)
+    assert [(x.group_id, x.prompt_id) for x in leases] == [("g00000000", 0), ("g00000002", 2), ("g00000004", 4)]
+    assert ledger.s.returned == []
+    assert ledger.s.open_leases["g00000000"].replica_id == "replica-1"
+    assert ledger.s.open_leases["g00000001"].replica_id == "replica-0"
+    # releasing a replica that holds nothing releases nothing
+    assert ledger.release_leases_of("replica-7", keep=set()) == []
+
+
+def test_duplicate_reports_are_counted_not_readded() -> None:
+    ledger = Ledger(RunState(run_id=RUN))
+    ledger.lease("replica-0", 3)
+    seg = _seg("0", ["g00000000", "g00000001"])
+    assert ledger.add_segment(seg) == (["g00000000", "g00000001"], [])
+    # a retried report of the same segment: both already in ready
+    assert ledger.add_segment(seg) == ([], ["g00000000", "g00000001"])
+    # a report naming one new and one known group, plus a group never leased
+    mixed = _seg("1", ["g00000001", "g00000002", "g00000099"])
+    assert ledger.add_segment(mixed) == (["g00000002"], ["g00000001", "g00000099"])
+    assert _ready_ids(ledger) == ["g00000000", "g00000001", "g00000002"]
+    assert ledger.s.groups_generated == 3  # 2 + 0 + 1
+    assert ledger.s.duplicate_reports == 4  # 0 + 2 + 2
+    assert ledger.s.open_leases == {}
+    # a segment with no accepted group is not indexed
+    assert ledger.add_segment(_seg("2", ["g00000000"])) == ([], ["g00000000"])
+    assert set(ledger.s.segments) == {seg.key, mixed.key}
+    # a group repeated inside one segment enters ready once
+    ledger.lease("replica-0", 1)  # g3
+    assert ledger.add_segment(_seg("3", ["g00000003", "g00000003"])) == (["g00000003"], ["g00000003"])
+    assert _ready_ids(ledger).count("g00000003") == 1
+
+
+def test_zombie_completion_of_a_returned_group_is_accepted_once() -> None:
+    ledger = Ledger(RunState(run_id=RUN))
+    ledger.lease("replica-0", 3)  # g0 g1 g2
+    ledger.release_leases_of("replica-0", keep=set())  # replica-0 thought lost: all three returned
+    # the old process finishes g1 after all: accepted, and g1 leaves the returned pool
+    assert ledger.add_segment(_seg("0", ["g00000001"])) == (["g00000001"], [])
+    assert [x.group_id for x in ledger.s.returned] == ["g00000000", "g00000002"]
+    # its retry of the same report is a duplicate
+    assert ledger.add_segment(_seg("0", ["g00000001"])) == ([], ["g00000001"])
+    # the next claimant is not handed g1 again: g0, g2, then fresh g3
+    assert [x.group_id for x in ledger.lease("replica-1", 3)] == ["g00000000", "g00000002", "g00000003"]
+    assert ledger.s.groups_generated == 1
+    assert ledger.s.duplicate_reports == 1
+
+
+def test_zombie_completion_of_a_reassigned_group_wins_once() -> None:
+    ledger = Ledger(RunState(run_id=RUN))
+    ledger.lease("replica-0", 1)  # g0
+    ledger.release_leases_of("replica-0", keep=set())
+    ledger.lease("replica-1", 1)  # g0 again, now held by replica-1
+    # the zombie reports first: accepted, replica-1's lease is closed; replica-1's later report is a duplicate
+    assert ledger.add_segment(_seg("0", ["g00000000"], replica="replica-0")) == (["g00000000"], [])
+    assert ledger.held_by("replica-1", ["g00000000"]) == []
+    assert ledger.add_segment(_seg("0", ["g00000000"], replica="replica-1")) == ([], ["g00000000"])
+    assert _ready_ids(ledger) == ["g00000000"]
+    # the ready entry points at the zombie's segment, the one indexed
+    assert ledger.s.ready[0].segment_key == keys.experience_segment(RUN, "replica-0", "0")
+
+
+# -- trainer --------------------------------------------------------------------------------------
+
+
+def test_next_batch_takes_oldest_in_arrival_order_grouped_by_segment() -> None:
+    ledger = Ledger(RunState(run_id=RUN))
+    ledger.lease("replica-0", 6)
+    a = _seg("a", ["g00000002", "g00000000"], policy_version=1)  # arrival order within a segment is kept
+    b = _seg("b", ["g00000001"], policy_version=2, replica="replica-1")
+    c = _seg("c", ["g00000003", "g00000004", "g00000005"], policy_version=2)
+    for s in (a, b, c):
+        ledger.add_segment(s)
+    # 4 oldest: a's two, b's one, then the first of c
+    batch = ledger.next_batch(4)
+    assert [(p.segment.key, p.group_ids) for p in batch] == [
+        (a.key, ["g00000002", "g00000000"]), (b.key, ["g00000001"]), (c.key, ["g00000003"]),
+    ]
+    assert batch[0].segment == a and batch[2].segment == c
+    # next_batch only looks: nothing leaves ready until commit_step
+    assert len(ledger.s.ready) == 6
+    # asking for more than is ready returns what there is
+    assert _ids(ledger.next_batch(10)) == ["g00000002", "g00000000", "g00000001", "g00000003", "g00000004",
+                                           "g00000005"]
+    assert ledger.next_batch(0) == []
+
+
+def test_commit_step_consumes_exactly_the_batch_and_prunes_segments() -> None:
+    ledger = Ledger(RunState(run_id=RUN))
+    ledger.lease("replica-0", 5)
+    a = _seg("a", ["g00000000", "g00000001"])
+    b = _seg("b", ["g00000002", "g00000003"])
+    ledger.add_segment(a)
+    ledger.add_segment(b)
+    inp = _input(ledger, ledger.next_batch(3))  # a: g0 g1, b: g2
+    # a group that arrives while the step runs is not consumed by it
+    ledger.add_segment(_seg("c", ["g00000004"]))
+    ledger.commit_step(inp, _result(1, tokens=300, staleness={"0": 6, "1": 2}), keep_last=3)
+    assert _ready_ids(ledger) == ["g00000003", "g00000004"]
+    # a is fully consumed -> pruned; b still has g3; c has g4
+    assert set(ledger.s.segments) == {b.key, keys.experience_segment(RUN, "replica-0", "c")}
+    assert ledger.s.step == 1 and ledger.s.policy_version == 1
+    assert ledger.s.uncommitted == [inp.batch]
+    assert ledger.s.checkpoint is None
+    assert ledger.s.groups_consumed == 3
+    assert ledger.s.tokens_consumed == 300
+    # the replayed batch still carries a's ref after a left the index
+    assert ledger.s.uncommitted[0][0].segment == a
+
+
+def test_commit_step_counters_staleness_and_checkpoint_window() -> None:
+    ledger = Ledger(RunState(run_id=RUN))
+    ledger.lease("replica-0", 8)
+    ledger.add_segment(_seg("0", [f"g{i:08d}" for i in range(8)]))
+    rewards = []
+    for step in range(1, 5):
+        inp = _input(ledger, ledger.next_batch(2))
+        staleness = {"0": 4, "1": 4} if step % 2 else {"2": 1, "10": 7}
+        ledger.commit_step(inp, _result(step, checkpoint=True, reward=step / 10, tokens=50, staleness=staleness,
+                                        consumed_twice=0), keep_last=2)
+        rewards.append(step / 10)
+    # 4 steps x 2 groups; tokens 4 x 50
+    assert ledger.s.groups_consumed == 8 and ledger.s.tokens_consumed == 200
+    assert ledger.s.ready == [] and ledger.s.segments == {}
+    # checkpoints at 1,2,3,4 with keep_last=2 -> the last two
+    assert [c.step for c in ledger.s.checkpoints] == [3, 4]
+    assert ledger.s.checkpoint == _ckpt(4)
+    assert ledger.s.uncommitted == []
+    # steps 1,3 add {"0": 4, "1": 4} each, steps 2,4 add {"2": 1, "10": 7} each (string keys throughout)
+    assert ledger.s.staleness_histogram == {"0": 8, "1": 8, "2": 2, "10": 14}
+    assert ledger.s.reward_recent == rewards
+    # the status orders the histogram numerically: "10" after "2"
+    assert list(ledger.status("running", 4, 0).staleness_histogram) == ["0", "1", "2", "10"]
+
+
+def test_reward_window_is_bounded() -> None:
+    ledger = Ledger(RunState(run_id=RUN))
+    for step in range(1, RECENT_REWARDS + 6):
+        ledger.commit_step(_input(ledger, []), _result(step, reward=float(step)), keep_last=3)
+    # RECENT_REWARDS + 5 steps with reward == step: the window holds steps 6 .. RECENT_REWARDS + 5
+    assert ledger.s.reward_recent == [float(s) for s in range(6, RECENT_REWARDS + 6)]
+
+
+def test_consumed_twice_is_summed_from_the_trainer() -> None:
+    ledger = Ledger(RunState(run_id=RUN))
+    ledger.commit_step(_input(ledger, []), _result(1, consumed_twice=2), keep_last=3)
+    ledger.commit_step(_input(ledger, []), _result(2, consumed_twice=1), keep_last=3)
+    assert ledger.s.groups_consumed_twice == 3  # 2 + 1
+
+
+def test_train_input_replays_batches_since_the_checkpoint() -> None:
+    cfg = RunConfig.load(None, ["trainer.groups_per_step=2", "trainer.checkpoint_every=2"])
+    ledger = Ledger(RunState(run_id=RUN))
+    ledger.lease("replica-0", 12)
+    ledger.add_segment(_seg("0", [f"g{i:08d}" for i in range(6)]))
+    ledger.add_segment(_seg("1", [f"g{i:08d}" for i in range(6, 12)]))
+    batches: list[list[BatchPart]] = []
+    seen: list[tuple[int, int | None, int]] = []
+    for _ in range(6):
+        inp = ledger.next_train_input(cfg, ["relay-0", "relay-1"])
+        base = inp.checkpoint.step if inp.checkpoint is not None else 0
+        assert base + len(inp.replay) == inp.step
+        # the replayed batches are exactly those of steps base .. step-1, in order
+        assert inp.replay == batches[base:inp.step]
+        assert inp.config == cfg.to_json() and inp.relay_chain == ["relay-0", "relay-1"]
+        seen.append((inp.step, None if inp.checkpoint is None else inp.checkpoint.step, len(inp.replay)))
+        batches.append(inp.batch)
+        step = inp.step + 1
+        ledger.commit_step(inp, _result(step, checkpoint=step % cfg.trainer.checkpoint_every == 0),
+                           keep_last=cfg.trainer.keep_last)
+    # (step, checkpoint step, replay length): a checkpoint lands after steps 2 and 4 (every 2)
+    assert seen == [(0, None, 0), (1, None, 1), (2, 2, 0), (3, 2, 1), (4, 4, 0), (5, 4, 1)]
+    # 6 steps x 2 groups = all 12, each once, oldest first
+    assert [g for b in batches for g in _ids(b)] == [f"g{i:08d}" for i in range(12)]
+    assert [c.step for c in ledger.s.checkpoints] == [2, 4, 6]
+
+
+# -- replicas and status --------------------------------------------------------------------------
+
+
+def _report(replica: str, version: int) -> ReplicaReport:
+    return ReplicaReport(replica_id=replica, host_id="host-0", policy_version=version)
+
+
+def test_max_versions_in_use_is_the_high_water_mark() -> None:
+    ledger = Ledger(RunState(run_id=RUN))
+    ledger.note_report(_report("replica-0", -1))  # no weights yet: not a version in use
+    assert ledger.versions_in_use() == [] and ledger.s.max_versions_in_use == 0
+    ledger.note_report(_report("replica-1", 0))  # {0}
+    ledger.note_report(_report("replica-0", 0))  # {0}
+    assert ledger.s.max_versions_in_use == 1
+    ledger.note_report(_report("replica-1", 1))  # {0, 1}
+    ledger.note_report(_report("replica-2", 2))  # {0, 1, 2}
+    assert ledger.versions_in_use() == [0, 1, 2] and ledger.s.max_versions_in_use == 3
+    ledger.note_report(_report("replica-0", 2))  # {1, 2}
+    ledger.note_report(_report("replica-1", 2))  # {2}
+    assert ledger.versions_in_use() == [2]
+    assert ledger.s.max_versions_in_use == 3
+
+
+@pytest.mark.parametrize(("wait_s", "busy_s", "fraction"), [
+    (3.0, 9.0, 0.25),  # 3 / (3 + 9)
+    (0.0, 5.0, 0.0),  # never waited
+    (2.0, 0.0, 1.0),  # only waited
+    (0.0, 0.0, 0.0),  # nothing yet: defined as 0, not a division by zero
+])
+def test_status_trainer_wait_fraction(wait_s: float, busy_s: float, fraction: float) -> None:
+    state = RunState(run_id=RUN, trainer_wait_s=wait_s, trainer_busy_s=busy_s)
+    assert Ledger(state).status("running", 10, 0).trainer_wait_fraction == pytest.approx(fraction)
+
+
+def test_status_reports_the_counts() -> None:
+    ledger = Ledger(RunState(run_id=RUN, history_events_max=500, continued_as_new=1, started_at=12.5))
+    ledger.note_report(_report("replica-1", 0))
+    ledger.note_report(_report("replica-0", 0))
+    ledger.lease("replica-0", 5)
+    ledger.add_segment(_seg("0", ["g00000000", "g00000001", "g00000002"]))
+    ledger.commit_step(_input(ledger, ledger.next_batch(2)), _result(1, checkpoint=True, tokens=40), keep_last=3)
+    st = ledger.status("running", 10, history_events=300)
+    assert (st.run_id, st.phase, st.step, st.total_steps, st.policy_version) == (RUN, "running", 1, 10, 1)
+    # 5 leased, 3 reported (2 open), 2 consumed (1 ready)
+    assert (st.open_leases, st.groups_generated, st.groups_consumed, st.ready_groups) == (2, 3, 2, 1)
+    assert st.tokens_consumed == 40 and st.checkpoints == [_ckpt(1)]
+    assert [r.replica_id for r in st.replicas] == ["replica-0", "replica-1"]  # sorted by id
+    assert st.history_events == 300 and st.history_events_max == 500  # max(500, 300)
+    assert ledger.status("running", 10, history_events=700).history_events_max == 700
+    assert (st.continued_as_new, st.started_at) == (1, 12.5)
+
+
+# -- randomized property ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_interleavings_never_lose_or_double_consume(seed: int) -> None:
+    """Replicas lease, report (with retries, duplicates and zombie reports after a restart), restart and
+    the trainer commits steps, in a random order. Every group ever leased ends in exactly one of consumed,
+    ready, open_leases or returned, and none is consumed twice."""
+    rng = random.Random(seed)
+    replicas = ["replica-0", "replica-1", "replica-2"]
+    ledger = Ledger(RunState(run_id=RUN))
+    holding: dict[str, set[str]] = {r: set() for r in replicas}  # what each live incarnation generates
+    zombie: dict[str, set[str]] = {r: set() for r in replicas}  # what a restarted replica's old process held
+    reported: list[SegmentRef] = []
+    leased: set[str] = set()
+    consumed: list[str] = []
+    seq = 0
+    for _ in range(300):
+        op = rng.random()
+        r = rng.choice(replicas)
+        if op < 0.3:
+            for lease in ledger.lease(r, rng.randint(0, 3)):
+                leased.add(lease.group_id)
+                holding[r].add(lease.group_id)
+        elif op < 0.55 and holding[r]:
+            done = rng.sample(sorted(holding[r]), rng.randint(1, len(holding[r])))
+            seq += 1
+            seg = _seg(str(seq), done, replica=r)
+            ledger.add_segment(seg)
+            holding[r] -= set(done)
+            reported.append(seg)
+        elif op < 0.65 and reported:
+            ledger.add_segment(rng.choice(reported))  # a retried report: must be a no-op
+        elif op < 0.72 and zombie[r]:
+            done = rng.sample(sorted(zombie[r]), 1)  # the old process finishes a group after all
+            seq += 1
+            ledger.add_segment(_seg(str(seq), done, replica=r))
+            zombie[r] -= set(done)
+        elif op < 0.8:
+            keep = {g for g in holding[r] if rng.random() < 0.5}  # resumed from the partial pool
+            released = ledger.release_leases_of(r, keep)
+            assert set(released) <= holding[r] | zombie[r]
+            zombie[r] |= holding[r] - keep
+            holding[r] = set(ledger.held_by(r, sorted(keep)))
+        elif len(ledger.s.ready) >= 2:
+            inp = _input(ledger, ledger.next_batch(rng.randint(1, 4)))
+            ids = _ids(inp.batch)
+            # a report that arrives while the step runs
+            if holding[r] and rng.random() < 0.3:
+                seq += 1
+                g = sorted(holding[r])[0]
+                ledger.add_segment(_seg(str(seq), [g], replica=r))
+                holding[r].discard(g)
+            ledger.commit_step(inp, _result(ledger.s.step + 1, checkpoint=rng.random() < 0.3), keep_last=2)
+            consumed.extend(ids)
+        # a group is leased to at most one replica (open_leases is keyed by group) and never also returned
+        ready = _ready_ids(ledger)
+        open_ = list(ledger.s.open_leases)
+        returned = [x.group_id for x in ledger.s.returned]
+        for g, lease in ledger.s.open_leases.items():
+            assert g not in returned and lease.replica_id in replicas
+        everywhere = consumed + ready + open_ + returned
+        assert len(consumed) == len(set(consumed)), "a group was consumed twice"
+        assert len(everywhere) == len(set(everywhere)), "a group is in two places"
+        assert set(everywhere) == leased, "a leased group was lost"
+        assert ledger.s.groups_generated == len(consumed) + len(ready)
+        assert ledger.s.groups_consumed == len(consumed)
+        # every ready group's segment is still indexed, and nothing else is
+        assert set(ledger.s.segments) == {g.segment_key for g in ledger.s.ready}
+    assert consumed, f"seed {seed}: the schedule never trained; widen it"

@@ -1,0 +1,144 @@
+"""The run summary: nearest-rank percentiles, the reward rise and build_summary over per-step metric objects
+in a real local object store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from laminar.messages import RunStatus
+from laminar.refs import CheckpointRef
+from storage import keys
+from storage.objects import LocalObjectStore
+from workers.summary import build_summary, percentile, reward_rise, step_metrics
+
+RUN = "run-summary"
+
+
+@pytest.mark.parametrize(("values", "q", "expected"), [
+    ([], 50, 0.0),  # empty: 0.0
+    ([7], 50, 7.0),  # one value is every percentile
+    ([7], 99, 7.0),
+    # n = 10: rank = ceil(q/100 * 10)
+    (list(range(1, 11)), 50, 5.0),  # ceil(5.0) = 5 -> 5
+    (list(range(1, 11)), 99, 10.0),  # ceil(9.9) = 10 -> 10
+    (list(range(1, 11)), 0, 1.0),  # ceil(0) = 0, clamped to rank 1 -> 1
+    (list(range(1, 11)), 100, 10.0),  # ceil(10) = 10 -> 10
+    (list(range(1, 11)), 51, 6.0),  # ceil(5.1) = 6 -> 6
+    # n = 4, values 10 20 30 40
+    ([10, 20, 30, 40], 50, 20.0),  # ceil(2.0) = 2 -> 20 (nearest rank, no interpolation)
+    ([10, 20, 30, 40], 25, 10.0),  # ceil(1.0) = 1 -> 10
+    ([10, 20, 30, 40], 26, 20.0),  # ceil(1.04) = 2 -> 20
+    ([10, 20, 30, 40], 99, 40.0),  # ceil(3.96) = 4 -> 40
+    # n = 5 with repeats: 1 1 2 3 100
+    ([1, 1, 2, 3, 100], 50, 2.0),  # ceil(2.5) = 3 -> 2
+    ([1, 1, 2, 3, 100], 80, 3.0),  # ceil(4.0) = 4 -> 3
+    ([1, 1, 2, 3, 100], 81, 100.0),  # ceil(4.05) = 5 -> 100
+    # n = 200: p99 -> ceil(198.0) = 198 -> value 198; p50 -> ceil(100.0) = 100
+    (list(range(1, 201)), 99, 198.0),
+    (list(range(1, 201)), 50, 100.0),
+])
+def test_percentile_nearest_rank(values: list[int], q: float, expected: float) -> None:
+    got = percentile(values, q)
+    assert got == expected and isinstance(got, float)
+
+
+def test_p50_and_p99_ranks_are_exact_for_every_length_up_to_1000() -> None:
+    # the two percentiles the summary reports: rank = ceil(q * n / 100) in integer arithmetic
+    for n in range(1, 1001):
+        values = list(range(1, n + 1))  # value == rank
+        assert percentile(values, 50) == (50 * n + 99) // 100, n
+        assert percentile(values, 99) == (99 * n + 99) // 100, n
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="percentile computes ceil(q / 100 * n) in floating "
+                   "point: for q=7, n=100, 7/100*100 = 7.000000000000001 so the rank is 8, not 7 (any q whose "
+                   "q/100 is not exact can land one rank high); ceil(q * n / 100) would be exact for integer q")
+def test_percentile_rank_is_exact_for_q_7_of_100() -> None:
+    # nearest rank of the 7th percentile of 1..100: ceil(7 * 100 / 100) = 7 -> value 7
+    assert percentile(list(range(1, 101)), 7) == 7.0
+
+
+def test_reward_rise_needs_ten_steps() -> None:
+    assert reward_rise([]) == 0.0
+    assert reward_rise([0.0] * 5 + [1.0] * 4) == 0.0  # 9 steps: too few to tell
+
+
+def test_reward_rise_hand_worked() -> None:
+    # 10 steps: first tenth = 10 // 10 = 1 step [0.1]; last fifth = 10 // 5 = 2 steps [0.8, 1.0]
+    # rise = (0.8 + 1.0) / 2 - 0.1 = 0.9 - 0.1 = 0.8
+    rewards = [0.1, 0.2, 0.3, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0]
+    assert reward_rise(rewards) == pytest.approx(0.8)
+    # 20 steps 0, 1, ..., 19 scaled by 0.05: first tenth = steps 0,1 -> mean 0.025;
+    # last fifth = steps 16..19 -> mean 17.5 * 0.05 = 0.875; rise = 0.875 - 0.025 = 0.85
+    assert reward_rise([i * 0.05 for i in range(20)]) == pytest.approx(0.85)
+    # a falling curve gives a negative rise: 10 steps 1.0 .. 0.1 -> last [0.2, 0.1] mean 0.15 minus 1.0
+    assert reward_rise([1.0 - i / 10 for i in range(10)]) == pytest.approx(-0.85)
+
+
+def _status(**overrides: object) -> RunStatus:
+    fields: dict[str, object] = dict(
+        run_id=RUN, phase="finished", step=3, total_steps=3, policy_version=3, ready_groups=0, open_leases=0,
+        groups_generated=14, groups_consumed=12, groups_consumed_twice=0, tokens_consumed=0,
+        reward_recent=[], versions_in_use=[3], max_versions_in_use=2,
+        staleness_histogram={"0": 20, "1": 4}, trainer_wait_fraction=0.123456, history_events=800,
+        history_events_max=1900, continued_as_new=1,
+        checkpoints=[CheckpointRef(run_id=RUN, step=2, manifest_key=keys.checkpoint_manifest(RUN, 2),
+                                   manifest_sha256="ab" * 32, policy_version=2)],
+        relays=[], replicas=[], started_at=0.0,
+    )
+    fields.update(overrides)
+    return RunStatus(**fields)  # type: ignore[arg-type]
+
+
+def _write_metrics(store: LocalObjectStore, records: list[dict]) -> None:
+    for r in records:
+        store.put(keys.step_metrics(RUN, r["step"]), json.dumps(r).encode())
+
+
+def test_build_summary_from_store(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path / "store")
+    # written out of order: the summary orders by step
+    _write_metrics(store, [
+        {"step": 3, "reward_mean": 0.75, "tokens": 300, "response_lengths": [9, 1], "loss": 0.1},
+        {"step": 1, "reward_mean": 0.1234567, "tokens": 100, "response_lengths": [4, 2, 8]},
+        {"step": 2, "reward_mean": 0.5, "tokens": 200, "response_lengths": [3, 6, 5, 7]},
+    ])
+    # another run's metrics are not read
+    store.put(keys.step_metrics("other-run", 1), json.dumps({"step": 1, "reward_mean": 9.0, "tokens": 10 ** 6,
+                                                               "response_lengths": [1000]}).encode())
+    assert [r["step"] for r in step_metrics(store, RUN)] == [1, 2, 3]
+    summary = build_summary(_status(), store, wall_s=12.3456)
+    # lengths sorted: 1 2 3 4 5 6 7 8 9 (n = 9); p50 rank ceil(4.5) = 5 -> 5; p99 rank ceil(8.91) = 9 -> 9
+    # tokens 100 + 200 + 300 = 600 over 12.3456 s = 48.600... -> 48.6
+    assert summary == {
+        "run_id": RUN,
+        "steps": 3,
+        "reward_per_step": [0.12346, 0.5, 0.75],  # rounded to 5 places
+        "response_len_p50": 5.0,
+        "response_len_p99": 9.0,
+        "tokens_per_s": 48.6,
+        "wall_s": 12.35,
+        "staleness_histogram": {"0": 20, "1": 4},
+        "max_versions_in_use": 2,
+        "trainer_wait_fraction": 0.1235,  # 0.123456 rounded to 4 places
+        "groups_generated": 14,
+        "groups_consumed": 12,
+        "groups_consumed_twice": 0,
+        "checkpoints": [{"run_id": RUN, "step": 2, "manifest_key": keys.checkpoint_manifest(RUN, 2),
+                         "manifest_sha256": "ab" * 32, "policy_version": 2}],
+        "temporal_history_events_max": 1900,
+        "continued_as_new": 1,
+    }
+    json.dumps(summary)  # what `laminar run --summary` writes must be JSON
+
+
+def test_build_summary_without_metrics_or_time(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path / "store")
+    summary = build_summary(_status(step=0, checkpoints=[]), store, wall_s=0.0)
+    assert summary["reward_per_step"] == []
+    assert (summary["response_len_p50"], summary["response_len_p99"]) == (0.0, 0.0)
+    assert (summary["tokens_per_s"], summary["wall_s"]) == (0.0, 0.0)  # no division by zero
+    assert summary["checkpoints"] == []
