@@ -49,3 +49,13 @@ async def test_start_status_stop(stack, tmp_path):
     assert stopped.returncode == 0, stopped.stderr
     final = await handle.result()
     assert final.phase == "finished" and final.step < 500 and final.groups_consumed_twice == 0
+
+
+def test_example_client_script_runs(stack):
+    sets = [arg for o in TEST_OVERRIDES if not o.startswith("run.steps") for arg in ("--set", o)]
+    out = subprocess.run([sys.executable, "examples/start_and_watch.py", "examples/tiny.toml", "--steps", "2", *sets],
+                         env={**os.environ, **stack.settings.to_env()}, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("run_id=")
+    assert "finished: steps=2" in lines[-1] and "consumed_twice=0" in lines[-1]
