@@ -153,6 +153,8 @@ class RunConfig(_Section):
                 raise ConfigError(f"config file {p} does not exist; pass a TOML file such as examples/tiny.toml") from None
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"config file {p} cannot be read ({e}); pass a readable UTF-8 TOML file") from None
         for item in overrides or []:
             apply_override(data, item)
         return cls.from_json(data)
@@ -174,6 +176,8 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    if _is_text_field(dotted) and not isinstance(value, str):
+        value = raw  # a bare string that looks like a number or a date stays the string it is
     node = data
     parts = dotted.split(".")
     for part in parts[:-1]:
@@ -181,6 +185,13 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {item!r}: {part} is not a section")
     node[parts[-1]] = value
+
+
+def _is_text_field(dotted: str) -> bool:
+    parts = dotted.split(".")
+    section = RunConfig.model_fields.get(parts[0]) if len(parts) == 2 else None
+    fields = getattr(section.annotation, "model_fields", {}) if section is not None else {}
+    return parts[-1] in fields and fields[parts[-1]].annotation is str
 
 
 def describe_validation_error(e: ValidationError) -> str:

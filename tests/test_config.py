@@ -52,9 +52,6 @@ def test_later_override_wins_and_empty_value_is_an_empty_string() -> None:
     assert cfg.model.path == ""
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError, reason="apply_override parses the value as TOML first, so a bare string that "
-                   "looks like a number or a date (run_id=123, run_id=2024-01-01) becomes int/date and a str "
-                   "field rejects it, although the docstring says strings may be bare")
 def test_bare_string_override_that_looks_like_a_number() -> None:
     assert RunConfig.load(None, ["--run.run_id=123"]).run.run_id == "123"
 
@@ -120,9 +117,6 @@ def test_bad_toml_is_a_clear_error(tmp_path: Path) -> None:
     assert str(path) in str(exc.value) and "not valid TOML" in str(exc.value)
 
 
-@pytest.mark.xfail(strict=True, raises=IsADirectoryError, reason="RunConfig.load catches only FileNotFoundError and TOMLDecodeError: a "
-                   "directory (IsADirectoryError), an unreadable file (PermissionError) or non-UTF-8 bytes "
-                   "(UnicodeDecodeError) escape untranslated instead of as ConfigError")
 def test_config_path_that_is_a_directory_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         RunConfig.load(tmp_path)

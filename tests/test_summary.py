@@ -53,9 +53,6 @@ def test_p50_and_p99_ranks_are_exact_for_every_length_up_to_1000() -> None:
         assert percentile(values, 99) == (99 * n + 99) // 100, n
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="percentile computes ceil(q / 100 * n) in floating "
-                   "point: for q=7, n=100, 7/100*100 = 7.000000000000001 so the rank is 8, not 7 (any q whose "
-                   "q/100 is not exact can land one rank high); ceil(q * n / 100) would be exact for integer q")
 def test_percentile_rank_is_exact_for_q_7_of_100() -> None:
     # nearest rank of the 7th percentile of 1..100: ceil(7 * 100 / 100) = 7 -> value 7
     assert percentile(list(range(1, 101)), 7) == 7.0

@@ -17,7 +17,7 @@ def percentile(sorted_values: list[int], q: float) -> float:
     """Nearest-rank percentile of an ascending list (q in [0, 100]); 0.0 for an empty list."""
     if not sorted_values:
         return 0.0
-    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
+    rank = max(1, math.ceil(q * len(sorted_values) / 100))  # exact for whole-number q
     return float(sorted_values[rank - 1])
 
 
