@@ -1,18 +1,22 @@
-"""Blocking client of a weight relay: push a version, fetch the newest or a given one, poll, stats.
+"""Blocking client of a weight relay: push a version, fetch the newest or a given one, pull from shared
+memory on the relay's host, poll, stats.
 
-Every call opens one TCP connection, sends one request frame and reads one reply frame. Calls block;
-from an asyncio loop run them with `asyncio.to_thread`. Every failure raises laminar.errors.RelayError
-naming the relay address.
+Every call opens one TCP connection, runs the handshake (relay.auth; pass the run token when relays
+require one), sends one request and reads one reply. Calls block; from an asyncio loop run them with
+`asyncio.to_thread`. Every failure raises laminar.errors.RelayError naming the relay address.
 """
 
 from __future__ import annotations
 
+import hashlib
+import mmap
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from laminar.errors import RelayError
-from relay import protocol
+from relay import auth, protocol, segments
 
 
 def _connect(addr: str, timeout_s: float) -> socket.socket:
@@ -33,27 +37,87 @@ def _connect(addr: str, timeout_s: float) -> socket.socket:
     return sock
 
 
+def open_connection(addr: str, timeout_s: float = 30.0, *, token: str | None = None) -> socket.socket:
+    """A connected, authenticated socket to the relay at addr (the caller closes it)."""
+    sock = _connect(addr, timeout_s)
+    try:
+        auth.client_handshake(sock, addr, token)
+    except RelayError as exc:
+        sock.close()
+        if str(exc).startswith(f"relay {addr}"):
+            raise
+        raise RelayError(f"relay {addr}, handshake: {exc}") from exc
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _reply(sock: socket.socket, addr: str, op: str) -> tuple[dict[str, Any], bytes]:
+    try:
+        frame = protocol.recv_frame(sock)
+    except RelayError as exc:
+        raise RelayError(f"relay {addr}, op {op!r}: {exc}") from exc
+    assert frame is not None  # recv_frame without allow_eof never returns None
+    reply, body = frame
+    if not reply.get("ok"):
+        raise RelayError(f"relay {addr} refused op {op!r}: {reply.get('error', 'no error given')}")
+    return reply, body
+
+
 def request(
-    addr: str, header: dict[str, Any], payload: bytes | memoryview = b"", timeout_s: float = 30.0
+    addr: str, header: dict[str, Any], payload: bytes | memoryview = b"", timeout_s: float = 30.0,
+    *, token: str | None = None,
 ) -> tuple[dict[str, Any], bytes]:
     """Send one request frame and return the reply (header, payload); ok=false replies raise RelayError.
 
     timeout_s bounds the connect and each socket read or write (an idle timeout, not a total one).
     """
-    sock = _connect(addr, timeout_s)
+    sock = open_connection(addr, timeout_s, token=token)
     try:
         try:
             protocol.send_frame(sock, {"proto": protocol.PROTOCOL_VERSION, **header}, payload)
-            frame = protocol.recv_frame(sock)
         except RelayError as exc:
             raise RelayError(f"relay {addr}, op {header.get('op')!r}: {exc}") from exc
+        return _reply(sock, addr, str(header.get("op")))
     finally:
         sock.close()
-    assert frame is not None  # recv_frame without allow_eof never returns None
-    reply, body = frame
-    if not reply.get("ok"):
-        raise RelayError(f"relay {addr} refused op {header.get('op')!r}: {reply.get('error', 'no error given')}")
-    return reply, body
+
+
+ChunkSource = Callable[[int], tuple[memoryview, int]]
+
+
+def send_version(
+    sock: socket.socket, addr: str, header: dict[str, Any], chunk: ChunkSource, n_chunks: int,
+    final_sha256: Callable[[], str],
+) -> dict[str, Any]:
+    """Stream one put: the put header, n_chunks chunk frames (chunk(i) -> (bytes, crc32)), the end frame.
+
+    chunk(i) may block until chunk i exists (a relay forwarding what it is still receiving) and raise to
+    abort; the connection is then closed without an end frame and the receiver discards the partial
+    version. Returns the relay's reply; RelayError if the relay refuses or the connection breaks.
+    """
+    try:
+        sock.sendall(protocol.encode_header({"proto": protocol.PROTOCOL_VERSION, **header}, 0))
+        for i in range(n_chunks):
+            view, crc = chunk(i)
+            sock.sendall(protocol.encode_header({"op": protocol.OP_CHUNK, "index": i, "crc32": crc}, len(view)))
+            sock.sendall(view)
+        end = {"op": protocol.OP_END, "chunks": n_chunks, "sha256": final_sha256()}
+        sock.sendall(protocol.encode_header(end, 0))
+    except OSError as exc:
+        # The relay may have refused part way (bad chunk) and closed: its error reply explains why.
+        try:
+            sock.settimeout(1.0)
+            frame = protocol.recv_frame(sock, allow_eof=True)
+        except RelayError:
+            frame = None
+        if frame is not None and not frame[0].get("ok"):
+            raise RelayError(f"relay {addr} refused op 'put': {frame[0].get('error')}") from exc
+        raise RelayError(f"relay {addr}: streaming policy_version {header.get('policy_version')} failed "
+                         f"({exc}); the relay may have died") from exc
+    reply, _ = _reply(sock, addr, protocol.OP_PUT)
+    return reply
 
 
 def push(
@@ -65,22 +129,37 @@ def push(
     *,
     sha256: str | None = None,
     run: str = "",
+    token: str | None = None,
+    chunk_bytes: int | None = None,
 ) -> float:
     """Hand `payload` as `policy_version` to the relay at addr, which forwards it down `chain`.
 
-    Returns the seconds spent; the relay replies as soon as it holds the version, before forwarding.
-    A version not newer than the relay's newest is acknowledged but not stored as newest. Pass sha256
-    when it is already known (a relay forwarding), to avoid hashing again on the sending side.
+    Returns the seconds spent (the trainer's stall): the relay replies as soon as it holds and has
+    verified the whole version; forwarding down the chain overlaps with the upload and continues in the
+    background. A version older than the relay's newest is acknowledged but not stored. sha256, when
+    given, is trusted instead of hashing while sending. chunk_bytes defaults to the chain model's optimum
+    for len(chain) + 1 hops (protocol.chunk_bytes_for).
     """
     start = time.perf_counter()
-    header = {
-        "op": protocol.OP_PUT,
-        "policy_version": policy_version,
-        "sha256": sha256 or protocol.sha256_hex(payload),
-        "chain": list(chain),
-        "run": run,
-    }
-    request(addr, header, payload, timeout_s)
+    view = memoryview(payload).cast("B")
+    size = len(view)
+    chunk_bytes = chunk_bytes or protocol.chunk_bytes_for(size, len(chain) + 1)
+    n_chunks = -(-size // chunk_bytes)
+    hasher = None if sha256 else hashlib.sha256()
+
+    def chunk(i: int) -> tuple[memoryview, int]:
+        piece = view[i * chunk_bytes:(i + 1) * chunk_bytes]
+        if hasher is not None:
+            hasher.update(piece)
+        return piece, protocol.crc32(piece)
+
+    header = {"op": protocol.OP_PUT, "policy_version": policy_version, "run": run, "chain": list(chain),
+              "size": size, "chunk_bytes": chunk_bytes, "sha256": sha256}
+    sock = open_connection(addr, timeout_s, token=token)
+    try:
+        send_version(sock, addr, header, chunk, n_chunks, lambda: sha256 or hasher.hexdigest())
+    finally:
+        sock.close()
     return time.perf_counter() - start
 
 
@@ -95,28 +174,88 @@ def _verified(addr: str, reply: dict[str, Any], body: bytes) -> bytes:
     return body
 
 
-def fetch_latest(addr: str, timeout_s: float = 30.0, *, run: str = "") -> tuple[int | None, bytes | None]:
+def fetch_latest(addr: str, timeout_s: float = 30.0, *, run: str = "",
+                 token: str | None = None) -> tuple[int | None, bytes | None]:
     """(policy_version, payload) of the newest complete version of `run` the relay holds, or (None, None)."""
-    reply, body = request(addr, {"op": protocol.OP_LATEST, "run": run}, timeout_s=timeout_s)
+    reply, body = request(addr, {"op": protocol.OP_LATEST, "run": run}, timeout_s=timeout_s, token=token)
     if reply.get("policy_version") is None:
         return None, None
     return reply["policy_version"], _verified(addr, reply, body)
 
 
-def fetch_version(addr: str, policy_version: int, timeout_s: float = 30.0, *, run: str = "") -> bytes:
+def fetch_version(addr: str, policy_version: int, timeout_s: float = 30.0, *, run: str = "",
+                  token: str | None = None) -> bytes:
     """Payload of `policy_version` of `run`; RelayError if the relay no longer (or never) held it."""
     header = {"op": protocol.OP_GET, "policy_version": policy_version, "run": run}
-    reply, body = request(addr, header, timeout_s=timeout_s)
+    reply, body = request(addr, header, timeout_s=timeout_s, token=token)
     return _verified(addr, reply, body)
 
 
-def latest_version(addr: str, timeout_s: float = 5.0, *, run: str = "") -> int | None:
+def latest_version(addr: str, timeout_s: float = 5.0, *, run: str = "", token: str | None = None) -> int | None:
     """Newest complete policy_version of `run` the relay holds (None if none); a cheap poll, no payload."""
-    reply, _ = request(addr, {"op": protocol.OP_VERSION, "run": run}, timeout_s=timeout_s)
+    reply, _ = request(addr, {"op": protocol.OP_VERSION, "run": run}, timeout_s=timeout_s, token=token)
     return reply.get("policy_version")
 
 
-def stats(addr: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    """The relay's counters: relay_id, versions, bytes_held, forwards_done/failed/superseded/pending."""
-    reply, _ = request(addr, {"op": protocol.OP_STATS}, timeout_s=timeout_s)
+def stats(addr: str, timeout_s: float = 5.0, *, token: str | None = None) -> dict[str, Any]:
+    """The relay's counters: relay_id, versions, bytes_held, completed_at, forwards_done/failed/..."""
+    reply, _ = request(addr, {"op": protocol.OP_STATS}, timeout_s=timeout_s, token=token)
     return {k: v for k, v in reply.items() if k not in ("ok", "payload_bytes")}
+
+
+class LocalPull:
+    """A version mapped read-only from the local relay's shared memory; `buffer` is a zero-copy view.
+
+    Close it (or use it as a context manager) once the weights are loaded into the engine; the bytes
+    stay valid until then even if the relay evicts the version meanwhile (relay.segments).
+    """
+
+    def __init__(self, policy_version: int, sha256: str, path: str, buffer: memoryview,
+                 mapping: mmap.mmap | None) -> None:
+        self.policy_version = policy_version
+        self.sha256 = sha256
+        self.path = path
+        self.buffer = buffer
+        self._mapping = mapping
+
+    def verify(self) -> None:
+        """Re-hash the mapped bytes against the relay's sha256 (the relay already verified them on receipt)."""
+        got = protocol.sha256_hex(self.buffer)
+        if got != self.sha256:
+            raise RelayError(f"shared-memory segment {self.path}: sha256 {got[:12]}.. differs from the "
+                             f"relay's {self.sha256[:12]}..; pull again")
+
+    def close(self) -> None:
+        """Unmap; fails with BufferError while views derived from `buffer` (e.g. tensors) are alive."""
+        self.buffer.release()
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+
+    def __enter__(self) -> LocalPull:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def pull_local(addr: str, *, run: str = "", token: str | None = None, policy_version: int | None = None,
+               timeout_s: float = 5.0) -> LocalPull | None:
+    """Map the newest (or the given) version of `run` from the shared memory of the relay on this host.
+
+    No bytes cross the socket: the relay names its segment and this process maps it read-only. Returns
+    None when the relay holds no version of `run`; RelayError when it does not hold policy_version.
+    """
+    header = {"op": protocol.OP_LOCAL, "run": run, "policy_version": policy_version}
+    for attempt in range(3):
+        reply, _ = request(addr, header, timeout_s=timeout_s, token=token)
+        if reply.get("policy_version") is None:
+            return None
+        try:
+            view, mapping = segments.open_readonly(reply["path"], reply["size"])
+        except RelayError:
+            if attempt == 2:
+                raise
+            continue  # evicted between the reply and the open: ask again
+        return LocalPull(reply["policy_version"], reply["sha256"], reply["path"], view, mapping)
+    raise AssertionError("unreachable")

@@ -1,14 +1,22 @@
-"""Passing a version down the relay chain, skipping dead relays, from one background thread."""
+"""Passing a version down the relay chain, chunk by chunk, skipping dead relays, from one background thread.
+
+The forwarder starts as soon as a put's header arrives: it sends chunk i downstream while chunk i+1 is
+still arriving (it waits on the Version for each chunk), so hops overlap. If the next relay fails part
+way (connection reset, timeout, refusal), the forwarder skips it and streams the version from chunk 0 to
+the one after it, which gets the rest of the chain. If the version itself fails upstream, the downstream
+connection is closed without an end frame and every relay below discards its partial copy.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 from laminar.errors import RelayError
 from laminar.logs import get_logger
-from relay import client
-from relay.versions import Version
+from relay import client, protocol
+from relay.versions import UpstreamFailedError, Version
 
 log = get_logger("relay")
 
@@ -20,17 +28,19 @@ class ForwardCounters:
     done: int = 0
     failed: int = 0
     superseded: int = 0
+    aborted: int = 0  # the version failed upstream while being forwarded
     pending: int = 0
     in_flight: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Forwarder:
-    """One background thread that sends the newest pending version down its chain."""
+    """One background thread that streams the newest pending version down its chain."""
 
-    def __init__(self, relay_id: str, timeout_s: float) -> None:
+    def __init__(self, relay_id: str, timeout_s: float, token: str | None = None) -> None:
         self._relay_id = relay_id
         self._timeout_s = timeout_s
+        self._token = token
         self._cond = threading.Condition()
         self._pending: tuple[Version, list[str]] | None = None
         self._stopping = False
@@ -86,9 +96,15 @@ class Forwarder:
     def _forward(self, version: Version, chain: list[str]) -> None:
         for i, target in enumerate(chain):
             downstream = chain[i + 1:]
+            start = time.perf_counter()
             try:
-                spent_s = client.push(target, version.policy_version, version.payload, downstream,
-                                      timeout_s=self._timeout_s, sha256=version.sha256, run=version.run)
+                self._stream(version, target, downstream)
+            except UpstreamFailedError as exc:
+                with self.counters.lock:
+                    self.counters.aborted += 1
+                log.warning("relay_forward_aborted", relay_id=self._relay_id, target=target,
+                            policy_version=version.policy_version, error=str(exc))
+                return
             except RelayError as exc:
                 with self.counters.lock:
                     self.counters.failed += 1
@@ -99,8 +115,19 @@ class Forwarder:
             with self.counters.lock:
                 self.counters.done += 1
             log.info("relay_version_forwarded", relay_id=self._relay_id, target=target,
-                     policy_version=version.policy_version, bytes=len(version.payload),
-                     skipped=i, spent_s=round(spent_s, 4))
+                     policy_version=version.policy_version, bytes=version.size, skipped=i,
+                     spent_s=round(time.perf_counter() - start, 4))
             return
         log.error("relay_chain_exhausted", relay_id=self._relay_id, policy_version=version.policy_version,
                   chain=chain)
+
+    def _stream(self, version: Version, target: str, downstream: list[str]) -> None:
+        header = {"op": protocol.OP_PUT, "policy_version": version.policy_version, "run": version.run,
+                  "chain": downstream, "size": version.size, "chunk_bytes": version.chunk_bytes,
+                  "sha256": version.sha256}
+        sock = client.open_connection(target, self._timeout_s, token=self._token)
+        try:
+            client.send_version(sock, target, header, lambda i: version.wait_chunk(i, self._timeout_s),
+                                version.n_chunks, lambda: version.wait_complete(self._timeout_s))
+        finally:
+            sock.close()

@@ -8,38 +8,51 @@ A frame is
 
 Nothing is ever pickled: headers are JSON, payloads are bytes the relay never interprets.
 
-Direction of the messages (every request is answered by exactly one reply frame):
+Every connection opens with a handshake (relay.auth): the relay sends
+{"op": "hello", "proto", "relay_id", "nonce", "auth": bool}; when auth is true the client answers
+{"op": "auth", "nonce", "mac"} and the relay replies {"ok": true, "mac"} (mutual HMAC-SHA256 over both
+nonces with the run token) or {"ok": false, "error"} and closes. Then requests follow; every request is
+answered by exactly one reply frame:
 
-    client -> relay   {"op": "put", "policy_version", "sha256", "chain": ["host:port", ...]} + payload
-    relay  -> client  {"ok": true, "stored": bool, "newest": int}
-    client -> relay   {"op": "latest"}
+    client -> relay   {"op": "put", "policy_version", "run", "chain": ["host:port", ...], "size",
+                       "chunk_bytes", "sha256": str | null}                      (no payload)
+    client -> relay   {"op": "chunk", "index": i, "crc32": c} + chunk i      (ceil(size / chunk_bytes) times)
+    client -> relay   {"op": "end", "chunks": n, "sha256"}                    (sha256 of the whole version)
+    relay  -> client  {"ok": true, "stored": bool, "newest": int, "replaced": bool}
+    client -> relay   {"op": "latest", "run"}
     relay  -> client  {"ok": true, "policy_version": int | null, "sha256": str | null} + payload
-    client -> relay   {"op": "get", "policy_version"}
+    client -> relay   {"op": "get", "policy_version", "run"}
     relay  -> client  {"ok": true, "policy_version", "sha256"} + payload    (or ok=false if not held)
-    client -> relay   {"op": "version"}
+    client -> relay   {"op": "version", "run"}
     relay  -> client  {"ok": true, "policy_version": int | null}
+    client -> relay   {"op": "local", "policy_version": int | null, "run"}
+    relay  -> client  {"ok": true, "policy_version", "sha256", "path", "size"}   (a shared-memory file)
     client -> relay   {"op": "stats"}
-    relay  -> client  {"ok": true, "relay_id", "versions", "bytes_held", "forwards_done", ...}
+    relay  -> client  {"ok": true, "relay_id", "run", "versions", "bytes_held", "completed_at": {version: unix s},
+                       "receiving": [[version, chunks landed, chunks], ...], "forwards_done", ...}
 
-Any reply may be {"ok": false, "error": "..."}.
+Any reply may be {"ok": false, "error": "..."}. A relay that rejects a put part way (bad chunk crc32,
+sha256 mismatch) replies the error at once and closes the connection.
 
-The header is read separately from the payload (`recv_header`, then `recv_payload_into` or
-`iter_payload`), so a later chunked, pipelined relay can forward each chunk downstream while the rest
-is still arriving without changing the frame format.
+A put streams: the relay checks each chunk's crc32 as it lands (straight into the version's
+shared-memory segment), forwards chunk i downstream while chunk i+1 is still arriving, verifies the
+whole version's sha256 after the last chunk, and only then serves the version.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import socket
 import struct
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
 from laminar.errors import RelayError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER_LEN = struct.Struct(">I")
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB: headers are small JSON objects; anything larger is a bad frame
 MAX_PAYLOAD_BYTES = 1 << 40  # 1 TiB: a sanity bound so a garbage header cannot ask for absurd memory
@@ -50,7 +63,45 @@ OP_LATEST = "latest"
 OP_GET = "get"
 OP_VERSION = "version"
 OP_STATS = "stats"
-OPS = (OP_PUT, OP_LATEST, OP_GET, OP_VERSION, OP_STATS)
+OP_LOCAL = "local"
+OP_CHUNK = "chunk"
+OP_END = "end"
+OP_HELLO = "hello"
+OP_AUTH = "auth"
+OPS = (OP_PUT, OP_LATEST, OP_GET, OP_VERSION, OP_LOCAL, OP_STATS)
+
+MIN_CHUNK_BYTES = 64 << 10  # 64 KiB: below this the per-chunk frame overhead dominates
+MAX_CHUNK_BYTES = 64 << 20  # 64 MiB: bounds how late the first byte reaches the next hop
+DEFAULT_LINK_BYTES_PER_S = 1.25e9  # 10 Gbit/s: the link the default chunk size is chosen for
+DEFAULT_T_START_S = 200e-6  # per-chunk start-up cost of one hop (frame + Python), measured order
+
+
+def chunk_bytes_for(size: int, hops: int, bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S,
+                    t_start_s: float = DEFAULT_T_START_S) -> int:
+    """Chunk size minimising the chain model's time for `size` bytes over `hops` hops (PAPER.md, App. D).
+
+    T(p, k) = (p + k - 2) * (M/k / B + t_start) is smallest at k* = sqrt((p - 2) * M / B / t_start), so a
+    chunk is M / k* = sqrt(M * B * t_start / (p - 2)), clamped to MIN_CHUNK_BYTES..MAX_CHUNK_BYTES. With
+    p = hops + 1 nodes; p <= 2 (one hop) gains nothing from pipelining and gets the largest chunk.
+    """
+    p = hops + 1
+    if p <= 2 or size <= 0:
+        best = MAX_CHUNK_BYTES
+    else:
+        best = int(math.sqrt(size * bytes_per_s * t_start_s / (p - 2)))
+    return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, best))
+
+
+def crc32(data: bytes | bytearray | memoryview) -> int:
+    """crc32 of one chunk, carried in its chunk frame and checked by every relay it passes."""
+    return zlib.crc32(data)
+
+
+def chain_model_s(size: int, nodes: int, bytes_per_s: float, t_start_s: float) -> float:
+    """T = M/B + (p-2)*t_start + 2*sqrt((p-2)*M/B*t_start): the optimal chain broadcast time, p nodes."""
+    m_over_b = size / bytes_per_s
+    extra = max(nodes - 2, 0)
+    return m_over_b + extra * t_start_s + 2 * math.sqrt(extra * m_over_b * t_start_s)
 
 
 def sha256_hex(payload: bytes | bytearray | memoryview) -> str:
@@ -150,6 +201,15 @@ def recv_header(sock: socket.socket, *, allow_eof: bool = False) -> dict[str, An
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_PAYLOAD_BYTES:
         raise RelayError(f"bad frame: payload_bytes={n!r} is not an integer in 0..{MAX_PAYLOAD_BYTES}")
     return header
+
+
+def recv_payload_into(sock: socket.socket, header: dict[str, Any], view: memoryview) -> None:
+    """Read the payload announced by `header` straight into `view` (which must be exactly that long)."""
+    n = header["payload_bytes"]
+    if n != len(view):
+        raise RelayError(f"bad frame: payload_bytes={n}, expected {len(view)}")
+    if n:
+        recv_exact_into(sock, view, f"{n}-byte payload")
 
 
 def recv_payload(sock: socket.socket, header: dict[str, Any]) -> bytes:

@@ -1,9 +1,11 @@
-"""A weight relay: holds the newest policy versions in CPU memory and passes each one down a chain.
+"""A weight relay: holds the newest policy versions in shared memory and streams each one down a chain.
 
-One relay runs per rollout host. The trainer pushes a version to the master relay, which replies as
-soon as it holds the version and then forwards it to chain[0] (with chain[1:] as that relay's own
-downstream) from a background thread. A dead relay is skipped: if chain[0] cannot take the version,
-chain[1] gets it with chain[2:], and so on. Rollouts pull the newest version from their local relay.
+One relay runs per rollout host. The trainer streams a version to the master relay in chunks; the
+master forwards each chunk to chain[0] (with chain[1:] as that relay's own downstream) while the next
+one is still arriving, and replies to the trainer as soon as it holds and has verified the whole
+version, so the trainer's stall does not grow with the chain. A dead relay is skipped: if chain[0]
+cannot take the version, chain[1] gets it with chain[2:], and so on. Rollouts on the relay's host map
+the newest version from shared memory (relay.segments); others fetch it over TCP.
 
 Threads: `start()` runs a ThreadingTCPServer in its own daemon thread (one more thread per open
 connection) plus one forwarder thread, so it never blocks the caller and can live next to a Temporal
@@ -13,18 +15,36 @@ still-pending older one (counted as superseded), so a slow chain never queues st
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import socketserver
 import threading
+import time
 from typing import Any
 
 from laminar.errors import RelayError
 from laminar.logs import get_logger
-from relay import protocol
+from relay import auth, protocol, segments
 from relay.forwarder import Forwarder
 from relay.versions import Version, VersionStore
 
 log = get_logger("relay")
+
+DRAIN_AFTER_REJECT_S = 2.0  # after rejecting a put, read what the sender still streams for this long
+
+
+def _drain(sock: socket.socket, seconds: float) -> None:
+    """Read and drop until EOF or `seconds` pass, so the sender can read our error before we close."""
+    deadline = time.monotonic() + seconds
+    sink = bytearray(1 << 20)
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if sock.recv_into(sink) == 0:
+                return
+    except OSError:
+        return
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -39,25 +59,43 @@ class _Handler(socketserver.BaseRequestHandler):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         relay._track(sock, add=True)
         try:
-            while True:
-                try:
-                    frame = protocol.recv_frame(sock, allow_eof=True)
-                except RelayError as exc:
-                    log.warning("relay_frame_rejected", relay_id=relay.relay_id, peer=str(self.client_address),
-                                error=str(exc))
-                    self._reply_error(sock, str(exc))
-                    return
-                if frame is None:
-                    return
-                header, payload = frame
-                reply, body = relay._dispatch(header, payload)
-                try:
-                    protocol.send_frame(sock, reply, body)
-                except RelayError as exc:
-                    log.warning("relay_reply_failed", relay_id=relay.relay_id, op=header.get("op"), error=str(exc))
-                    return
+            try:
+                auth.serve_handshake(sock, relay.relay_id, relay.token)
+            except RelayError as exc:
+                log.warning("relay_connection_refused", relay_id=relay.relay_id, peer=str(self.client_address),
+                            error=str(exc))
+                return
+            while self._serve_one(relay, sock):
+                pass
         finally:
             relay._track(sock, add=False)
+
+    def _serve_one(self, relay: RelayServer, sock: socket.socket) -> bool:
+        """Serve one request; False when the connection is done (closed, or a put was rejected)."""
+        try:
+            header = protocol.recv_header(sock, allow_eof=True)
+            if header is None:
+                return False
+            body: bytes | memoryview = b""
+            if header.get("op") == protocol.OP_PUT:
+                reply = relay._receive_put(sock, header)
+                if not reply.get("ok"):  # the sender may still be streaming: answer, then stop reading
+                    self._reply_error(sock, reply["error"])
+                    _drain(sock, DRAIN_AFTER_REJECT_S)
+                    return False
+            else:
+                reply, body = relay._dispatch(header, protocol.recv_payload(sock, header))
+        except RelayError as exc:
+            log.warning("relay_frame_rejected", relay_id=relay.relay_id, peer=str(self.client_address),
+                        error=str(exc))
+            self._reply_error(sock, str(exc))
+            return False
+        try:
+            protocol.send_frame(sock, reply, body)
+        except RelayError as exc:
+            log.warning("relay_reply_failed", relay_id=relay.relay_id, op=header.get("op"), error=str(exc))
+            return False
+        return True
 
     @staticmethod
     def _reply_error(sock: socket.socket, error: str) -> None:
@@ -75,7 +113,11 @@ class _TCPServer(socketserver.ThreadingTCPServer):
 
 
 class RelayServer:
-    """A relay holding the newest `keep_versions` policy versions in memory and forwarding new ones."""
+    """A relay holding the newest `keep_versions` policy versions in shared memory and forwarding new ones.
+
+    token: the run token clients (and upstream relays) must prove (relay.auth); None disables auth.
+    shm_dir: where version segments live (relay.segments); readers on this host map them from there.
+    """
 
     def __init__(
         self,
@@ -86,17 +128,25 @@ class RelayServer:
         *,
         forward_timeout_s: float = 30.0,
         io_timeout_s: float = 60.0,
+        token: str | None = None,
+        shm_dir: str = segments.DEFAULT_SHM_DIR,
     ) -> None:
         if keep_versions < 1:
             raise ValueError(f"keep_versions={keep_versions} must be at least 1 (the newest version)")
+        if token is not None and not token:
+            raise ValueError("token must be a non-empty string, or None to disable authentication")
         self.relay_id = relay_id
         self.bind_host = bind_host
         self.port = port
         self.keep_versions = keep_versions
         self.io_timeout_s = io_timeout_s
+        self.token = token
+        self.shm_dir = shm_dir
         self._store = VersionStore(keep_versions)
-        self._run = ""  # the run whose versions this relay holds; a put for another run replaces them
-        self._forwarder = Forwarder(relay_id, forward_timeout_s)
+        self._receiving: set[Version] = set()
+        self._receiving_lock = threading.Lock()
+        self._puts_rejected = 0
+        self._forwarder = Forwarder(relay_id, forward_timeout_s, token)
         self._server: _TCPServer | None = None
         self._thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
@@ -122,11 +172,12 @@ class RelayServer:
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name=f"relay-{self.relay_id}-server", daemon=True)
         self._thread.start()
-        log.info("relay_started", relay_id=self.relay_id, addr=self.addr, keep_versions=self.keep_versions)
+        log.info("relay_started", relay_id=self.relay_id, addr=self.addr, keep_versions=self.keep_versions,
+                 auth=self.token is not None)
         return self.addr
 
     def stop(self) -> None:
-        """Stop serving, close open connections and the forwarder; held versions are dropped."""
+        """Stop serving, close open connections and the forwarder; held versions are unlinked."""
         server, self._server = self._server, None
         if server is None:
             return
@@ -142,6 +193,11 @@ class RelayServer:
         self._forwarder.stop()
         if self._thread is not None:
             self._thread.join(5.0)
+        with self._receiving_lock:
+            for version in self._receiving:
+                version.fail("relay stopped")
+                version.segment.unlink()
+        self._store.clear()
         log.info("relay_stopped", relay_id=self.relay_id, addr=self.addr)
 
     def __enter__(self) -> RelayServer:
@@ -155,89 +211,165 @@ class RelayServer:
         with self._conns_lock:
             (self._conns.add if add else self._conns.discard)(sock)
 
-    # Request handling: each op returns (reply header, reply payload); never raises on bad input.
+    # Receiving a put: chunks land in the version's segment and are forwarded as they land.
 
-    def _dispatch(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
+    def _receive_put(self, sock: socket.socket, header: dict[str, Any]) -> dict[str, Any]:
+        """Receive a streamed put; returns the reply (ok=false replies close the connection)."""
+        try:
+            version, chain = self._begin_put(header)
+        except RelayError as exc:
+            self._puts_rejected += 1
+            return _error(str(exc))
+        newest = self._store.newest(version.run)
+        stale = newest is not None and version.policy_version < newest.policy_version
+        if not stale:
+            self._forwarder.submit(version, chain)
+        with self._receiving_lock:
+            self._receiving.add(version)
+        try:
+            sha = self._receive_chunks(sock, version, header.get("sha256"))
+        except RelayError as exc:
+            version.fail(str(exc))
+            version.segment.unlink()
+            self._puts_rejected += 1
+            log.warning("relay_put_rejected", relay_id=self.relay_id, policy_version=version.policy_version,
+                        error=str(exc))
+            return _error(str(exc))
+        finally:
+            with self._receiving_lock:
+                self._receiving.discard(version)
+        version.complete(sha)
+        outcome = self._store.put(version)
+        if outcome.stored:
+            log.info("relay_version_stored", relay_id=self.relay_id, policy_version=version.policy_version,
+                     bytes=version.size, replaced=outcome.replaced)
+        else:
+            log.info("relay_version_ignored", relay_id=self.relay_id, policy_version=version.policy_version,
+                     newest=outcome.newest, reason="stale" if outcome.stale else "duplicate")
+        return {"ok": True, "stored": outcome.stored, "newest": outcome.newest, "replaced": outcome.replaced}
+
+    def _begin_put(self, header: dict[str, Any]) -> tuple[Version, list[str]]:
+        number = _require_version(header)
+        run, chain, sha = header.get("run", ""), header.get("chain", []), header.get("sha256")
+        size, chunk_bytes = header.get("size"), header.get("chunk_bytes")
+        if not isinstance(run, str):
+            raise RelayError(f"put policy_version {number}: run={run!r} is not a string")
+        if not isinstance(chain, list) or not all(isinstance(a, str) for a in chain):
+            raise RelayError(f"put policy_version {number}: chain={chain!r} is not a list of host:port strings")
+        if sha is not None and (not isinstance(sha, str) or len(sha) != 64):
+            raise RelayError(f"put policy_version {number}: sha256={sha!r} is not a 64-character hex digest")
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= protocol.MAX_PAYLOAD_BYTES:
+            raise RelayError(f"put policy_version {number}: size={size!r} is not a byte count")
+        if (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
+                or not 0 < chunk_bytes <= protocol.MAX_CHUNK_BYTES):
+            raise RelayError(f"put policy_version {number}: chunk_bytes={chunk_bytes!r} is not in "
+                             f"1..{protocol.MAX_CHUNK_BYTES}")
+        name = segments.segment_name(self.relay_id, run, number)
+        return Version(number, run, segments.Segment(self.shm_dir, name, size), chunk_bytes, sha), chain
+
+    def _receive_chunks(self, sock: socket.socket, version: Version, expected_sha: str | None) -> str:
+        """Read every chunk into the segment, checking crc32s, then the end frame; returns the sha256."""
+        n = version.policy_version
+        hasher = hashlib.sha256()
+        for i in range(version.n_chunks):
+            frame = protocol.recv_header(sock)
+            assert frame is not None
+            view = version.chunk_view(i)
+            if frame.get("op") != protocol.OP_CHUNK or frame.get("index") != i or frame["payload_bytes"] != len(view):
+                raise RelayError(f"put policy_version {n}: expected chunk {i} of {len(view)} bytes, got op "
+                                 f"{frame.get('op')!r} index {frame.get('index')!r} of {frame['payload_bytes']} bytes")
+            protocol.recv_payload_into(sock, frame, view)
+            crc = protocol.crc32(view)
+            if crc != frame.get("crc32"):
+                raise RelayError(f"put policy_version {n}: chunk {i} crc32 mismatch (expected "
+                                 f"{frame.get('crc32')}, got {crc}); the chunk was corrupted in transit, push again")
+            hasher.update(view)
+            version.chunk_landed(i, crc)
+        end = protocol.recv_header(sock)
+        assert end is not None
+        protocol.recv_payload(sock, end)
+        if end.get("op") != protocol.OP_END or end.get("chunks") != version.n_chunks:
+            raise RelayError(f"put policy_version {n}: expected the end frame after {version.n_chunks} chunks, "
+                             f"got op {end.get('op')!r} chunks={end.get('chunks')!r}")
+        sha = end.get("sha256")
+        got = hasher.hexdigest()
+        if not isinstance(sha, str) or (expected_sha is not None and sha != expected_sha) or got != sha:
+            raise RelayError(
+                f"put policy_version {n}: sha256 mismatch (expected {str(expected_sha or sha)[:12]}.., got "
+                f"{got[:12]}.. over {version.size} bytes); the payload was corrupted in transit, push it again"
+            )
+        return got
+
+    # Other requests: each op returns (reply header, reply payload); never raises on bad input.
+
+    def _dispatch(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes | memoryview]:
         op = header.get("op")
         handlers = {
-            protocol.OP_PUT: self._op_put,
             protocol.OP_LATEST: self._op_latest,
             protocol.OP_GET: self._op_get,
             protocol.OP_VERSION: self._op_version,
+            protocol.OP_LOCAL: self._op_local,
             protocol.OP_STATS: self._op_stats,
         }
         handler = handlers.get(op)
         if handler is None:
             return _error(f"unknown op {op!r}; this relay serves {', '.join(protocol.OPS)}"), b""
         run = header.get("run", "")
-        if op != protocol.OP_STATS and run != self._run:
-            if op != protocol.OP_PUT:  # versions of another run are never served
-                return _no_version(op, run, self._run), b""
-            log.info("relay_run_switched", relay_id=self.relay_id, run=run, previous=self._run)
-            self._store.clear()
-            self._run = run
+        if op != protocol.OP_STATS and run != self._store.run:  # versions of another run are never served
+            return _no_version(op, run, self._store.run), b""
         try:
-            return handler(header, payload)
+            return handler(header)
         except RelayError as exc:
             return _error(str(exc)), b""
 
-    def _op_put(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
+    def _held(self, header: dict[str, Any]) -> Version | None:
+        """The version a read asks for: the given policy_version (must be held) or the newest (may be None)."""
+        if header.get("op") != protocol.OP_GET and header.get("policy_version") is None:
+            return self._store.newest(header.get("run", ""))
         version = _require_version(header)
-        sha, chain = header.get("sha256"), header.get("chain", [])
-        if not isinstance(sha, str) or len(sha) != 64:
-            raise RelayError(f"put policy_version {version}: sha256={sha!r} is not a 64-character hex digest")
-        if not isinstance(chain, list) or not all(isinstance(a, str) for a in chain):
-            raise RelayError(f"put policy_version {version}: chain={chain!r} is not a list of host:port strings")
-        got = protocol.sha256_hex(payload)
-        if got != sha:
-            log.warning("relay_put_rejected", relay_id=self.relay_id, policy_version=version,
-                        reason="sha256_mismatch", bytes=len(payload))
-            raise RelayError(
-                f"put policy_version {version}: sha256 mismatch (expected {sha[:12]}.., got {got[:12]}.. over "
-                f"{len(payload)} bytes); the payload was corrupted in transit, push it again"
-            )
-        entry = Version(version, sha, payload, self._run)
-        outcome = self._store.put(entry)
-        if outcome.error is not None:
-            raise RelayError(outcome.error)
-        if outcome.stored:
-            log.info("relay_version_stored", relay_id=self.relay_id, policy_version=version, bytes=len(payload))
-        else:
-            log.info("relay_version_ignored", relay_id=self.relay_id, policy_version=version,
-                     newest=outcome.newest, reason="duplicate" if outcome.forward else "stale")
-        if outcome.forward:
-            self._forwarder.submit(entry, chain)
-        return {"ok": True, "stored": outcome.stored, "newest": outcome.newest}, b""
-
-    def _op_latest(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
-        newest = self._store.newest()
-        if newest is None:
-            return {"ok": True, "policy_version": None, "sha256": None}, b""
-        return {"ok": True, "policy_version": newest.policy_version, "sha256": newest.sha256}, newest.payload
-
-    def _op_get(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
-        version = _require_version(header)
-        held = self._store.get(version)
+        held = self._store.get(version, header.get("run", ""))
         if held is None:
             versions, _ = self._store.summary()
             raise RelayError(
                 f"relay {self.relay_id} does not hold policy_version {version} (holds {versions}, keeps the "
                 f"newest {self.keep_versions}); fetch the latest version instead"
             )
+        return held
+
+    def _op_latest(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes | memoryview]:
+        newest = self._store.newest(header.get("run", ""))
+        if newest is None:
+            return {"ok": True, "policy_version": None, "sha256": None}, b""
+        return {"ok": True, "policy_version": newest.policy_version, "sha256": newest.sha256}, newest.payload
+
+    def _op_get(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes | memoryview]:
+        held = self._held(header)
+        assert held is not None
         return {"ok": True, "policy_version": held.policy_version, "sha256": held.sha256}, held.payload
 
-    def _op_version(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
-        newest = self._store.newest()
+    def _op_local(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        held = self._held(header)
+        if held is None:
+            return {"ok": True, "policy_version": None}, b""
+        return {"ok": True, "policy_version": held.policy_version, "sha256": held.sha256,
+                "path": str(held.segment.path), "size": held.size}, b""
+
+    def _op_version(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        newest = self._store.newest(header.get("run", ""))
         return {"ok": True, "policy_version": None if newest is None else newest.policy_version}, b""
 
-    def _op_stats(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
+    def _op_stats(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         versions, bytes_held = self._store.summary()
         c = self._forwarder.counters
         with c.lock:
             forwards = {"forwards_done": c.done, "forwards_failed": c.failed, "forwards_superseded": c.superseded,
-                        "forwards_pending": c.pending + int(c.in_flight)}
-        return {"ok": True, "relay_id": self.relay_id, "versions": versions, "bytes_held": bytes_held,
-                **forwards}, b""
+                        "forwards_aborted": c.aborted, "forwards_pending": c.pending + int(c.in_flight)}
+        completed = {str(n): t for n, t in self._store.completed_at().items()}
+        with self._receiving_lock:
+            receiving = sorted([v.policy_version, len(v.crcs), v.n_chunks] for v in self._receiving)
+        return {"ok": True, "relay_id": self.relay_id, "run": self._store.run, "versions": versions,
+                "bytes_held": bytes_held, "completed_at": completed, "puts_rejected": self._puts_rejected,
+                "receiving": receiving, **forwards}, b""
 
 
 def _require_version(header: dict[str, Any]) -> int:

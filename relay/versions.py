@@ -1,72 +1,171 @@
-"""The versions a relay holds: the newest `keep_versions` complete policy versions, in memory."""
+"""The versions a relay holds: the newest `keep_versions` complete policy versions, in shared memory.
+
+A `Version` starts receiving when a put's header arrives; its chunks land in its segment in order and
+the forwarder may send chunk i downstream as soon as it is there. Only after the last chunk and the
+whole-version sha256 check does the store admit it, and only admitted versions are ever served.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from laminar.errors import RelayError
+from relay.segments import Segment
 
-@dataclass(frozen=True)
+RECEIVING, COMPLETE, FAILED = "receiving", "complete", "failed"
+
+
+class UpstreamFailedError(RelayError):
+    """The version being forwarded stopped arriving (its sender died or it failed verification)."""
+
+
 class Version:
-    """One complete, verified policy version: its number, checksum and opaque payload bytes."""
+    """One policy version in a segment: receiving chunk by chunk, then complete (or failed)."""
 
-    policy_version: int
-    sha256: str
-    payload: bytes
-    run: str = ""  # the run this version belongs to; version numbers are per run
+    def __init__(self, policy_version: int, run: str, segment: Segment, chunk_bytes: int,
+                 sha256: str | None = None) -> None:
+        if chunk_bytes <= 0:
+            raise RelayError(f"chunk_bytes={chunk_bytes} must be positive")
+        self.policy_version = policy_version
+        self.run = run
+        self.segment = segment
+        self.size = segment.size
+        self.chunk_bytes = chunk_bytes
+        self.sha256 = sha256  # expected digest; known from the put header or the end frame
+        self.n_chunks = -(-self.size // chunk_bytes)
+        self.crcs: list[int] = []
+        self.state = RECEIVING
+        self.error: str | None = None
+        self.completed_at: float | None = None  # wall clock (time.time()) when it became servable
+        self._cond = threading.Condition()
+
+    @property
+    def payload(self) -> memoryview:
+        return self.segment.view
+
+    def chunk_view(self, index: int) -> memoryview:
+        start = index * self.chunk_bytes
+        return self.segment.view[start:min(start + self.chunk_bytes, self.size)]
+
+    def chunk_landed(self, index: int, crc: int) -> None:
+        with self._cond:
+            if index != len(self.crcs):
+                raise RelayError(f"policy_version {self.policy_version}: chunk {index} arrived out of order "
+                                 f"(expected {len(self.crcs)})")
+            self.crcs.append(crc)
+            self._cond.notify_all()
+
+    def complete(self, sha256: str) -> None:
+        with self._cond:
+            self.sha256 = sha256
+            self.state = COMPLETE
+            self.completed_at = time.time()
+            self._cond.notify_all()
+
+    def fail(self, reason: str) -> None:
+        with self._cond:
+            if self.state == RECEIVING:
+                self.state, self.error = FAILED, reason
+                self._cond.notify_all()
+
+    def wait_chunk(self, index: int, timeout_s: float) -> tuple[memoryview, int]:
+        """Chunk `index` and its crc32 once it has landed; UpstreamFailedError if it never will."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self.crcs) > index or self.state == FAILED, timeout_s):
+                raise UpstreamFailedError(f"policy_version {self.policy_version}: chunk {index} did not arrive "
+                                          f"within {timeout_s} s")
+            if len(self.crcs) <= index:
+                raise UpstreamFailedError(f"policy_version {self.policy_version} failed upstream: {self.error}")
+            crc = self.crcs[index]
+        return self.chunk_view(index), crc
+
+    def wait_complete(self, timeout_s: float) -> str:
+        """The verified sha256 once the version is complete; UpstreamFailedError if it fails."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.state != RECEIVING, timeout_s):
+                raise UpstreamFailedError(f"policy_version {self.policy_version} did not complete within "
+                                          f"{timeout_s} s")
+            if self.state == FAILED:
+                raise UpstreamFailedError(f"policy_version {self.policy_version} failed upstream: {self.error}")
+            assert self.sha256 is not None
+            return self.sha256
 
 
 @dataclass
 class PutOutcome:
-    """What a put did: stored as newest, to be forwarded, the newest held, or why it was refused."""
+    """What admitting a complete version did: stored as newest, the newest held, replaced or duplicate."""
 
     stored: bool
-    forward: bool
     newest: int | None
-    error: str | None = None
     replaced: bool = False  # same policy_version, new bytes (a restarted trainer re-published it)
+    stale: bool = False  # older than the newest held: not stored
 
 
 class VersionStore:
-    """The newest `keep_versions` complete versions, oldest first; thread-safe."""
+    """The newest `keep_versions` complete versions, oldest first; thread-safe; unlinks what it drops."""
 
     def __init__(self, keep_versions: int) -> None:
         self._keep = keep_versions
         self._lock = threading.Lock()
         self._versions: OrderedDict[int, Version] = OrderedDict()
+        self.run = ""  # the run whose versions are held; version numbers are per run
 
     def put(self, version: Version) -> PutOutcome:
+        """Admit a complete version; a version for another run first drops everything held."""
+        dropped: list[Version] = []
         with self._lock:
-            newest = next(reversed(self._versions), None)
-            if newest is not None and version.policy_version < newest:
-                return PutOutcome(stored=False, forward=False, newest=newest)
-            if newest is not None and version.policy_version == newest:
-                held = self._versions[newest]
-                if held.sha256 != version.sha256:
-                    # A restarted trainer recomputed this version from its checkpoint (replay need not be
-                    # bit-identical): the newest bytes win and are forwarded, so every relay converges.
-                    self._versions[newest] = version
-                    return PutOutcome(stored=True, forward=True, newest=newest, replaced=True)
-                # Same bytes again: a re-broadcast (e.g. after the chain was rebuilt); pass it on.
-                return PutOutcome(stored=False, forward=True, newest=newest)
-            self._versions[version.policy_version] = version
-            while len(self._versions) > self._keep:
-                self._versions.popitem(last=False)
-            return PutOutcome(stored=True, forward=True, newest=version.policy_version)
+            try:
+                if version.run != self.run:
+                    dropped.extend(self._versions.values())
+                    self._versions.clear()
+                    self.run = version.run
+                newest = next(reversed(self._versions), None)
+                if newest is not None and version.policy_version < newest:
+                    dropped.append(version)
+                    return PutOutcome(stored=False, newest=newest, stale=True)
+                if newest is not None and version.policy_version == newest:
+                    held = self._versions[newest]
+                    if held.sha256 != version.sha256:
+                        # A restarted trainer recomputed this version from its checkpoint (replay need not be
+                        # bit-identical): the newest bytes win, so every relay converges.
+                        self._versions[newest] = version
+                        dropped.append(held)
+                        return PutOutcome(stored=True, newest=newest, replaced=True)
+                    dropped.append(version)  # same bytes again: a re-broadcast
+                    return PutOutcome(stored=False, newest=newest)
+                self._versions[version.policy_version] = version
+                while len(self._versions) > self._keep:
+                    dropped.append(self._versions.popitem(last=False)[1])
+                return PutOutcome(stored=True, newest=version.policy_version)
+            finally:
+                for old in dropped:
+                    old.segment.unlink()
 
     def clear(self) -> None:
         with self._lock:
+            for held in self._versions.values():
+                held.segment.unlink()
             self._versions.clear()
 
-    def newest(self) -> Version | None:
+    def newest(self, run: str | None = None) -> Version | None:
         with self._lock:
+            if run is not None and run != self.run:
+                return None
             return self._versions[next(reversed(self._versions))] if self._versions else None
 
-    def get(self, policy_version: int) -> Version | None:
+    def get(self, policy_version: int, run: str | None = None) -> Version | None:
         with self._lock:
+            if run is not None and run != self.run:
+                return None
             return self._versions.get(policy_version)
 
     def summary(self) -> tuple[list[int], int]:
         with self._lock:
-            return list(self._versions), sum(len(v.payload) for v in self._versions.values())
+            return list(self._versions), sum(v.size for v in self._versions.values())
+
+    def completed_at(self) -> dict[int, float | None]:
+        with self._lock:
+            return {n: v.completed_at for n, v in self._versions.items()}

@@ -160,8 +160,15 @@ def test_versions_are_monotonic(relays):
     assert st["versions"] == [5] and st["forwards_done"] == 1
     assert client.latest_version(tail) == 5
 
-    reply, _ = client.request(master, {"op": "put", "policy_version": 3, "sha256": protocol.sha256_hex(weights(3)),
-                                       "chain": []}, weights(3))
+    sock = client.open_connection(master)
+    try:
+        payload = memoryview(weights(3))
+        header = {"op": "put", "policy_version": 3, "run": "", "chain": [], "size": len(payload),
+                  "chunk_bytes": len(payload), "sha256": None}
+        reply = client.send_version(sock, master, header, lambda i: (payload, protocol.crc32(payload)), 1,
+                                    lambda: protocol.sha256_hex(payload))
+    finally:
+        sock.close()
     assert reply["stored"] is False and reply["newest"] == 5
 
 
@@ -193,28 +200,26 @@ def test_corrupted_payload_is_rejected(relays):
     _, master = relays("master")
     payload = weights(1)
     corrupted = payload[:-1] + bytes([payload[-1] ^ 0xFF])
-    host, port = protocol.parse_addr(master)
-    with socket.create_connection((host, port), timeout=10) as sock:
-        header = {"op": "put", "policy_version": 1, "sha256": protocol.sha256_hex(payload), "chain": []}
-        protocol.send_frame(sock, header, corrupted)
-        reply, body = protocol.recv_frame(sock)
-    assert reply["ok"] is False
-    assert "sha256 mismatch" in reply["error"] and body == b""
-    assert client.latest_version(master) is None
     with pytest.raises(RelayError, match="sha256 mismatch"):
         client.push(master, 1, corrupted, chain=[], sha256=protocol.sha256_hex(payload))
+    assert client.latest_version(master) is None
+    assert client.stats(master)["puts_rejected"] == 1
 
 
 def test_bad_frame_gets_an_error_reply(relays):
     _, master = relays("master")
     host, port = protocol.parse_addr(master)
     with socket.create_connection((host, port), timeout=10) as sock:
+        hello, _ = protocol.recv_frame(sock)
+        assert hello["op"] == "hello" and hello["auth"] is False and hello["relay_id"] == "master"
         body = b"not json"
         sock.sendall(protocol.HEADER_LEN.pack(len(body)) + body)
         reply, _ = protocol.recv_frame(sock)
     assert reply["ok"] is False and "not valid UTF-8 JSON" in reply["error"]
     with pytest.raises(RelayError, match="unknown op 'frobnicate'"):
         client.request(master, {"op": "frobnicate"})
+    with pytest.raises(RelayError, match="chunk_bytes=0 is not in"):
+        client.request(master, {"op": "put", "policy_version": 1, "size": 3, "chunk_bytes": 0, "chain": []})
     assert client.latest_version(master) is None  # the relay still serves after bad input
 
 

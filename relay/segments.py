@@ -1,0 +1,90 @@
+"""Shared-memory segments: one file under /dev/shm per held version, mapped by the relay and its readers.
+
+Lifetime rule. The relay creates a segment (mode 0600: only the relay's user can map it) when a put
+starts, fills it as chunks land, and serves it once the whole version is verified; from then on the
+bytes never change (a re-published version gets a new segment). The relay unlinks a segment when the
+version is evicted (more than keep_versions newer ones), replaced, abandoned half-way, or when the relay
+stops. Unlinking only removes the name: a reader that has mapped the segment keeps valid bytes until it
+unmaps (POSIX), so a rollout never sees weights change under it. A reader that opens a name after it
+was unlinked gets RelayError and asks the relay again.
+
+Plain files plus mmap are used instead of multiprocessing.shared_memory so that no resource_tracker
+registers (and double-unlinks) segments that belong to another process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import re
+import secrets
+from pathlib import Path
+
+from laminar.errors import RelayError
+
+DEFAULT_SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "lmr-"
+
+
+def segment_name(relay_id: str, run: str, policy_version: int) -> str:
+    """A unique file name: relay, run (hashed), version and a random suffix (re-publishes never clash)."""
+    rid = re.sub(r"[^A-Za-z0-9_.-]", "_", relay_id)[:40]
+    run_tag = hashlib.sha256(run.encode()).hexdigest()[:8]
+    return f"{SEGMENT_PREFIX}{rid}-{run_tag}-v{policy_version}-{secrets.token_hex(4)}"
+
+
+class Segment:
+    """A writable shared-memory segment owned by a relay; `view` is a memoryview over its bytes."""
+
+    def __init__(self, directory: str | os.PathLike[str], name: str, size: int) -> None:
+        self.path = Path(directory) / name
+        self.size = size
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise RelayError(f"creating shared-memory segment {self.path} ({size} bytes) failed: {exc}; "
+                             f"check that {directory} exists and has room") from exc
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size) if size else None
+        except OSError as exc:
+            os.close(fd)
+            self.unlink()
+            raise RelayError(f"sizing shared-memory segment {self.path} to {size} bytes failed: {exc}; "
+                             f"{directory} may be full") from exc
+        os.close(fd)
+        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def unlink(self) -> None:
+        """Remove the name; mappings (ours, readers') stay valid until dropped."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def open_readonly(path: str, size: int) -> tuple[memoryview, mmap.mmap | None]:
+    """Map a relay's segment read-only (pre-faulted); returns (view, the mapping to close later)."""
+    name = os.path.basename(path)
+    if not name.startswith(SEGMENT_PREFIX) or "/" in name or name != os.path.basename(os.path.normpath(path)):
+        raise RelayError(f"relay named segment {path!r}, which is not a relay segment ({SEGMENT_PREFIX}*)")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise RelayError(f"shared-memory segment {path} is gone (the relay evicted that version); "
+                         "ask the relay again") from None
+    except OSError as exc:
+        raise RelayError(f"opening shared-memory segment {path} failed: {exc}; the reader must run on the "
+                         "relay's host as the relay's user") from exc
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise RelayError(f"shared-memory segment {path} holds {actual} bytes, the relay said {size}")
+        if size == 0:
+            return memoryview(b""), None
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return memoryview(mapping), mapping
