@@ -226,11 +226,14 @@ class LocalPull:
                              f"relay's {self.sha256[:12]}..; pull again")
 
     def close(self) -> None:
-        """Unmap; fails with BufferError while views derived from `buffer` (e.g. tensors) are alive."""
-        self.buffer.release()
-        if self._mapping is not None:
-            self._mapping.close()
-            self._mapping = None
+        """Unmap now, or, while tensors made from `buffer` are still alive, as soon as the last one dies."""
+        mapping, self._mapping = self._mapping, None
+        try:
+            self.buffer.release()
+            if mapping is not None:
+                mapping.close()
+        except BufferError:
+            pass  # views still exported: dropping our references leaves the unmap to the garbage collector
 
     def __enter__(self) -> LocalPull:
         return self

@@ -88,13 +88,13 @@ def test_empty_relay_reports_no_version(relays):
         client.fetch_version(addr, 3)
 
 
-def _start_subprocess_relay(relay_id: str, stderr_path: Path) -> tuple[subprocess.Popen, str]:
+def _start_subprocess_relay(relay_id: str, stderr_path: Path, **kwargs) -> tuple[subprocess.Popen, str]:
     code = (
         "import threading\n"
         "from laminar.logs import configure_logging\n"
         "from relay.server import RelayServer\n"
         "configure_logging()\n"
-        f"addr = RelayServer({relay_id!r}).start()\n"
+        f"addr = RelayServer({relay_id!r}, **{kwargs!r}).start()\n"
         "print(addr, flush=True)\n"
         "threading.Event().wait()\n"
     )
