@@ -28,10 +28,43 @@ SEGMENT_PREFIX = "lmr-"
 
 
 def segment_name(relay_id: str, run: str, policy_version: int) -> str:
-    """A unique file name: relay, run (hashed), version and a random suffix (re-publishes never clash)."""
+    """A unique file name: owner pid, relay, run (hashed), version, random suffix (re-publishes never clash)."""
     rid = re.sub(r"[^A-Za-z0-9_.-]", "_", relay_id)[:40]
     run_tag = hashlib.sha256(run.encode()).hexdigest()[:8]
-    return f"{SEGMENT_PREFIX}{rid}-{run_tag}-v{policy_version}-{secrets.token_hex(4)}"
+    return f"{SEGMENT_PREFIX}{os.getpid()}-{rid}-{run_tag}-v{policy_version}-{secrets.token_hex(4)}"
+
+
+def sweep_orphans(directory: str | os.PathLike[str]) -> list[str]:
+    """Unlink segments whose owning relay process no longer exists (it was killed); returns their names.
+
+    A relay unlinks its own segments when it stops; one killed by SIGKILL cannot, so every relay sweeps
+    the host's leftovers when it starts.
+    """
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = re.match(rf"{SEGMENT_PREFIX}(\d+)-", name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(Path(directory) / name)
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class Segment:

@@ -166,6 +166,9 @@ class RelayServer:
             ) from exc
         server.relay = self
         self._server = server
+        orphans = segments.sweep_orphans(self.shm_dir)
+        if orphans:
+            log.info("relay_orphan_segments_removed", relay_id=self.relay_id, count=len(orphans))
         host, port = server.server_address[:2]
         self.addr = f"{host}:{port}"
         self._forwarder.start()

@@ -127,6 +127,7 @@ def test_relay_killed_mid_broadcast_is_skipped_and_the_tail_completes(relays, tm
 
         os.kill(proc.pid, signal.SIGKILL)  # mid dies half-way through the broadcast
         proc.wait(timeout=10)
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"lmr-{proc.pid}-")]  # it left its segments
         held.release()
         held.join()
 
@@ -136,6 +137,8 @@ def test_relay_killed_mid_broadcast_is_skipped_and_the_tail_completes(relays, tm
         # mid failed part way (1 failed), then the master streamed the whole version to tail (1 done).
         assert (st["forwards_done"], st["forwards_failed"]) == (1, 1)
         assert client.stats(tail)["receiving"] == []  # the partial copy from mid was discarded
+        relays("next")  # a relay starting on this host sweeps the dead relay's segments
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"lmr-{proc.pid}-")]
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
@@ -164,7 +167,8 @@ def test_corrupted_chunk_is_rejected_and_nothing_is_served(relays):
     wait_until(lambda: receiving(tail), lambda r: r == [], 10, "tail to drop its partial copy")
     assert versions_of([master, tail]) == [None, None]
     assert client.stats(master)["forwards_aborted"] == 1
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith("lmr-master-") or n.startswith("lmr-tail-")]
+    mine = (f"lmr-{os.getpid()}-master-", f"lmr-{os.getpid()}-tail-")
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(mine)]  # the partial segments were unlinked
 
 
 def test_keep_k_versions_for_resumed_trajectories(relays):

@@ -1,0 +1,263 @@
+"""The relay benchmark (`laminar bench relay`): chain broadcast vs sending to each relay in turn vs the
+object store, per relay count, next to the chain model, measured on one link.
+
+Every node runs as its own process (relay.bench_node): the trainer agent and the master relay share a
+node (loopback between them, as on the trainer's host), each relay is a node, the object store
+(moto_server, S3 API) is a node, and each relay node has a reader agent for the storage baseline.
+With rate_mbit, nodes live in network namespaces whose uplinks are tc-rate-limited (relay.netns), so
+the link, not the CPU, is the bottleneck; without it everything runs over loopback.
+
+Measured per relay count p:
+    stall_s         trainer's push to the master until the master's ack (median of reps)
+    all_relays_s    push start until the last relay holds the verified version (median of reps)
+    single_hop_s    one relay receiving the whole version over one link (the same for every p)
+    sequential_s    the master sending the whole version to each of the p relays in turn
+    storage_s       trainer writes safetensors to the object store, then all p relays read it
+    model_s         T = M/B + (p-2)*t_start + 2*sqrt((p-2)*M/B*t_start), p = relays + master,
+                    B and t_start measured on the same link
+    local_pull_gbps map the version from the master's shared memory and copy it into the engine
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import selectors
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from laminar.errors import LaminarError
+from relay import protocol
+from relay.netns import Netns
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STORE_PORT = 9077
+
+
+class BenchError(LaminarError):
+    """A benchmark process failed or did not answer; the message names its log file."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure: payload size (bytes), relay counts, link rate (Mbit/s; None = loopback)."""
+
+    size: int = 256 << 20
+    relays: tuple[int, ...] = (1, 2, 4, 8)
+    rate_mbit: float | None = None
+    chunk_bytes: int | None = None  # None: the chain model's optimum for the measured link
+    reps: int = 3
+    storage: bool = True
+
+
+class _Proc:
+    """A benchmark subprocess with a log file; agents talk JSON lines over stdin/stdout."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log)
+        self._stdin: IO[bytes] = self.proc.stdin  # type: ignore[assignment]
+
+    def readline(self, timeout_s: float) -> str:
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        ready = sel.select(timeout_s)
+        sel.close()
+        line = self.proc.stdout.readline().decode() if ready else ""
+        if not line:
+            raise BenchError(f"{self.name} (pid {self.proc.pid}) gave no answer within {timeout_s} s "
+                             f"(exit code {self.proc.poll()}); see {self.log_path}")
+        return line.strip()
+
+    def send(self, cmd: str, **args: Any) -> None:
+        self._stdin.write((json.dumps({"cmd": cmd, **args}) + "\n").encode())
+        self._stdin.flush()
+
+    def result(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        reply = json.loads(self.readline(timeout_s))
+        if not reply.pop("ok"):
+            raise BenchError(f"{self.name}: {reply['error']}; see {self.log_path}")
+        return reply
+
+    def call(self, cmd: str, timeout_s: float = 600.0, **args: Any) -> dict[str, Any]:
+        self.send(cmd, **args)
+        return self.result(timeout_s)
+
+    def stop(self) -> None:
+        """SIGTERM (a relay then unlinks its segments), SIGKILL after 5 s; our own child, by pid."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.wait(10)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Run every scenario for every relay count; returns the JSON-ready report."""
+    max_p = max(cfg.relays)
+    relay_nodes = [f"r{i}" for i in range(1, max_p + 1)]
+    nodes = ["m", *relay_nodes, "s"]
+    log_dir = Path(tempfile.mkdtemp(prefix="lmr-bench-"))
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "LAMINAR_RELAY_TOKEN": secrets.token_hex(16),
+           "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+           "NO_PROXY": "*", "OMP_NUM_THREADS": "1"}
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "HTTP_PROXY", "HTTPS_PROXY"):
+        env.pop(name, None)
+    procs: list[_Proc] = []
+    with ExitStack() as stack:
+        if cfg.rate_mbit:
+            net = stack.enter_context(Netns(nodes, cfg.rate_mbit))
+            host = net.addresses.__getitem__
+            prefix = net.exec_prefix
+        else:
+            host = lambda node: "127.0.0.1"  # noqa: E731
+            prefix = lambda node: []  # noqa: E731
+        stack.callback(lambda: [p.stop() for p in reversed(procs)])
+
+        def spawn(name: str, node: str, *args: str) -> _Proc:
+            proc = _Proc(name, [*prefix(node), sys.executable, "-m", "relay.bench_node", *args], log_dir, env)
+            procs.append(proc)
+            return proc
+
+        progress(f"starting {max_p + 1} relays, agents and the object store (logs in {log_dir})")
+        master = spawn("relay-master", "m", "relay", "--id", "master", "--host", host("m"))
+        relays = [spawn(f"relay-{n}", n, "relay", "--id", n, "--host", host(n)) for n in relay_nodes]
+        trainer = spawn("agent-trainer", "m", "agent")
+        readers = [spawn(f"agent-{n}", n, "agent") for n in relay_nodes] if cfg.storage else []
+        master_addr = master.readline(60)
+        relay_addrs = [r.readline(60) for r in relays]
+        store_port = STORE_PORT if cfg.rate_mbit else _free_port()
+        endpoint = f"http://{host('s')}:{store_port}"
+        if cfg.storage:
+            moto = Path(sys.executable).with_name("moto_server")
+            store = _Proc("store", [*prefix("s"), str(moto), "-H", host("s"), "-p", str(store_port)], log_dir, env)
+            procs.append(store)
+
+        payload = trainer.call("payload", size=cfg.size)
+        size = payload["size"]
+        memcpy = trainer.call("memcpy", size=size)["memcpy_gbps"]
+        progress(f"payload {size} bytes; memcpy {memcpy:.2f} GB/s; measuring the link")
+        link = trainer.call("link", addr=relay_addrs[0], run="bench-link", reps=2)
+        bucket = f"lmr-bench-{secrets.token_hex(4)}"
+        if cfg.storage:
+            trainer.call("store_setup", endpoint=endpoint, bucket=bucket, create=True)
+            for r in readers:
+                r.call("store_setup", endpoint=endpoint, bucket=bucket, create=False)
+
+        results = []
+        for p in cfg.relays:
+            chain = relay_addrs[:p]
+            chunk = cfg.chunk_bytes or protocol.chunk_bytes_for(size, p + 1, link["bytes_per_s"], link["t_start_s"])
+            progress(f"{p} relay(s): chain broadcast, chunk {chunk} bytes")
+            stalls, alls = [], []
+            for v in range(1, cfg.reps + 1):
+                run = f"bench-chain-{p}"
+                pushed = trainer.call("push", addr=master_addr, chain=chain, version=v, run=run, chunk_bytes=chunk)
+                done = trainer.call("wait", addrs=[master_addr, *chain], version=v, run=run, wait_s=600.0)
+                stalls.append(pushed["stall_s"])
+                alls.append(max(done["completed_at"]) - pushed["start"])
+            pull = trainer.call("local_pull", addr=master_addr, run=f"bench-chain-{p}", reps=3)
+
+            progress(f"{p} relay(s): master sends to each relay in turn")
+            seq = trainer.call("sequential", addrs=chain, version=1, run=f"bench-seq-{p}", chunk_bytes=None)
+            storage_s = None
+            if cfg.storage:
+                progress(f"{p} relay(s): object store write, then {p} reads")
+                key = f"bench/{p}/model.safetensors"
+                put = trainer.call("store_put", key=key)
+                for r in readers[:p]:
+                    r.send("store_get", key=key)
+                ends = [r.result()["end"] for r in readers[:p]]
+                storage_s = max(ends) - put["start"]
+                trainer.call("store_delete", key=key)
+            results.append({
+                "relays": p,
+                "chunk_bytes": chunk,
+                "stall_s": statistics.median(stalls),
+                "all_relays_s": statistics.median(alls),
+                "single_hop_s": link["single_hop_s"],
+                "sequential_s": seq["end"] - seq["start"],
+                "storage_s": storage_s,
+                "model_s": protocol.chain_model_s(size, p + 1, link["bytes_per_s"], link["t_start_s"]),
+                "local_pull_gbps": pull["local_pull_gbps"],
+                "local_pull_fraction_of_memcpy": pull["local_pull_gbps"] / memcpy,
+            })
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return {
+        "size": size,
+        "rate_mbit": cfg.rate_mbit,
+        "transport": "netns+veth+tc tbf" if cfg.rate_mbit else "loopback",
+        "cpus": os.cpu_count(),
+        "reps": cfg.reps,
+        "memcpy_gbps": memcpy,
+        "link": {"bytes_per_s": link["bytes_per_s"], "t_start_s": link["t_start_s"],
+                 "single_hop_s": link["single_hop_s"]},
+        "results": results,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def done_when(report: dict[str, Any]) -> list[tuple[str, float, str, bool]]:
+    """The issue's acceptance ratios at the largest relay count: (what, value, bound, holds)."""
+    rows = report["results"]
+    first, last = rows[0], rows[-1]
+    checks = [
+        (f"all_relays / single_hop at {last['relays']} relays", last["all_relays_s"] / last["single_hop_s"], "<= 1.5"),
+        (f"sequential / all_relays at {last['relays']} relays", last["sequential_s"] / last["all_relays_s"], ">= 4"),
+        (f"stall({last['relays']}) / stall({first['relays']})", last["stall_s"] / first["stall_s"], "<= 1.2"),
+        ("local pull / memcpy", min(r["local_pull_fraction_of_memcpy"] for r in rows), ">= 0.5"),
+    ]
+    out = []
+    for what, value, bound in checks:
+        op, limit = bound.split()
+        out.append((what, value, bound, value <= float(limit) if op == "<=" else value >= float(limit)))
+    return out
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Broadcast time vs relay count for every method, next to the chain model and the trainer stall."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    xs = [r["relays"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = [("all_relays_s", "chain broadcast (measured)", "o-"), ("model_s", "chain model", "k--"),
+              ("sequential_s", "master to each relay in turn", "s-"), ("storage_s", "object store", "^-"),
+              ("single_hop_s", "one hop", ":"), ("stall_s", "trainer stall", "d-")]
+    for key, label, style in series:
+        ys = [r[key] for r in rows]
+        if all(y is not None for y in ys):
+            ax.plot(xs, ys, style, label=label)
+    rate = f"{report['rate_mbit']:g} Mbit/s links" if report["rate_mbit"] else "loopback"
+    ax.set(xlabel="relays", ylabel="seconds", xticks=xs,
+           title=f"Publishing {report['size'] / 2**20:.0f} MiB to p relays ({rate}, {report['cpus']} CPUs)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,31 @@
+"""Smoke run of `laminar bench relay` over loopback: tiny size, relays 1,2, every JSON key present.
+Numbers are not asserted (benchmarks are measured, never timed tests)."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from workers.cli_bench import bench_app, parse_size
+
+
+def test_bench_relay_smoke_over_loopback_writes_the_json_report(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = CliRunner().invoke(bench_app, ["relay", "--size", "2MiB", "--relays", "1,2", "--reps", "1",
+                                            "--json", str(out), "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["transport"] == "loopback" and report["memcpy_gbps"] > 0
+    assert [r["relays"] for r in report["results"]] == [1, 2]
+    for row in report["results"]:
+        for key in ("relays", "stall_s", "all_relays_s", "single_hop_s", "sequential_s", "storage_s", "model_s",
+                    "local_pull_gbps"):
+            assert row[key] is not None and row[key] > 0, key
+    assert "relay broadcast of 2 MiB" in result.output
+
+
+def test_sizes_parse():
+    assert parse_size("256MiB") == 268435456
+    assert parse_size("1GB") == 10**9
+    assert parse_size("65536") == 65536

@@ -1,0 +1,104 @@
+"""`laminar bench`: measurements that never run as timed tests (DESIGN.md §8).
+
+    laminar bench relay --size 256MiB --relays 1,2,4,8 [--rate 1000] [--json out.json] [--plot out.png]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from laminar.errors import LaminarError
+
+bench_app = typer.Typer(help="Benchmarks: relay broadcast.", no_args_is_help=True,
+                        pretty_exceptions_show_locals=False)
+console = Console()
+err = Console(stderr=True)
+
+
+@bench_app.callback()
+def _bench() -> None:
+    """Benchmarks (DESIGN.md §8): measured, never asserted in tests."""
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
+          "g": 10**9, "gb": 10**9, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'268435456', '256MiB', '1.5GB' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise typer.BadParameter(f"{text!r} is not a size; use bytes or a unit: 256MiB, 1GB, 65536")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of relay counts >= 1, e.g. 1,2,4,8")
+    return counts
+
+
+@bench_app.command("relay")
+def relay_bench(
+    size: str = typer.Option("256MiB", help="Version size in bytes (units: KiB, MiB, GiB, KB, MB, GB)."),
+    relays: str = typer.Option("1,2,4,8", help="Relay counts to measure, comma-separated."),
+    rate: float | None = typer.Option(None, help="Link rate in Mbit/s: each node in its own network "
+                                      "namespace behind a tc rate limit (needs root, iproute2). "
+                                      "Without it: loopback."),
+    chunk: str | None = typer.Option(None, help="Chunk size in bytes; default: the chain model's optimum "
+                                     "for the measured link."),
+    reps: int = typer.Option(3, min=1, help="Repetitions of the chain broadcast per relay count (median)."),
+    storage: bool = typer.Option(True, help="Also measure the object-store baseline (moto_server)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the report as JSON here."),
+    plot_path: Path | None = typer.Option(Path("relay-bench.png"), "--plot", help="Write a PNG plot here."),
+) -> None:
+    """Trainer stall, time to all relays, one hop, each-in-turn, object store and the chain model."""
+    from relay.bench import BenchConfig, done_when, plot, run_bench
+
+    cfg = BenchConfig(size=parse_size(size), relays=parse_counts(relays), rate_mbit=rate,
+                      chunk_bytes=parse_size(chunk) if chunk else None, reps=reps, storage=storage)
+    try:
+        report = run_bench(cfg, progress=lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    except LaminarError as exc:
+        err.print(f"[red]relay benchmark failed:[/red] {exc}")
+        raise typer.Exit(1) from None
+    console.print(render_table(report))
+    for what, value, bound, holds in done_when(report):
+        console.print(f"{'ok  ' if holds else 'MISS'} {what} = {value:.2f} (want {bound})")
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+    if plot_path is not None:
+        try:
+            plot(report, plot_path)
+            console.print(f"wrote {plot_path}")
+        except ImportError:
+            err.print("[yellow]matplotlib is not installed; no plot written[/yellow]")
+
+
+def render_table(report: dict) -> Table:
+    link = report["link"]
+    rate = f"{report['rate_mbit']:g} Mbit/s links" if report["rate_mbit"] else "loopback"
+    table = Table(title=(f"relay broadcast of {report['size'] / 2**20:.0f} MiB, {rate} ({report['transport']}), "
+                         f"{report['cpus']} CPUs; B = {link['bytes_per_s'] / 1e6:.1f} MB/s, "
+                         f"t_start = {link['t_start_s'] * 1e6:.0f} us, memcpy = {report['memcpy_gbps']:.2f} GB/s"))
+    for col in ("relays", "chunk", "stall s", "all relays s", "one hop s", "model s", "each in turn s",
+                "object store s", "local pull GB/s"):
+        table.add_column(col, justify="right")
+    for r in report["results"]:
+        table.add_row(
+            str(r["relays"]), f"{r['chunk_bytes'] / 2**10:.0f} KiB", f"{r['stall_s']:.3f}", f"{r['all_relays_s']:.3f}",
+            f"{r['single_hop_s']:.3f}", f"{r['model_s']:.3f}", f"{r['sequential_s']:.3f}",
+            "-" if r["storage_s"] is None else f"{r['storage_s']:.3f}",
+            f"{r['local_pull_gbps']:.2f} ({r['local_pull_fraction_of_memcpy']:.0%})",
+        )
+    return table
