@@ -43,6 +43,7 @@ from relay.netns import Netns
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STORE_PORT = 9077
+OTHER_HOST_NICE = 10
 
 
 class BenchError(LaminarError):
@@ -137,7 +138,11 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
         stack.callback(lambda: [p.stop() for p in reversed(procs)])
 
         def spawn(name: str, node: str, *args: str) -> _Proc:
-            proc = _Proc(name, [*prefix(node), sys.executable, "-m", "relay.bench_node", *args], log_dir, env)
+            # Nodes other than the trainer's host stand for other machines: on this shared CPU they run at
+            # lower priority, so they do not steal the trainer host's cores during its upload.
+            nice = [] if node == "m" else ["nice", "-n", str(OTHER_HOST_NICE)]
+            argv = [*prefix(node), *nice, sys.executable, "-m", "relay.bench_node", *args]
+            proc = _Proc(name, argv, log_dir, env)
             procs.append(proc)
             return proc
 
@@ -152,7 +157,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
         endpoint = f"http://{host('s')}:{store_port}"
         if cfg.storage:
             moto = Path(sys.executable).with_name("moto_server")
-            store = _Proc("store", [*prefix("s"), str(moto), "-H", host("s"), "-p", str(store_port)], log_dir, env)
+            store = _Proc("store", [*prefix("s"), "nice", "-n", str(OTHER_HOST_NICE), str(moto), "-H", host("s"), "-p", str(store_port)], log_dir, env)
             procs.append(store)
 
         payload = trainer.call("payload", size=cfg.size)

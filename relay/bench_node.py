@@ -123,7 +123,7 @@ class Agent:
         """Map the relay's newest version from shared memory and copy it into the engine's parameters."""
         import torch
 
-        from relay.weights import state_dict_from_buffer
+        from relay.weights import load_into, state_dict_from_buffer
 
         if self.params is None:
             self.params = {k: torch.zeros_like(v) for k, v in state_dict_from_buffer(self.payload).items()}
@@ -134,10 +134,7 @@ class Agent:
             assert pulled is not None, f"relay {addr} holds no version of {run}"
             with pulled:
                 version = pulled.policy_version
-                tensors = state_dict_from_buffer(pulled.buffer)
-                for name, tensor in tensors.items():
-                    self.params[name].copy_(tensor)
-                del tensors, tensor
+                load_into(self.params, pulled)
             best = min(best, time.perf_counter() - t)
         return {"local_pull_s": best, "local_pull_gbps": len(self.payload) / best / 1e9, "policy_version": version}
 

@@ -9,7 +9,6 @@ require one), sends one request and reads one reply. Calls block; from an asynci
 from __future__ import annotations
 
 import hashlib
-import mmap
 import socket
 import time
 from collections.abc import Callable
@@ -207,16 +206,22 @@ class LocalPull:
     """A version mapped read-only from the local relay's shared memory; `buffer` is a zero-copy view.
 
     Close it (or use it as a context manager) once the weights are loaded into the engine; the bytes
-    stay valid until then even if the relay evicts the version meanwhile (relay.segments).
+    stay valid until then even if the relay evicts the version meanwhile (relay.segments). To load
+    into existing CPU parameters, `readinto` (or relay.weights.load_into) copies each byte once with
+    pread, which skips setting up page tables for the mapping and is the fastest way in.
     """
 
-    def __init__(self, policy_version: int, sha256: str, path: str, buffer: memoryview,
-                 mapping: mmap.mmap | None) -> None:
+    def __init__(self, policy_version: int, sha256: str, mapped: segments.Mapped) -> None:
         self.policy_version = policy_version
         self.sha256 = sha256
-        self.path = path
-        self.buffer = buffer
-        self._mapping = mapping
+        self.path = str(mapped.path)
+        self.size = mapped.size
+        self.buffer = mapped.view
+        self._mapped = mapped
+
+    def readinto(self, dest: memoryview, offset: int = 0) -> None:
+        """Copy len(dest) bytes of the version from `offset` into dest."""
+        self._mapped.readinto(dest, offset)
 
     def verify(self) -> None:
         """Re-hash the mapped bytes against the relay's sha256 (the relay already verified them on receipt)."""
@@ -227,13 +232,7 @@ class LocalPull:
 
     def close(self) -> None:
         """Unmap now, or, while tensors made from `buffer` are still alive, as soon as the last one dies."""
-        mapping, self._mapping = self._mapping, None
-        try:
-            self.buffer.release()
-            if mapping is not None:
-                mapping.close()
-        except BufferError:
-            pass  # views still exported: dropping our references leaves the unmap to the garbage collector
+        self._mapped.close()
 
     def __enter__(self) -> LocalPull:
         return self
@@ -255,10 +254,10 @@ def pull_local(addr: str, *, run: str = "", token: str | None = None, policy_ver
         if reply.get("policy_version") is None:
             return None
         try:
-            view, mapping = segments.open_readonly(reply["path"], reply["size"])
+            mapped = segments.open_readonly(reply["path"], reply["size"])
         except RelayError:
             if attempt == 2:
                 raise
             continue  # evicted between the reply and the open: ask again
-        return LocalPull(reply["policy_version"], reply["sha256"], reply["path"], view, mapping)
+        return LocalPull(reply["policy_version"], reply["sha256"], mapped)
     raise AssertionError("unreachable")

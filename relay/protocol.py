@@ -70,7 +70,7 @@ OP_HELLO = "hello"
 OP_AUTH = "auth"
 OPS = (OP_PUT, OP_LATEST, OP_GET, OP_VERSION, OP_LOCAL, OP_STATS)
 
-MIN_CHUNK_BYTES = 64 << 10  # 64 KiB: below this the per-chunk frame overhead dominates
+MIN_CHUNK_BYTES = 1 << 20  # 1 MiB: below this the per-chunk cost of a Python hop (~50-100 us) dominates
 MAX_CHUNK_BYTES = 64 << 20  # 64 MiB: bounds how late the first byte reaches the next hop
 DEFAULT_LINK_BYTES_PER_S = 1.25e9  # 10 Gbit/s: the link the default chunk size is chosen for
 DEFAULT_T_START_S = 200e-6  # per-chunk start-up cost of one hop (frame + Python), measured order

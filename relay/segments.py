@@ -97,10 +97,41 @@ class Segment:
             pass
 
 
-def open_readonly(path: str, size: int) -> tuple[memoryview, mmap.mmap | None]:
-    """Map a relay's segment read-only (pre-faulted); returns (view, the mapping to close later)."""
+class Mapped:
+    """A relay segment opened read-only by a reader: `view` maps it lazily, `readinto` copies with pread."""
+
+    def __init__(self, path: str, fd: int, size: int) -> None:
+        self.path, self.size, self._fd = path, size, fd
+        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None
+        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def readinto(self, dest: memoryview, offset: int) -> None:
+        """Copy len(dest) bytes from `offset` straight into dest (one kernel copy, no page-table set-up)."""
+        done = 0
+        while done < len(dest):
+            n = os.preadv(self._fd, [dest[done:]], offset + done)
+            if n <= 0:
+                raise RelayError(f"reading {self.path} at {offset + done} returned {n}: the segment is shorter "
+                                 f"than the relay said ({self.size} bytes)")
+            done += n
+
+    def close(self) -> None:
+        """Unmap and close; while views of `view` are still exported the unmap waits for the collector."""
+        try:
+            self.view.release()
+            if self._map is not None:
+                self._map.close()
+        except BufferError:
+            pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def open_readonly(path: str, size: int) -> Mapped:
+    """Open and map a relay's segment read-only; RelayError if it is gone or not a relay segment."""
     name = os.path.basename(path)
-    if not name.startswith(SEGMENT_PREFIX) or "/" in name or name != os.path.basename(os.path.normpath(path)):
+    if not name.startswith(SEGMENT_PREFIX) or name != os.path.basename(os.path.normpath(path)):
         raise RelayError(f"relay named segment {path!r}, which is not a relay segment ({SEGMENT_PREFIX}*)")
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -114,10 +145,7 @@ def open_readonly(path: str, size: int) -> tuple[memoryview, mmap.mmap | None]:
         actual = os.fstat(fd).st_size
         if actual != size:
             raise RelayError(f"shared-memory segment {path} holds {actual} bytes, the relay said {size}")
-        if size == 0:
-            return memoryview(b""), None
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
-    finally:
+        return Mapped(path, fd, size)
+    except BaseException:
         os.close(fd)
-    return memoryview(mapping), mapping
+        raise

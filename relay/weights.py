@@ -8,14 +8,19 @@ the buffer is, e.g. a shared-memory pull); the engine copies them into its own p
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import struct
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 from laminar.errors import RelayError
+
+if TYPE_CHECKING:
+    from relay.client import LocalPull
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -30,8 +35,41 @@ for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own bound on the JSON header
 
 
+def load_into(params: dict[str, torch.Tensor], pulled: LocalPull) -> int:
+    """Copy every tensor of a local pull straight into `params` (contiguous CPU tensors of the same
+    names, dtypes and shapes) with one pread each; returns the bytes copied."""
+    copied = 0
+    for name, dtype, shape, begin, end in _layout(pulled.buffer):
+        dest = params.get(name)
+        if dest is None or dest.dtype != dtype or tuple(dest.shape) != tuple(shape):
+            raise RelayError(f"tensor {name!r} ({dtype}, {tuple(shape)}) has no matching parameter "
+                             f"({None if dest is None else (dest.dtype, tuple(dest.shape))})")
+        if dest.device.type != "cpu" or not dest.is_contiguous():
+            raise RelayError(f"parameter {name!r} must be a contiguous CPU tensor to load with pread")
+        if end > begin:
+            target = (ctypes.c_ubyte * (end - begin)).from_address(dest.data_ptr())
+            pulled.readinto(memoryview(target).cast("B"), begin)
+        copied += end - begin
+    return copied
+
+
 def state_dict_from_buffer(buf: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
     """{name: tensor} viewing `buf` (a safetensors file) without copying; RelayError if malformed."""
+    view = memoryview(buf).cast("B")
+    tensors: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        for name, dtype, shape, begin, end in _layout(view):
+            if end == begin:
+                tensors[name] = torch.empty(shape, dtype=dtype)
+            else:
+                count = math.prod(shape)
+                tensors[name] = torch.frombuffer(view, dtype=dtype, count=count, offset=begin).view(shape)
+    return tensors
+
+
+def _layout(buf: memoryview) -> list[tuple[str, torch.dtype, list[int], int, int]]:
+    """(name, dtype, shape, begin, end) of every tensor, offsets absolute in `buf`; RelayError if malformed."""
     view = memoryview(buf).cast("B")
     if len(view) < 8:
         raise RelayError(f"weights buffer of {len(view)} bytes is too short for a safetensors header")
@@ -46,17 +84,10 @@ def state_dict_from_buffer(buf: bytes | bytearray | memoryview) -> dict[str, tor
         raise RelayError(f"safetensors header is a JSON {type(header).__name__}, expected an object")
     base = 8 + header_len
     data_len = len(view) - base
-    tensors: dict[str, torch.Tensor] = {}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            tensors[name] = _tensor(view, base, data_len, name, info)
-    return tensors
+    return [_entry(base, data_len, name, info) for name, info in header.items() if name != "__metadata__"]
 
 
-def _tensor(view: memoryview, base: int, data_len: int, name: str, info: object) -> torch.Tensor:
+def _entry(base: int, data_len: int, name: str, info: object) -> tuple[str, torch.dtype, list[int], int, int]:
     if not isinstance(info, dict):
         raise RelayError(f"safetensors entry {name!r} is not an object")
     dtype = _DTYPES.get(info.get("dtype"))
@@ -73,6 +104,4 @@ def _tensor(view: memoryview, base: int, data_len: int, name: str, info: object)
     if not 0 <= begin <= end <= data_len or end - begin != count * itemsize:
         raise RelayError(f"safetensors tensor {name!r}: data_offsets {offsets} do not hold {count} x "
                          f"{itemsize}-byte elements within {data_len} data bytes")
-    if count == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(view, dtype=dtype, count=count, offset=base + begin).view(shape)
+    return name, dtype, shape, base + begin, base + end

@@ -14,7 +14,7 @@ from safetensors.torch import save
 
 from laminar.errors import RelayError
 from relay import client, protocol
-from relay.weights import state_dict_from_buffer
+from relay.weights import load_into, state_dict_from_buffer
 from tests.test_relay_chain import _start_subprocess_relay, relays, versions_of, wait_until, weights
 
 __all__ = ["relays"]  # the fixture, imported for this module's tests
@@ -217,6 +217,12 @@ def test_shared_memory_pull_round_trips_a_safetensors_file(relays):
         del loaded, view
     for name, tensor in tensors.items():
         assert torch.equal(params[name], tensor)
+    fresh = {name: torch.zeros_like(t) for name, t in tensors.items()}
+    with client.pull_local(tail, run="run-a") as pulled:
+        # One pread per tensor straight into the parameters: the sizes of all six tensors' data.
+        assert load_into(fresh, pulled) == sum(t.numel() * t.element_size() for t in tensors.values())
+    for name, tensor in tensors.items():
+        assert torch.equal(fresh[name], tensor), name
 
 
 def test_segment_stays_valid_for_a_reader_after_the_relay_evicts_it(relays):
