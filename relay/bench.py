@@ -109,6 +109,20 @@ class _Proc:
         self.proc.wait(10)
 
 
+def _other_host(node: str) -> list[str]:
+    """argv prefix for a node: nodes other than the trainer's host ("m") stand for other machines.
+
+    On a shared machine they must not take the trainer host's CPU during its upload: with 2+ CPUs the
+    trainer host gets CPU 0 and every other node the remaining ones (taskset), and they run niced.
+    """
+    cpus = os.cpu_count() or 1
+    if cpus < 2 or shutil.which("taskset") is None:
+        return [] if node == "m" else ["nice", "-n", str(OTHER_HOST_NICE)]
+    if node == "m":
+        return ["taskset", "-c", "0"]
+    return ["taskset", "-c", f"1-{cpus - 1}", "nice", "-n", str(OTHER_HOST_NICE)]
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -138,9 +152,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
         stack.callback(lambda: [p.stop() for p in reversed(procs)])
 
         def spawn(name: str, node: str, *args: str) -> _Proc:
-            # Nodes other than the trainer's host stand for other machines: on this shared CPU they run at
-            # lower priority, so they do not steal the trainer host's cores during its upload.
-            nice = [] if node == "m" else ["nice", "-n", str(OTHER_HOST_NICE)]
+            nice = _other_host(node)
             argv = [*prefix(node), *nice, sys.executable, "-m", "relay.bench_node", *args]
             proc = _Proc(name, argv, log_dir, env)
             procs.append(proc)
@@ -157,7 +169,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
         endpoint = f"http://{host('s')}:{store_port}"
         if cfg.storage:
             moto = Path(sys.executable).with_name("moto_server")
-            store = _Proc("store", [*prefix("s"), "nice", "-n", str(OTHER_HOST_NICE), str(moto), "-H", host("s"), "-p", str(store_port)], log_dir, env)
+            store = _Proc("store", [*prefix("s"), *_other_host("s"), str(moto), "-H", host("s"), "-p", str(store_port)], log_dir, env)
             procs.append(store)
 
         payload = trainer.call("payload", size=cfg.size)
@@ -183,7 +195,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
                 done = trainer.call("wait", addrs=[master_addr, *chain], version=v, run=run, wait_s=600.0)
                 stalls.append(pushed["stall_s"])
                 alls.append(max(done["completed_at"]) - pushed["start"])
-            pull = trainer.call("local_pull", addr=master_addr, run=f"bench-chain-{p}", reps=3)
+            pull = trainer.call("local_pull", addr=master_addr, run=f"bench-chain-{p}", reps=5)
 
             progress(f"{p} relay(s): master sends to each relay in turn")
             seq = trainer.call("sequential", addrs=chain, version=1, run=f"bench-seq-{p}", chunk_bytes=None)
