@@ -7,11 +7,15 @@ the workflow through updates sent on the worker's client, bridged onto the worke
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import time
 
 from temporalio import activity
 from temporalio.client import Client
+from temporalio.service import RPCError
 
 from laminar.config import RunConfig
+from laminar.logs import get_logger
 from laminar.messages import (
     AddExperienceInput,
     AddExperienceResult,
@@ -23,7 +27,9 @@ from laminar.messages import (
 from services.rollout import RolloutReplica
 from storage.objects import ObjectStore
 
-UPDATE_TIMEOUT_S = 60.0
+log = get_logger(__name__)
+
+UPDATE_POLL_S = 2.0  # while an update waits (control worker or server down), keep heartbeating
 
 
 class _TemporalControl:
@@ -34,8 +40,30 @@ class _TemporalControl:
         self.loop = loop
 
     def _update(self, name: str, arg, result_type):
-        coro = self.handle.execute_update(name, arg, result_type=result_type)
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=UPDATE_TIMEOUT_S)
+        """Send an update and wait for its result; retry while the control plane is unreachable.
+
+        Both updates are idempotent (claims by request id, reports by group id), so a retry after a lost
+        response never leases or records anything twice. While waiting, the activity keeps heartbeating:
+        a control-plane outage pauses the replica, it does not kill it.
+        """
+        while True:
+            coro = self.handle.execute_update(name, arg, result_type=result_type)
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            while True:
+                try:
+                    return future.result(timeout=UPDATE_POLL_S)
+                except concurrent.futures.TimeoutError:
+                    activity.heartbeat({"waiting_for": name})
+                    if self.cancelled():
+                        future.cancel()
+                        raise InterruptedError(f"{name}: cancelled while waiting for the control plane") from None
+                except RPCError as e:
+                    log.warning("control_update_failed", update=name, error=str(e))
+                    activity.heartbeat({"waiting_for": name})
+                    if self.cancelled():
+                        raise
+                    time.sleep(UPDATE_POLL_S)
+                    break
 
     def claim(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
         return self._update("claim_prompts", inp, ClaimPromptsResult)
@@ -51,7 +79,9 @@ class _TemporalControl:
 
 
 class RolloutActivities:
-    def __init__(self, client: Client, loop: asyncio.AbstractEventLoop, store: ObjectStore, host_id: str) -> None:
+    def __init__(self, client: Client, loop: asyncio.AbstractEventLoop, store: ObjectStore, host_id: str,
+                 relay_token: str | None = None) -> None:
+        self.relay_token = relay_token
         self.client = client
         self.loop = loop
         self.store = store
@@ -64,7 +94,9 @@ class RolloutActivities:
             run_id=inp.run_id,
             replica_id=inp.replica_id,
             host_id=self.host_id,
-            segment_prefix=f"{info.workflow_run_id[:8]}-a{info.attempt}",
+            segment_prefix=f"{info.workflow_run_id.replace('-', '')[-12:]}-a{info.attempt}",
+            attempt=info.attempt,
+            relay_token=self.relay_token,
             cfg=RunConfig.from_json(inp.config),
             store=self.store,
             control=_TemporalControl(self.client, self.loop, inp.workflow_id),

@@ -30,7 +30,7 @@ class RunSection(_Section):
     mode: Literal["laminar"] = Field(
         "laminar", description="Scheduling policy. `laminar`: trajectory-level asynchrony, no global barrier."
     )
-    steps: int = Field(60, ge=1, le=1_000_000, description="Trainer steps to run (count).")
+    steps: int = Field(300, ge=1, le=1_000_000, description="Trainer steps to run (count).")
     seed: int = Field(0, ge=0, description="Seed for prompts, sampling and model init.")
     continue_as_new_every: int = Field(
         50, ge=1, description="Continue the workflow as new every this many steps (steps)."
@@ -92,7 +92,7 @@ class RolloutSection(_Section):
 
 class TrainerSection(_Section):
     groups_per_step: int = Field(4, ge=1, le=65536, description="Complete groups consumed per step (groups).")
-    lr: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW learning rate (1/step).")
+    lr: float = Field(2e-3, gt=0.0, le=1.0, description="AdamW learning rate (1/step).")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay (unitless).")
     grad_clip: float = Field(1.0, gt=0.0, description="Max global gradient norm (L2).")
     eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip, lower (ratio 1-eps_low).")
@@ -104,6 +104,9 @@ class TrainerSection(_Section):
         -1, ge=-1, description="Drop (and count) samples staler than this many versions; -1 keeps all."
     )
     checkpoint_every: int = Field(10, ge=1, description="Commit a checkpoint every this many steps (steps).")
+    heartbeat_timeout_s: float = Field(
+        30.0, ge=1.0, le=3600.0, description="Trainer heartbeat timeout: detects a dead trainer process (s)."
+    )
     keep_last: int = Field(3, ge=1, description="Committed checkpoints to retain (count).")
 
 

@@ -56,6 +56,8 @@ class ClaimPromptsInput:
     max_groups: int
     resuming: list[str] = field(default_factory=list)  # group ids the replica resumes from its partial pool
     first_claim: bool = False  # set by a (re)started replica: its other open leases are returned to the pool
+    attempt: int = 1  # the replica activity's attempt: > 1 means it was retried after a failure
+    request_id: str = ""  # idempotency key: a retried claim with the same id gets the same leases back
 
 
 @dataclass
@@ -84,6 +86,7 @@ class AddExperienceInput:
 
     report: ReplicaReport
     segment: SegmentRef
+    tokens_regenerated: int = 0  # tokens thrown away since the last report (restarted partial groups)
 
 
 @dataclass
@@ -159,6 +162,7 @@ class TrainStepResult:
     checkpoint: CheckpointRef | None  # set when this step committed a checkpoint
     steps_redone: int
     publish_stall_s: float
+    restored: bool = False  # this trainer process restored the checkpoint before stepping (fresh or rewound)
 
 
 # -- rollout / relay activities ---------------------------------------------------------------
@@ -195,6 +199,20 @@ class RunRelayInput:
 
 
 @dataclass
+class RunEvent:
+    """Something the control plane noticed, with the workflow time it noticed it (drills read these).
+
+    kinds: replica_rejoined (a retried replica claimed again), replica_recovered (its first complete
+    group after rejoining), relay_lost, relay_joined, trainer_restored (a step replayed from a checkpoint).
+    """
+
+    kind: str
+    subject: str
+    at: float
+    count: int = 0
+
+
+@dataclass
 class RunStatus:
     """The `status` query and the workflow result."""
 
@@ -221,3 +239,86 @@ class RunStatus:
     relays: list[RelayInfo]
     replicas: list[ReplicaReport]
     started_at: float
+    prompts_issued: int = 0
+    returned_leases: int = 0
+    steps_redone: int = 0
+    tokens_regenerated: int = 0
+    step_times: list[float] = field(default_factory=list)  # workflow time each recent step completed
+    events: list[RunEvent] = field(default_factory=list)  # most recent last, bounded
+
+
+# -- recovery drills ----------------------------------------------------------------------------
+
+FAULTS = ("rollout", "relay", "master-relay", "trainer", "control", "store")
+
+
+def fault_queue(process: str) -> str:
+    """Each worker process polls its own fault queue, so a fault is delivered to the process that dies."""
+    return f"laminar-fault-{process}"
+
+
+@dataclass
+class DrillInput:
+    """client -> RecoveryDrillWorkflow."""
+
+    run_id: str
+    drill_id: str
+    fault: str  # one of FAULTS
+    target: str = ""  # replica id (rollout) or relay id (relay); empty: pick one
+    at_step: int = 0  # inject once the run has completed this many steps
+    runner_queue: str = ""  # queue of the `laminar drill` process that observes the run
+    timeout_s: float = 300.0  # give up waiting for recovery after this long (s)
+    outage_s: float = 3.0  # store fault: how long the S3 server stays down (s)
+
+
+@dataclass
+class DrillPlan:
+    """What the drill will do, resolved against the live run just before injecting."""
+
+    fault: str
+    target: str  # replica id, relay id, "trainer", "control" or "store"
+    process: str  # the worker process that receives the fault (its fault queue)
+    baseline: RunStatus
+
+
+@dataclass
+class InjectFaultInput:
+    drill_id: str
+    fault: str
+    target: str
+    delay_s: float = 0.5  # the process dies this long after acknowledging, so the reply is delivered
+
+
+@dataclass
+class InjectFaultResult:
+    process: str
+    pid: int
+    injected_at: float  # Unix time the process died (or the store went down)
+
+
+@dataclass
+class ObserveInput:
+    drill: DrillInput
+    plan: DrillPlan
+    injected: InjectFaultResult
+
+
+@dataclass
+class DrillReport:
+    """A drill's outcome (also written to the store and printed). Times are Unix seconds."""
+
+    drill_id: str
+    run_id: str
+    fault: str
+    target: str
+    injected_at: float
+    detected_at: float | None
+    recovered_at: float | None
+    steps_during_outage: int
+    trainer_stall_s: float
+    groups_lost: int
+    groups_consumed_twice: int
+    tokens_regenerated: int
+    steps_redone: int
+    recovered: bool
+    notes: str = ""

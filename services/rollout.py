@@ -36,6 +36,7 @@ from laminar.messages import (
 )
 from laminar.records import Trajectory
 from relay import client as relay_client
+from relay.weights import state_dict_from_buffer
 from rl.engine import Finished, TorchEngine
 from rl.model import bytes_to_state_dict
 from services.model_files import load_run_model
@@ -76,6 +77,8 @@ class RolloutReplica:
         cfg: RunConfig,
         store: ObjectStore,
         control: ControlPort,
+        attempt: int = 1,
+        relay_token: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.run_id, self.replica_id, self.host_id = run_id, replica_id, host_id
@@ -83,7 +86,10 @@ class RolloutReplica:
         self.cfg = cfg
         self.trajectories = TrajectoryStore(store)
         self.control = control
+        self.attempt = attempt
+        self.relay_token = relay_token
         self.clock = clock
+        self.claims = 0
         model, tokenizer, self.task = load_run_model(store, run_id, cfg)
         r = cfg.rollout
         self.engine = TorchEngine(
@@ -101,14 +107,15 @@ class RolloutReplica:
         self.newest_at_relay: int | None = None
         self.seq = 0
         self.stats = RolloutReplicaResult(replica_id=replica_id, groups_completed=0, tokens_generated=0, handed_over=0)
-        self.tokens_regenerated = 0
+        self.tokens_regenerated = 0  # since the last report
 
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> RolloutReplicaResult:
         resumed = self._read_partial_pool()
         first = self.control.claim(
-            ClaimPromptsInput(report=self._report(), max_groups=0, resuming=sorted(resumed), first_claim=True)
+            ClaimPromptsInput(report=self._report(), max_groups=0, resuming=sorted(resumed), first_claim=True,
+                              attempt=self.attempt, request_id=self._request_id())
         )
         self.relays = first.relays
         self._resume({g: rows for g, rows in resumed.items() if g in set(first.resume_ok)})
@@ -125,7 +132,8 @@ class RolloutReplica:
                 self._load_newest()
             want = self._admissible_groups()
             if want > 0 and now - last_claim >= CLAIM_POLL_S:
-                res = self.control.claim(ClaimPromptsInput(report=self._report(), max_groups=want))
+                res = self.control.claim(ClaimPromptsInput(report=self._report(), max_groups=want,
+                                                           attempt=self.attempt, request_id=self._request_id()))
                 last_claim = now
                 self.relays = res.relays or self.relays
                 if res.stop or res.handover:
@@ -150,33 +158,51 @@ class RolloutReplica:
         return local + [r.address for r in self.relays if r.host_id != self.host_id]
 
     def _poll_relay(self) -> None:
+        """Newest version at the first relay that holds one (own host first; an empty, just restarted
+        relay serves nothing until it has caught up)."""
         for addr in self._relay_order():
             try:
-                self.newest_at_relay = relay_client.latest_version(addr, run=self.run_id)
-                return
+                version = relay_client.latest_version(addr, run=self.run_id, token=self.relay_token)
             except RelayError as e:
                 log.warning("relay_poll_failed", replica_id=self.replica_id, address=addr, error=str(e))
+                continue
+            if version is not None:
+                self.newest_at_relay = version
+                return
 
     def _newer_available(self) -> bool:
         current = self.engine.policy_version
         return self.newest_at_relay is not None and (current is None or self.newest_at_relay > current)
 
     def _load_newest(self) -> None:
+        """Own host's relay: map the version from its shared memory (no copy through a socket); any other
+        relay (own one gone): fetch it over TCP."""
         for addr in self._relay_order():
             try:
-                version, payload = relay_client.fetch_latest(addr, run=self.run_id)
+                if addr in self._local_relays():
+                    with relay_client.pull_local(addr, run=self.run_id, token=self.relay_token) as pulled:
+                        if pulled is not None:
+                            self._load_tensors(pulled.policy_version, state_dict_from_buffer(pulled.buffer),
+                                               pulled.buffer.nbytes, "shared_memory")
+                            return
+                version, payload = relay_client.fetch_latest(addr, run=self.run_id, token=self.relay_token)
             except RelayError as e:
                 log.warning("relay_pull_failed", replica_id=self.replica_id, address=addr, error=str(e))
                 continue
-            if version is None or payload is None:
-                continue
-            self._load(version, payload)
-            return
+            if version is not None and payload is not None:
+                self._load(version, payload)
+                return
+
+    def _local_relays(self) -> set[str]:
+        return {r.address for r in self.relays if r.host_id == self.host_id}
 
     def _load(self, version: int, payload: bytes) -> None:
+        self._load_tensors(version, bytes_to_state_dict(payload), len(payload), "tcp")
+
+    def _load_tensors(self, version: int, tensors: dict, size: int, via: str) -> None:
         t0 = time.perf_counter()
-        self.engine.load_weights(bytes_to_state_dict(payload), version)
-        log.info("policy_loaded", replica_id=self.replica_id, policy_version=version, bytes=len(payload),
+        self.engine.load_weights(tensors, version)
+        log.info("policy_loaded", replica_id=self.replica_id, policy_version=version, bytes=size, via=via,
                  load_s=round(time.perf_counter() - t0, 3))
 
     def _admissible_groups(self) -> int:
@@ -221,7 +247,10 @@ class RolloutReplica:
         rows = [t for g in self.completed for _, t in sorted(g.done.items())]
         ref = self.trajectories.write_segment(self.run_id, self.replica_id, f"{self.segment_prefix}-{self.seq:06d}", rows)
         self.seq += 1
-        res = self.control.add_experience(AddExperienceInput(report=self._report(), segment=ref))
+        res = self.control.add_experience(
+            AddExperienceInput(report=self._report(), segment=ref, tokens_regenerated=self.tokens_regenerated)
+        )
+        self.tokens_regenerated = 0
         self.stats.groups_completed += len(res.accepted)
         self.stats.tokens_generated += sum(len(t.response_ids) for t in rows)
         log.info("experience_reported", replica_id=self.replica_id, groups=len(self.completed),
@@ -279,7 +308,7 @@ class RolloutReplica:
     def _fetch_version(self, version: int) -> bytes | None:
         for addr in self._relay_order():
             try:
-                got = relay_client.fetch_version(addr, version, run=self.run_id)
+                got = relay_client.fetch_version(addr, version, run=self.run_id, token=self.relay_token)
             except RelayError:
                 continue
             if got is not None:
@@ -313,6 +342,10 @@ class RolloutReplica:
             policy_version=-1 if version is None else int(version),
             in_flight=self.engine.in_flight(), kv_used=used, kv_capacity=capacity,
         )
+
+    def _request_id(self) -> str:
+        self.claims += 1
+        return f"{self.segment_prefix}-c{self.claims}"
 
     def _heartbeat_details(self) -> dict:
         r = self._report()

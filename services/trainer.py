@@ -43,7 +43,8 @@ log = get_logger(__name__)
 
 
 class TrainerService:
-    def __init__(self, store: ObjectStore, home: Path) -> None:
+    def __init__(self, store: ObjectStore, home: Path, relay_token: str | None = None) -> None:
+        self.relay_token = relay_token
         self.store = store
         self.home = home
         self.checkpoints = CheckpointStore(store)
@@ -84,9 +85,9 @@ class TrainerService:
     def train_step(self, inp: TrainStepInput, heartbeat=lambda: None) -> TrainStepResult:
         t_start = time.time()
         wait_s = 0.0 if self.last_step_end is None else t_start - self.last_step_end
-        redone = 0
+        redone, restored = 0, False
         if self.run_id != inp.run_id or self.step != inp.step:
-            redone = self._rewind(inp, heartbeat)
+            redone, restored = self._rewind(inp, heartbeat), True
         assert self.trainer is not None and self.cfg is not None
         trajectories, twice = self._read_batch(inp.batch)
         m = self.trainer.step(trajectories, trainer_version=self.step)
@@ -105,7 +106,7 @@ class TrainerService:
         log.info("train_step_completed", step=self.step, reward=round(m.reward_mean, 4), tokens=m.tokens,
                  staleness=metrics.staleness, stall_s=round(stall_s, 4), checkpoint=ckpt is not None)
         return TrainStepResult(step=self.step, policy_version=self.step, metrics=metrics, checkpoint=ckpt,
-                               steps_redone=redone, publish_stall_s=stall_s)
+                               steps_redone=redone, publish_stall_s=stall_s, restored=restored)
 
     def _rewind(self, inp: TrainStepInput, heartbeat) -> int:
         """Restore the committed checkpoint and replay the batches consumed since it."""
@@ -161,7 +162,8 @@ class TrainerService:
             return 0.0, payload
         for i, addr in enumerate(chain):  # a dead master is skipped: the next relay becomes master
             try:
-                stall = relay_client.push(addr, self.step, payload, chain[i + 1:], run=self.run_id or "")
+                stall = relay_client.push(addr, self.step, payload, chain[i + 1:], run=self.run_id or "",
+                                         token=self.relay_token)
                 log.info("weights_published", policy_version=self.step, bytes=len(payload), stall_s=round(stall, 4))
                 return stall, payload
             except RelayError as e:

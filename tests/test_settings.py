@@ -42,6 +42,7 @@ def test_defaults_without_variables(tmp_path: Path) -> None:
         s3_endpoint=None,
         host_id="host-0",
         relay_bind="127.0.0.1",
+        relay_token=None,
         log_format="console",
         log_level="info",
     )
@@ -157,3 +158,13 @@ def test_corrupt_dev_record_is_a_config_error_naming_the_file(tmp_path: Path) ->
     (home / "dev.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"dev\.json is unreadable.*delete it"):
         Settings.from_env({"LAMINAR_HOME": str(home)})
+
+
+def test_relay_token_round_trips_and_short_tokens_are_refused(tmp_path):
+    env = {"LAMINAR_HOME": str(tmp_path), "LAMINAR_RELAY_TOKEN": "0123456789abcdef0123"}
+    s = Settings.from_env(env)
+    assert s.relay_token == "0123456789abcdef0123"
+    assert Settings.from_env(s.to_env()) == s
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"LAMINAR_HOME": str(tmp_path), "LAMINAR_RELAY_TOKEN": "short"})
+    assert "LAMINAR_RELAY_TOKEN" in str(info.value) and "short" not in str(info.value)  # never echo secrets

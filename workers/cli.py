@@ -17,6 +17,7 @@ from rich.console import Console
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, LaminarError
 from laminar.logs import configure_logging
+from workers.cli_bench import bench_app
 from workers.cli_dev import dev_app
 from workers.settings import Settings
 
@@ -26,6 +27,7 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 app.add_typer(dev_app, name="dev", help="The embedded dev stack: Temporal dev server (+ optional S3).")
+app.add_typer(bench_app, name="bench", help="Systems benchmarks (relay broadcast).")
 console = Console()
 err = Console(stderr=True)
 
@@ -138,9 +140,41 @@ def resume(run_id: str) -> None:
 
 
 @app.command()
+def drill(
+    run_id: str = typer.Argument(..., help="The live run to inject the fault into."),
+    fault: str = typer.Option(..., help="rollout | relay | master-relay | trainer | control | store"),
+    target: str = typer.Option("", help="Replica id (rollout) or relay id (relay); default: picked."),
+    at_step: int = typer.Option(0, "--at-step", help="Inject once the run has completed this many steps."),
+    report: Path | None = typer.Option(None, help="Also write the report here as JSON."),
+    timeout_s: float = typer.Option(300.0, "--timeout-s", help="Give up waiting for recovery after (s)."),
+    outage_s: float = typer.Option(3.0, "--outage-s", help="store: how long the S3 server stays down (s)."),
+) -> None:
+    """Inject a failure into a live run, watch it recover, report (also stored under runs/<id>/drills/)."""
+    from laminar.messages import DrillInput
+    from workers.drill_command import render_report, run_drill
+
+    try:
+        settings = Settings.from_env()
+        configure_logging(settings.log_format, "warning")
+        inp = DrillInput(run_id=run_id, drill_id="", fault=fault, target=target, at_step=at_step,
+                         timeout_s=timeout_s, outage_s=outage_s)
+        result = asyncio.run(run_drill(settings, inp, report))
+    except ConfigError as e:
+        raise _fail(e, 2) from None
+    except LaminarError as e:
+        raise _fail(e, 1) from None
+    console.print(render_report(result))
+    if not result.recovered or result.groups_lost or result.groups_consumed_twice:
+        raise typer.Exit(1)
+
+
+@app.command()
 def worker(
     role: str = typer.Argument(..., help="control | trainer | rollout | relay"),
     slots: int = typer.Option(1, help="Rollout replicas this worker runs at once (rollout only)."),
+    allow_faults: bool = typer.Option(
+        False, "--allow-faults", help="Accept recovery-drill faults on this process's own fault queue."
+    ),
 ) -> None:
     """Run one worker process against any Temporal address and store (LAMINAR_* settings)."""
     from workers import processes
@@ -156,7 +190,10 @@ def worker(
         raise _fail(ConfigError(f"--slots={slots} must be at least 1"), 2)
     main_fn = processes.ROLES[role]
     try:
-        asyncio.run(main_fn(settings, slots) if role == "rollout" else main_fn(settings))
+        if role == "rollout":
+            asyncio.run(main_fn(settings, allow_faults, slots))
+        else:
+            asyncio.run(main_fn(settings, allow_faults))
     except LaminarError as e:
         raise _fail(e, 1) from None
 

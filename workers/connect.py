@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 from temporalio.client import Client
 
 from laminar.errors import LaminarError
 from storage.objects import ObjectStore, open_store
+from workers.devstack import S3_CREDENTIALS, read_record
 from workers.settings import Settings
 
 
@@ -20,4 +23,17 @@ async def connect(settings: Settings) -> Client:
 
 
 def store_for(settings: Settings) -> ObjectStore:
+    if settings.s3_endpoint is not None:
+        _dev_s3_credentials(settings)
     return open_store(settings.store_url, endpoint_url=settings.s3_endpoint)
+
+
+def _dev_s3_credentials(settings: Settings) -> None:
+    """The dev stack's S3 server accepts any credentials; give boto3 some (inherited by child processes)
+    when none are configured and the endpoint is the dev stack's own."""
+    record = read_record(settings.home)
+    if record is None or record.s3_endpoint != settings.s3_endpoint:
+        return
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", S3_CREDENTIALS["aws_access_key_id"])
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", S3_CREDENTIALS["aws_secret_access_key"])
+    os.environ.setdefault("AWS_DEFAULT_REGION", S3_CREDENTIALS["region_name"])

@@ -139,6 +139,24 @@ class DevStack:
             self._write_record(info)
             return info, started
 
+    def restart_temporal(self) -> tuple[float, float]:
+        """Stop the recorded Temporal dev server and start it again on the same port and SQLite file
+        (S3 untouched). Returns (stopped_at, back_at). Used to show a run survives a server restart."""
+        with self._lock():
+            info = read_record(self.home)
+            if info is None or not _is_ours(info.temporal_pid, "temporal"):
+                raise DevStackError("the dev stack is not running; start it with `laminar dev up`")
+            _stop_pid(info.temporal_pid, self.stop_timeout_s)
+            _reap(info.temporal_pid)
+            stopped_at = time.time()
+            port = int(info.temporal_address.rpartition(":")[2])
+            deadline = time.monotonic() + self.ready_timeout_s
+            while not _port_free(port) and time.monotonic() < deadline:
+                time.sleep(0.1)  # the old server's listening socket is still closing
+            fresh = self._start_temporal(port, info.ui_url is not None)
+            self._write_record(replace(info, temporal_pid=fresh.temporal_pid, ui_url=fresh.ui_url))
+            return stopped_at, time.time()
+
     def down(self) -> list[str]:
         """Stop the recorded processes that are still ours; remove dev.json, keep the SQLite file."""
         with self._lock():
@@ -188,31 +206,62 @@ class DevStack:
             started_at=datetime.now(UTC).isoformat(timespec="seconds"),
         )
 
-    def _start_s3(self, info: DevStackInfo) -> DevStackInfo:
-        binary = _find_binary("moto_server", "install moto[server] (pip install -e '.[dev]')")
-        port = _free_port()
+    @property
+    def s3_recording(self) -> Path:
+        """Every S3 request the dev stack's moto server served; replayed on start, so S3 state survives
+        `down`/`up` and restarts (as the Temporal SQLite file does)."""
+        return self.home / "s3-recording.jsonl"
+
+    def _start_s3(self, info: DevStackInfo, port: int | None = None) -> DevStackInfo:
+        _find_binary("moto_server", "install moto[server] (pip install -e '.[dev]')")
+        port = port or _free_port()
         endpoint = f"http://127.0.0.1:{port}"
         log_file = self.log_dir / "s3.log"
-        proc = self._spawn([binary, "-H", "127.0.0.1", "-p", str(port)], log_file)
+        env = {**os.environ, "MOTO_RECORDER_FILEPATH": str(self.s3_recording)}
+        env.pop("MOTO_ENABLE_RECORDING", None)  # recording is switched on after the replay, not during it
+        cmd = [sys.executable, "-m", "workers.s3_dev_server", "-H", "127.0.0.1", "-p", str(port)]
+        proc = self._spawn(cmd, log_file, env=env)
         self._wait(proc, log_file, f"S3 server at {endpoint}", lambda: _http_answers(endpoint))
         try:
+            if self.s3_recording.exists():
+                _trim_recording(self.s3_recording)
+                _moto_api(endpoint, "replay-recording")
+            _moto_api(endpoint, "start-recording")  # before the bucket, so the replay recreates it
             _create_bucket(endpoint, S3_BUCKET)
         except Exception as e:
             _stop_pid(proc.pid, self.stop_timeout_s)
             raise DevStackError(
-                f"creating bucket {S3_BUCKET!r} at {endpoint} failed ({e}); see {log_file}"
+                f"preparing bucket {S3_BUCKET!r} at {endpoint} failed ({e}); see {log_file}"
             ) from e
         log.info("s3_server_started", pid=proc.pid, endpoint=endpoint, bucket=S3_BUCKET)
         return replace(info, s3_pid=proc.pid, s3_endpoint=endpoint, s3_bucket=S3_BUCKET, s3_log=str(log_file),
                        store_url=f"s3://{S3_BUCKET}")  # fmt: skip
 
-    def _spawn(self, cmd: list[str], log_file: Path) -> subprocess.Popen:
+    def interrupt_s3(self, outage_s: float) -> tuple[float, float]:
+        """Drill: stop the dev stack's S3 server (only the pid it recorded), keep it down for outage_s,
+        start it again on the same port with its state replayed. Returns (stopped_at, back_at)."""
+        with self._lock():
+            info = read_record(self.home)
+            if info is None or info.s3_pid is None or info.s3_endpoint is None:
+                raise DevStackError("the dev stack runs no S3 server; start it with `laminar dev up --s3`")
+            if not _is_ours(info.s3_pid, "s3"):
+                raise DevStackError(f"pid {info.s3_pid} recorded for S3 is not our moto_server; not touching it")
+            _stop_pid(info.s3_pid, self.stop_timeout_s)
+            stopped_at = time.time()
+            log.warning("s3_server_interrupted", pid=info.s3_pid, outage_s=outage_s)
+            time.sleep(outage_s)  # the outage itself
+            port = int(info.s3_endpoint.rsplit(":", 1)[1])
+            info = self._start_s3(info, port=port)
+            self._write_record(info)
+            return stopped_at, time.time()
+
+    def _spawn(self, cmd: list[str], log_file: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(log_file, "ab") as out:
             out.write(f"\n--- {datetime.now(UTC).isoformat()} {' '.join(cmd)}\n".encode())
             out.flush()
             return subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
             )
 
     def _wait(self, proc: subprocess.Popen, log_file: Path, what: str, ready: Callable[[], bool]) -> None:
@@ -269,7 +318,7 @@ def _find_binary(name: str, fix: str) -> str:
     return found
 
 
-_MARKERS = {"temporal": (b"temporal", b"start-dev"), "s3": (b"moto_server",)}
+_MARKERS = {"temporal": (b"temporal", b"start-dev"), "s3": (b"workers.s3_dev_server",)}
 
 
 def _is_ours(pid: int, name: str) -> bool:
@@ -330,7 +379,9 @@ def _stop_pid(pid: int, timeout_s: float) -> None:
 
 
 def _port_free(port: int) -> bool:
+    """Nothing listens on the port (connections lingering in TIME_WAIT do not count, as for servers)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -369,10 +420,40 @@ def _http_answers(url: str) -> bool:
 
 def _create_bucket(endpoint: str, bucket: str) -> None:
     import boto3  # only the dev stack with S3 needs it
+    from botocore.exceptions import ClientError
 
     client = boto3.client("s3", endpoint_url=endpoint, **S3_CREDENTIALS)
-    client.create_bucket(Bucket=bucket)
+    try:
+        client.head_bucket(Bucket=bucket)  # replayed from the recording
+    except ClientError:
+        client.create_bucket(Bucket=bucket)
     client.head_bucket(Bucket=bucket)
+
+
+def _trim_recording(path: Path) -> None:
+    """Cut the recording after its last complete request: a server stopped while appending leaves a
+    partial line, which would make the replay fail. That request was never answered, so its client
+    retried it against the restarted server."""
+    data = path.read_bytes()
+    keep = 0
+    for line in data.splitlines(keepends=True):
+        try:
+            json.loads(line)
+        except ValueError:
+            break
+        if not line.endswith(b"\n"):
+            break
+        keep += len(line)
+    if keep < len(data):
+        log.warning("s3_recording_trimmed", path=str(path), dropped_bytes=len(data) - keep)
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+
+
+def _moto_api(endpoint: str, action: str) -> None:
+    req = urllib.request.Request(f"{endpoint}/moto-api/recorder/{action}", method="POST", data=b"")
+    with urllib.request.urlopen(req, timeout=120):
+        pass
 
 
 def _tail(log_file: Path, lines: int = 15) -> str:

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +42,12 @@ class ManagedProcess:
         return self.proc.pid if self.proc is not None else None
 
 
-def plan_processes(cfg: RunConfig, settings: Settings, log_dir: Path) -> list[ManagedProcess]:
-    base = [sys.executable, "-m", "workers.cli", "worker"]
+def plan_processes(cfg: RunConfig, settings: Settings, log_dir: Path, spare_slots: int = 0,
+                   allow_faults: bool = False) -> list[ManagedProcess]:
+    """One process per role; each rollout worker gets its share of replicas plus `spare_slots`, so that a
+    replica whose worker died is retried at once on a surviving worker. allow_faults: every process
+    accepts recovery-drill faults on its own fault queue."""
+    base = [sys.executable, "-m", "workers.cli", "worker", *(["--allow-faults"] if allow_faults else [])]
     env = {**os.environ, **settings.to_env()}
     procs = [
         ManagedProcess("control", [*base, "control"], env, log_dir / "control.log"),
@@ -54,6 +59,7 @@ def plan_processes(cfg: RunConfig, settings: Settings, log_dir: Path) -> list[Ma
         procs.append(ManagedProcess(f"relay-host-{i}", [*base, "relay"], host_env, log_dir / f"relay-host-{i}.log"))
         slots = cfg.rollout.replicas // hosts + (1 if i < cfg.rollout.replicas % hosts else 0)
         if slots:
+            slots += spare_slots
             procs.append(ManagedProcess(f"rollout-host-{i}", [*base, "rollout", "--slots", str(slots)], host_env,
                                         log_dir / f"rollout-host-{i}.log"))
     return procs
@@ -62,6 +68,19 @@ def plan_processes(cfg: RunConfig, settings: Settings, log_dir: Path) -> list[Ma
 class LocalLauncher:
     def __init__(self, processes: list[ManagedProcess]) -> None:
         self.processes = {p.name: p for p in processes}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start_supervision(self, interval_s: float = 0.5) -> None:
+        """Supervise from a background thread until stop_all()."""
+
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                self.supervise()
+
+        self._thread = threading.Thread(target=loop, name="launcher-supervisor", daemon=True)
+        self._thread.start()
 
     def start_all(self) -> None:
         for p in self.processes.values():
@@ -81,25 +100,37 @@ class LocalLauncher:
         """Restart processes that exited, with backoff; returns the names restarted now."""
         restarted = []
         now = time.monotonic()
-        for p in self.processes.values():
-            if p.proc is None or p.proc.poll() is None:
-                continue
-            if p.restart_at is None:
-                delay = min(MAX_BACKOFF_S, 2.0**p.restarts)
-                p.restart_at = now + delay
-                log.warning("process_exited", name=p.name, pid=p.proc.pid, code=p.proc.returncode,
-                            restart_in_s=delay, log=str(p.log_path))
-            elif now >= p.restart_at:
-                p.restarts += 1
-                self._start(p)
-                restarted.append(p.name)
+        with self._lock:
+            for p in self.processes.values():
+                if self._stop.is_set():
+                    break
+                if self._restart_if_due(p, now):
+                    restarted.append(p.name)
         return restarted
+
+    def _restart_if_due(self, p: ManagedProcess, now: float) -> bool:
+        if p.proc is None or p.proc.poll() is None:
+            return False
+        if p.restart_at is None:
+            delay = min(MAX_BACKOFF_S, 2.0**p.restarts)
+            p.restart_at = now + delay
+            log.warning("process_exited", name=p.name, pid=p.proc.pid, code=p.proc.returncode,
+                        restart_in_s=delay, log=str(p.log_path))
+            return False
+        if now < p.restart_at:
+            return False
+        p.restarts += 1
+        self._start(p)
+        return True
 
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self.processes.items() if p.pid is not None}
 
     def stop_all(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every live process we started, then SIGKILL what is left after timeout_s."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         live = [p for p in self.processes.values() if p.proc is not None and p.proc.poll() is None]
         for p in live:
             _signal(p, signal.SIGTERM)

@@ -9,49 +9,61 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack
 
 from temporalio.worker import Worker
 
+from activities.faults import FaultActivities
 from activities.relay import RelayActivities
 from activities.rollout import RolloutActivities
 from activities.trainer import TrainerActivities
 from laminar.logs import get_logger
-from laminar.messages import CONTROL_QUEUE, ROLLOUT_QUEUE, TRAINER_QUEUE, relay_queue
+from laminar.messages import CONTROL_QUEUE, ROLLOUT_QUEUE, TRAINER_QUEUE, fault_queue, relay_queue
 from workers.connect import connect, store_for
 from workers.settings import Settings
+from workflows.recovery_drill import RecoveryDrillWorkflow
 from workflows.training_run import TrainingRunWorkflow
 
 log = get_logger(__name__)
 
 
-async def _serve(worker: Worker, role: str, **context) -> None:
-    """Run until SIGTERM/SIGINT, then shut the worker down gracefully."""
+async def _serve(worker: Worker, role: str, process: str, allow_faults: bool, **context) -> None:
+    """Run until SIGTERM/SIGINT, then shut the worker down gracefully. With allow_faults the process also
+    polls its own fault queue (recovery drills deliver faults to exactly this process)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("worker_started", role=role, task_queue=worker.task_queue, **context)
-    async with worker:
+    workers = [worker]
+    if allow_faults:
+        faults = FaultActivities(process)
+        workers.append(Worker(worker.client, task_queue=fault_queue(process), activities=[faults.inject_fault]))
+    log.info("worker_started", role=role, task_queue=worker.task_queue, process=process, pid=os.getpid(),
+             faults=allow_faults, **context)
+    async with AsyncExitStack() as stack:
+        for w in workers:
+            await stack.enter_async_context(w)
         await stop.wait()
     log.info("worker_stopped", role=role, **context)
 
 
-async def control(settings: Settings) -> None:
+async def control(settings: Settings, allow_faults: bool = False) -> None:
     client = await connect(settings)
-    worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=[TrainingRunWorkflow])
-    await _serve(worker, "control")
+    worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=[TrainingRunWorkflow, RecoveryDrillWorkflow])
+    await _serve(worker, "control", "control", allow_faults)
 
 
-async def trainer(settings: Settings) -> None:
+async def trainer(settings: Settings, allow_faults: bool = False) -> None:
     import torch
 
     from services.trainer import TrainerService
 
     torch.set_num_threads(1)
     client = await connect(settings)
-    acts = TrainerActivities(TrainerService(store_for(settings), settings.home))
+    acts = TrainerActivities(TrainerService(store_for(settings), settings.home, relay_token=settings.relay_token))
     worker = Worker(
         client,
         task_queue=TRAINER_QUEUE,
@@ -59,15 +71,16 @@ async def trainer(settings: Settings) -> None:
         activity_executor=ThreadPoolExecutor(max_workers=2),
         max_concurrent_activities=1,
     )
-    await _serve(worker, "trainer", host_id=settings.host_id)
+    await _serve(worker, "trainer", "trainer", allow_faults, host_id=settings.host_id)
 
 
-async def rollout(settings: Settings, slots: int = 1) -> None:
+async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1) -> None:
     import torch
 
     torch.set_num_threads(1)
     client = await connect(settings)
-    acts = RolloutActivities(client, asyncio.get_running_loop(), store_for(settings), settings.host_id)
+    acts = RolloutActivities(client, asyncio.get_running_loop(), store_for(settings), settings.host_id,
+                             relay_token=settings.relay_token)
     worker = Worker(
         client,
         task_queue=ROLLOUT_QUEUE,
@@ -75,19 +88,21 @@ async def rollout(settings: Settings, slots: int = 1) -> None:
         activity_executor=ThreadPoolExecutor(max_workers=slots + 1),
         max_concurrent_activities=slots,
     )
-    await _serve(worker, "rollout", host_id=settings.host_id, slots=slots)
+    await _serve(worker, "rollout", f"rollout-{settings.host_id}", allow_faults, host_id=settings.host_id,
+                 slots=slots)
 
 
-async def relay(settings: Settings) -> None:
+async def relay(settings: Settings, allow_faults: bool = False) -> None:
     from relay.server import RelayServer
 
-    server = RelayServer(settings.host_id, bind_host=settings.relay_bind)
+    server = RelayServer(settings.host_id, bind_host=settings.relay_bind, token=settings.relay_token)
     address = server.start()
     try:
         client = await connect(settings)
         acts = RelayActivities(settings.host_id, settings.host_id, address)
         worker = Worker(client, task_queue=relay_queue(settings.host_id), activities=[acts.run_relay])
-        await _serve(worker, "relay", host_id=settings.host_id, address=address)
+        await _serve(worker, "relay", f"relay-{settings.host_id}", allow_faults, host_id=settings.host_id,
+                     address=address)
     finally:
         server.stop()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from pathlib import Path
 
@@ -37,11 +38,14 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console) -> in
     stack = DevStack(home)
     info, started_stack = stack.ensure_up()
     settings = Settings.from_env()  # dev.json now names the endpoints
+    if settings.relay_token is None:  # relays of this run accept only its own processes
+        settings = settings.with_relay_token(secrets.token_hex(16))
     console.print(f"temporal={info.temporal_address} ui={info.ui_url or '-'} store={settings.store_url}",
                   highlight=False)
-    launcher = LocalLauncher(plan_processes(cfg, settings, home / "logs" / cfg.run.run_id))
+    launcher = LocalLauncher(plan_processes(cfg, settings, home / "logs" / cfg.run.run_id, spare_slots=1, allow_faults=True))
     try:
         launcher.start_all()
+        launcher.start_supervision()
         return asyncio.run(_drive(cfg, settings, launcher, summary_path, console))
     except KeyboardInterrupt:
         console.print("interrupted: stopping the run and every process this command started")
@@ -85,7 +89,6 @@ async def _watch(handle, result_task, launcher: LocalLauncher, cfg: RunConfig, c
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("train", total=cfg.run.steps, info="starting workers")
         while not result_task.done():
-            launcher.supervise()
             try:
                 st: RunStatus = await handle.query("status", result_type=RunStatus)
                 bar.update(task, completed=st.step, info=_progress_line(st, time.time() - t0))

@@ -12,6 +12,7 @@ the same values to child processes with `Settings.to_env()`. An empty variable c
 | LAMINAR_S3_ENDPOINT       | S3 endpoint in dev.json when the dev stack runs S3, else none (AWS) |
 | LAMINAR_HOST_ID           | `host-0`                                                         |
 | LAMINAR_RELAY_BIND        | `127.0.0.1`                                                      |
+| LAMINAR_RELAY_TOKEN       | none: relays accept unauthenticated peers (`laminar run` sets one) |
 | LAMINAR_LOG_FORMAT        | `console` (or `json`)                                            |
 | LAMINAR_LOG_LEVEL         | `info` (debug, info, warning, error, critical)                   |
 """
@@ -22,7 +23,7 @@ import ipaddress
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from laminar.errors import ConfigError, DevStackError
@@ -50,6 +51,7 @@ class Settings:
     s3_endpoint: str | None  # http(s)://host:port of an S3-compatible server; None = AWS
     host_id: str  # this machine's name in task-queue names
     relay_bind: str  # address the weight relay listens on
+    relay_token: str | None  # shared run token relays demand (HMAC challenge); None: no authentication
     log_format: str  # console | json
     log_level: str  # debug | info | warning | error | critical
 
@@ -104,6 +106,11 @@ class Settings:
         if not _is_host(relay_bind):
             raise _invalid("LAMINAR_RELAY_BIND", relay_bind, "use an IP address or host name, without a port")
 
+        relay_token = get("LAMINAR_RELAY_TOKEN")
+        if relay_token is not None and len(relay_token) < 16:
+            raise _invalid("LAMINAR_RELAY_TOKEN", "<hidden>", "use a secret of at least 16 characters "
+                           "(e.g. `python -c 'import secrets; print(secrets.token_hex(16))'`)")
+
         log_format = (get("LAMINAR_LOG_FORMAT") or "console").lower()
         if log_format not in LOG_FORMATS:
             raise _invalid("LAMINAR_LOG_FORMAT", log_format, f"use one of {', '.join(LOG_FORMATS)}")
@@ -120,6 +127,7 @@ class Settings:
             s3_endpoint=s3_endpoint,
             host_id=host_id,
             relay_bind=relay_bind,
+            relay_token=relay_token,
             log_format=log_format,
             log_level=log_level,
         )
@@ -138,7 +146,12 @@ class Settings:
         }
         if self.s3_endpoint is not None:
             env["LAMINAR_S3_ENDPOINT"] = self.s3_endpoint
+        if self.relay_token is not None:
+            env["LAMINAR_RELAY_TOKEN"] = self.relay_token
         return env
+
+    def with_relay_token(self, token: str) -> Settings:
+        return replace(self, relay_token=token)
 
 
 def _invalid(name: str, value: str, fix: str) -> ConfigError:

@@ -11,9 +11,25 @@ Invariants:
 from __future__ import annotations
 
 from laminar.config import RunConfig
-from laminar.messages import BatchPart, Lease, ReplicaReport, RunStatus, TrainStepInput, TrainStepResult
+from laminar.messages import (
+    BatchPart,
+    Lease,
+    ReplicaReport,
+    RunEvent,
+    RunStatus,
+    TrainStepInput,
+    TrainStepResult,
+)
 from laminar.refs import SegmentRef
-from workflows.state import RECENT_REWARDS, OpenLease, ReadyGroup, RunState
+from workflows.state import (
+    RECENT_EVENTS,
+    RECENT_REWARDS,
+    RECENT_STEPS,
+    LastClaim,
+    OpenLease,
+    ReadyGroup,
+    RunState,
+)
 
 
 class Ledger:
@@ -29,6 +45,27 @@ class Ledger:
 
     def versions_in_use(self) -> list[int]:
         return sorted({r.policy_version for r in self.s.replicas.values() if r.policy_version >= 0})
+
+    def note_event(self, kind: str, subject: str, at: float, count: int = 0) -> None:
+        self.s.events = (self.s.events + [RunEvent(kind=kind, subject=subject, at=at, count=count)])[-RECENT_EVENTS:]
+
+    def replay_claim(self, replica_id: str, request_id: str) -> list[Lease] | None:
+        """The leases of a retried claim (same request id), still held by the replica; None if not a retry."""
+        last = self.s.last_claims.get(replica_id)
+        if not request_id or last is None or last.request_id != request_id:
+            return None
+        held = set(self.held_by(replica_id, [lease.group_id for lease in last.leases]))
+        return [lease for lease in last.leases if lease.group_id in held]
+
+    def remember_claim(self, replica_id: str, request_id: str, leases: list[Lease]) -> None:
+        if request_id:
+            self.s.last_claims[replica_id] = LastClaim(request_id=request_id, leases=list(leases))
+
+    def rejoin(self, replica_id: str, at: float) -> None:
+        """A retried replica activity claimed again: the failure was detected and recovery began."""
+        if replica_id not in self.s.rejoined:
+            self.s.rejoined.append(replica_id)
+        self.note_event("replica_rejoined", replica_id, at)
 
     def lease(self, replica_id: str, n: int) -> list[Lease]:
         """Hand out up to n groups: returned leases first (oldest first), then fresh prompts."""
@@ -56,8 +93,10 @@ class Ledger:
     def held_by(self, replica_id: str, group_ids: list[str]) -> list[str]:
         return [g for g in group_ids if g in self.s.open_leases and self.s.open_leases[g].replica_id == replica_id]
 
-    def add_segment(self, seg: SegmentRef) -> tuple[list[str], list[str]]:
+    def add_segment(self, seg: SegmentRef, replica_id: str = "", at: float = 0.0,
+                    tokens_regenerated: int = 0) -> tuple[list[str], list[str]]:
         """Record complete groups; idempotent by group id (a retried report is a no-op)."""
+        self.s.tokens_regenerated += tokens_regenerated
         accepted: list[str] = []
         duplicates: list[str] = []
         returned = {lease.group_id: i for i, lease in enumerate(self.s.returned)}
@@ -75,6 +114,9 @@ class Ledger:
         if accepted:
             self.s.segments[seg.key] = seg
             self.s.groups_generated += len(accepted)
+            if replica_id in self.s.rejoined:
+                self.s.rejoined.remove(replica_id)
+                self.note_event("replica_recovered", replica_id, at, len(accepted))
         self.s.duplicate_reports += len(duplicates)
         return accepted, duplicates
 
@@ -101,13 +143,17 @@ class Ledger:
             relay_chain=chain,
         )
 
-    def commit_step(self, inp: TrainStepInput, res: TrainStepResult, keep_last: int) -> None:
+    def commit_step(self, inp: TrainStepInput, res: TrainStepResult, keep_last: int, at: float = 0.0) -> None:
         consumed = {g for part in inp.batch for g in part.group_ids}
         self.s.ready = [g for g in self.s.ready if g.group_id not in consumed]
         live = {g.segment_key for g in self.s.ready}
         self.s.segments = {k: v for k, v in self.s.segments.items() if k in live}
         self.s.step, self.s.policy_version = res.step, res.policy_version
         self.s.uncommitted.append(inp.batch)
+        self.s.step_times = (self.s.step_times + [at])[-RECENT_STEPS:]
+        self.s.steps_redone += res.steps_redone
+        if res.restored:
+            self.note_event("trainer_restored", "trainer", at, res.steps_redone)
         if res.checkpoint is not None:
             self.s.checkpoint = res.checkpoint
             self.s.uncommitted = []
@@ -149,4 +195,10 @@ class Ledger:
             relays=[r for _, r in sorted(s.relays.items())],
             replicas=[r for _, r in sorted(s.replicas.items())],
             started_at=s.started_at,
+            prompts_issued=s.prompt_cursor,
+            returned_leases=len(s.returned),
+            steps_redone=s.steps_redone,
+            tokens_regenerated=s.tokens_regenerated,
+            step_times=list(s.step_times),
+            events=list(s.events),
         )

@@ -8,10 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from laminar.messages import BatchPart, RelayInfo, ReplicaReport
+from laminar.messages import BatchPart, Lease, RelayInfo, ReplicaReport, RunEvent
 from laminar.refs import CheckpointRef, SegmentRef
 
 RECENT_REWARDS = 20  # steps of reward kept for the live status
+RECENT_STEPS = 100  # step completion times kept (drills measure trainer stall from them)
+RECENT_EVENTS = 50
 
 
 @dataclass
@@ -59,6 +61,18 @@ class RunState:
     trainer_wait_s: float = 0.0
     trainer_busy_s: float = 0.0
     started_at: float = 0.0
+    steps_redone: int = 0
+    tokens_regenerated: int = 0
+    step_times: list[float] = field(default_factory=list)
+    events: list[RunEvent] = field(default_factory=list)
+    last_claims: dict[str, LastClaim] = field(default_factory=dict)  # replica_id -> its last claim
+    rejoined: list[str] = field(default_factory=list)  # replicas retried and not yet recovered
+
+
+@dataclass
+class LastClaim:
+    request_id: str
+    leases: list[Lease]
 
 
 @dataclass

@@ -7,12 +7,13 @@ activity on the trainer's queue. Deterministic: no I/O, no torch, activities cal
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from temporalio.converter import value_to_type
@@ -55,6 +56,7 @@ class TrainingRunWorkflow:
         self._replicas: dict[str, Any] = {}
         self._relay_tasks: dict[str, Any] = {}
         self._handover = False
+        self._closing = False  # draining for continue-as-new or finish: relay watchers stop
         try:
             self._cfg, state = _parse_input(inp)
             run_id = self._cfg.run.run_id or workflow.info().workflow_id.removeprefix("run/")
@@ -89,15 +91,35 @@ class TrainingRunWorkflow:
         assert self._cfg is not None
         for i in range(self._cfg.relay.relays):
             relay_id = f"host-{i}"
-            self._relay_tasks[relay_id] = workflow.start_activity(
-                "run_relay",
-                RunRelayInput(run_id=self.s.run_id, workflow_id=workflow.info().workflow_id, relay_id=relay_id),
-                task_queue=relay_queue(relay_id),
-                start_to_close_timeout=timedelta(days=30),
-                heartbeat_timeout=timedelta(seconds=self._cfg.rollout.heartbeat_timeout_s),
-                retry_policy=FAST_RETRY,
-                activity_id=f"relay-{relay_id}",
-            )
+            self._relay_tasks[relay_id] = asyncio.create_task(self._watch_relay(relay_id))
+
+    async def _watch_relay(self, relay_id: str) -> None:
+        """Keep one `run_relay` activity per relay. Its heartbeat timeout is the relay's failure
+        detector: the dead relay leaves the chain at once (a new master is simply the next relay) and a
+        new attempt waits on the relay's queue until its worker is back, then rejoins."""
+        assert self._cfg is not None
+        generation = 0
+        while not self._closing:
+            generation += 1
+            try:
+                await workflow.execute_activity(
+                    "run_relay",
+                    RunRelayInput(run_id=self.s.run_id, workflow_id=workflow.info().workflow_id, relay_id=relay_id),
+                    task_queue=relay_queue(relay_id),
+                    start_to_close_timeout=timedelta(days=30),
+                    heartbeat_timeout=timedelta(seconds=self._cfg.rollout.heartbeat_timeout_s),
+                    retry_policy=RetryPolicy(maximum_attempts=1),
+                    activity_id=f"relay-{relay_id}-{generation}",
+                )
+            except ActivityError:
+                if self._closing:  # cancelled by _drain
+                    return
+            except asyncio.CancelledError:
+                return
+            if self.s.relays.pop(relay_id, None) is not None:
+                self.ledger.note_event("relay_lost", relay_id, workflow.time())
+                workflow.logger.warning("relay_lost", extra={"relay_id": relay_id})
+            await workflow.sleep(timedelta(seconds=1))
 
     async def _wait_for_relays(self) -> None:
         assert self._cfg is not None
@@ -114,6 +136,7 @@ class TrainingRunWorkflow:
     @workflow.signal
     def relay_joined(self, info: RelayInfo) -> None:
         self.s.relays[info.relay_id] = info
+        self.ledger.note_event("relay_joined", info.relay_id, workflow.time())
 
     # -- trainer -----------------------------------------------------------------------------
 
@@ -130,7 +153,7 @@ class TrainingRunWorkflow:
             result_type=TrainerInitResult,
             task_queue=TRAINER_QUEUE,
             start_to_close_timeout=timedelta(minutes=30),
-            heartbeat_timeout=timedelta(seconds=60),
+            heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
             retry_policy=FAST_RETRY,
         )
         self.s.step, self.s.policy_version, self.s.trainer_ready = res.step, res.policy_version, True
@@ -154,12 +177,12 @@ class TrainingRunWorkflow:
             result_type=TrainStepResult,
             task_queue=TRAINER_QUEUE,
             start_to_close_timeout=timedelta(minutes=30),
-            heartbeat_timeout=timedelta(seconds=60),
+            heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
             retry_policy=FAST_RETRY,
             cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
         )
         self.s.trainer_busy_s += workflow.time() - t0
-        self.ledger.commit_step(inp, res, keep_last=self._cfg.trainer.keep_last)
+        self.ledger.commit_step(inp, res, keep_last=self._cfg.trainer.keep_last, at=workflow.time())
         self._note_history()
 
     # -- rollout replicas --------------------------------------------------------------------
@@ -186,16 +209,22 @@ class TrainingRunWorkflow:
     @workflow.update
     def claim_prompts(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
         assert self._cfg is not None
+        replica_id = inp.report.replica_id
         self.ledger.note_report(inp.report)
         resume_ok: list[str] = []
         if inp.first_claim:
-            self.ledger.release_leases_of(inp.report.replica_id, keep=set(inp.resuming))
-            resume_ok = self.ledger.held_by(inp.report.replica_id, inp.resuming)
+            self.ledger.release_leases_of(replica_id, keep=set(inp.resuming))
+            resume_ok = self.ledger.held_by(replica_id, inp.resuming)
+            if inp.attempt > 1:
+                self.ledger.rejoin(replica_id, workflow.time())
         stop, handover = self.s.stopping, self._handover
-        leases = []
-        if not (stop or handover or self.s.paused or not self.s.trainer_ready):
-            room = self._cfg.rollout.max_ready_groups - len(self.s.ready)
-            leases = self.ledger.lease(inp.report.replica_id, max(0, min(inp.max_groups, room)))
+        leases = self.ledger.replay_claim(replica_id, inp.request_id)
+        if leases is None:
+            leases = []
+            if not (stop or handover or self.s.paused or not self.s.trainer_ready):
+                room = self._cfg.rollout.max_ready_groups - len(self.s.ready)
+                leases = self.ledger.lease(replica_id, max(0, min(inp.max_groups, room)))
+            self.ledger.remember_claim(replica_id, inp.request_id, leases)
         return ClaimPromptsResult(
             leases=leases,
             newest_policy_version=self.s.policy_version,
@@ -216,7 +245,9 @@ class TrainingRunWorkflow:
     @workflow.update
     def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
         self.ledger.note_report(inp.report)
-        accepted, duplicates = self.ledger.add_segment(inp.segment)
+        accepted, duplicates = self.ledger.add_segment(
+            inp.segment, inp.report.replica_id, workflow.time(), inp.tokens_regenerated
+        )
         return AddExperienceResult(
             accepted=accepted, duplicates=duplicates, stop=self.s.stopping, handover=self._handover
         )
@@ -277,9 +308,11 @@ class TrainingRunWorkflow:
             )
         except TimeoutError:
             workflow.logger.warning("replicas_drain_timed_out")
+        self._closing = True
         for task in list(self._replicas.values()) + list(self._relay_tasks.values()):
             if not task.done():
                 task.cancel()
+        await workflow.wait_condition(lambda: all(t.done() for t in self._relay_tasks.values()))
         await workflow.wait_condition(workflow.all_handlers_finished)
 
     async def _continue_as_new(self) -> None:

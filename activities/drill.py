@@ -1,0 +1,104 @@
+"""Drill-runner activities, served by the `laminar drill` process itself while a drill runs: they wait
+for the run to reach the injection step, resolve the target, interrupt the store, and watch recovery.
+They run outside the processes a drill kills, so the observation survives every fault."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict
+
+from temporalio import activity
+from temporalio.client import Client
+
+from laminar.messages import (
+    DrillInput,
+    DrillPlan,
+    DrillReport,
+    InjectFaultResult,
+    ObserveInput,
+    RunStatus,
+    workflow_id_for,
+)
+from services import drill as rules
+from storage import keys
+from storage.objects import ObjectStore
+
+POLL_S = 0.5
+SETTLE_STEPS = 1  # steps to watch after recovery so that the accounting has settled
+
+
+class DrillActivities:
+    def __init__(self, client: Client, store: ObjectStore, interrupt_store=None) -> None:
+        self.client = client
+        self.store = store
+        self._interrupt = interrupt_store  # callable(outage_s) -> (stopped_at, back_at), blocking
+
+    async def _status(self, run_id: str) -> RunStatus:
+        handle = self.client.get_workflow_handle(workflow_id_for(run_id))
+        return await handle.query("status", result_type=RunStatus)
+
+    async def _try_status(self, run_id: str) -> RunStatus | None:
+        try:
+            return await self._status(run_id)
+        except Exception:  # the control worker may be down: that is what some drills do
+            return None
+
+    @activity.defn(name="plan_drill")
+    async def plan_drill(self, inp: DrillInput) -> DrillPlan:
+        while True:
+            st = await self._try_status(inp.run_id)
+            if st is not None and st.step >= inp.at_step and st.phase == "running" and st.replicas:
+                target, process = rules.resolve_target(inp.fault, inp.target, st)
+                return DrillPlan(fault=inp.fault, target=target, process=process, baseline=st)
+            activity.heartbeat(st.step if st else None)
+            await asyncio.sleep(POLL_S)
+
+    @activity.defn(name="interrupt_store")
+    async def interrupt_store(self, inp: DrillInput) -> InjectFaultResult:
+        if self._interrupt is None:
+            raise RuntimeError("this drill runner cannot interrupt the store: run it where `laminar dev up --s3` runs")
+        task = asyncio.ensure_future(asyncio.to_thread(self._interrupt, inp.outage_s))
+        while not task.done():
+            activity.heartbeat("store down")
+            await asyncio.wait({task}, timeout=1.0)
+        stopped_at, _back_at = task.result()
+        return InjectFaultResult(process="s3", pid=0, injected_at=stopped_at)
+
+    @activity.defn(name="observe_recovery")
+    async def observe_recovery(self, inp: ObserveInput) -> DrillReport:
+        plan, injected_at = inp.plan, inp.injected.injected_at
+        deadline = time.time() + inp.drill.timeout_s
+        detected = recovered = None
+        final = plan.baseline
+        while time.time() < deadline:
+            activity.heartbeat(detected, recovered)
+            st = await self._try_status(inp.drill.run_id)
+            if st is not None:
+                final = st
+                detected = detected or rules.detected_at(plan.fault, plan.target, injected_at, st,
+                                                         await self._activities(inp.drill.run_id))
+                recovered = rules.recovered_at(plan.fault, plan.target, injected_at, detected, st)
+                settled = recovered is not None and sum(t > recovered for t in st.step_times) >= SETTLE_STEPS
+                if settled or (recovered is not None and st.phase in ("stopping", "finished")):
+                    break
+            await asyncio.sleep(POLL_S)
+        notes = "" if recovered is not None else f"no recovery observed within {inp.drill.timeout_s:.0f}s"
+        report = rules.build_report(inp.drill.drill_id, plan.fault, plan.target, injected_at, plan.baseline,
+                                    final, detected, recovered, notes)
+        self.store.put(keys.drill_report(inp.drill.run_id, inp.drill.drill_id),
+                       json.dumps(asdict(report), indent=2).encode())
+        return report
+
+    async def _activities(self, run_id: str) -> list[rules.ActivityView]:
+        try:
+            desc = await self.client.get_workflow_handle(workflow_id_for(run_id)).describe()
+        except Exception:
+            return []
+        out = []
+        for a in desc.raw_description.pending_activities:
+            complete = a.last_attempt_complete_time.ToDatetime().timestamp() if a.HasField(
+                "last_attempt_complete_time") else None
+            out.append(rules.ActivityView(a.activity_id, a.activity_type.name, a.attempt, complete))
+        return out

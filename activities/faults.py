@@ -1,0 +1,31 @@
+"""Fault delivery for recovery drills: every worker process started with --allow-faults polls its own
+fault queue, so a fault reaches exactly the process that must die, and a drill can only kill processes
+the run's launcher started."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+from temporalio import activity
+
+from laminar.logs import get_logger
+from laminar.messages import InjectFaultInput, InjectFaultResult
+
+log = get_logger(__name__)
+
+
+class FaultActivities:
+    def __init__(self, process: str) -> None:
+        self.process = process
+
+    @activity.defn(name="inject_fault")
+    async def inject_fault(self, inp: InjectFaultInput) -> InjectFaultResult:
+        """Acknowledge, then SIGKILL this process after delay_s (no cleanup: a real crash)."""
+        pid = os.getpid()
+        log.warning("fault_injected", drill_id=inp.drill_id, fault=inp.fault, target=inp.target, pid=pid,
+                    process=self.process, delay_s=inp.delay_s)
+        asyncio.get_running_loop().call_later(inp.delay_s, os.kill, pid, signal.SIGKILL)
+        return InjectFaultResult(process=self.process, pid=pid, injected_at=time.time() + inp.delay_s)

@@ -1,0 +1,124 @@
+"""Recovery drills: which process receives a fault, and how a drill report is worked out.
+
+Pure functions over run status snapshots (`RunStatus`) and Temporal's view of pending activities, so
+the arithmetic is unit-tested without a cluster. Times are Unix seconds; the run workflow records its
+events and step completions in workflow time, which is the server's clock on the same machine.
+
+How each fault is detected and when it counts as recovered:
+
+| fault        | detected at                                              | recovered at                                            |
+|--------------|----------------------------------------------------------|---------------------------------------------------------|
+| rollout      | the replica activity's heartbeat timeout (its retry)      | the retried replica's first complete group              |
+| relay        | the relay activity's heartbeat timeout (`relay_lost`)     | the first trainer step published to the rebuilt chain   |
+| master-relay | as relay                                                  | as relay (the next relay is the new master)             |
+| trainer      | the train_step heartbeat timeout (its retry)              | the first step completed by the restored trainer        |
+| control      | at injection (workflow tasks wait in their queue)         | the first trainer step after the control worker is back |
+| store        | at injection (every store call retries with backoff)      | the first trainer step after the store is back          |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from laminar.errors import ConfigError
+from laminar.messages import FAULTS, DrillReport, RunStatus
+
+
+@dataclass
+class ActivityView:
+    """What the drill needs of one pending activity (from `describe`)."""
+
+    activity_id: str
+    activity_type: str
+    attempt: int
+    last_attempt_complete_time: float | None
+
+
+def resolve_target(fault: str, target: str, status: RunStatus) -> tuple[str, str]:
+    """(target, process name) for a fault against the live run; ConfigError naming what exists."""
+    if fault not in FAULTS:
+        raise ConfigError(f"--fault {fault!r} is not one of {', '.join(FAULTS)}")
+    if fault == "rollout":
+        replicas = {r.replica_id: r for r in status.replicas}
+        if not replicas:
+            raise ConfigError(f"run {status.run_id} has no rollout replica reporting yet; try --at-step 1")
+        chosen = target or max(replicas.values(), key=lambda r: (r.in_flight, r.replica_id)).replica_id
+        if chosen not in replicas:
+            raise ConfigError(f"--target {chosen!r}: run {status.run_id} has replicas {sorted(replicas)}")
+        return chosen, f"rollout-{replicas[chosen].host_id}"
+    if fault in ("relay", "master-relay"):
+        chain = [r.relay_id for r in status.relays]
+        if not chain:
+            raise ConfigError(f"run {status.run_id} has no relay in its chain")
+        chosen = chain[0] if fault == "master-relay" else (target or chain[-1])
+        if chosen not in chain:
+            raise ConfigError(f"--target {chosen!r}: the chain of run {status.run_id} is {chain}")
+        if fault == "master-relay" and target and target != chosen:
+            raise ConfigError(f"--target {target!r} is not the master relay; the master is {chosen}")
+        return chosen, f"relay-{chosen}"
+    return fault, fault  # trainer, control, store: one of each
+
+
+def detected_at(fault: str, target: str, injected_at: float, status: RunStatus,
+                activities: list[ActivityView]) -> float | None:
+    if fault in ("control", "store"):
+        return injected_at
+    if fault in ("relay", "master-relay"):
+        return _first_event(status, "relay_lost", target, injected_at)
+    wanted = f"rollout-{target}" if fault == "rollout" else None
+    for a in activities:
+        mine = a.activity_id == wanted if wanted else a.activity_type == "train_step"
+        if mine and a.attempt > 1 and a.last_attempt_complete_time and a.last_attempt_complete_time >= injected_at:
+            return a.last_attempt_complete_time
+    if fault == "rollout":  # the retry may already have claimed (and the pending view moved on)
+        return _first_event(status, "replica_rejoined", target, injected_at)
+    return _first_event(status, "trainer_restored", "trainer", injected_at)
+
+
+def recovered_at(fault: str, target: str, injected_at: float, detected: float | None,
+                 status: RunStatus) -> float | None:
+    if detected is None:
+        return None
+    if fault == "rollout":
+        return _first_event(status, "replica_recovered", target, detected)
+    after = max(injected_at, detected)
+    return next((t for t in status.step_times if t > after), None)
+
+
+def trainer_stall_s(step_times: list[float], start: float, end: float) -> float:
+    """Longest stretch inside [start, end] with no trainer step completing."""
+    marks = [start] + [t for t in step_times if start < t < end] + [end]
+    return max((b - a for a, b in zip(marks, marks[1:], strict=False)), default=0.0)
+
+
+def groups_lost(status: RunStatus) -> int:
+    """Prompt groups issued but neither consumed, waiting, leased nor queued for re-lease."""
+    accounted = status.groups_consumed + status.ready_groups + status.open_leases + status.returned_leases
+    return status.prompts_issued - accounted
+
+
+def build_report(drill_id: str, fault: str, target: str, injected_at: float, baseline: RunStatus,
+                 final: RunStatus, detected: float | None, recovered: float | None, notes: str = "") -> DrillReport:
+    end = recovered if recovered is not None else (final.step_times[-1] if final.step_times else injected_at)
+    during = sum(1 for t in final.step_times if injected_at < t < end) if recovered is not None else 0
+    return DrillReport(
+        drill_id=drill_id,
+        run_id=final.run_id,
+        fault=fault,
+        target=target,
+        injected_at=round(injected_at, 3),
+        detected_at=None if detected is None else round(detected, 3),
+        recovered_at=None if recovered is None else round(recovered, 3),
+        steps_during_outage=during,
+        trainer_stall_s=round(trainer_stall_s(final.step_times, injected_at, end), 3),
+        groups_lost=groups_lost(final),
+        groups_consumed_twice=final.groups_consumed_twice - baseline.groups_consumed_twice,
+        tokens_regenerated=final.tokens_regenerated - baseline.tokens_regenerated,
+        steps_redone=final.steps_redone - baseline.steps_redone,
+        recovered=recovered is not None,
+        notes=notes,
+    )
+
+
+def _first_event(status: RunStatus, kind: str, subject: str, after: float) -> float | None:
+    return next((e.at for e in status.events if e.kind == kind and e.subject == subject and e.at >= after), None)
