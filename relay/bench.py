@@ -195,7 +195,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
                 done = trainer.call("wait", addrs=[master_addr, *chain], version=v, run=run, wait_s=600.0)
                 stalls.append(pushed["stall_s"])
                 alls.append(max(done["completed_at"]) - pushed["start"])
-            pull = trainer.call("local_pull", addr=master_addr, run=f"bench-chain-{p}", reps=5)
+            pull = trainer.call("local_pull", addr=master_addr, run=f"bench-chain-{p}", reps=15)
 
             progress(f"{p} relay(s): master sends to each relay in turn")
             seq = trainer.call("sequential", addrs=chain, version=1, run=f"bench-seq-{p}", chunk_bytes=None)

@@ -15,11 +15,10 @@ Talks to the workflow only through `ControlPort`, so the loop is testable withou
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
-
-import torch
 
 from laminar.config import RunConfig
 from laminar.errors import RelayError
@@ -98,7 +97,7 @@ class RolloutReplica:
             max_inflight_seqs=r.max_inflight_groups * r.group_size,
             max_new_tokens=r.max_new_tokens,
             temperature=r.temperature,
-            seed=hash((cfg.run.seed, replica_id, segment_prefix)) % (2**31),
+            seed=zlib.crc32(f"{cfg.run.seed}/{replica_id}/{segment_prefix}".encode()),
             eos_id=self.task.eos_id,
         )
         self.groups: dict[str, _Group] = {}
@@ -352,6 +351,3 @@ class RolloutReplica:
         return {"policy_version": r.policy_version, "in_flight": r.in_flight, "kv_used": r.kv_used,
                 "kv_capacity": r.kv_capacity, "groups_completed": self.stats.groups_completed}
 
-
-def set_torch_threads(n: int = 1) -> None:
-    torch.set_num_threads(n)

@@ -15,8 +15,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from laminar.config import RunConfig
 from laminar.errors import RelayError
 from laminar.logs import get_logger
@@ -177,6 +175,3 @@ class TrainerService:
                   "policy_versions": sorted({t.policy_version for t in trajectories}), "time": time.time()}
         self.store.put(keys.step_metrics(self.run_id, self.step), json.dumps(record).encode())
 
-
-def set_torch_threads(n: int) -> None:
-    torch.set_num_threads(n)

@@ -16,6 +16,7 @@ from temporalio.client import Client
 from laminar.messages import DrillInput, DrillReport, RunStatus
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config
+from tests.fixtures.temporal import assert_all_payloads_small
 from tests.fixtures.waiting import async_wait_until
 from workers.connect import connect, store_for
 from workers.devstack import DevStack
@@ -51,7 +52,9 @@ async def drill_stack(tmp_path_factory, aws_test_env) -> AsyncIterator[DrillStac
         launcher = LocalLauncher(plan_processes(cfg, settings, home / "logs", spare_slots=1, allow_faults=True))
         launcher.start_all()
         launcher.start_supervision(interval_s=0.2)
-        yield DrillStack(await connect(settings), settings, dev, launcher)
+        stack = DrillStack(await connect(settings), settings, dev, launcher)
+        yield stack
+        await assert_all_payloads_small(await connect(settings))
     finally:
         if launcher is not None:
             launcher.stop_all()

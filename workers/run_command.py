@@ -17,7 +17,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from temporalio.client import WorkflowFailureError
 
 from laminar.config import RunConfig
-from laminar.errors import LaminarError
 from laminar.messages import RunStatus
 from storage import keys
 from workers.connect import connect, store_for
@@ -118,5 +117,3 @@ def _print_summary(s: dict, console: Console) -> None:
         highlight=False,
     )
 
-
-__all__ = ["run_local", "LaminarError"]

@@ -38,7 +38,7 @@ def build_summary(status: RunStatus, store: ObjectStore, wall_s: float) -> dict[
         "response_len_p99": percentile(lengths, 99),
         "tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
         "wall_s": round(wall_s, 2),
-        "staleness_histogram": status.staleness_histogram,
+        "staleness_histogram": dict(sorted(status.staleness_histogram.items(), key=lambda kv: int(kv[0]))),
         "max_versions_in_use": status.max_versions_in_use,
         "trainer_wait_fraction": round(status.trainer_wait_fraction, 4),
         "groups_generated": status.groups_generated,
