@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -45,6 +47,17 @@ def _fail(e: Exception, code: int) -> typer.Exit:
     return typer.Exit(code)
 
 
+@contextmanager
+def _exit_codes() -> Iterator[None]:
+    """Our errors become a one-line message and an exit code: 2 for invalid input, 1 for failures."""
+    try:
+        yield
+    except ConfigError as e:
+        raise _fail(e, 2) from None
+    except LaminarError as e:
+        raise _fail(e, 1) from None
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
     ctx: typer.Context,
@@ -60,14 +73,10 @@ def run(
     """
     from workers.run_command import run_local
 
-    try:
+    with _exit_codes():
         cfg = _load_config(config, ctx.args, steps, run_id)
         configure_logging(log_format)
         code = run_local(cfg, summary_path=summary, console=console)
-    except ConfigError as e:
-        raise _fail(e, 2) from None
-    except LaminarError as e:
-        raise _fail(e, 1) from None
     raise typer.Exit(code)
 
 
@@ -81,14 +90,10 @@ def start(
     """Start a run on running workers (Python client); prints the run id."""
     from workers.run_control import start_run
 
-    try:
+    with _exit_codes():
         cfg = _load_config(config, ctx.args, steps, run_id)
         settings = Settings.from_env()
         rid = asyncio.run(start_run(settings, cfg))
-    except ConfigError as e:
-        raise _fail(e, 2) from None
-    except LaminarError as e:
-        raise _fail(e, 1) from None
     console.print(f"run_id={rid}", highlight=False)
 
 
@@ -97,12 +102,8 @@ def status(run_id: str, as_json: bool = typer.Option(False, "--json", help="Prin
     """Show a run's status (the workflow's `status` query)."""
     from workers.run_control import query_status, render_status
 
-    try:
+    with _exit_codes():
         st = asyncio.run(query_status(Settings.from_env(), run_id))
-    except ConfigError as e:
-        raise _fail(e, 2) from None
-    except LaminarError as e:
-        raise _fail(e, 1) from None
     if as_json:
         console.print_json(json.dumps(asdict(st)))
     else:
@@ -114,12 +115,8 @@ def stop(run_id: str) -> None:
     """Ask a run to stop: replicas finish, the trainer stops, the workflow completes."""
     from workers.run_control import stop_run
 
-    try:
+    with _exit_codes():
         phase = asyncio.run(stop_run(Settings.from_env(), run_id))
-    except ConfigError as e:
-        raise _fail(e, 2) from None
-    except LaminarError as e:
-        raise _fail(e, 1) from None
     console.print(f"run_id={run_id} phase={phase}", highlight=False)
 
 
@@ -128,7 +125,9 @@ def pause(run_id: str) -> None:
     """Pause a run: no new prompts are leased and the trainer waits."""
     from workers.run_control import send_control
 
-    console.print(f"run_id={run_id} phase={asyncio.run(send_control(Settings.from_env(), run_id, 'pause'))}")
+    with _exit_codes():
+        phase = asyncio.run(send_control(Settings.from_env(), run_id, "pause"))
+    console.print(f"run_id={run_id} phase={phase}", highlight=False)
 
 
 @app.command()
@@ -136,7 +135,9 @@ def resume(run_id: str) -> None:
     """Resume a paused run."""
     from workers.run_control import send_control
 
-    console.print(f"run_id={run_id} phase={asyncio.run(send_control(Settings.from_env(), run_id, 'resume'))}")
+    with _exit_codes():
+        phase = asyncio.run(send_control(Settings.from_env(), run_id, "resume"))
+    console.print(f"run_id={run_id} phase={phase}", highlight=False)
 
 
 @app.command()
@@ -153,16 +154,12 @@ def drill(
     from laminar.messages import DrillInput
     from workers.drill_command import render_report, run_drill
 
-    try:
+    with _exit_codes():
         settings = Settings.from_env()
         configure_logging(settings.log_format, "warning")
         inp = DrillInput(run_id=run_id, drill_id="", fault=fault, target=target, at_step=at_step,
                          timeout_s=timeout_s, outage_s=outage_s)
         result = asyncio.run(run_drill(settings, inp, report))
-    except ConfigError as e:
-        raise _fail(e, 2) from None
-    except LaminarError as e:
-        raise _fail(e, 1) from None
     console.print(render_report(result))
     if not result.recovered or result.groups_lost or result.groups_consumed_twice:
         raise typer.Exit(1)
@@ -179,23 +176,18 @@ def worker(
     """Run one worker process against any Temporal address and store (LAMINAR_* settings)."""
     from workers import processes
 
-    try:
+    with _exit_codes():
         settings = Settings.from_env()
-    except ConfigError as e:
-        raise _fail(e, 2) from None
-    configure_logging(settings.log_format, settings.log_level)
-    if role not in processes.ROLES:
-        raise _fail(ConfigError(f"worker role {role!r} is not one of {', '.join(processes.ROLES)}"), 2)
-    if slots < 1:
-        raise _fail(ConfigError(f"--slots={slots} must be at least 1"), 2)
-    main_fn = processes.ROLES[role]
-    try:
+        if role not in processes.ROLES:
+            raise ConfigError(f"worker role {role!r} is not one of {', '.join(processes.ROLES)}")
+        if slots < 1:
+            raise ConfigError(f"--slots={slots} must be at least 1")
+        configure_logging(settings.log_format, settings.log_level)
+        main_fn = processes.ROLES[role]
         if role == "rollout":
             asyncio.run(main_fn(settings, allow_faults, slots))
         else:
             asyncio.run(main_fn(settings, allow_faults))
-    except LaminarError as e:
-        raise _fail(e, 1) from None
 
 
 def main() -> None:
