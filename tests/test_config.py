@@ -20,7 +20,7 @@ def test_defaults_load_without_a_file() -> None:
     assert cfg == RunConfig()
     assert (cfg.run.mode, cfg.run.steps, cfg.run.run_id) == ("laminar", 300, "")
     assert (cfg.rollout.replicas, cfg.rollout.group_size) == (2, 8)
-    assert (cfg.trainer.groups_per_step, cfg.trainer.lr, cfg.trainer.keep_last) == (4, 1e-3, 3)
+    assert (cfg.trainer.groups_per_step, cfg.trainer.lr, cfg.trainer.keep_last) == (4, 2e-3, 3)
     assert cfg.relay.relays == 2
 
 

@@ -25,8 +25,10 @@ from workers.launcher import LocalLauncher, plan_processes
 from workers.run_control import start_workflow
 from workers.settings import Settings
 
-DRILL_OVERRIDES = ["run.steps=1000", "rollout.heartbeat_timeout_s=5", "trainer.heartbeat_timeout_s=5",
-                   "trainer.checkpoint_every=4"]
+# 4 replicas on 2 hosts, each rollout worker 2 + 1 spare slots: whatever Temporal's placement, every
+# worker holds at least one replica (4 - 3), so killing one leaves replicas generating.
+DRILL_OVERRIDES = ["run.steps=1000", "rollout.replicas=4", "rollout.heartbeat_timeout_s=5",
+                   "trainer.heartbeat_timeout_s=5", "trainer.checkpoint_every=4"]
 DRILL_TIMEOUT_S = 180.0
 
 

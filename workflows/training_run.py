@@ -98,9 +98,10 @@ class TrainingRunWorkflow:
         detector: the dead relay leaves the chain at once (a new master is simply the next relay) and a
         new attempt waits on the relay's queue until its worker is back, then rejoins."""
         assert self._cfg is not None
-        generation = 0
+        generation = failures = 0
         while not self._closing:
             generation += 1
+            started = workflow.time()
             try:
                 await workflow.execute_activity(
                     "run_relay",
@@ -119,7 +120,9 @@ class TrainingRunWorkflow:
             if self.s.relays.pop(relay_id, None) is not None:
                 self.ledger.note_event("relay_lost", relay_id, workflow.time())
                 workflow.logger.warning("relay_lost", extra={"relay_id": relay_id})
-            await workflow.sleep(timedelta(seconds=1))
+            # back off while the relay keeps failing fast (history grows with failures, never spins)
+            failures = failures + 1 if workflow.time() - started < 30 else 0
+            await workflow.sleep(timedelta(seconds=min(30, 2**failures)))
 
     async def _wait_for_relays(self) -> None:
         assert self._cfg is not None
