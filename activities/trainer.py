@@ -7,8 +7,10 @@ in this process's memory between steps.
 from __future__ import annotations
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from activities.heartbeat import background_heartbeat
+from laminar.errors import InconsistentStateError
 from laminar.messages import TrainerInitInput, TrainerInitResult, TrainStepInput, TrainStepResult
 from services.trainer import TrainerService
 
@@ -25,4 +27,7 @@ class TrainerActivities:
     @activity.defn(name="train_step")
     def train_step(self, inp: TrainStepInput) -> TrainStepResult:
         with background_heartbeat() as progress:
-            return self.service.train_step(inp, heartbeat=progress.tick)
+            try:
+                return self.service.train_step(inp, heartbeat=progress.tick)
+            except InconsistentStateError as e:  # permanent: fail the step instead of retrying forever
+                raise ApplicationError(str(e), type="InconsistentState", non_retryable=True) from e

@@ -35,6 +35,10 @@ class NoCheckpointError(StoreError):
     """No committed, verifiable checkpoint exists for a run."""
 
 
+class InconsistentStateError(LaminarError):
+    """The control plane's record and the trainer's state cannot be reconciled; a retry cannot help."""
+
+
 class RelayError(LaminarError):
     """A weight relay could not be reached or answered with an error."""
 

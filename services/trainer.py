@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from laminar.config import RunConfig
-from laminar.errors import RelayError
+from laminar.errors import InconsistentStateError, RelayError
 from laminar.logs import get_logger
 from laminar.messages import (
     BatchPart,
@@ -112,7 +112,7 @@ class TrainerService:
         self._restore(inp.run_id, cfg, inp.checkpoint)
         start = inp.checkpoint.step if inp.checkpoint else 0
         if start + len(inp.replay) != inp.step:
-            raise ValueError(
+            raise InconsistentStateError(
                 f"train_step for step {inp.step}: checkpoint at step {start} plus {len(inp.replay)} replay "
                 f"batches does not reach it; the workflow's uncommitted batches are inconsistent"
             )
