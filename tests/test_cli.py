@@ -9,6 +9,7 @@ import sys
 
 from laminar.messages import RunStatus, workflow_id_for
 from tests.fixtures.stack import TEST_OVERRIDES
+from tests.fixtures.waiting import wait_until
 
 LAMINAR = [sys.executable, "-m", "workers.cli"]
 
@@ -16,6 +17,10 @@ LAMINAR = [sys.executable, "-m", "workers.cli"]
 def _laminar(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([*LAMINAR, *args], env={**os.environ, **env}, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def _ok(out: subprocess.CompletedProcess) -> subprocess.CompletedProcess | None:
+    return out if out.returncode == 0 else None
 
 
 def test_run_rejects_bad_config_before_starting_anything(tmp_path):
@@ -42,8 +47,8 @@ async def test_start_status_stop(stack, tmp_path):
     assert started.stdout.strip().splitlines()[-1] == "run_id=t-cli-sss"
     assert stack.store.exists("runs/t-cli-sss/config.json")
     handle = stack.client.get_workflow_handle(workflow_id_for("t-cli-sss"), result_type=RunStatus)
-    status = _laminar(["status", "t-cli-sss", "--json"], env)
-    assert status.returncode == 0, status.stderr
+    # The status query needs the control worker to have picked the run up; poll the CLI until it answers.
+    status = wait_until(lambda: _ok(_laminar(["status", "t-cli-sss", "--json"], env)), 60, "laminar status to answer")
     assert json.loads(status.stdout)["run_id"] == "t-cli-sss"
     stopped = _laminar(["stop", "t-cli-sss"], env)
     assert stopped.returncode == 0, stopped.stderr

@@ -41,7 +41,7 @@ class DrillStack:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def drill_stack(tmp_path_factory, aws_test_env) -> AsyncIterator[DrillStack]:
+async def drill_stack_module(tmp_path_factory, aws_test_env) -> AsyncIterator[DrillStack]:
     home: Path = tmp_path_factory.mktemp("drill-home")
     dev = DevStack(home)
     dev.up(s3=True, port=free_port(), ui=False)
@@ -61,6 +61,15 @@ async def drill_stack(tmp_path_factory, aws_test_env) -> AsyncIterator[DrillStac
         if launcher is not None:
             launcher.stop_all()
         dev.down()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def drill_stack(drill_stack_module: DrillStack) -> AsyncIterator[DrillStack]:
+    """After each drill, terminate whatever run a failed test left running (it would hold the slots)."""
+    yield drill_stack_module
+    client = await connect(drill_stack_module.settings)
+    async for wf in client.list_workflows('ExecutionStatus = "Running"'):
+        await client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate(reason="test cleanup")
 
 
 async def _start_run(stack: DrillStack):
