@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -191,7 +192,21 @@ def worker(
 
 
 def main() -> None:
-    app()
+    """Run the CLI, then leave without interpreter finalisation: the Temporal client's native runtime
+    can abort a finalising interpreter (PyGILState_Release), which would turn a finished command's exit
+    status into a crash."""
+    code: int = 0
+    try:
+        app()
+    except SystemExit as e:
+        if isinstance(e.code, int):
+            code = e.code
+        elif e.code is not None:
+            err.print(str(e.code), highlight=False)
+            code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
