@@ -64,3 +64,23 @@ def test_example_client_script_runs(stack):
     lines = out.stdout.splitlines()
     assert lines[0].startswith("run_id=")
     assert "finished: steps=2" in lines[-1] and "consumed_twice=0" in lines[-1]
+
+
+def test_laminar_run_end_to_end(tmp_path):
+    """The main job's entry point: dev stack, worker processes, workflow, summary, and a clean exit."""
+    home = tmp_path / "home"
+    overrides = [f"--{o}" for o in TEST_OVERRIDES if not o.startswith("run.steps")]
+    out = _laminar(["run", "examples/tiny.toml", "--steps", "6", "--summary", str(tmp_path / "s.json"), *overrides],
+                   {"LAMINAR_HOME": str(home)}, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.splitlines()[0].startswith("run_id=")
+    summary = json.loads((tmp_path / "s.json").read_text())
+    expected = {"steps", "reward_per_step", "response_len_p50", "response_len_p99", "tokens_per_s",
+                "staleness_histogram", "max_versions_in_use", "trainer_wait_fraction", "groups_generated",
+                "groups_consumed", "groups_consumed_twice", "checkpoints", "temporal_history_events_max"}
+    assert expected <= set(summary)
+    assert summary["steps"] == 6 and len(summary["reward_per_step"]) == 6
+    assert summary["groups_consumed_twice"] == 0 and summary["groups_consumed"] == 6 * 2
+    assert sum(summary["staleness_histogram"].values()) == summary["groups_consumed"] * 4  # group_size 4
+    # It started the dev stack, so it stopped it: no record of live processes is left behind.
+    assert not (home / "dev.json").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import signal
 import time
 from pathlib import Path
 
@@ -41,6 +42,9 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console) -> in
         settings = settings.with_relay_token(secrets.token_hex(16))
     console.print(f"temporal={info.temporal_address} ui={info.ui_url or '-'} store={settings.store_url}",
                   highlight=False)
+    # SIGTERM / SIGHUP stop the run like Ctrl-C: nothing this command started may outlive it.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
     launcher = LocalLauncher(plan_processes(cfg, settings, home / "logs" / cfg.run.run_id, spare_slots=1, allow_faults=True))
     try:
         launcher.start_all()
