@@ -57,6 +57,7 @@ class TrainingRunWorkflow:
         self._relay_tasks: dict[str, Any] = {}
         self._handover = False
         self._closing = False  # draining for continue-as-new or finish: relay watchers stop
+        self._finished = False
         try:
             self._cfg, state = _parse_input(inp)
             run_id = self._cfg.run.run_id or workflow.info().workflow_id.removeprefix("run/")
@@ -288,6 +289,8 @@ class TrainingRunWorkflow:
     def _phase(self) -> str:
         if self._error is not None:
             return "failed"
+        if self._finished:
+            return "finished"
         if self.s.stopping or self.s.step >= (self._cfg.run.steps if self._cfg else 0):
             return "stopping"
         if self.s.paused:
@@ -331,6 +334,7 @@ class TrainingRunWorkflow:
         self.s.stopping = True
         await self._drain()
         self._note_history()
+        self._finished = True
         return self.ledger.status(
             phase="finished",
             total_steps=self._cfg.run.steps if self._cfg else 0,
