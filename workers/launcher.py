@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from laminar.config import RunConfig
@@ -35,7 +35,6 @@ class ManagedProcess:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     restart_at: float | None = None
-    history: list[int] = field(default_factory=list)  # pids, oldest first
 
     @property
     def pid(self) -> int | None:
@@ -92,7 +91,6 @@ class LocalLauncher:
         p.proc = subprocess.Popen(p.argv, env=p.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                   start_new_session=True)
         out.close()
-        p.history.append(p.proc.pid)
         p.restart_at = None
         log.info("process_started", name=p.name, pid=p.proc.pid, log=str(p.log_path))
 

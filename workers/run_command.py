@@ -23,7 +23,7 @@ from storage import keys
 from workers.connect import connect, store_for
 from workers.devstack import DevStack
 from workers.launcher import LocalLauncher, plan_processes
-from workers.run_control import new_run_id, start_workflow
+from workers.run_control import new_run_id, start_stored_run
 from workers.settings import Settings
 from workers.summary import build_summary, reward_rise
 
@@ -49,7 +49,7 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console) -> in
     try:
         launcher.start_all()
         launcher.start_supervision()
-        return asyncio.run(_drive(cfg, settings, launcher, summary_path, console))
+        return asyncio.run(_drive(cfg, settings, summary_path, console))
     except KeyboardInterrupt:
         console.print("interrupted: stopping the run and every process this command started")
         return 130
@@ -59,16 +59,14 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console) -> in
             stack.down()
 
 
-async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher, summary_path: Path | None,
-                 console: Console) -> int:
+async def _drive(cfg: RunConfig, settings: Settings, summary_path: Path | None, console: Console) -> int:
     store = store_for(settings)
-    store.put(keys.config(cfg.run.run_id), cfg.model_dump_json(indent=2).encode())
     client = await connect(settings)
     t0 = time.time()
-    handle = await start_workflow(client, cfg)
+    handle = await start_stored_run(client, store, cfg)
     result_task = asyncio.create_task(handle.result())
     try:
-        await _watch(handle, result_task, launcher, cfg, console, t0)
+        await _watch(handle, result_task, cfg, console, t0)
         final = await result_task
     except WorkflowFailureError as e:
         console.print(f"[red]run failed:[/red] {e.cause or e}")
@@ -86,7 +84,7 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher, su
     return 0
 
 
-async def _watch(handle, result_task, launcher: LocalLauncher, cfg: RunConfig, console: Console, t0: float) -> None:
+async def _watch(handle, result_task, cfg: RunConfig, console: Console, t0: float) -> None:
     columns = [TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn()]
     with Progress(*columns, console=console, transient=False) as bar:

@@ -14,6 +14,7 @@ from laminar.config import RunConfig
 from laminar.errors import LaminarError
 from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
 from storage import keys
+from storage.objects import ObjectStore
 from workers.connect import connect, store_for
 from workers.settings import Settings
 from workflows.state import TrainingRunInput
@@ -37,13 +38,17 @@ async def start_workflow(client: Client, cfg: RunConfig) -> WorkflowHandle:
         raise LaminarError(f"could not start run {cfg.run.run_id}: {e}; pick another --run-id") from None
 
 
+async def start_stored_run(client: Client, store: ObjectStore, cfg: RunConfig) -> WorkflowHandle:
+    """Store the config with the run (runs/<id>/config.json), then start its workflow."""
+    store.put(keys.config(cfg.run.run_id), cfg.model_dump_json(indent=2).encode())
+    return await start_workflow(client, cfg)
+
+
 async def start_run(settings: Settings, cfg: RunConfig) -> str:
-    """Store the config with the run, then start its workflow; returns the run id."""
+    """`laminar start`: give the run an id if it has none, store its config, start it; returns the id."""
     if not cfg.run.run_id:
         cfg = cfg.with_run_id(new_run_id())
-    store_for(settings).put(keys.config(cfg.run.run_id), cfg.model_dump_json(indent=2).encode())
-    client = await connect(settings)
-    await start_workflow(client, cfg)
+    await start_stored_run(await connect(settings), store_for(settings), cfg)
     return cfg.run.run_id
 
 

@@ -199,6 +199,7 @@ class Ledger:
             returned_leases=len(s.returned),
             steps_redone=s.steps_redone,
             tokens_regenerated=s.tokens_regenerated,
+            duplicate_reports=s.duplicate_reports,
             step_times=list(s.step_times),
             events=list(s.events),
         )

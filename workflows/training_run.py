@@ -126,8 +126,10 @@ class TrainingRunWorkflow:
             await workflow.sleep(timedelta(seconds=min(30, 2**failures)))
 
     async def _wait_for_relays(self) -> None:
+        """A new run waits (bounded) for every relay before publishing version 0; a continued run needs
+        only one, and the others rejoin the chain as they come (a dead relay never stalls training)."""
         assert self._cfg is not None
-        want = self._cfg.relay.relays
+        want = self._cfg.relay.relays if not self.s.trainer_ready else 1
         try:
             await workflow.wait_condition(lambda: len(self.s.relays) >= want, timeout=RELAY_JOIN_TIMEOUT)
         except TimeoutError:
