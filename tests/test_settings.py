@@ -168,3 +168,20 @@ def test_relay_token_round_trips_and_short_tokens_are_refused(tmp_path):
     with pytest.raises(ConfigError) as info:
         Settings.from_env({"LAMINAR_HOME": str(tmp_path), "LAMINAR_RELAY_TOKEN": "short"})
     assert "LAMINAR_RELAY_TOKEN" in str(info.value) and "short" not in str(info.value)  # never echo secrets
+
+
+def test_process_environment_is_read_when_no_mapping_is_given(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAMINAR_HOME", str(tmp_path / "h"))
+    monkeypatch.setenv("LAMINAR_LOG_LEVEL", "WARNING")
+    monkeypatch.setenv("LAMINAR_NAMESPACE", " ")  # blank: unset, as in a mapping
+    s = Settings.from_env()
+    assert (s.home, s.log_level, s.namespace) == (tmp_path / "h", "warning", "default")
+    monkeypatch.setenv("LAMINAR_RELAY_BIND", "bad host")
+    with pytest.raises(ConfigError, match="LAMINAR_RELAY_BIND='bad host' is invalid; .*without a port"):
+        Settings.from_env()
+
+
+def test_every_invalid_variable_is_reported_at_once(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"LAMINAR_HOST_ID": "a b", "LAMINAR_LOG_FORMAT": "xml"}, cwd=tmp_path)
+    assert "LAMINAR_HOST_ID='a b'" in str(info.value) and "LAMINAR_LOG_FORMAT='xml'" in str(info.value)

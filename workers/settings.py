@@ -2,6 +2,8 @@
 
 Every process entry point calls `Settings.from_env()` once and passes the result down; launchers hand
 the same values to child processes with `Settings.to_env()`. An empty variable counts as unset.
+The variables are read and validated by pydantic-settings (`_Variables`); `Settings` adds the defaults
+that depend on the state dir (dev.json).
 
 | variable                  | default                                                          |
 |---------------------------|------------------------------------------------------------------|
@@ -20,11 +22,14 @@ the same values to child processes with `Settings.to_env()`. An empty variable c
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from laminar.errors import ConfigError, DevStackError
 from workers.devstack import DevStackInfo, read_record
@@ -33,11 +38,90 @@ DEFAULT_TEMPORAL_ADDRESS = "127.0.0.1:7233"
 LOG_FORMATS = ("console", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
-_HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _HOSTNAME = re.compile(
     r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
 )
-_NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{1,254}$")
+
+
+def _is_host(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        return bool(_HOSTNAME.match(value))
+
+
+def _host(value: str) -> str:
+    if not _is_host(value):
+        raise ValueError(value)
+    return value
+
+
+def _address(value: str) -> str:
+    host, _, port = value.rpartition(":")
+    if not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(value)
+    _host(host.strip("[]"))
+    return value
+
+
+_Lower = BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)
+
+# The fix each variable's error message suggests; the message also names the variable and the value.
+_FIXES = {
+    "temporal_address": "use host:port, e.g. 127.0.0.1:7233",
+    "namespace": "use 2-255 letters, digits, '.', '_' or '-' (e.g. default)",
+    "store": "use an absolute path as file:///abs/path or s3://bucket[/prefix] with a valid bucket name",
+    "s3_endpoint": "use http(s)://host:port, e.g. http://127.0.0.1:9000",
+    "host_id": "use up to 63 letters, digits, '.', '_' or '-' (e.g. host-0)",
+    "relay_bind": "use an IP address or host name, without a port",
+    "relay_token": "use a secret of at least 16 characters "
+    "(e.g. `python -c 'import secrets; print(secrets.token_hex(16))'`)",
+    "log_format": f"use one of {', '.join(LOG_FORMATS)}",
+    "log_level": f"use one of {', '.join(LOG_LEVELS)}",
+}
+
+
+class _Variables(BaseSettings):
+    """The LAMINAR_* variables as set (None: unset or blank), each validated; Settings resolves defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="LAMINAR_", extra="ignore", frozen=True)
+
+    home: str | None = None
+    temporal_address: Annotated[str, AfterValidator(_address)] | None = None
+    namespace: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{1,254}$")
+    store: str | None = Field(None, pattern=r"^(file:///|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/|$))")
+    s3_endpoint: Annotated[str, AfterValidator(lambda v: v.rstrip("/"))] | None = Field(
+        None, pattern=r"^https?://[^/\s]+/?$"
+    )
+    host_id: str = Field("host-0", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    relay_bind: Annotated[str, AfterValidator(_host)] = "127.0.0.1"
+    relay_token: str | None = Field(None, min_length=16)
+    log_format: Annotated[Literal[LOG_FORMATS], _Lower] = "console"  # type: ignore[valid-type]
+    log_level: Annotated[Literal[LOG_LEVELS], _Lower] = "info"  # type: ignore[valid-type]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _blank_is_unset(cls, data: object) -> object:
+        if isinstance(data, Mapping):
+            return {k: v.strip() for k, v in data.items() if not isinstance(v, str) or v.strip()}
+        return data
+
+    @classmethod
+    def read(cls, env: Mapping[str, str] | None) -> _Variables:
+        """From os.environ (env None) or the given mapping; ConfigError naming the variable, value and fix."""
+        try:
+            if env is None:
+                return cls()
+            prefix = cls.model_config["env_prefix"]
+            return cls.model_validate({k[len(prefix):].lower(): v for k, v in env.items() if k.startswith(prefix)})
+        except ValidationError as e:
+            problems = []
+            for err in e.errors():
+                field = str(err["loc"][0])
+                value = "<hidden>" if field == "relay_token" else err["input"]  # never echo secrets
+                problems.append(_invalid(f"LAMINAR_{field.upper()}", value, _FIXES[field]))
+            raise ConfigError("; ".join(str(p) for p in problems)) from None
 
 
 @dataclass(frozen=True)
@@ -57,79 +141,24 @@ class Settings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, cwd: Path | None = None) -> Settings:
-        """Read and validate the settings; raise ConfigError naming the variable, the value and the fix."""
-        env = os.environ if env is None else env
-
-        def get(name: str) -> str | None:
-            value = env.get(name, "")
-            return value.strip() or None
-
-        home = _parse_home(get("LAMINAR_HOME"), cwd or Path.cwd())
+        """Read and validate the settings (os.environ when env is None); raise ConfigError naming the
+        variable, the value and the fix. Unset values default to the dev stack's dev.json, if any."""
+        v = _Variables.read(env)
+        home = _parse_home(v.home, cwd or Path.cwd())
         dev = _dev_record(home)
         dev_s3 = dev is not None and dev.s3_endpoint is not None
-
-        address = get("LAMINAR_TEMPORAL_ADDRESS")
-        if address is not None:
-            _check_address("LAMINAR_TEMPORAL_ADDRESS", address)
-        else:
-            address = dev.temporal_address if dev is not None else DEFAULT_TEMPORAL_ADDRESS
-
-        namespace = get("LAMINAR_NAMESPACE") or "default"
-        if not _NAMESPACE.match(namespace):
-            raise _invalid(
-                "LAMINAR_NAMESPACE", namespace, "use 2-255 letters, digits, '.', '_' or '-' (e.g. default)"
-            )
-
-        store_url = get("LAMINAR_STORE")
-        if store_url is not None:
-            _check_store_url(store_url)
-        else:
-            store_url = dev.store_url if dev_s3 else (home / "store").as_uri()
-
-        s3_endpoint = get("LAMINAR_S3_ENDPOINT")
-        if s3_endpoint is not None:
-            if not re.match(r"^https?://[^/\s]+/?$", s3_endpoint):
-                raise _invalid(
-                    "LAMINAR_S3_ENDPOINT", s3_endpoint, "use http(s)://host:port, e.g. http://127.0.0.1:9000"
-                )
-            s3_endpoint = s3_endpoint.rstrip("/")
-        elif dev_s3:
-            s3_endpoint = dev.s3_endpoint
-
-        host_id = get("LAMINAR_HOST_ID") or "host-0"
-        if not _HOST_ID.match(host_id):
-            raise _invalid(
-                "LAMINAR_HOST_ID", host_id, "use up to 63 letters, digits, '.', '_' or '-' (e.g. host-0)"
-            )
-
-        relay_bind = get("LAMINAR_RELAY_BIND") or "127.0.0.1"
-        if not _is_host(relay_bind):
-            raise _invalid("LAMINAR_RELAY_BIND", relay_bind, "use an IP address or host name, without a port")
-
-        relay_token = get("LAMINAR_RELAY_TOKEN")
-        if relay_token is not None and len(relay_token) < 16:
-            raise _invalid("LAMINAR_RELAY_TOKEN", "<hidden>", "use a secret of at least 16 characters "
-                           "(e.g. `python -c 'import secrets; print(secrets.token_hex(16))'`)")
-
-        log_format = (get("LAMINAR_LOG_FORMAT") or "console").lower()
-        if log_format not in LOG_FORMATS:
-            raise _invalid("LAMINAR_LOG_FORMAT", log_format, f"use one of {', '.join(LOG_FORMATS)}")
-
-        log_level = (get("LAMINAR_LOG_LEVEL") or "info").lower()
-        if log_level not in LOG_LEVELS:
-            raise _invalid("LAMINAR_LOG_LEVEL", log_level, f"use one of {', '.join(LOG_LEVELS)}")
-
         return cls(
             home=home,
-            temporal_address=address,
-            namespace=namespace,
-            store_url=store_url,
-            s3_endpoint=s3_endpoint,
-            host_id=host_id,
-            relay_bind=relay_bind,
-            relay_token=relay_token,
-            log_format=log_format,
-            log_level=log_level,
+            temporal_address=v.temporal_address
+            or (dev.temporal_address if dev is not None else DEFAULT_TEMPORAL_ADDRESS),
+            namespace=v.namespace,
+            store_url=v.store or (dev.store_url if dev_s3 else (home / "store").as_uri()),
+            s3_endpoint=v.s3_endpoint or (dev.s3_endpoint if dev_s3 else None),
+            host_id=v.host_id,
+            relay_bind=v.relay_bind,
+            relay_token=v.relay_token,
+            log_format=v.log_format,
+            log_level=v.log_level,
         )
 
     def to_env(self) -> dict[str, str]:
@@ -177,34 +206,3 @@ def _dev_record(home: Path) -> DevStackInfo | None:
         return read_record(home)
     except DevStackError as e:
         raise ConfigError(f"{e}; LAMINAR_* defaults are taken from it") from e
-
-
-def _check_address(name: str, value: str) -> None:
-    host, sep, port = value.rpartition(":")
-    if (
-        not sep
-        or not host
-        or not port.isdigit()
-        or not 0 < int(port) < 65536
-        or not _is_host(host.strip("[]"))
-    ):
-        raise _invalid(name, value, "use host:port, e.g. 127.0.0.1:7233")
-
-
-def _check_store_url(value: str) -> None:
-    if value.startswith("file://"):
-        if not value[len("file://") :].startswith("/"):
-            raise _invalid("LAMINAR_STORE", value, "use an absolute path, e.g. file:///data/laminar-store")
-    elif value.startswith("s3://"):
-        if not re.match(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$", value):
-            raise _invalid("LAMINAR_STORE", value, "use s3://bucket[/prefix] with a valid bucket name")
-    else:
-        raise _invalid("LAMINAR_STORE", value, "use file:///abs/path or s3://bucket[/prefix]")
-
-
-def _is_host(value: str) -> bool:
-    try:
-        ipaddress.ip_address(value)
-        return True
-    except ValueError:
-        return bool(_HOSTNAME.match(value))
