@@ -11,9 +11,7 @@ import abc
 import hashlib
 import io
 import os
-import random
 import tempfile
-import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -184,24 +182,18 @@ def open_store(url: str, endpoint_url: str | None = None) -> ObjectStore:
 
 # -- S3 ----------------------------------------------------------------------------------------------
 
-_THROTTLE_CODES = frozenset({
-    "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled", "SlowDown",
-    "RequestLimitExceeded", "TooManyRequestsException", "RequestTimeout", "RequestTimeTooSkewed",
-    "InternalError", "ServiceUnavailable",
-})
-
-
 class S3ObjectStore(ObjectStore):
     """Objects in an S3 bucket under `prefix`, through boto3 with the standard AWS credential chain.
 
     Objects of at least `multipart_threshold_bytes` are uploaded in parts. Transient failures (connection
-    errors, HTTP 5xx, throttling) are retried up to `max_attempts` times in all, with exponential backoff
-    starting at `backoff_base_s` seconds and capped at `backoff_max_s` seconds.
+    errors, HTTP 5xx, throttling) are retried by botocore's adaptive retry mode, up to `max_attempts`
+    attempts in all, with jittered exponential backoff (50 ms base, 1 s for throttling) and client-side
+    rate limiting once the server throttles.
     """
 
     def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
                  region: str | None = None, max_attempts: int = 5, multipart_threshold_bytes: int = 8 * MiB,
-                 backoff_base_s: float = 0.2, backoff_max_s: float = 5.0, connect_timeout_s: float = 5.0,
+                 connect_timeout_s: float = 5.0,
                  read_timeout_s: float = 60.0):
         import boto3
         from boto3.s3.transfer import TransferConfig
@@ -216,14 +208,12 @@ class S3ObjectStore(ObjectStore):
         self.endpoint_url = endpoint_url or None
         self.region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         self.max_attempts = max_attempts
-        self.backoff_base_s = backoff_base_s
-        self.backoff_max_s = backoff_max_s
         self.multipart_threshold_bytes = multipart_threshold_bytes
         # S3 rejects parts under 5 MiB (except the last), so parts are at least that big.
         self._transfer = TransferConfig(multipart_threshold=multipart_threshold_bytes,
                                         multipart_chunksize=max(multipart_threshold_bytes, 5 * MiB))
         config = Config(
-            retries={"total_max_attempts": 1, "mode": "standard"},  # we retry ourselves, see _call
+            retries={"total_max_attempts": max_attempts, "mode": "adaptive"},
             connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
             s3={"addressing_style": "path"} if self.endpoint_url else {},
         )
@@ -286,32 +276,15 @@ class S3ObjectStore(ObjectStore):
         full = self._full(key)
         return self._call("head", key, lambda: self._client.head_object(Bucket=self.bucket, Key=full))
 
-    # -- retries and error translation ---------------------------------------------------------------
+    # -- error translation (botocore has already retried transient failures) --------------------------
 
     def _call(self, op: str, key: str, fn):
         from botocore.exceptions import BotoCoreError, ClientError
 
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                return fn()
-            except (ClientError, BotoCoreError) as exc:
-                if not self._is_transient(exc) or attempt == self.max_attempts:
-                    raise self._translate(exc, op, key, attempt) from exc
-                delay = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))
-                time.sleep(delay * random.uniform(0.5, 1.0))  # backoff between real retries, not a test wait
-        raise AssertionError("unreachable")
-
-    @staticmethod
-    def _is_transient(exc: Exception) -> bool:
-        from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
-
-        if isinstance(exc, ConnectionError | HTTPClientError):
-            return True
-        if isinstance(exc, ClientError):
-            code = exc.response.get("Error", {}).get("Code", "")
-            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            return status >= 500 or status == 429 or code in _THROTTLE_CODES
-        return False
+        try:
+            return fn()
+        except (ClientError, BotoCoreError) as exc:
+            raise self._translate(exc, op, key) from exc
 
     def _bucket_missing(self) -> bool:
         """Whether the bucket is absent; asked once to tell a missing key from a missing bucket on a HEAD 404."""
@@ -330,7 +303,7 @@ class S3ObjectStore(ObjectStore):
         self._bucket_verified = True
         return False
 
-    def _translate(self, exc: Exception, op: str, key: str, attempts: int) -> StoreError:
+    def _translate(self, exc: Exception, op: str, key: str) -> StoreError:
         from botocore.exceptions import ClientError, ConnectionError, HTTPClientError, NoCredentialsError
 
         where = f"bucket {self.bucket!r} at endpoint {self.endpoint}"
@@ -339,8 +312,8 @@ class S3ObjectStore(ObjectStore):
                               f"AWS_SECRET_ACCESS_KEY (or an AWS profile) for the process")
         if isinstance(exc, ConnectionError | HTTPClientError):
             return StoreUnavailableError(
-                f"S3 endpoint {self.endpoint} is unreachable for bucket {self.bucket!r} ({op} {key}) after "
-                f"{attempts} attempt(s): {exc}; check LAMINAR_S3_ENDPOINT and that the S3 server is running")
+                f"S3 endpoint {self.endpoint} is unreachable for bucket {self.bucket!r} ({op} {key}) after up to "
+                f"{self.max_attempts} attempt(s): {exc}; check LAMINAR_S3_ENDPOINT and that the S3 server is running")
         if not isinstance(exc, ClientError):
             return StoreError(f"S3 {op} of {key} in {where} failed: {exc}")
         code = exc.response.get("Error", {}).get("Code", "")
@@ -354,7 +327,8 @@ class S3ObjectStore(ObjectStore):
             if op == "head" and self._bucket_missing():
                 return missing_bucket
             return ObjectNotFoundError(f"object {key} not found in {self.describe()}")
-        if self._is_transient(exc):
+        if status >= 500 or status == 429:  # still failing after botocore's retries
+            attempts = exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) + 1
             return StoreUnavailableError(f"S3 {op} of {key} in {where} kept failing after {attempts} attempt(s): "
                                          f"{code} (HTTP {status}); the server is overloaded or failing, retry later")
         if status == 403 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
