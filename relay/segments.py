@@ -21,6 +21,8 @@ import re
 import secrets
 from pathlib import Path
 
+import psutil
+
 from laminar.errors import RelayError
 
 DEFAULT_SHM_DIR = "/dev/shm"
@@ -47,7 +49,7 @@ def sweep_orphans(directory: str | os.PathLike[str]) -> list[str]:
         return removed
     for name in names:
         m = re.match(rf"{SEGMENT_PREFIX}(\d+)-", name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or psutil.pid_exists(int(m.group(1))):
             continue
         try:
             os.unlink(Path(directory) / name)
@@ -55,16 +57,6 @@ def sweep_orphans(directory: str | os.PathLike[str]) -> list[str]:
         except OSError:
             pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Segment:

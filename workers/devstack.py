@@ -7,6 +7,7 @@ recorded there, and only after checking each is still the process we started (pi
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
@@ -19,10 +20,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+
+import psutil
 
 from laminar.errors import DevStackError
 from laminar.logs import get_logger
@@ -187,7 +191,7 @@ class DevStack:
         address = f"127.0.0.1:{port}"
         proc = self._spawn(cmd, log_file)
         self._wait(
-            proc, log_file, f"Temporal dev server at {address}", lambda: _temporal_serving(binary, address)
+            proc, log_file, f"Temporal dev server at {address}", lambda: _temporal_serving(address)
         )
         if ui_url is not None:
             self._wait(proc, log_file, f"Temporal Web UI at {ui_url}", lambda: http_answers(ui_url))
@@ -318,23 +322,16 @@ def _find_binary(name: str, fix: str) -> str:
     return found
 
 
-_MARKERS = {"temporal": (b"temporal", b"start-dev"), "s3": (b"workers.s3_dev_server",)}
+_MARKERS = {"temporal": ("temporal", "start-dev"), "s3": ("workers.s3_dev_server",)}
 
 
 def _is_ours(pid: int, name: str) -> bool:
     """True when pid is alive (not a zombie) and its command line is that of our `name` process."""
-    _reap(pid)
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except FileNotFoundError:
+        cmdline = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return False
-    except OSError:  # no /proc (not Linux): fall back to a liveness check only
-        try:
-            os.kill(pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    return all(marker in cmdline for marker in _MARKERS[name])  # zombies have an empty cmdline
+    return _alive(pid) and all(marker in cmdline for marker in _MARKERS[name])
 
 
 def _reap(pid: int) -> None:
@@ -346,17 +343,13 @@ def _reap(pid: int) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """True when pid exists and is not a zombie (our own exited children are reaped first)."""
     _reap(pid)
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        return state != "Z"
-    except FileNotFoundError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
+    except psutil.AccessDenied:
         return True
 
 
@@ -395,17 +388,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _temporal_serving(binary: str, address: str) -> bool:
+def _temporal_serving(address: str) -> bool:
+    """Whether the frontend at address answers the gRPC health check (the SDK's service client).
+
+    Runs on its own thread with its own event loop, so sync callers inside a running loop can wait on it."""
+    from temporalio.service import ConnectConfig, RPCError, ServiceClient
+
     host, _, port = address.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=0.5).close()
     except OSError:
         return False
-    result = subprocess.run(
-        [binary, "operator", "cluster", "health", "--address", address],
-        capture_output=True, text=True, timeout=10, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    return result.returncode == 0 and "SERVING" in result.stdout
+
+    async def check() -> bool:
+        client = await ServiceClient.connect(ConnectConfig(target_host=address, connect_timeout=timedelta(seconds=2)))
+        return await client.check_health(timeout=timedelta(seconds=5))
+
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            return pool.submit(asyncio.run, check()).result()
+        except (RuntimeError, RPCError):  # no connection yet, or the frontend is not serving yet
+            return False
 
 
 def http_answers(url: str) -> bool:
