@@ -12,6 +12,7 @@ from dataclasses import asdict
 from temporalio import activity
 from temporalio.client import Client
 
+from laminar.errors import StoreError
 from laminar.messages import (
     DrillInput,
     DrillPlan,
@@ -68,25 +69,30 @@ class DrillActivities:
 
     @activity.defn(name="observe_recovery")
     async def observe_recovery(self, inp: ObserveInput) -> DrillReport:
-        plan, injected_at = inp.plan, inp.injected.injected_at
+        plan, injected_at, run_id = inp.plan, inp.injected.injected_at, inp.drill.run_id
         deadline = time.time() + inp.drill.timeout_s
         detected = recovered = None
         final = plan.baseline
+        steps = StepClock(self.store, run_id, plan.baseline.step)
         while time.time() < deadline:
             activity.heartbeat(detected, recovered)
-            st = await self._try_status(inp.drill.run_id)
+            st = await self._try_status(run_id)
             if st is not None:
                 final = st
+                times = await asyncio.to_thread(steps.times_until, st.step)
                 detected = detected or rules.detected_at(plan.fault, plan.target, injected_at, st,
-                                                         await self._activities(inp.drill.run_id))
-                recovered = rules.recovered_at(plan.fault, plan.target, injected_at, detected, st)
-                settled = recovered is not None and sum(t > recovered for t in st.step_times) >= SETTLE_STEPS
+                                                         await self._activities(run_id))
+                recovered = rules.recovered_at(plan.fault, plan.target, injected_at, detected, st, times,
+                                               len(plan.baseline.relays))
+                settled = recovered is not None and sum(t > recovered for t in times) >= SETTLE_STEPS
                 if settled or (recovered is not None and st.phase in ("stopping", "finished")):
                     break
             await asyncio.sleep(POLL_S)
+        observed_until = min(time.time(), deadline)
+        times = await asyncio.to_thread(steps.times_until, final.step)
         notes = "" if recovered is not None else f"no recovery observed within {inp.drill.timeout_s:.0f}s"
         report = rules.build_report(inp.drill.drill_id, plan.fault, plan.target, injected_at, plan.baseline,
-                                    final, detected, recovered, notes)
+                                    final, detected, recovered, times, observed_until, notes)
         self.store.put(keys.drill_report(inp.drill.run_id, inp.drill.drill_id),
                        json.dumps(asdict(report), indent=2).encode())
         return report
@@ -102,3 +108,24 @@ class DrillActivities:
                 "last_attempt_complete_time") else None
             out.append(rules.ActivityView(a.activity_id, a.activity_type.name, a.attempt, complete))
         return out
+
+
+class StepClock:
+    """Completion times of a run's steps after `after_step`, read once each from the per-step metric
+    records the trainer writes (durable, one per step: right at any step rate and across any number of
+    continue-as-new segments)."""
+
+    def __init__(self, store: ObjectStore, run_id: str, after_step: int) -> None:
+        self.store, self.run_id = store, run_id
+        self.next_step = after_step + 1
+        self.times: dict[int, float] = {}
+
+    def times_until(self, step: int) -> list[float]:
+        while self.next_step <= step:
+            try:
+                record = json.loads(self.store.get(keys.step_metrics(self.run_id, self.next_step)))
+            except StoreError:  # not written yet (the status moved first), or the store is down: next time
+                break
+            self.times[self.next_step] = float(record["time"])
+            self.next_step += 1
+        return list(self.times.values())

@@ -16,7 +16,7 @@ from laminar.messages import RelayInfo, RunRelayInput
 
 log = get_logger(__name__)
 
-HEARTBEAT_EVERY_S = 2.0
+HEARTBEAT_EVERY_S = 1.0
 
 
 class RelayActivities:

@@ -14,6 +14,7 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.service import RPCError
 
+from activities.errors import permanent_errors
 from laminar.config import RunConfig
 from laminar.logs import get_logger
 from laminar.messages import (
@@ -88,6 +89,7 @@ class RolloutActivities:
         self.host_id = host_id
 
     @activity.defn(name="run_rollout_replica", no_thread_cancel_exception=True)
+    @permanent_errors()  # a ConfigError (bad run config) fails the replica for good, not retried forever
     def run_rollout_replica(self, inp: RolloutReplicaInput) -> RolloutReplicaResult:
         info = activity.info()
         replica = RolloutReplica(
@@ -96,9 +98,17 @@ class RolloutActivities:
             host_id=self.host_id,
             segment_prefix=f"{info.workflow_run_id.replace('-', '')[-12:]}-a{info.attempt}",
             attempt=info.attempt,
+            generation=inp.generation,
+            previous_heartbeat=_last_details(info.heartbeat_details),
             relay_token=self.relay_token,
             cfg=RunConfig.from_json(inp.config),
             store=self.store,
             control=_TemporalControl(self.client, self.loop, inp.workflow_id),
         )
         return replica.run()
+
+
+def _last_details(details) -> dict:
+    """The failed attempt's last heartbeat details (a dict), or {} on a first attempt."""
+    last = details[-1] if details else None
+    return last if isinstance(last, dict) else {}

@@ -33,7 +33,18 @@ class RunSection(_Section):
     steps: int = Field(300, ge=1, le=1_000_000, description="Trainer steps to run (count).")
     seed: int = Field(0, ge=0, description="Seed for prompts, sampling and model init.")
     continue_as_new_every: int = Field(
-        50, ge=1, description="Continue the workflow as new every this many steps (steps)."
+        0, ge=0,
+        description="Force a continue-as-new every this many steps (steps); 0: only at the history bound below "
+        "or when the server suggests it (tests use a small value to exercise the hand-over).",
+    )
+    history_events_per_segment: int = Field(
+        2500, ge=200, le=40_000,
+        description="Continue the workflow as new once its history reaches this many events (events).",
+    )
+    updates_per_segment: int = Field(
+        1500, ge=20, le=1900,
+        description="Continue as new once this many updates were handled in one history segment (count); "
+        "the server refuses more than 2000 per run.",
     )
 
 
@@ -86,7 +97,8 @@ class RolloutSection(_Section):
         2.0, gt=0.0, le=600.0, description="Completed groups are written and reported at least this often (s)."
     )
     heartbeat_timeout_s: float = Field(
-        20.0, ge=1.0, le=3600.0, description="Replica heartbeat timeout: the failure detector (s)."
+        4.0, ge=1.0, le=3600.0,
+        description="Replica heartbeat timeout: the failure detector of a dead rollout worker (s).",
     )
 
 
@@ -97,8 +109,24 @@ class TrainerSection(_Section):
     grad_clip: float = Field(1.0, gt=0.0, description="Max global gradient norm (L2).")
     eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip, lower (ratio 1-eps_low).")
     eps_high: float = Field(0.28, ge=0.0, le=10.0, description="Clip-higher, upper (ratio 1+eps_high).")
+    off_policy: Literal["ppo", "tis", "decoupled"] = Field(
+        "ppo",
+        description="Off-policy correction (rl/grpo.py clipped_token_loss); pi_prox is the trainer's weights at "
+        "the start of the step, w = pi_prox/pi_behaviour. `ppo`: ratio pi_theta/pi_behaviour, clipped. `tis`: "
+        "truncated importance sampling (Yao et al. 2025): ratio pi_theta/pi_prox, clipped, times min(w, tis_cap). "
+        "`decoupled`: decoupled PPO (Hilton et al. 2021, as in AReaL): ratio pi_theta/pi_prox, clipped, times w; "
+        "tokens with w > tis_cap are dropped.",
+    )
     tis_cap: float = Field(
-        0.0, ge=0.0, description="Truncated importance sampling cap on pi_old/pi_behaviour; 0 disables."
+        0.0, ge=0.0,
+        description="Cap on the importance weight w = pi_prox/pi_behaviour (unitless). ppo: must be 0. tis: "
+        "w is truncated to it; must be >= 1. decoupled: tokens with w above it get weight 0; 0 means no cap, "
+        "otherwise >= 1.",
+    )
+    minibatches: int = Field(
+        1, ge=1, le=4096,
+        description="Optimizer updates per step: the batch's samples are split into this many minibatches "
+        "(count). With 1, pi_theta equals pi_prox at the only update, so tis/decoupled never clip.",
     )
     max_staleness: int = Field(
         -1, ge=-1, description="Drop (and count) samples staler than this many versions; -1 keeps all."
@@ -109,9 +137,31 @@ class TrainerSection(_Section):
     )
     keep_last: int = Field(3, ge=1, description="Committed checkpoints to retain (count).")
 
+    @model_validator(mode="after")
+    def _cap_fits_off_policy(self) -> TrainerSection:
+        if self.off_policy == "ppo" and self.tis_cap != 0:
+            raise ValueError(
+                f"trainer.tis_cap={self.tis_cap} has no effect with trainer.off_policy='ppo' (its ratio is "
+                f"already against the behaviour policy); set trainer.off_policy='tis' or 'decoupled', or tis_cap=0"
+            )
+        if self.off_policy == "tis" and self.tis_cap < 1:
+            raise ValueError(
+                f"trainer.tis_cap={self.tis_cap} with trainer.off_policy='tis' must be >= 1 (a cap below 1 "
+                f"shrinks even on-policy tokens, whose weight is 1); e.g. trainer.tis_cap=2"
+            )
+        if self.off_policy == "decoupled" and 0 < self.tis_cap < 1:
+            raise ValueError(
+                f"trainer.tis_cap={self.tis_cap} with trainer.off_policy='decoupled' must be 0 (no cap) or >= 1 "
+                f"(a cap below 1 drops even on-policy tokens, whose weight is 1)"
+            )
+        return self
+
 
 class RelaySection(_Section):
     relays: int = Field(2, ge=1, le=1024, description="Relays, one per (simulated) host (count).")
+    heartbeat_timeout_s: float = Field(
+        4.0, ge=1.0, le=3600.0, description="Relay heartbeat timeout: the failure detector of a dead relay (s)."
+    )
 
 
 class RunConfig(_Section):

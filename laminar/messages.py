@@ -129,7 +129,13 @@ class TrainerInitResult:
 class TrainStepInput:
     """workflow -> trainer worker. `step` is the number of steps already applied to the policy the
     trainer must start from; a trainer whose in-memory state is elsewhere restores `checkpoint` and
-    replays `replay` (the batches of steps checkpoint.step .. step-1) first, so a retry is idempotent."""
+    replays `replay` (the batches of steps checkpoint.step .. step-1) first, so a retry is idempotent.
+
+    If `checkpoint` fails verification, the trainer falls back to the newest of `fallbacks` (older
+    committed checkpoints the workflow still retains, oldest first) that verifies, replaying the batches
+    from there: `fallback_replay` holds the batches of steps base .. checkpoint.step-1, where
+    base = checkpoint.step - len(fallback_replay). base == 0 means the base model (step 0) is a fallback
+    too. The trainer never deletes a checkpoint of a step >= base."""
 
     run_id: str
     config: dict[str, Any]
@@ -138,6 +144,8 @@ class TrainStepInput:
     checkpoint: CheckpointRef | None
     replay: list[list[BatchPart]]
     relay_chain: list[str]
+    fallbacks: list[CheckpointRef] = field(default_factory=list)
+    fallback_replay: list[list[BatchPart]] = field(default_factory=list)
 
 
 @dataclass
@@ -152,6 +160,12 @@ class StepMetrics:
     dropped_stale: int
     clip_fraction: float
     consumed_twice: int  # groups the trainer had already consumed (must stay 0)
+    # behaviour policy vs the trainer's at the start of the step (rl/grpo.py behaviour_drift); defaults let
+    # histories written before these fields decode
+    is_weight_mean: float = 0.0  # mean of pi_trainer / pi_behaviour over response tokens
+    is_weight_max: float = 0.0
+    is_capped_fraction: float = 0.0  # tokens whose weight exceeds trainer.tis_cap
+    kl_behaviour: float = 0.0  # KL(behaviour || trainer) per token, k3 estimator
 
 
 @dataclass
@@ -163,6 +177,9 @@ class TrainStepResult:
     steps_redone: int
     publish_stall_s: float
     restored: bool = False  # this trainer process restored the checkpoint before stepping (fresh or rewound)
+    # steps of the committed checkpoints that failed verification when restoring, newest first; the trainer
+    # restored from the newest retained restore point older than all of them
+    corrupt_checkpoints: list[int] = field(default_factory=list)
 
 
 # -- rollout / relay activities ---------------------------------------------------------------
@@ -176,6 +193,7 @@ class RolloutReplicaInput:
     workflow_id: str
     replica_id: str
     config: dict[str, Any]
+    generation: int = 0  # the run's history segment (continue-as-new count): fences the partial pool
 
 
 @dataclass
@@ -203,7 +221,8 @@ class RunEvent:
     """Something the control plane noticed, with the workflow time it noticed it (drills read these).
 
     kinds: replica_rejoined (a retried replica claimed again), replica_recovered (its first complete
-    group after rejoining), relay_lost, relay_joined, trainer_restored (a step replayed from a checkpoint).
+    group after rejoining), relay_lost, relay_joined, trainer_restored (a step replayed from a checkpoint),
+    checkpoint_fallback (subject: the corrupt checkpoint steps; count: the step restored from instead).
     """
 
     kind: str
@@ -246,6 +265,11 @@ class RunStatus:
     duplicate_reports: int = 0  # group reports ignored because the group was already recorded (retries)
     step_times: list[float] = field(default_factory=list)  # workflow time each recent step completed
     events: list[RunEvent] = field(default_factory=list)  # most recent last, bounded
+    # "<kind>/<subject>" -> workflow times of its last few events: a burst of routine events of other kinds or
+    # subjects never pushes out the fault a drill waits for
+    event_times: dict[str, list[float]] = field(default_factory=dict)
+    handover_stalls: list[float] = field(default_factory=list)  # trainer idle across recent continue-as-new (s)
+    handover_stall_max: float = 0.0  # the longest, over the whole run (s)
 
 
 # -- recovery drills ----------------------------------------------------------------------------

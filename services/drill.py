@@ -1,15 +1,19 @@
 """Recovery drills: which process receives a fault, and how a drill report is worked out.
 
-Pure functions over run status snapshots (`RunStatus`) and Temporal's view of pending activities, so
-the arithmetic is unit-tested without a cluster. Times are Unix seconds; the run workflow records its
-events and step completions in workflow time, which is the server's clock on the same machine.
+Pure functions over run status snapshots (`RunStatus`), Temporal's view of pending activities and the
+completion times of the run's steps, so the arithmetic is unit-tested without a cluster. Everything a
+report uses is durable and complete whatever the run's speed: the workflow keeps the last few events of
+each (kind, subject) across continue-as-new, and step completion times come from the per-step metric
+records in the store (one per step, never a bounded window). Times are Unix seconds; the workflow records
+events in workflow time (the server's clock) and the trainer stamps step records with its own clock, on
+the same machine.
 
 How each fault is detected and when it counts as recovered:
 
 | fault        | detected at                                              | recovered at                                            |
 |--------------|----------------------------------------------------------|---------------------------------------------------------|
 | rollout      | the replica activity's heartbeat timeout (its retry)      | the retried replica's first complete group              |
-| relay        | the relay activity's heartbeat timeout (`relay_lost`)     | the first trainer step published to the rebuilt chain   |
+| relay        | the relay activity's heartbeat timeout, or its new incarnation joining (`relay_lost`) | the first trainer step published to the rebuilt chain (with one relay: after it re-joined) |
 | master-relay | as relay                                                  | as relay (the next relay is the new master)             |
 | trainer      | the train_step heartbeat timeout (its retry)              | the first step completed by the restored trainer        |
 | control      | at injection (workflow tasks wait in their queue)         | the first trainer step after the control worker is back |
@@ -61,6 +65,7 @@ def resolve_target(fault: str, target: str, status: RunStatus) -> tuple[str, str
 
 def detected_at(fault: str, target: str, injected_at: float, status: RunStatus,
                 activities: list[ActivityView]) -> float | None:
+    """When the control plane noticed the fault, or None if it has not yet."""
     if fault in ("control", "store"):
         return injected_at
     if fault in ("relay", "master-relay"):
@@ -75,19 +80,26 @@ def detected_at(fault: str, target: str, injected_at: float, status: RunStatus,
     return _first_event(status, "trainer_restored", "trainer", injected_at)
 
 
-def recovered_at(fault: str, target: str, injected_at: float, detected: float | None,
-                 status: RunStatus) -> float | None:
+def recovered_at(fault: str, target: str, injected_at: float, detected: float | None, status: RunStatus,
+                 step_times: list[float], chain_len: int) -> float | None:
+    """When the run was whole again, or None. step_times: completion times of the steps since injection;
+    chain_len: relays in the chain before the fault."""
     if detected is None:
         return None
     if fault == "rollout":
         return _first_event(status, "replica_recovered", target, detected)
     after = max(injected_at, detected)
-    return next((t for t in status.step_times if t > after), None)
+    if fault in ("relay", "master-relay") and chain_len <= 1:  # no chain left until the relay is back
+        rejoined = _first_event(status, "relay_joined", target, injected_at)
+        if rejoined is None:
+            return None
+        after = max(after, rejoined)
+    return next((t for t in sorted(step_times) if t > after), None)
 
 
 def trainer_stall_s(step_times: list[float], start: float, end: float) -> float:
     """Longest stretch inside [start, end] with no trainer step completing."""
-    marks = [start] + [t for t in step_times if start < t < end] + [end]
+    marks = [start] + sorted(t for t in step_times if start < t < end) + [end]
     return max((b - a for a, b in zip(marks, marks[1:], strict=False)), default=0.0)
 
 
@@ -98,9 +110,12 @@ def groups_lost(status: RunStatus) -> int:
 
 
 def build_report(drill_id: str, fault: str, target: str, injected_at: float, baseline: RunStatus,
-                 final: RunStatus, detected: float | None, recovered: float | None, notes: str = "") -> DrillReport:
-    end = recovered if recovered is not None else (final.step_times[-1] if final.step_times else injected_at)
-    during = sum(1 for t in final.step_times if injected_at < t < end) if recovered is not None else 0
+                 final: RunStatus, detected: float | None, recovered: float | None, step_times: list[float],
+                 observed_until: float, notes: str = "") -> DrillReport:
+    """The report. Without recovery the outage lasts until the observation ended, so the stall and the
+    steps counted are what really happened up to then (never a window that ends before the fault)."""
+    end = recovered if recovered is not None else max(observed_until, injected_at)
+    during = sum(1 for t in step_times if injected_at < t < end)
     return DrillReport(
         drill_id=drill_id,
         run_id=final.run_id,
@@ -110,7 +125,7 @@ def build_report(drill_id: str, fault: str, target: str, injected_at: float, bas
         detected_at=None if detected is None else round(detected, 3),
         recovered_at=None if recovered is None else round(recovered, 3),
         steps_during_outage=during,
-        trainer_stall_s=round(trainer_stall_s(final.step_times, injected_at, end), 3),
+        trainer_stall_s=round(trainer_stall_s(step_times, injected_at, end), 3),
         groups_lost=groups_lost(final),
         groups_consumed_twice=final.groups_consumed_twice - baseline.groups_consumed_twice,
         tokens_regenerated=final.tokens_regenerated - baseline.tokens_regenerated,
@@ -121,4 +136,4 @@ def build_report(drill_id: str, fault: str, target: str, injected_at: float, bas
 
 
 def _first_event(status: RunStatus, kind: str, subject: str, after: float) -> float | None:
-    return next((e.at for e in status.events if e.kind == kind and e.subject == subject and e.at >= after), None)
+    return next((t for t in status.event_times.get(f"{kind}/{subject}", []) if t >= after), None)

@@ -6,8 +6,13 @@ Loop (trajectory-level asynchrony, DESIGN.md §1):
   on the version they started with, then pull and load the new version (only between batches);
 - write complete groups to the trajectory store, then report them (`add_experience`, idempotent);
 - every flush interval, write all in-flight groups to the partial-response pool, so a killed replica's
-  retry resumes them under the policy version they started on (or restarts them fresh, counted);
-- on hand-over (continue-as-new) or stop, flush the pool and return.
+  retry resumes them under the policy version they started on (or restarts them fresh, counted); each
+  incarnation (history segment, attempt) writes its own fenced pool, so a zombie cannot overwrite its retry's;
+- on hand-over (continue-as-new) or stop, flush the pool and return at once (the next incarnation resumes
+  the in-flight groups), so a hand-over never waits for the long tail;
+- control traffic is bounded by work: a busy replica contacts the workflow at least every CONTACT_S (that
+  is how it learns of a hand-over while it has no room to claim); an idle replica backs off to
+  IDLE_CLAIM_MAX_S and a paused one to PAUSED_CLAIM_MAX_S.
 
 Talks to the workflow only through `ControlPort`, so the loop is testable without Temporal.
 """
@@ -46,7 +51,10 @@ from storage.trajectories import TrajectoryStore
 log = get_logger(__name__)
 
 VERSION_POLL_S = 0.5  # how often the replica asks its relay for the newest version
-CLAIM_POLL_S = 0.5  # how often an idle replica asks for work
+CLAIM_POLL_S = 0.5  # how often a replica with free slots asks for work
+CONTACT_S = 1.0  # a busy replica with no free slot still reports this often (hand-over, stop)
+IDLE_CLAIM_MAX_S = 2.0  # an empty claim doubles the interval up to this (back-pressure, no weights yet)
+PAUSED_CLAIM_MAX_S = 10.0  # ... and up to this while the run is paused
 
 
 class ControlPort(Protocol):
@@ -78,6 +86,8 @@ class RolloutReplica:
         store: ObjectStore,
         control: ControlPort,
         attempt: int = 1,
+        generation: int = 0,
+        previous_heartbeat: dict | None = None,
         relay_token: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -87,6 +97,8 @@ class RolloutReplica:
         self.trajectories = TrajectoryStore(store)
         self.control = control
         self.attempt = attempt
+        self.fence = (generation, attempt)  # this incarnation's partial pool
+        self.previous_heartbeat = previous_heartbeat or {}  # the failed attempt's last heartbeat details
         self.relay_token = relay_token
         self.clock = clock
         self.claims = 0
@@ -108,19 +120,28 @@ class RolloutReplica:
         self.seq = 0
         self.stats = RolloutReplicaResult(replica_id=replica_id, groups_completed=0, tokens_generated=0, handed_over=0)
         self.tokens_regenerated = 0  # since the last report
-        self._pool_empty = False  # unknown until the first write: a previous attempt may have left rows
+        self.unsaved_tokens = 0  # generated since the last pool write: a retry would generate them again
+        self._pool_empty = False  # unknown until the first write
 
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> RolloutReplicaResult:
         resumed = self._read_partial_pool()
+        self.tokens_regenerated += self._tokens_lost_by_previous_attempt()
         first = self.control.claim(
             ClaimPromptsInput(report=self._report(), max_groups=0, resuming=sorted(resumed), first_claim=True,
                               attempt=self.attempt, request_id=self._request_id())
         )
         self.relays = first.relays
+        if first.stop or first.handover:  # started (or retried) while the run hands over: keep the pool
+            self.trajectories.write_partial(self.run_id, self.replica_id, self.fence,
+                                            [t for rows in resumed.values() for t in rows])
+            return self._hand_over(first.stop)
         self._resume({g: rows for g, rows in resumed.items() if g in set(first.resume_ok)})
+        self._write_partial_pool()  # claim this incarnation's fence before anything else can be lost
+        self.trajectories.clear_partial(self.run_id, self.replica_id, older_than=self.fence)
         last_flush = last_claim = last_poll = 0.0
+        claim_every = CLAIM_POLL_S
         while True:
             now = self.clock()
             if self.control.cancelled():
@@ -132,7 +153,8 @@ class RolloutReplica:
             if self.engine.in_flight() == 0 and self._newer_available():
                 self._load_newest()
             want = self._admissible_groups()
-            if want > 0 and now - last_claim >= CLAIM_POLL_S:
+            busy = self.engine.in_flight() > 0
+            if (want > 0 and now - last_claim >= claim_every) or (busy and now - last_claim >= CONTACT_S):
                 res = self.control.claim(ClaimPromptsInput(report=self._report(), max_groups=want,
                                                            attempt=self.attempt, request_id=self._request_id()))
                 last_claim = now
@@ -140,13 +162,18 @@ class RolloutReplica:
                 if res.stop or res.handover:
                     return self._hand_over(res.stop)
                 self._admit(res.leases)
+                claim_every = _next_claim_interval(claim_every, want, len(res.leases), res.paused)
             if self.engine.in_flight():
+                self.unsaved_tokens += self.engine.in_flight()  # one token per sequence per engine step
                 self._record(self.engine.step())
             else:
                 time.sleep(0.05)  # idle: nothing leased (paused, back-pressure) or waiting for weights
             if now - last_flush >= self.cfg.rollout.flush_interval_s:
-                if self._flush_completed():
-                    return self._hand_over(stop=True)
+                res = self._flush_completed()
+                if res is not None:
+                    last_claim = now  # a report is a contact
+                    if res.stop or res.handover:
+                        return self._hand_over(res.stop)
                 self._write_partial_pool()
                 last_flush = now
             self.control.heartbeat(self._heartbeat_details())
@@ -241,10 +268,11 @@ class RolloutReplica:
             replica_id=self.replica_id, started_at=group.started_at, ended_at=now, finish_reason=finish,
         )
 
-    def _flush_completed(self) -> bool:
-        """Write complete groups as one segment, then report it. True when the run says stop."""
+    def _flush_completed(self) -> AddExperienceResult | None:
+        """Write complete groups as one segment, then report it; the workflow's answer, None if nothing to
+        report."""
         if not self.completed:
-            return False
+            return None
         rows = [t for g in self.completed for _, t in sorted(g.done.items())]
         ref = self.trajectories.write_segment(self.run_id, self.replica_id, f"{self.segment_prefix}-{self.seq:06d}", rows)
         self.seq += 1
@@ -257,7 +285,7 @@ class RolloutReplica:
         log.info("experience_reported", replica_id=self.replica_id, groups=len(self.completed),
                  policy_version=ref.policy_version, duplicates=len(res.duplicates))
         self.completed = []
-        return res.stop
+        return res
 
     # -- partial-response pool ------------------------------------------------------------------
 
@@ -272,8 +300,9 @@ class RolloutReplica:
         rows += [t for g in self.completed for t in g.done.values()]  # complete but not yet reported
         if not rows and self._pool_empty:
             return  # an idle replica does not rewrite an empty pool every flush interval
-        self.trajectories.write_partial(self.run_id, self.replica_id, rows)
+        self.trajectories.write_partial(self.run_id, self.replica_id, self.fence, rows)
         self._pool_empty = not rows
+        self.unsaved_tokens = 0
 
     def _read_partial_pool(self) -> dict[str, list[Trajectory]]:
         by_group: dict[str, list[Trajectory]] = {}
@@ -354,5 +383,21 @@ class RolloutReplica:
     def _heartbeat_details(self) -> dict:
         r = self._report()
         return {"policy_version": r.policy_version, "in_flight": r.in_flight, "kv_used": r.kv_used,
-                "kv_capacity": r.kv_capacity, "groups_completed": self.stats.groups_completed}
+                "kv_capacity": r.kv_capacity, "groups_completed": self.stats.groups_completed,
+                "unsaved_tokens": self.unsaved_tokens}
+
+    def _tokens_lost_by_previous_attempt(self) -> int:
+        """Tokens the failed attempt generated after its last pool write (they die with it and are generated
+        again), as its last heartbeat reported them; tokens generated after that heartbeat are not known."""
+        lost = int(self.previous_heartbeat.get("unsaved_tokens", 0))
+        if lost > 0:
+            log.info("tokens_lost_with_attempt", replica_id=self.replica_id, attempt=self.attempt - 1, tokens=lost)
+        return max(0, lost)
+
+
+def _next_claim_interval(current: float, wanted: int, got: int, paused: bool) -> float:
+    """Claim again soon while work comes; back off (doubling) while claims come back empty."""
+    if got > 0 or wanted == 0:
+        return CLAIM_POLL_S if got > 0 else current
+    return min(PAUSED_CLAIM_MAX_S if paused else IDLE_CLAIM_MAX_S, current * 2)
 

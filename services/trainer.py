@@ -1,8 +1,9 @@
 """The trainer process's domain service: one policy and optimizer kept in memory between steps.
 
-`train_step` is idempotent by construction (DESIGN.md §5): the input names the step the policy must be
-at; a trainer elsewhere (fresh process, zombie-completed step) restores the committed checkpoint and
-replays the batches consumed since, then steps. The consumed-group set is part of the checkpoint, so a
+`train_step` is idempotent by construction (docs/architecture.md): the input names the step the policy
+must be at; a trainer elsewhere (fresh process, zombie-completed step) restores the committed checkpoint
+and replays the batches consumed since, then steps. A committed checkpoint that fails verification is
+skipped for the newest older one the workflow retains, replaying from there. The consumed-group set is part of the checkpoint, so a
 group consumed twice is detected and counted (it must stay 0), never silently trained on again.
 After each step the new version is pushed to the master relay, which broadcasts it down the chain
 while the trainer goes back to work.
@@ -16,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from laminar.config import RunConfig
-from laminar.errors import InconsistentStateError, RelayError
+from laminar.errors import CorruptDataError, InconsistentStateError, RelayError
 from laminar.logs import get_logger
 from laminar.messages import (
     BatchPart,
@@ -33,7 +34,7 @@ from rl.model import load_pretrained, state_dict_to_bytes
 from rl.trainer import Trainer
 from services.model_files import publish_model_files, resolve_model_dir
 from storage import keys
-from storage.checkpoints import CheckpointStore
+from storage.checkpoints import CheckpointStore, LoadedCheckpoint
 from storage.objects import ObjectStore
 from storage.trajectories import TrajectoryStore
 
@@ -58,12 +59,12 @@ class TrainerService:
 
     def init(self, inp: TrainerInitInput) -> TrainerInitResult:
         cfg = RunConfig.from_json(inp.config)
-        self._restore(inp.run_id, cfg, inp.checkpoint)
+        self._restore(inp.run_id, cfg, self.checkpoints.load(inp.checkpoint) if inp.checkpoint else None)
         size = len(self._publish(inp.relay_chain)[1])
         return TrainerInitResult(step=self.step, policy_version=self.step, published_bytes=size)
 
-    def _restore(self, run_id: str, cfg: RunConfig, checkpoint: CheckpointRef | None) -> None:
-        """Load the base model, then the checkpoint (weights, optimizer, step, consumed groups) if any."""
+    def _restore(self, run_id: str, cfg: RunConfig, loaded: LoadedCheckpoint | None) -> None:
+        """Load the base model, then the verified checkpoint (weights, optimizer, step, consumed groups) if any."""
         model_dir = resolve_model_dir(cfg, self.home)
         model, tokenizer, _ = load_pretrained(model_dir)
         publish_model_files(self.store, run_id, model_dir)
@@ -71,60 +72,96 @@ class TrainerService:
         trainer = Trainer(model, cfg.trainer, group_size=cfg.rollout.group_size,
                           temperature=cfg.rollout.temperature, pad_id=0 if pad is None else pad)
         step, consumed = 0, set()
-        if checkpoint is not None:
-            loaded = self.checkpoints.load(checkpoint)
+        if loaded is not None:
             trainer.load_state_parts(loaded.parts)
             step, consumed = int(loaded.meta["step"]), set(loaded.meta.get("consumed", []))
         self.run_id, self.cfg, self.trainer, self.step, self.consumed = run_id, cfg, trainer, step, consumed
-        log.info("trainer_restored", run_id=run_id, step=step, checkpoint=checkpoint.step if checkpoint else None)
+        log.info("trainer_restored", run_id=run_id, step=step, checkpoint=loaded.ref.step if loaded else None)
 
     # -- one step ------------------------------------------------------------------------------
 
     def train_step(self, inp: TrainStepInput, heartbeat=lambda: None) -> TrainStepResult:
         t_start = time.time()
         wait_s = 0.0 if self.last_step_end is None else t_start - self.last_step_end
-        redone, restored = 0, False
+        redone, restored, corrupt = 0, False, []
         if self.run_id != inp.run_id or self.step != inp.step:
-            redone, restored = self._rewind(inp, heartbeat), True
+            (redone, corrupt), restored = self._rewind(inp, heartbeat), True
         assert self.trainer is not None and self.cfg is not None
         trajectories, twice = self._read_batch(inp.batch)
         m = self.trainer.step(trajectories, trainer_version=self.step)
         self.step += 1
         self.consumed.update(g for part in inp.batch for g in part.group_ids)
         heartbeat()
-        ckpt = self._maybe_checkpoint()
+        ckpt = self._maybe_checkpoint(keep_from_step=_replay_base(inp))
         stall_s, _ = self._publish(inp.relay_chain)
         metrics = StepMetrics(
             reward_mean=m.reward_mean, loss=m.loss, grad_norm=m.grad_norm, samples=m.samples, tokens=m.tokens,
             response_len_mean=m.response_len_mean, staleness={str(k): v for k, v in m.staleness.items()},
             dropped_stale=m.dropped_stale, clip_fraction=m.clip_fraction, consumed_twice=twice,
+            is_weight_mean=m.is_weight_mean, is_weight_max=m.is_weight_max,
+            is_capped_fraction=m.is_capped_fraction, kl_behaviour=m.kl_behaviour,
         )
         self._write_metrics(metrics, trajectories, wait_s=wait_s, busy_s=time.time() - t_start, stall_s=stall_s)
         self.last_step_end = time.time()
         log.info("train_step_completed", step=self.step, reward=round(m.reward_mean, 4), tokens=m.tokens,
                  staleness=metrics.staleness, stall_s=round(stall_s, 4), checkpoint=ckpt is not None)
         return TrainStepResult(step=self.step, policy_version=self.step, metrics=metrics, checkpoint=ckpt,
-                               steps_redone=redone, publish_stall_s=stall_s, restored=restored)
+                               steps_redone=redone, publish_stall_s=stall_s, restored=restored,
+                               corrupt_checkpoints=corrupt)
 
-    def _rewind(self, inp: TrainStepInput, heartbeat) -> int:
-        """Restore the committed checkpoint and replay the batches consumed since it."""
+    def _rewind(self, inp: TrainStepInput, heartbeat) -> tuple[int, list[int]]:
+        """Restore the newest retained checkpoint that verifies and replay the batches consumed since it.
+
+        Returns (steps replayed, steps of the committed checkpoints skipped because they failed verification).
+        """
         cfg = RunConfig.from_json(inp.config)
-        self._restore(inp.run_id, cfg, inp.checkpoint)
-        start = inp.checkpoint.step if inp.checkpoint else 0
-        if start + len(inp.replay) != inp.step:
+        if inp.checkpoint is None:
+            loaded, replay, corrupt = None, inp.replay, []
+        else:
+            loaded, replay, corrupt = self._newest_verified(inp)
+        start = loaded.ref.step if loaded else 0
+        if start + len(replay) != inp.step:
             raise InconsistentStateError(
-                f"train_step for step {inp.step}: checkpoint at step {start} plus {len(inp.replay)} replay "
-                f"batches does not reach it; the workflow's uncommitted batches are inconsistent"
+                f"train_step for step {inp.step}: checkpoint at step {start} plus {len(replay)} replay "
+                f"batches does not reach it; the workflow's recorded batches are inconsistent"
             )
+        self._restore(inp.run_id, cfg, loaded)
         assert self.trainer is not None
-        for batch in inp.replay:
+        for batch in replay:
             trajectories, _ = self._read_batch(batch)
             self.trainer.step(trajectories, trainer_version=self.step)
             self.step += 1
             self.consumed.update(g for part in batch for g in part.group_ids)
             heartbeat()
-        log.info("trainer_replayed", run_id=inp.run_id, from_step=start, to_step=self.step, steps=len(inp.replay))
-        return len(inp.replay)
+        log.info("trainer_replayed", run_id=inp.run_id, from_step=start, to_step=self.step, steps=len(replay))
+        return len(replay), corrupt
+
+    def _newest_verified(self, inp: TrainStepInput) -> tuple[LoadedCheckpoint | None, list[list[BatchPart]], list[int]]:
+        """(checkpoint, batches from it to inp.step, corrupt checkpoint steps) for the newest restore point
+        the workflow retains that verifies: `checkpoint`, then `fallbacks` newest first, then the base model
+        when the workflow still holds every batch since step 0. CorruptDataError when none is left."""
+        assert inp.checkpoint is not None
+        base = _replay_base(inp)
+        corrupt: list[tuple[int, str]] = []
+        for ref in [inp.checkpoint, *reversed([f for f in inp.fallbacks if base <= f.step < inp.checkpoint.step])]:
+            try:
+                loaded = self.checkpoints.load(ref)
+            except CorruptDataError as e:
+                log.warning("checkpoint_corrupt", run_id=inp.run_id, step=ref.step, error=str(e))
+                corrupt.append((ref.step, str(e)))
+                continue
+            replay = inp.fallback_replay[ref.step - base:] + inp.replay
+            if corrupt:
+                log.warning("checkpoint_fallback", run_id=inp.run_id, corrupt=[c for c, _ in corrupt], to_step=ref.step)
+            return loaded, replay, [c for c, _ in corrupt]
+        if base == 0:
+            log.warning("checkpoint_fallback", run_id=inp.run_id, corrupt=[c for c, _ in corrupt], to_step=0)
+            return None, inp.fallback_replay + inp.replay, [c for c, _ in corrupt]
+        raise CorruptDataError(
+            f"run {inp.run_id}: no committed checkpoint the workflow retains verifies "
+            f"({'; '.join(why for _, why in corrupt)}), and the batches to rebuild from step 0 are no longer "
+            f"kept, so training cannot resume at step {inp.step}. Restore the checkpoint objects from a backup, "
+            f"or start a new run; trainer.keep_last >= 2 keeps an older checkpoint to fall back to")
 
     def _read_batch(self, batch: list[BatchPart]) -> tuple[list[Trajectory], int]:
         """The batch's trajectories; groups already consumed are dropped and counted."""
@@ -142,17 +179,22 @@ class TrainerService:
 
     # -- outputs -------------------------------------------------------------------------------
 
-    def _maybe_checkpoint(self) -> CheckpointRef | None:
+    def _maybe_checkpoint(self, keep_from_step: int) -> CheckpointRef | None:
+        """Save a checkpoint every `checkpoint_every` steps and at the last step; then delete the checkpoints
+        older than `keep_from_step`, the oldest restore point the workflow still records."""
         assert self.cfg is not None and self.trainer is not None and self.run_id is not None
         tc = self.cfg.trainer
         if self.step % tc.checkpoint_every != 0 and self.step != self.cfg.run.steps:
             return None
         meta = {"step": self.step, "policy_version": self.step, "consumed": sorted(self.consumed)}
-        return self.checkpoints.save(self.run_id, self.step, self.trainer.state_parts(), meta,
-                                     policy_version=self.step, keep_last=tc.keep_last)
+        ref = self.checkpoints.save(self.run_id, self.step, self.trainer.state_parts(), meta,
+                                    policy_version=self.step)
+        self.checkpoints.retain(self.run_id, keep_from_step)
+        return ref
 
     def _publish(self, chain: list[str]) -> tuple[float, bytes]:
-        """Push the current version to the master relay; returns (trainer stall seconds, payload)."""
+        """Push the current version to the first relay of the chain that accepts it (a dead master is
+        skipped); returns (trainer stall seconds, payload)."""
         assert self.trainer is not None
         payload = state_dict_to_bytes(self.trainer.policy_state_dict())
         if not chain:
@@ -166,7 +208,12 @@ class TrainerService:
                 return stall, payload
             except RelayError as e:
                 log.warning("relay_push_failed", address=addr, error=str(e))
-        raise RelayError(f"no relay in chain {chain} accepted policy_version={self.step}; check the relay workers")
+        # Never fail the step for it: the chain in this input may be stale (a relay restarted on a new port,
+        # and a retry would carry the same stale chain forever). Replicas keep generating on the version they
+        # hold, and the next step publishes to the chain the workflow knows then.
+        log.warning("publish_skipped", reason="no relay in the chain accepted", chain=chain,
+                    policy_version=self.step)
+        return 0.0, payload
 
     def _write_metrics(self, m: StepMetrics, trajectories: list[Trajectory], **timing: float) -> None:
         assert self.run_id is not None
@@ -175,3 +222,8 @@ class TrainerService:
                   "policy_versions": sorted({t.policy_version for t in trajectories}), "time": time.time()}
         self.store.put(keys.step_metrics(self.run_id, self.step), json.dumps(record).encode())
 
+
+
+def _replay_base(inp: TrainStepInput) -> int:
+    """The oldest step the workflow can rebuild from: its oldest retained restore point (see TrainStepInput)."""
+    return inp.checkpoint.step - len(inp.fallback_replay) if inp.checkpoint is not None else 0

@@ -4,7 +4,7 @@
     runs/<run_id>/checkpoints/step-<n:08d>/{model-00001.safetensors, optim-00001.safetensors,
                                             trainer.json, manifest.json}
     runs/<run_id>/experience/<replica>/<seq>.parquet
-    runs/<run_id>/partial/<replica>.parquet   (+ partial/<replica>.json, its commit manifest)
+    runs/<run_id>/partial/<replica>/g<segment>-a<attempt>.parquet   (+ .json, its commit manifest)
     runs/<run_id>/drills/<drill_id>.json
     runs/<run_id>/metrics/step-<n:08d>.json
     runs/<run_id>/summary.json
@@ -107,12 +107,36 @@ def experience_segment(run_id: str, replica_id: str, seq: str) -> str:
     return f"{experience_prefix(run_id, replica_id)}{check_id('segment seq', seq)}.parquet"
 
 
-def partial_pool(run_id: str, replica_id: str) -> str:
-    return f"{run_prefix(run_id)}partial/{check_id('replica_id', replica_id)}.parquet"
+Fence = tuple[int, int]  # (history segment, activity attempt) of the replica incarnation that wrote a pool
 
 
-def partial_manifest(run_id: str, replica_id: str) -> str:
-    return f"{run_prefix(run_id)}partial/{check_id('replica_id', replica_id)}.json"
+def partial_prefix(run_id: str, replica_id: str) -> str:
+    return f"{run_prefix(run_id)}partial/{check_id('replica_id', replica_id)}/"
+
+
+def _fence_name(fence: Fence) -> str:
+    generation, attempt = fence
+    if generation < 0 or attempt < 1:
+        raise ValueError(f"partial pool fence {fence} must be (generation >= 0, attempt >= 1)")
+    return f"g{generation:06d}-a{attempt:04d}"
+
+
+def partial_pool(run_id: str, replica_id: str, fence: Fence) -> str:
+    return f"{partial_prefix(run_id, replica_id)}{_fence_name(fence)}.parquet"
+
+
+def partial_manifest(run_id: str, replica_id: str, fence: Fence) -> str:
+    return f"{partial_prefix(run_id, replica_id)}{_fence_name(fence)}.json"
+
+
+_FENCE_FILE = re.compile(r"^g(\d{6})-a(\d{4})\.(json|parquet)$")
+
+
+def parse_partial_fence(run_id: str, replica_id: str, key: str) -> Fence | None:
+    """The fence of a key under the replica's partial prefix, or None if the key is not a pool file."""
+    prefix = partial_prefix(run_id, replica_id)
+    match = _FENCE_FILE.match(key[len(prefix):]) if key.startswith(prefix) else None
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 # -- reports -----------------------------------------------------------------------------------------

@@ -135,20 +135,33 @@ class TrajectoryStore:
 
     # -- partial-response pool -----------------------------------------------------------------------
 
-    def write_partial(self, run_id: str, replica_id: str, trajectories: list[Trajectory]) -> None:
-        """Replace the replica's partial pool: Parquet first, then its manifest (the commit) last."""
+    def write_partial(self, run_id: str, replica_id: str, fence: keys.Fence, trajectories: list[Trajectory]) -> None:
+        """Replace this incarnation's partial pool: Parquet first, then its manifest (the commit) last.
+
+        Pools are fenced by (history segment, attempt): each incarnation of a replica writes under its own
+        keys and readers take the newest fence, so a zombie attempt that flushes after its retry started can
+        never overwrite the retry's pool."""
         data = _to_parquet(trajectories)
-        manifest_key = keys.partial_manifest(run_id, replica_id)
+        manifest_key = keys.partial_manifest(run_id, replica_id, fence)
         # Uncommit before overwriting, so a crash mid-flush reads as "no pool", never a mismatched one.
         self.store.delete(manifest_key)
-        self.store.put(keys.partial_pool(run_id, replica_id), data)
-        manifest = {"sha256": sha256_hex(data), "size": len(data), "rows": len(trajectories)}
+        self.store.put(keys.partial_pool(run_id, replica_id, fence), data)
+        manifest = {"sha256": sha256_hex(data), "size": len(data), "rows": len(trajectories), "fence": list(fence)}
         self.store.put(manifest_key, json.dumps(manifest, sort_keys=True).encode())
 
+    def newest_partial_fence(self, run_id: str, replica_id: str) -> keys.Fence | None:
+        """The newest fence with a committed pool manifest, or None if the replica has none."""
+        fences = [keys.parse_partial_fence(run_id, replica_id, k) for k in
+                  self.store.list(keys.partial_prefix(run_id, replica_id)) if k.endswith(".json")]
+        return max((f for f in fences if f is not None), default=None)
+
     def read_partial(self, run_id: str, replica_id: str) -> list[Trajectory]:
-        """The replica's committed partial pool, verified; [] if none was committed."""
-        manifest_key = keys.partial_manifest(run_id, replica_id)
-        pool_key = keys.partial_pool(run_id, replica_id)
+        """The replica's newest committed partial pool, verified; [] if none was committed."""
+        fence = self.newest_partial_fence(run_id, replica_id)
+        if fence is None:
+            return []
+        manifest_key = keys.partial_manifest(run_id, replica_id, fence)
+        pool_key = keys.partial_pool(run_id, replica_id, fence)
         try:
             manifest_bytes = self.store.get(manifest_key)
         except ObjectNotFoundError:
@@ -170,7 +183,11 @@ class TrajectoryStore:
             raise CorruptDataError(f"partial pool {pool_key} has {len(trajectories)} rows, manifest says {rows}")
         return trajectories
 
-    def clear_partial(self, run_id: str, replica_id: str) -> None:
-        """Discard the replica's partial pool (manifest first, so it is uncommitted before it vanishes)."""
-        self.store.delete(keys.partial_manifest(run_id, replica_id))
-        self.store.delete(keys.partial_pool(run_id, replica_id))
+    def clear_partial(self, run_id: str, replica_id: str, older_than: keys.Fence | None = None) -> None:
+        """Discard the replica's partial pools (those fenced before `older_than`, or all), each manifest
+        first, so a pool is uncommitted before it vanishes."""
+        found = [(keys.parse_partial_fence(run_id, replica_id, k), k)
+                 for k in self.store.list(keys.partial_prefix(run_id, replica_id))]
+        doomed = [(f, k) for f, k in found if f is not None and (older_than is None or f < older_than)]
+        for _, key in sorted(doomed, key=lambda fk: (fk[0], not fk[1].endswith(".json"))):
+            self.store.delete(key)

@@ -26,8 +26,9 @@ def test_defaults_load_without_a_file() -> None:
 
 def test_example_tiny_toml_loads() -> None:
     cfg = RunConfig.load(TINY)
-    # tiny.toml sets continue_as_new_every = 25 (the default is 50); the rest matches the defaults
-    assert cfg.run.continue_as_new_every == 25
+    # tiny.toml spells out the defaults: the embedded default run is the default config
+    assert cfg == RunConfig()
+    assert cfg.run.history_events_per_segment == 2500 and cfg.run.continue_as_new_every == 0
     assert cfg.model == RunConfig().model
     assert cfg.rollout == RunConfig().rollout
     assert cfg.trainer == RunConfig().trainer
@@ -43,7 +44,7 @@ def test_overrides_with_and_without_dashes() -> None:
     assert cfg.run.mode == "laminar"  # a TOML-quoted string
     assert cfg.rollout.temperature == 0.7
     # the rest of the file is untouched
-    assert cfg.run.continue_as_new_every == 25
+    assert cfg.run.history_events_per_segment == 2500
 
 
 def test_later_override_wins_and_empty_value_is_an_empty_string() -> None:

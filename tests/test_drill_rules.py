@@ -52,23 +52,59 @@ def test_trainer_stall_is_longest_gap_in_window():
     assert rules.trainer_stall_s([90.0], 100.0, 104.0) == 4.0
 
 
+def events(*items: tuple[str, str, float]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for kind, subject, at in items:
+        out.setdefault(f"{kind}/{subject}", []).append(at)
+    return out
+
+
 def test_rollout_detection_and_recovery_from_activity_view_and_events():
-    events = [RunEvent("replica_rejoined", "replica-1", 106.0), RunEvent("replica_recovered", "replica-1", 108.5)]
-    st = status(events=events, step_times=[101.0, 103.0, 105.0, 107.0, 109.0])
+    st = status(event_times=events(("replica_rejoined", "replica-1", 106.0), ("replica_recovered", "replica-1", 108.5)))
+    steps = [101.0, 103.0, 105.0, 107.0, 109.0]
     acts = [rules.ActivityView("rollout-replica-1", "run_rollout_replica", 2, 105.5)]
     detected = rules.detected_at("rollout", "replica-1", 100.0, st, acts)
     assert detected == 105.5  # the timed-out attempt's completion time
     assert rules.detected_at("rollout", "replica-1", 100.0, st, []) == 106.0  # fallback: the rejoin event
-    recovered = rules.recovered_at("rollout", "replica-1", 100.0, detected, st)
+    recovered = rules.recovered_at("rollout", "replica-1", 100.0, detected, st, steps, 2)
     assert recovered == 108.5
-    report = rules.build_report("d", "rollout", "replica-1", 100.0, status(), st, detected, recovered)
+    report = rules.build_report("d", "rollout", "replica-1", 100.0, status(), st, detected, recovered, steps, 130.0)
     # steps strictly inside (100, 108.5): 101, 103, 105, 107 -> 4
     # gaps between 100, 101, 103, 105, 107, 108.5: 1, 2, 2, 2, 1.5 -> longest 2
     assert report.steps_during_outage == 4 and report.trainer_stall_s == 2.0
     assert report.recovered and report.groups_lost == 0
 
 
-def test_no_recovery_is_reported_as_such():
-    st = status(step_times=[90.0])
-    report = rules.build_report("d", "trainer", "trainer", 100.0, st, st, None, None, "no recovery")
+def test_no_recovery_is_reported_as_such_and_the_stall_runs_to_the_end_of_observation():
+    # the last step completed at 90, before the fault at 100; observation ended at 400 with no recovery:
+    # the stall is 400 - 100 = 300 s (it used to be measured up to the last step: 90 - 100 = -10, then -301)
+    st = status()
+    report = rules.build_report("d", "trainer", "trainer", 100.0, st, st, None, None, [90.0], 400.0, "no recovery")
     assert not report.recovered and report.recovered_at is None and report.steps_during_outage == 0
+    assert report.trainer_stall_s == 300.0
+    # steps that did complete during an unrecovered outage are counted: 150 and 160 -> 2; gaps 50, 10, 240
+    report = rules.build_report("d", "relay", "host-1", 100.0, st, st, 120.0, None, [150.0, 160.0], 400.0)
+    assert report.steps_during_outage == 2 and report.trainer_stall_s == 240.0
+
+
+def test_recovery_is_found_at_any_step_rate():
+    # 10 steps/s for 300 s after the fault at 100: 3000 step times, far more than any status window;
+    # the relay was lost at 104 (detected), so the first step after 104 is the recovery: 104.1
+    steps = [100.0 + 0.1 * i for i in range(1, 3001)]
+    st = status(event_times=events(("relay_lost", "host-1", 104.0)))
+    detected = rules.detected_at("relay", "host-1", 100.0, st, [])
+    assert detected == 104.0
+    assert rules.recovered_at("relay", "host-1", 100.0, detected, st, steps, 2) == pytest.approx(104.1)
+    # a step a minute: the first step after detection is 160 -> recovered at 160
+    assert rules.recovered_at("relay", "host-1", 100.0, detected, st, [40.0, 100.5, 160.0], 2) == 160.0
+
+
+def test_one_relay_recovers_only_once_it_is_back_in_the_chain():
+    # one relay: lost at 104 (detected); steps at 105 and 106 published nowhere; it re-joined at 106.5
+    st = status(event_times=events(("relay_lost", "host-0", 104.0)))
+    steps = [105.0, 106.0, 107.0]
+    assert rules.recovered_at("relay", "host-0", 100.0, 104.0, st, steps, 1) is None  # not re-joined yet
+    st = status(event_times=events(("relay_lost", "host-0", 104.0), ("relay_joined", "host-0", 106.5)))
+    assert rules.recovered_at("relay", "host-0", 100.0, 104.0, st, steps, 1) == 107.0
+    # with two relays the rebuilt chain (the survivor) is there at detection: 105
+    assert rules.recovered_at("relay", "host-0", 100.0, 104.0, st, steps, 2) == 105.0

@@ -200,8 +200,10 @@ def test_key_layout():
     assert keys.checkpoint_trainer("r1", 40) == "runs/r1/checkpoints/step-00000040/trainer.json"
     assert keys.checkpoint_manifest("r1", 40) == "runs/r1/checkpoints/step-00000040/manifest.json"
     assert keys.experience_segment("r1", "rep-0", "000007") == "runs/r1/experience/rep-0/000007.parquet"
-    assert keys.partial_pool("r1", "rep-0") == "runs/r1/partial/rep-0.parquet"
-    assert keys.partial_manifest("r1", "rep-0") == "runs/r1/partial/rep-0.json"
+    assert keys.partial_pool("r1", "rep-0", (3, 2)) == "runs/r1/partial/rep-0/g000003-a0002.parquet"
+    assert keys.partial_manifest("r1", "rep-0", (3, 2)) == "runs/r1/partial/rep-0/g000003-a0002.json"
+    assert keys.parse_partial_fence("r1", "rep-0", keys.partial_manifest("r1", "rep-0", (3, 2))) == (3, 2)
+    assert keys.parse_partial_fence("r1", "rep-0", "runs/r1/partial/rep-0/junk.json") is None
     assert keys.drill_report("r1", "kill-trainer") == "runs/r1/drills/kill-trainer.json"
     assert keys.step_metrics("r1", 3) == "runs/r1/metrics/step-00000003.json"
     assert keys.summary("r1") == "runs/r1/summary.json"
@@ -214,7 +216,7 @@ def test_key_ids_are_validated(bad):
     with pytest.raises(ValueError, match="run_id"):
         keys.config(bad)
     with pytest.raises(ValueError, match="replica_id"):
-        keys.partial_pool("r1", bad)
+        keys.partial_pool("r1", bad, (0, 1))
 
 
 def test_reserved_part_names_are_rejected():

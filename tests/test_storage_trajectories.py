@@ -124,17 +124,20 @@ def test_empty_segment_is_refused(object_store):
         TrajectoryStore(object_store).write_segment(RUN, REPLICA, "000004", [])
 
 
+FENCE = (0, 1)  # (history segment, attempt) of the writing replica incarnation
+
+
 def test_partial_pool_write_overwrite_read_clear(object_store):
     trajectories = TrajectoryStore(object_store)
     assert trajectories.read_partial(RUN, REPLICA) == []
     first = [_traj("g9", i, [1, 2], 5, finish_reason="partial") for i in range(3)]
-    trajectories.write_partial(RUN, REPLICA, first)
+    trajectories.write_partial(RUN, REPLICA, FENCE, first)
     assert trajectories.read_partial(RUN, REPLICA) == first
     second = [_traj("g9", 0, [1, 2, 3, 4], 5, finish_reason="partial")]
-    trajectories.write_partial(RUN, REPLICA, second)  # each flush replaces the whole pool
+    trajectories.write_partial(RUN, REPLICA, FENCE, second)  # each flush replaces the whole pool
     assert trajectories.read_partial(RUN, REPLICA) == second
-    assert object_store.list(f"runs/{RUN}/partial/") == [keys.partial_manifest(RUN, REPLICA),
-                                                         keys.partial_pool(RUN, REPLICA)]
+    assert object_store.list(f"runs/{RUN}/partial/") == [keys.partial_manifest(RUN, REPLICA, FENCE),
+                                                         keys.partial_pool(RUN, REPLICA, FENCE)]
     assert trajectories.read_partial(RUN, "rollout-1") == []  # pools are per replica
     trajectories.clear_partial(RUN, REPLICA)
     assert trajectories.read_partial(RUN, REPLICA) == []
@@ -144,21 +147,21 @@ def test_partial_pool_write_overwrite_read_clear(object_store):
 
 def test_partial_pool_empty_flush_round_trips(object_store):
     trajectories = TrajectoryStore(object_store)
-    trajectories.write_partial(RUN, REPLICA, [])
+    trajectories.write_partial(RUN, REPLICA, FENCE, [])
     assert trajectories.read_partial(RUN, REPLICA) == []
 
 
 def test_partial_pool_without_manifest_is_uncommitted(object_store):
     trajectories = TrajectoryStore(object_store)
-    trajectories.write_partial(RUN, REPLICA, [_traj("g1", 0, [1], 2, finish_reason="partial")])
-    object_store.delete(keys.partial_manifest(RUN, REPLICA))  # crashed after the Parquet, before the manifest
+    trajectories.write_partial(RUN, REPLICA, FENCE, [_traj("g1", 0, [1], 2, finish_reason="partial")])
+    object_store.delete(keys.partial_manifest(RUN, REPLICA, FENCE))  # crashed after the Parquet, before the manifest
     assert trajectories.read_partial(RUN, REPLICA) == []
 
 
 def test_corrupt_partial_pool_raises(object_store):
     trajectories = TrajectoryStore(object_store)
-    trajectories.write_partial(RUN, REPLICA, [_traj("g1", 0, [1, 2, 3], 2, finish_reason="partial")])
-    key = keys.partial_pool(RUN, REPLICA)
+    trajectories.write_partial(RUN, REPLICA, FENCE, [_traj("g1", 0, [1, 2, 3], 2, finish_reason="partial")])
+    key = keys.partial_pool(RUN, REPLICA, FENCE)
     data = bytearray(object_store.get(key))
     data[len(data) // 2] ^= 0x01
     object_store.put(key, bytes(data))
@@ -169,9 +172,29 @@ def test_corrupt_partial_pool_raises(object_store):
         trajectories.read_partial(RUN, REPLICA)
 
 
+def test_a_zombie_attempt_never_overwrites_its_retrys_pool(object_store):
+    trajectories = TrajectoryStore(object_store)
+    zombie = [_traj("g1", 0, [1, 2], 2, finish_reason="partial")]
+    trajectories.write_partial(RUN, REPLICA, (0, 1), zombie)  # attempt 1 flushes, then stops heartbeating
+    assert trajectories.read_partial(RUN, REPLICA) == zombie  # its retry (attempt 2) resumes from it...
+    retry = [_traj("g1", 0, [1, 2, 3], 2, finish_reason="partial")]
+    trajectories.write_partial(RUN, REPLICA, (0, 2), retry)  # ... and writes its own pool
+    # the zombie is still alive and flushes again after its retry started
+    trajectories.write_partial(RUN, REPLICA, (0, 1), [_traj("g1", 0, [9, 9, 9, 9], 2, finish_reason="partial")])
+    assert trajectories.read_partial(RUN, REPLICA) == retry  # the newest incarnation's pool wins
+    # after a continue-as-new the attempt count restarts at 1, but the segment number orders it after
+    handed_over = [_traj("g1", 0, [1, 2, 3, 4], 2, finish_reason="partial")]
+    trajectories.write_partial(RUN, REPLICA, (1, 1), handed_over)
+    assert trajectories.read_partial(RUN, REPLICA) == handed_over
+    # the new incarnation sweeps the older pools; its own stays
+    trajectories.clear_partial(RUN, REPLICA, older_than=(1, 1))
+    assert object_store.list(f"runs/{RUN}/partial/") == [keys.partial_manifest(RUN, REPLICA, (1, 1)),
+                                                         keys.partial_pool(RUN, REPLICA, (1, 1))]
+
+
 def test_ids_with_slashes_are_rejected(object_store):
     trajectories = TrajectoryStore(object_store)
     with pytest.raises(ValueError, match="replica_id 'a/b'"):
-        trajectories.write_partial(RUN, "a/b", [])
+        trajectories.write_partial(RUN, "a/b", FENCE, [])
     with pytest.raises(ValueError, match="segment seq"):
         trajectories.write_segment(RUN, REPLICA, "", _group_pair())

@@ -13,6 +13,7 @@ import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
+from datetime import timedelta
 
 from temporalio.worker import Worker
 
@@ -28,6 +29,11 @@ from workflows.recovery_drill import RecoveryDrillWorkflow
 from workflows.training_run import TrainingRunWorkflow
 
 log = get_logger(__name__)
+
+# Heartbeats reach the server at least this often (the SDK otherwise waits up to 80 % of the heartbeat
+# timeout), so a seconds-long heartbeat timeout detects a dead worker without false alarms. At 64 replicas
+# this is 64 heartbeat RPCs per second; heartbeats are not history events (docs/decisions.md).
+HEARTBEAT_THROTTLE = timedelta(seconds=1)
 
 
 async def _serve(worker: Worker, role: str, process: str, allow_faults: bool, **context) -> None:
@@ -87,6 +93,7 @@ async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1
         activities=[acts.run_rollout_replica],
         activity_executor=ThreadPoolExecutor(max_workers=slots + 1),
         max_concurrent_activities=slots,
+        max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
     )
     await _serve(worker, "rollout", f"rollout-{settings.host_id}", allow_faults, host_id=settings.host_id,
                  slots=slots)
@@ -100,7 +107,8 @@ async def relay(settings: Settings, allow_faults: bool = False) -> None:
     try:
         client = await connect(settings)
         acts = RelayActivities(settings.host_id, settings.host_id, address)
-        worker = Worker(client, task_queue=relay_queue(settings.host_id), activities=[acts.run_relay])
+        worker = Worker(client, task_queue=relay_queue(settings.host_id), activities=[acts.run_relay],
+                        max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE)
         await _serve(worker, "relay", f"relay-{settings.host_id}", allow_faults, host_id=settings.host_id,
                      address=address)
     finally:

@@ -5,7 +5,8 @@ Invariants:
 - a group id is leased to at most one replica at a time, and enters `ready` at most once;
 - a group leaves `ready` only when a train step that consumed it has returned;
 - batches consumed since the last committed checkpoint are kept (`uncommitted`) so that a restarted
-  trainer replays them instead of consuming new groups or skipping them.
+  trainer replays them instead of consuming new groups or skipping them; those since the oldest retained
+  checkpoint are kept too (`committed_batches`), so a corrupt newest checkpoint falls back to an older one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from laminar.messages import (
 )
 from laminar.refs import SegmentRef
 from workflows.state import (
+    EVENTS_PER_KEY,
     RECENT_EVENTS,
     RECENT_REWARDS,
     RECENT_STEPS,
@@ -48,6 +50,8 @@ class Ledger:
 
     def note_event(self, kind: str, subject: str, at: float, count: int = 0) -> None:
         self.s.events = (self.s.events + [RunEvent(kind=kind, subject=subject, at=at, count=count)])[-RECENT_EVENTS:]
+        key = f"{kind}/{subject}"
+        self.s.event_times[key] = (self.s.event_times.get(key, []) + [at])[-EVENTS_PER_KEY:]
 
     def replay_claim(self, replica_id: str, request_id: str) -> list[Lease] | None:
         """The leases of a retried claim (same request id), still held by the replica; None if not a retry."""
@@ -95,8 +99,8 @@ class Ledger:
 
     def add_segment(self, seg: SegmentRef, replica_id: str = "", at: float = 0.0,
                     tokens_regenerated: int = 0) -> tuple[list[str], list[str]]:
-        """Record complete groups; idempotent by group id (a retried report is a no-op)."""
-        self.s.tokens_regenerated += tokens_regenerated
+        """Record complete groups; idempotent by group id (a retried report is a no-op, and its
+        regenerated tokens are not counted again)."""
         accepted: list[str] = []
         duplicates: list[str] = []
         returned = {lease.group_id: i for i, lease in enumerate(self.s.returned)}
@@ -112,6 +116,7 @@ class Ledger:
             self.s.ready.append(ReadyGroup(group_id=g, segment_key=seg.key, policy_version=seg.policy_version))
             accepted.append(g)
         if accepted:
+            self.s.tokens_regenerated += tokens_regenerated
             self.s.segments[seg.key] = seg
             self.s.groups_generated += len(accepted)
             if replica_id in self.s.rejoined:
@@ -141,7 +146,13 @@ class Ledger:
             checkpoint=self.s.checkpoint,
             replay=list(self.s.uncommitted),
             relay_chain=chain,
+            fallbacks=[c for c in self.s.checkpoints[:-1] if c.step >= self._replay_base()],
+            fallback_replay=list(self.s.committed_batches),
         )
+
+    def _replay_base(self) -> int:
+        """The step `committed_batches` start at: the oldest restore point the workflow retains."""
+        return (self.s.checkpoint.step if self.s.checkpoint else 0) - len(self.s.committed_batches)
 
     def commit_step(self, inp: TrainStepInput, res: TrainStepResult, keep_last: int, at: float = 0.0) -> None:
         consumed = {g for part in inp.batch for g in part.group_ids}
@@ -149,15 +160,22 @@ class Ledger:
         live = {g.segment_key for g in self.s.ready}
         self.s.segments = {k: v for k, v in self.s.segments.items() if k in live}
         self.s.step, self.s.policy_version = res.step, res.policy_version
+        if res.corrupt_checkpoints:
+            self._fall_back(res.corrupt_checkpoints, at)
         self.s.uncommitted.append(inp.batch)
         self.s.step_times = (self.s.step_times + [at])[-RECENT_STEPS:]
         self.s.steps_redone += res.steps_redone
         if res.restored:
             self.note_event("trainer_restored", "trainer", at, res.steps_redone)
         if res.checkpoint is not None:
+            base = self._replay_base()
+            self.s.committed_batches += self.s.uncommitted
             self.s.checkpoint = res.checkpoint
             self.s.uncommitted = []
+            full = len(self.s.checkpoints) >= keep_last
             self.s.checkpoints = (self.s.checkpoints + [res.checkpoint])[-keep_last:]
+            if full:  # the oldest checkpoint (and step 0 with it) left the window: its batches go too
+                self.s.committed_batches = self.s.committed_batches[max(0, self.s.checkpoints[0].step - base):]
         m = res.metrics
         self.s.groups_consumed += len(consumed)
         self.s.groups_consumed_twice += m.consumed_twice
@@ -165,6 +183,18 @@ class Ledger:
         self.s.reward_recent = (self.s.reward_recent + [m.reward_mean])[-RECENT_REWARDS:]
         for gap, n in m.staleness.items():
             self.s.staleness_histogram[gap] = self.s.staleness_histogram.get(gap, 0) + n
+
+    def _fall_back(self, corrupt: list[int], at: float) -> None:
+        """The trainer found these committed checkpoints corrupt and restored from the newest older restore
+        point: forget them, so the next restore starts there and replays the batches since."""
+        batches = self.s.committed_batches + self.s.uncommitted
+        base = self._replay_base()
+        self.s.checkpoints = [c for c in self.s.checkpoints if c.step not in corrupt]
+        self.s.checkpoint = self.s.checkpoints[-1] if self.s.checkpoints else None
+        split = (self.s.checkpoint.step if self.s.checkpoint else 0) - base
+        self.s.committed_batches, self.s.uncommitted = batches[:split], batches[split:]
+        restored_from = self.s.checkpoint.step if self.s.checkpoint else 0
+        self.note_event("checkpoint_fallback", ",".join(f"step-{c}" for c in corrupt), at, restored_from)
 
     # -- status ------------------------------------------------------------------------------
 
@@ -202,4 +232,7 @@ class Ledger:
             duplicate_reports=s.duplicate_reports,
             step_times=list(s.step_times),
             events=list(s.events),
+            event_times={k: list(v) for k, v in s.event_times.items()},
+            handover_stalls=list(s.handover_stalls),
+            handover_stall_max=s.handover_stall_max,
         )

@@ -14,6 +14,7 @@ from laminar.refs import CheckpointRef, SegmentRef
 RECENT_REWARDS = 20  # steps of reward kept for the live status
 RECENT_STEPS = 100  # step completion times kept (drills measure trainer stall from them)
 RECENT_EVENTS = 50
+EVENTS_PER_KEY = 8  # times kept per (event kind, subject): faults of one subject are rare
 
 
 @dataclass
@@ -36,14 +37,18 @@ class RunState:
     step: int = 0
     policy_version: int = 0
     trainer_ready: bool = False
-    checkpoint: CheckpointRef | None = None
-    checkpoints: list[CheckpointRef] = field(default_factory=list)
+    checkpoint: CheckpointRef | None = None  # the newest committed checkpoint
+    checkpoints: list[CheckpointRef] = field(default_factory=list)  # the last keep_last committed, newest last
     prompt_cursor: int = 0
     open_leases: dict[str, OpenLease] = field(default_factory=dict)  # group_id -> lease
     returned: list[OpenLease] = field(default_factory=list)  # leases to hand out again (lost replicas)
     segments: dict[str, SegmentRef] = field(default_factory=dict)  # key -> ref, while any group unconsumed
     ready: list[ReadyGroup] = field(default_factory=list)  # complete, not yet consumed, oldest first
     uncommitted: list[list[BatchPart]] = field(default_factory=list)  # batches since the checkpoint
+    # batches of the steps from the oldest retained restore point (checkpoints[0], or step 0 until the first
+    # checkpoint leaves the window) up to `checkpoint`: a corrupt checkpoint falls back to an older one
+    # (at most keep_last * checkpoint_every batches with `uncommitted`)
+    committed_batches: list[list[BatchPart]] = field(default_factory=list)
     relays: dict[str, RelayInfo] = field(default_factory=dict)
     replicas: dict[str, ReplicaReport] = field(default_factory=dict)
     paused: bool = False
@@ -65,6 +70,11 @@ class RunState:
     tokens_regenerated: int = 0
     step_times: list[float] = field(default_factory=list)
     events: list[RunEvent] = field(default_factory=list)
+    event_times: dict[str, list[float]] = field(default_factory=dict)  # "<kind>/<subject>" -> recent times
+    last_step_at: float | None = None  # workflow time the last step completed
+    handover_last_step_at: float | None = None  # set by a continue-as-new; cleared by the next segment's step
+    handover_stalls: list[float] = field(default_factory=list)
+    handover_stall_max: float = 0.0
     last_claims: dict[str, LastClaim] = field(default_factory=dict)  # replica_id -> its last claim
     rejoined: list[str] = field(default_factory=list)  # replicas retried and not yet recovered
 

@@ -44,6 +44,7 @@ __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
 
 RELAY_JOIN_TIMEOUT = timedelta(seconds=120)
 DRAIN_TIMEOUT = timedelta(seconds=120)
+HANDOVER_STALLS_KEPT = 64  # hand-over stalls kept for the summary's p50 (max and count cover the whole run)
 FAST_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 
 
@@ -58,13 +59,17 @@ class TrainingRunWorkflow:
         self._handover = False
         self._closing = False  # draining for continue-as-new or finish: relay watchers stop
         self._finished = False
+        self._updates = 0  # updates handled in this history segment (the server caps them per run)
+        self._rejoined_relays: set[str] = set()  # relays that joined in this segment
         try:
             self._cfg, state = _parse_input(inp)
             run_id = self._cfg.run.run_id or workflow.info().workflow_id.removeprefix("run/")
             self.s = state or RunState(run_id=run_id, started_at=workflow.time())
+            self._segment_first_step = self.s.step
         except ConfigError as e:
             self._error = str(e)
             self.s = RunState(run_id="invalid")
+            self._segment_first_step = 0
         self.ledger = Ledger(self.s)
 
     # -- the run, as a table of contents -----------------------------------------------------
@@ -79,12 +84,24 @@ class TrainingRunWorkflow:
             await self._init_trainer()
         self._start_replicas()
         while self.s.step < self._cfg.run.steps and not self.s.stopping:
-            if not await self._wait_for_batch():
-                break
-            await self._train_one_step()
             if self._should_continue_as_new():
                 await self._continue_as_new()
+            if not await self._wait_for_batch():
+                break
+            if self._has_batch():
+                await self._step()
         return await self._finish()
+
+    async def _step(self) -> None:
+        """One trainer step; the first step of a continued segment measures the hand-over stall."""
+        started = workflow.time()
+        if self.s.handover_last_step_at is not None:
+            stall = max(0.0, started - self.s.handover_last_step_at)
+            self.s.handover_stalls = (self.s.handover_stalls + [round(stall, 3)])[-HANDOVER_STALLS_KEPT:]
+            self.s.handover_stall_max = max(self.s.handover_stall_max, stall)
+            self.s.handover_last_step_at = None
+        await self._train_one_step()
+        self.s.last_step_at = workflow.time()
 
     # -- relays ------------------------------------------------------------------------------
 
@@ -93,6 +110,8 @@ class TrainingRunWorkflow:
         for i in range(self._cfg.relay.relays):
             relay_id = f"host-{i}"
             self._relay_tasks[relay_id] = asyncio.create_task(self._watch_relay(relay_id))
+            if relay_id in self.s.relays:  # inherited from the previous segment
+                self._relay_tasks[f"{relay_id}/rejoin"] = asyncio.create_task(self._expect_rejoin(relay_id))
 
     async def _watch_relay(self, relay_id: str) -> None:
         """Keep one `run_relay` activity per relay. Its heartbeat timeout is the relay's failure
@@ -109,7 +128,7 @@ class TrainingRunWorkflow:
                     RunRelayInput(run_id=self.s.run_id, workflow_id=workflow.info().workflow_id, relay_id=relay_id),
                     task_queue=relay_queue(relay_id),
                     start_to_close_timeout=timedelta(days=30),
-                    heartbeat_timeout=timedelta(seconds=self._cfg.rollout.heartbeat_timeout_s),
+                    heartbeat_timeout=timedelta(seconds=self._cfg.relay.heartbeat_timeout_s),
                     retry_policy=RetryPolicy(maximum_attempts=1),
                     activity_id=f"relay-{relay_id}-{generation}",
                 )
@@ -118,16 +137,31 @@ class TrainingRunWorkflow:
                     return
             except asyncio.CancelledError:
                 return
-            if self.s.relays.pop(relay_id, None) is not None:
-                self.ledger.note_event("relay_lost", relay_id, workflow.time())
-                workflow.logger.warning("relay_lost", extra={"relay_id": relay_id})
+            self._lose_relay(relay_id)
             # back off while the relay keeps failing fast (history grows with failures, never spins)
             failures = failures + 1 if workflow.time() - started < 30 else 0
             await workflow.sleep(timedelta(seconds=min(30, 2**failures)))
 
+    def _lose_relay(self, relay_id: str) -> None:
+        if self.s.relays.pop(relay_id, None) is not None:
+            self.ledger.note_event("relay_lost", relay_id, workflow.time())
+            workflow.logger.warning("relay_lost", extra={"relay_id": relay_id})
+
+    async def _expect_rejoin(self, relay_id: str) -> None:
+        """A continued segment keeps the chain it inherited (relay servers outlive the activities that
+        watch them), so publishing never waits for relays to re-announce themselves. A relay that does not
+        re-join within two heartbeat timeouts is gone: it leaves the chain."""
+        assert self._cfg is not None
+        try:
+            await workflow.wait_condition(lambda: relay_id in self._rejoined_relays or self._closing,
+                                          timeout=timedelta(seconds=2 * self._cfg.relay.heartbeat_timeout_s))
+        except TimeoutError:
+            self._lose_relay(relay_id)
+
     async def _wait_for_relays(self) -> None:
         """A new run waits (bounded) for every relay before publishing version 0; a continued run needs
-        only one, and the others rejoin the chain as they come (a dead relay never stalls training)."""
+        only one (it normally inherits the whole chain), and the others rejoin the chain as they come (a dead
+        relay never stalls training)."""
         assert self._cfg is not None
         want = self._cfg.relay.relays if not self.s.trainer_ready else 1
         try:
@@ -141,35 +175,47 @@ class TrainingRunWorkflow:
 
     @workflow.signal
     def relay_joined(self, info: RelayInfo) -> None:
+        known = self.s.relays.get(info.relay_id)
+        if known is not None and known.address != info.address:
+            # a new incarnation of the relay (its process restarted): the old one is gone
+            self._lose_relay(info.relay_id)
         self.s.relays[info.relay_id] = info
+        self._rejoined_relays.add(info.relay_id)
         self.ledger.note_event("relay_joined", info.relay_id, workflow.time())
 
     # -- trainer -----------------------------------------------------------------------------
 
     async def _init_trainer(self) -> None:
         assert self._cfg is not None
-        res: TrainerInitResult = await workflow.execute_activity(
-            "init_trainer",
-            TrainerInitInput(
-                run_id=self.s.run_id,
-                config=self._cfg.to_json(),
-                checkpoint=self.s.checkpoint,
-                relay_chain=self._chain(),
-            ),
-            result_type=TrainerInitResult,
-            task_queue=TRAINER_QUEUE,
-            start_to_close_timeout=timedelta(minutes=30),
-            heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
-            retry_policy=FAST_RETRY,
-        )
+        try:
+            res: TrainerInitResult = await workflow.execute_activity(
+                "init_trainer",
+                TrainerInitInput(
+                    run_id=self.s.run_id,
+                    config=self._cfg.to_json(),
+                    checkpoint=self.s.checkpoint,
+                    relay_chain=self._chain(),
+                ),
+                result_type=TrainerInitResult,
+                task_queue=TRAINER_QUEUE,
+                start_to_close_timeout=timedelta(minutes=30),
+                heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
+                retry_policy=FAST_RETRY,
+            )
+        except ActivityError as e:
+            _fail_run_if_permanent(e, "init_trainer")
+            raise
         self.s.step, self.s.policy_version, self.s.trainer_ready = res.step, res.policy_version, True
 
-    async def _wait_for_batch(self) -> bool:
-        """Wait until the trainer has a full batch of complete groups; False when the run is stopping."""
+    def _has_batch(self) -> bool:
         assert self._cfg is not None
-        need = self._cfg.trainer.groups_per_step
+        return not self.s.paused and len(self.s.ready) >= self._cfg.trainer.groups_per_step
+
+    async def _wait_for_batch(self) -> bool:
+        """Wait until the trainer has a full batch of complete groups, or the history segment is full (a
+        paused or starved run still continues as new); False when the run is stopping."""
         t0 = workflow.time()
-        await workflow.wait_condition(lambda: self.s.stopping or (not self.s.paused and len(self.s.ready) >= need))
+        await workflow.wait_condition(lambda: self.s.stopping or self._has_batch() or self._segment_full())
         self.s.trainer_wait_s += workflow.time() - t0
         return not self.s.stopping
 
@@ -177,16 +223,20 @@ class TrainingRunWorkflow:
         assert self._cfg is not None
         inp = self.ledger.next_train_input(self._cfg, self._chain())
         t0 = workflow.time()
-        res = await workflow.execute_activity(
-            "train_step",
-            inp,
-            result_type=TrainStepResult,
-            task_queue=TRAINER_QUEUE,
-            start_to_close_timeout=timedelta(minutes=30),
-            heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
-            retry_policy=FAST_RETRY,
-            cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-        )
+        try:
+            res = await workflow.execute_activity(
+                "train_step",
+                inp,
+                result_type=TrainStepResult,
+                task_queue=TRAINER_QUEUE,
+                start_to_close_timeout=timedelta(minutes=30),
+                heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
+                retry_policy=FAST_RETRY,
+                cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+            )
+        except ActivityError as e:
+            _fail_run_if_permanent(e, f"train_step {inp.step}")
+            raise
         self.s.trainer_busy_s += workflow.time() - t0
         self.ledger.commit_step(inp, res, keep_last=self._cfg.trainer.keep_last, at=workflow.time())
         self._note_history()
@@ -204,6 +254,7 @@ class TrainingRunWorkflow:
                     workflow_id=workflow.info().workflow_id,
                     replica_id=replica_id,
                     config=self._cfg.to_json(),
+                    generation=self.s.continued_as_new,
                 ),
                 task_queue=ROLLOUT_QUEUE,
                 start_to_close_timeout=timedelta(days=30),
@@ -215,6 +266,7 @@ class TrainingRunWorkflow:
     @workflow.update
     def claim_prompts(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
         assert self._cfg is not None
+        self._updates += 1
         replica_id = inp.report.replica_id
         self.ledger.note_report(inp.report)
         resume_ok: list[str] = []
@@ -250,6 +302,7 @@ class TrainingRunWorkflow:
 
     @workflow.update
     def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
+        self._updates += 1
         self.ledger.note_report(inp.report)
         accepted, duplicates = self.ledger.add_segment(
             inp.segment, inp.report.replica_id, workflow.time(), inp.tokens_regenerated
@@ -267,16 +320,19 @@ class TrainingRunWorkflow:
 
     @workflow.update
     def pause(self) -> str:
+        self._updates += 1
         self.s.paused = True
         return self._phase()
 
     @workflow.update
     def resume(self) -> str:
+        self._updates += 1
         self.s.paused = False
         return self._phase()
 
     @workflow.update
     def stop(self) -> str:
+        self._updates += 1
         self.s.stopping = True
         return self._phase()
 
@@ -301,12 +357,21 @@ class TrainingRunWorkflow:
 
     # -- continue-as-new and finish ----------------------------------------------------------
 
+    def _segment_full(self) -> bool:
+        """The history segment is near a server limit (events, updates) or the server suggests a new one."""
+        assert self._cfg is not None
+        info = workflow.info()
+        return (info.get_current_history_length() >= self._cfg.run.history_events_per_segment
+                or self._updates >= self._cfg.run.updates_per_segment
+                or info.is_continue_as_new_suggested())
+
     def _should_continue_as_new(self) -> bool:
         assert self._cfg is not None
         if self.s.step >= self._cfg.run.steps or self.s.stopping:
             return False
         every = self._cfg.run.continue_as_new_every
-        return self.s.step % every == 0 or workflow.info().is_continue_as_new_suggested()
+        forced = every > 0 and self.s.step > self._segment_first_step and self.s.step % every == 0
+        return forced or self._segment_full()
 
     async def _drain(self) -> None:
         """Let replicas write their in-flight groups to the partial pool and return, then stop relays."""
@@ -324,13 +389,29 @@ class TrainingRunWorkflow:
         await workflow.wait_condition(workflow.all_handlers_finished)
 
     async def _continue_as_new(self) -> None:
+        """Hand over to a new history segment. Not a barrier: replicas write their in-flight groups to the
+        partial pool and return at their next contact, and the trainer keeps stepping on ready groups while
+        they do. The chain and every lease, ready group and counter carry over in the state."""
         assert self._cfg is not None
         self._handover = True
+        deadline = workflow.time() + DRAIN_TIMEOUT.total_seconds()
+        while not self._replicas_returned() and not self.s.stopping:
+            try:
+                await workflow.wait_condition(lambda: self._replicas_returned() or self.s.stopping
+                                              or self._has_batch(), timeout=max(0.0, deadline - workflow.time()))
+            except TimeoutError:
+                workflow.logger.warning("replicas_drain_timed_out")
+                break
+            if self._has_batch() and self.s.step < self._cfg.run.steps:
+                await self._step()
         await self._drain()
         self._note_history()
         self.s.continued_as_new += 1
-        self.s.relays = {}
+        self.s.handover_last_step_at = self.s.last_step_at
         workflow.continue_as_new(TrainingRunInput(config=self._cfg.to_json(), state=self.s))
+
+    def _replicas_returned(self) -> bool:
+        return all(t.done() for t in self._replicas.values())
 
     async def _finish(self) -> RunStatus:
         self.s.stopping = True
@@ -346,6 +427,15 @@ class TrainingRunWorkflow:
     def _note_history(self) -> None:
         n = workflow.info().get_current_history_length()
         self.s.history_events_max = max(self.s.history_events_max, n)
+
+
+def _fail_run_if_permanent(e: ActivityError, what: str) -> None:
+    """A trainer activity retries without limit, so its failure reaching the workflow is permanent (a
+    non-retryable ApplicationError: bad model path, no checkpoint that verifies, ...). Fail the run with
+    that error's own type and message, not the generic "Activity task failed"; a cancellation passes."""
+    cause = e.cause
+    if isinstance(cause, ApplicationError) and cause.non_retryable:
+        raise ApplicationError(f"{what} failed: {cause.message}", type=cause.type, non_retryable=True) from e
 
 
 def _parse_input(inp: Any) -> tuple[RunConfig, RunState | None]:
