@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from laminar.errors import ConfigError
-from laminar.messages import RelayInfo, ReplicaReport, RunEvent, RunStatus
+from laminar.messages import RelayInfo, ReplicaReport, RunStatus
 from services import drill as rules
 
 
