@@ -1,7 +1,9 @@
-"""Heartbeat from a background thread while a sync activity sits in long native calls (TEMPORAL.md rule 5).
+"""Heartbeat from a background thread while a sync activity sits in long native calls (which would
+block a heartbeat from the activity's own thread).
 
 The beat is tied to a progress counter: if the work stops making progress for `stall_s`, beats stop,
-so a hang still shows up as a missed heartbeat.
+so a hang still shows up as a missed heartbeat. Work that has no progress to report (loading or
+building a model) passes `stall_s=None`: it beats until it returns, bounded by its start-to-close timeout.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ class Progress:
 
 
 @contextmanager
-def background_heartbeat(every_s: float = 5.0, stall_s: float = 600.0) -> Iterator[Progress]:
+def background_heartbeat(every_s: float = 5.0, stall_s: float | None = 600.0) -> Iterator[Progress]:
     progress = Progress()
     stop = threading.Event()
 
     def beat() -> None:
         while not stop.wait(every_s):
-            if time.monotonic() - progress.changed_at < stall_s:
+            if stall_s is None or time.monotonic() - progress.changed_at < stall_s:
                 activity.heartbeat(progress.count)
 
     ctx = contextvars.copy_context()

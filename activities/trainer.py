@@ -1,16 +1,17 @@
 """Trainer activities: thin adapters over services.trainer.TrainerService (one per trainer process).
 
 Both run as sync activities on the trainer's own queue with one slot, so the policy and optimizer stay
-in this process's memory between steps.
+in this process's memory between steps. Errors a retry cannot fix (a bad model directory, no committed
+checkpoint that verifies, an inconsistent replay) fail the activity for good (activities/errors.py).
 """
 
 from __future__ import annotations
 
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
 
+from activities.errors import permanent_errors
 from activities.heartbeat import background_heartbeat
-from laminar.errors import InconsistentStateError
+from laminar.errors import CorruptDataError
 from laminar.messages import TrainerInitInput, TrainerInitResult, TrainStepInput, TrainStepResult
 from services.trainer import TrainerService
 
@@ -21,13 +22,11 @@ class TrainerActivities:
 
     @activity.defn(name="init_trainer")
     def init_trainer(self, inp: TrainerInitInput) -> TrainerInitResult:
-        with background_heartbeat():
+        # Loading (or first building) the model reports no progress: beat until it returns.
+        with background_heartbeat(stall_s=None), permanent_errors(CorruptDataError):
             return self.service.init(inp)
 
     @activity.defn(name="train_step")
     def train_step(self, inp: TrainStepInput) -> TrainStepResult:
-        with background_heartbeat() as progress:
-            try:
-                return self.service.train_step(inp, heartbeat=progress.tick)
-            except InconsistentStateError as e:  # permanent: fail the step instead of retrying forever
-                raise ApplicationError(str(e), type="InconsistentState", non_retryable=True) from e
+        with background_heartbeat() as progress, permanent_errors(CorruptDataError):
+            return self.service.train_step(inp, heartbeat=progress.tick)

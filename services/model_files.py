@@ -14,6 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from laminar.config import RunConfig
+from laminar.errors import ConfigError
 from rl.base_model import build_base_model, fingerprint
 from rl.model import build_model
 from rl.tasks import get_task
@@ -23,8 +24,28 @@ from storage.objects import ObjectStore
 MODEL_FILES = ("config.json", "tokenizer.json")
 
 
+def check_model_path(cfg: RunConfig) -> None:
+    """Fail fast, before anything starts, when `model.path` is set but is not a Hugging Face model
+    directory (config.json, tokenizer.json and safetensors weights). An empty path is fine: the trainer
+    builds the task's tiny base model."""
+    if not cfg.model.path:
+        return
+    d = Path(cfg.model.path)
+    fix = ("set --model.path to a Hugging Face model directory (config.json, tokenizer.json, "
+           "model.safetensors), or leave model.path empty to train the task's tiny base model")
+    if not d.is_dir():
+        raise ConfigError(f"model.path={cfg.model.path!r} is not a directory on this host; {fix}")
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    missing = [name for name in MODEL_FILES if not (d / name).is_file()]
+    if not any((d / name).is_file() for name in weights):
+        missing.append(" or ".join(weights))
+    if missing:
+        raise ConfigError(f"model.path={cfg.model.path!r} has no {', '.join(missing)}; {fix}")
+
+
 def resolve_model_dir(cfg: RunConfig, home: Path) -> Path:
     if cfg.model.path:
+        check_model_path(cfg)
         return Path(cfg.model.path)
     return build_base_model(cfg, home / "models" / f"{cfg.task.name}-{fingerprint(cfg)[:12]}")
 

@@ -1,4 +1,4 @@
-"""Checkpoints: safetensors parts, trainer.json, then manifest.json last (DESIGN.md §4).
+"""Checkpoints: safetensors parts, trainer.json, then manifest.json last (docs/architecture.md).
 
 A checkpoint is committed once its manifest exists; readers trust only committed checkpoints whose every
 file matches the manifest's size and sha256. Never pickle: tensors go through safetensors, metadata JSON.
@@ -60,13 +60,9 @@ class CheckpointStore:
     # -- writing -------------------------------------------------------------------------------------
 
     def save(self, run_id: str, step: int, parts: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any],
-             policy_version: int, keep_last: int | None = None) -> CheckpointRef:
-        """Write every part, then trainer.json, then the manifest (the commit); then apply retention.
-
-        `keep_last` keeps the newest `keep_last` committed checkpoints and deletes everything older.
-        """
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
+             policy_version: int) -> CheckpointRef:
+        """Write every part, then trainer.json, then the manifest (the commit). Deletes nothing older:
+        whoever records committed checkpoints decides what may go (`retain`)."""
         if not parts:
             raise ValueError(f"checkpoint step-{step} of run {run_id} has no parts; pass e.g. {{'model': state_dict}}")
         manifest_key = keys.checkpoint_manifest(run_id, step)
@@ -87,8 +83,6 @@ class CheckpointStore:
         self.store.put(manifest_key, manifest_bytes)
         structlog.get_logger().info("checkpoint_saved", run_id=run_id, step=step, policy_version=policy_version,
                                     bytes=sum(f["size"] for f in files.values()) + len(manifest_bytes))
-        if keep_last is not None:
-            self._retain(run_id, keep_last)
         return CheckpointRef(run_id=run_id, step=step, manifest_key=manifest_key,
                              manifest_sha256=sha256_hex(manifest_bytes), policy_version=policy_version)
 
@@ -96,23 +90,23 @@ class CheckpointStore:
         self.store.put(key, data)
         return {"sha256": sha256_hex(data), "size": len(data)}
 
-    def _retain(self, run_id: str, keep_last: int) -> None:
-        committed = self.list_committed(run_id)
-        if len(committed) <= keep_last:
-            return
-        oldest_kept = committed[-keep_last]
+    def retain(self, run_id: str, keep_from_step: int) -> None:
+        """Delete every checkpoint of steps below `keep_from_step`, committed or crashed half-way.
+
+        The trainer passes the oldest checkpoint the workflow still records (it may restore from any of
+        them), so a checkpoint the workflow points to is never deleted, even if this step's result is lost.
+        """
         by_step: dict[int, list[str]] = {}
         for key in self.store.list(keys.checkpoints_prefix(run_id)):
             step = keys.parse_checkpoint_step(run_id, key)
-            if step is not None and step < oldest_kept:  # also sweeps uncommitted leftovers of crashed saves
+            if step is not None and step < keep_from_step:
                 by_step.setdefault(step, []).append(key)
         for step, step_keys in sorted(by_step.items()):
             manifest_key = keys.checkpoint_manifest(run_id, step)
             # Uncommit first (manifest), so a reader never sees a manifest whose parts are gone.
             for key in sorted(step_keys, key=lambda k: k != manifest_key):
                 self.store.delete(key)
-            structlog.get_logger().info("checkpoint_deleted", run_id=run_id, step=step, keep_last=keep_last,
-                                        oldest_kept=oldest_kept)
+            structlog.get_logger().info("checkpoint_deleted", run_id=run_id, step=step, keep_from_step=keep_from_step)
 
     # -- finding -------------------------------------------------------------------------------------
 
@@ -187,7 +181,7 @@ class CheckpointStore:
             manifest_bytes = self.store.get(ref.manifest_key)
         except ObjectNotFoundError as exc:
             raise CorruptDataError(f"checkpoint step-{ref.step} of run {ref.run_id}: manifest {ref.manifest_key} "
-                                   f"is gone; the checkpoint was deleted (retention?) or never committed; "
+                                   f"is gone; the checkpoint was deleted or never committed; "
                                    f"ask CheckpointStore.latest() for a current ref") from exc
         actual = sha256_hex(manifest_bytes)
         if actual != ref.manifest_sha256:
@@ -200,8 +194,7 @@ class CheckpointStore:
         for file_name, entry in sorted(manifest["files"].items()):
             data, problem = self._check_file(ref.run_id, ref.step, file_name, entry)
             if problem is not None:
-                raise CorruptDataError(f"{problem.describe(ref.step)}; CheckpointStore.latest() skips it and "
-                                       f"falls back to the previous committed checkpoint")
+                raise CorruptDataError(problem.describe(ref.step))
             blobs[file_name] = data
         parts = {part: load_safetensors(blobs[file_name]) for part, file_name in manifest["parts"].items()}
         trainer = json.loads(blobs[TRAINER_FILE])

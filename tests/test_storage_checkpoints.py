@@ -22,10 +22,10 @@ def _parts(scale: float) -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
-def _save(ckpts: CheckpointStore, step: int, keep_last: int | None = None):
+def _save(ckpts: CheckpointStore, step: int):
     # policy_version trails step by one here only so the two are told apart in assertions.
     return ckpts.save(RUN, step, _parts(float(step)), {"lr": 1e-5, "consumed_groups": [f"g{step}"]},
-                      policy_version=step - 1, keep_last=keep_last)
+                      policy_version=step - 1)
 
 
 def _flip_last_byte(store, key: str) -> None:
@@ -134,27 +134,24 @@ def test_resaving_a_step_replaces_it_and_stales_old_refs(object_store):
         ckpts.load(old)
 
 
-def test_keep_last_deletes_older_checkpoints_and_crashed_leftovers(object_store):
+def test_save_deletes_nothing_and_retain_deletes_only_below_the_kept_step(object_store):
     ckpts = CheckpointStore(object_store)
-    _save(ckpts, 1, keep_last=2)
-    _save(ckpts, 2, keep_last=2)
+    for step in (1, 2, 3, 4, 5):
+        _save(ckpts, step)
+    # Saving never deletes: whoever records the committed checkpoints decides what may go.
+    assert ckpts.list_committed(RUN) == [1, 2, 3, 4, 5]
     object_store.delete(keys.checkpoint_manifest(RUN, 2))  # step 2 crashed before its manifest
-    _save(ckpts, 3, keep_last=2)
-    assert ckpts.list_committed(RUN) == [1, 3]  # two committed: nothing deleted, step 2 leftovers stay
-    assert object_store.exists(keys.checkpoint_part(RUN, 2, "model"))
-    _save(ckpts, 4, keep_last=2)
-    _save(ckpts, 5, keep_last=2)
-    # Committed 1,3,4,5 with keep_last=2 -> keep 4,5; everything under steps 1,2,3 is gone.
-    assert ckpts.list_committed(RUN) == [4, 5]
+    ckpts.retain(RUN, keep_from_step=4)
+    # Everything under steps 1, 2 (the crashed leftovers too) and 3 is gone; 4 (the kept one) and 5 stay.
     remaining = {keys.parse_checkpoint_step(RUN, k) for k in object_store.list(keys.checkpoints_prefix(RUN))}
     assert remaining == {4, 5}
-    assert ckpts.latest(RUN).step == 5
+    assert ckpts.list_committed(RUN) == [4, 5] and ckpts.latest(RUN).step == 5
+    ckpts.retain(RUN, keep_from_step=0)  # nothing is below step 0
+    assert ckpts.list_committed(RUN) == [4, 5]
 
 
 def test_invalid_arguments_are_rejected(object_store):
     ckpts = CheckpointStore(object_store)
-    with pytest.raises(ValueError, match="keep_last"):
-        ckpts.save(RUN, 1, _parts(1.0), {}, policy_version=0, keep_last=0)
     with pytest.raises(ValueError, match="no parts"):
         ckpts.save(RUN, 1, {}, {}, policy_version=0)
     with pytest.raises(ValueError, match="run_id"):

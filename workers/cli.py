@@ -72,10 +72,12 @@ def run(
 
     Extra `--section.key=value` arguments override config values.
     """
+    from services.model_files import check_model_path
     from workers.run_command import run_local
 
     with _exit_codes():
         cfg = _load_config(config, ctx.args, steps, run_id)
+        check_model_path(cfg)  # this host runs the trainer: a bad model.path fails before anything starts
         configure_logging(log_format)
         code = run_local(cfg, summary_path=summary, console=console)
     raise typer.Exit(code)
