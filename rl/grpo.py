@@ -1,14 +1,16 @@
 """GRPO with clip-higher: the pure pieces (advantages, staleness filter, token-level loss).
 
-DESIGN.md §7: group-normalised advantages, ratio clipped to [1 - eps_low, 1 + eps_high], token-level
-loss aggregation (sum over every response token of the batch / number of those tokens), optional
-truncated importance sampling, staleness = trainer version - sample version.
+Group-normalised advantages, ratio clipped to [1 - eps_low, 1 + eps_high], token-level loss aggregation
+(sum over every response token of the batch / number of those tokens), three off-policy corrections
+(`trainer.off_policy`: ppo, tis, decoupled) and what they see of the behaviour/trainer gap (importance
+weights, KL), staleness = trainer version - sample version. See docs/architecture.md.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -45,6 +47,9 @@ def split_stale(
     return kept, hist, len(trajectories) - len(kept)
 
 
+OffPolicy = Literal["ppo", "tis", "decoupled"]
+
+
 @dataclass
 class LossParts:
     loss: torch.Tensor
@@ -55,31 +60,48 @@ class LossParts:
 def clipped_token_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
+    proximal_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
     eps_low: float,
     eps_high: float,
+    off_policy: OffPolicy = "ppo",
     tis_cap: float = 0.0,
 ) -> LossParts:
-    """PPO-clip loss with clip-higher, aggregated over tokens.
+    """PPO-clip loss with clip-higher, aggregated over tokens (sum over response tokens / their count).
 
-    logp, behaviour_logp, mask: [B, T] (mask 1 on response tokens); advantages: [B] (per sample).
+    logp: [B, T] log pi_theta, the policy being updated (carries the gradient); behaviour_logp: [B, T] log
+    pi_behaviour, recorded by the engine that sampled; proximal_logp: [B, T] log pi_prox, the trainer's
+    weights at the start of the step (no gradient); mask: [B, T], 1 on response tokens; advantages: [B].
+    Per token, with w = pi_prox / pi_behaviour and clip(r) = clamp(r, 1 - eps_low, 1 + eps_high):
 
-    tis_cap == 0: pi_old is the behaviour policy, ratio = exp(logp - behaviour_logp).
-    tis_cap > 0 (decoupled PPO / truncated IS): pi_old is the current policy before this update
-    (logp detached), so ratio = exp(logp - logp.detach()), and each token is weighted by
-    min(pi_old / pi_behaviour, tis_cap), correcting for the behaviour/trainer mismatch with bounded
-    variance.
+    ppo: PPO with the behaviour policy as pi_old: -min(r A, clip(r) A), r = pi_theta / pi_behaviour.
+    tis: truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
+      off-policy RL training"; verl's tis_imp_ratio_cap): PPO against the trainer's own pi_old = pi_prox,
+      reweighted by the truncated weight: -min(w, tis_cap) * min(r A, clip(r) A), r = pi_theta / pi_prox.
+    decoupled: decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy optimization"; AReaL's
+      use_decoupled_loss): -w * min(r A, clip(r) A), r = pi_theta / pi_prox. With tis_cap > 0 a token whose
+      w exceeds tis_cap is dropped (weight 0, still counted in the token mean), as AReaL's
+      behav_imp_weight_cap does; tis_cap 0 keeps the paper's uncapped w.
+
+    For tis and decoupled the clip bounds the move away from pi_prox, so it can only bite once pi_theta has
+    left pi_prox: from the second minibatch of a step on (trainer.minibatches > 1).
     """
     mask = mask.float()
     adv = advantages[:, None].expand_as(logp)
-    if tis_cap > 0:
-        ratio = torch.exp(logp - logp.detach())
-        weight = torch.exp(logp.detach() - behaviour_logp).clamp(max=tis_cap)
-    else:
+    if off_policy == "ppo":
         ratio = torch.exp(logp - behaviour_logp)
         weight = torch.ones_like(logp)
+    else:
+        ratio = torch.exp(logp - proximal_logp)
+        w = torch.exp(proximal_logp - behaviour_logp)
+        if off_policy == "tis":
+            weight = w.clamp(max=tis_cap)
+        elif tis_cap > 0:
+            weight = torch.where(w <= tis_cap, w, torch.zeros_like(w))
+        else:
+            weight = w
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
     per_token = -weight * torch.minimum(unclipped, clipped)
@@ -88,3 +110,37 @@ def clipped_token_loss(
     was_clipped = (clipped < unclipped) & (mask > 0)
     clip_fraction = float(was_clipped.sum().item()) / max(tokens, 1)
     return LossParts(loss=loss, clip_fraction=clip_fraction, tokens=tokens)
+
+
+@dataclass
+class BehaviourDrift:
+    """How far the behaviour policy is from the trainer's, over the response tokens of a batch."""
+
+    weight_mean: float  # mean of w = pi_prox / pi_behaviour (before any cap)
+    weight_max: float
+    capped_fraction: float  # share of tokens with w > tis_cap (truncated by tis, dropped by decoupled)
+    kl: float  # KL(pi_behaviour || pi_prox) per token, k3 estimator
+
+
+def behaviour_drift(
+    proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, tis_cap: float = 0.0
+) -> BehaviourDrift:
+    """Importance weights w = pi_prox / pi_behaviour and the KL between the two policies.
+
+    The tokens were sampled from pi_behaviour, so with log w = log pi_prox - log pi_behaviour the k3 estimator
+    (Schulman, "Approximating KL divergence") (w - 1) - log w is an unbiased, never negative, per-token
+    estimate of KL(pi_behaviour || pi_prox); the mean over response tokens is reported. tis_cap 0: nothing
+    is capped. Empty mask: all zeros.
+    """
+    sel = mask > 0
+    if not bool(sel.any()):
+        return BehaviourDrift(0.0, 0.0, 0.0, 0.0)
+    log_w = (proximal_logp - behaviour_logp)[sel].double()
+    w = log_w.exp()
+    capped = float((w > tis_cap).double().mean()) if tis_cap > 0 else 0.0
+    return BehaviourDrift(
+        weight_mean=float(w.mean()),
+        weight_max=float(w.max()),
+        capped_fraction=capped,
+        kl=float((w - 1 - log_w).mean()),
+    )

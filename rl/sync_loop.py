@@ -14,14 +14,14 @@ from laminar.records import Trajectory
 from rl.engine import TorchEngine
 from rl.model import load_pretrained
 from rl.tasks import get_task
-from rl.trainer import StepMetrics, Trainer
+from rl.trainer import Trainer, UpdateMetrics
 
 log = get_logger(__name__)
 
 
 @dataclass
 class SyncLoopResult:
-    metrics: list[StepMetrics] = field(default_factory=list)
+    metrics: list[UpdateMetrics] = field(default_factory=list)
     response_lens: list[list[int]] = field(default_factory=list)  # per step
     wall_s: float = 0.0
 

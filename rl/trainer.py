@@ -1,8 +1,9 @@
-"""The GRPO trainer: one optimizer update per batch of trajectories (pure torch, no Temporal, no store).
+"""The GRPO trainer: one step per batch of trajectories (pure torch, no Temporal, no store).
 
-`Trainer.step` reads as the algorithm (DESIGN.md §7): drop-and-count stale samples, group-normalised
-advantages, recompute log-probs under the current policy, clipped token-level loss, AdamW with
-gradient clipping. Behaviour log-probs come from the trajectories (recorded by the engine).
+`Trainer.step` reads as the algorithm (see docs/architecture.md): drop-and-count stale samples,
+group-normalised advantages, the proximal log-probs (the trainer's policy at the start of the step, one
+forward pass without gradient), then one AdamW update with gradient clipping per minibatch on the clipped
+token-level loss. Behaviour log-probs come from the trajectories (recorded by the engine).
 
 Checkpoint parts are flat tensor dicts with string keys (safetensors-ready, no pickle):
 `state_parts() -> {"model": {...}, "optim": {"<param name>/exp_avg": ..., "<param name>/step": ...}}`.
@@ -16,13 +17,19 @@ import torch
 
 from laminar.config import TrainerSection
 from laminar.records import Trajectory
-from rl.grpo import clipped_token_loss, group_advantages, split_stale
+from rl.grpo import behaviour_drift, clipped_token_loss, group_advantages, split_stale
 from rl.model import CausalLM, load_model_state, model_state_dict
 
 
 @dataclass
-class StepMetrics:
-    """What one trainer step did. Staleness histogram: {trainer_version - policy_version: samples}."""
+class UpdateMetrics:
+    """What one trainer step did. Staleness histogram: {trainer_version - policy_version: samples}.
+
+    loss is the token-weighted mean over the step's minibatches, grad_norm the mean (before clipping),
+    clip_fraction the share of response tokens whose clip was active. The is_weight_* fields and
+    kl_behaviour compare each token's behaviour policy with the trainer's policy at the start of the step
+    (rl/grpo.py behaviour_drift); entropy is that policy's too.
+    """
 
     trainer_version: int
     samples: int
@@ -36,6 +43,10 @@ class StepMetrics:
     dropped_stale: int
     staleness: dict[int, int] = field(default_factory=dict)
     updated: bool = True
+    is_weight_mean: float = 0.0
+    is_weight_max: float = 0.0
+    is_capped_fraction: float = 0.0
+    kl_behaviour: float = 0.0
 
 
 @dataclass
@@ -91,52 +102,77 @@ class Trainer:
             self._named.values(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8
         )
 
-    def step(self, trajectories: list[Trajectory], trainer_version: int) -> StepMetrics:
-        """One GRPO update on `trajectories`; trainer_version is the version being trained from."""
-        kept, hist, dropped = split_stale(trajectories, trainer_version, self.cfg.max_staleness)
+    def step(self, trajectories: list[Trajectory], trainer_version: int) -> UpdateMetrics:
+        """One GRPO step on `trajectories`; trainer_version is the version being trained from.
+
+        Advantages are normalised over the whole batch, then its samples are split into
+        `cfg.minibatches` contiguous minibatches (fewer if there are fewer samples), one AdamW update each.
+        """
+        cfg = self.cfg
+        kept, hist, dropped = split_stale(trajectories, trainer_version, cfg.max_staleness)
         if not kept:
-            return StepMetrics(
+            return UpdateMetrics(
                 trainer_version, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, dropped, hist, updated=False
             )
         rewards = [t.reward for t in kept]
         advantages = group_advantages(rewards, [t.group_id for t in kept])
         batch = collate(kept, self.pad_id)
-
-        self.model.train()
-        logits = self.model(batch.ids, batch.attention_mask)[:, :-1] / self.temperature
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logp = logp_all.gather(-1, batch.targets[..., None])[..., 0]
-        parts = clipped_token_loss(
-            logp,
-            batch.behaviour_logp,
-            advantages,
-            batch.response_mask,
-            eps_low=self.cfg.eps_low,
-            eps_high=self.cfg.eps_high,
-            tis_cap=self.cfg.tis_cap,
-        )
-        self.optim.zero_grad(set_to_none=True)
-        parts.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(list(self._named.values()), self.cfg.grad_clip)
-        self.optim.step()
-        self.model.eval()
+        mask = batch.response_mask
 
         with torch.no_grad():
+            logp_all = self._log_softmax(batch.ids, batch.attention_mask)
+            proximal_logp = logp_all.gather(-1, batch.targets[..., None])[..., 0]
             ent = -(logp_all.exp() * logp_all).sum(-1)
-            entropy = float((ent * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1))
-        return StepMetrics(
+            entropy = float((ent * mask).sum() / mask.sum().clamp(min=1))
+        del logp_all
+        drift = behaviour_drift(proximal_logp, batch.behaviour_logp, mask, cfg.tis_cap)
+
+        self.model.train()
+        loss_sum, clipped, grad_norms = 0.0, 0.0, []
+        for rows in torch.arange(len(kept)).tensor_split(min(cfg.minibatches, len(kept))):
+            logp_all = self._log_softmax(batch.ids[rows], batch.attention_mask[rows])
+            logp = logp_all.gather(-1, batch.targets[rows][..., None])[..., 0]
+            parts = clipped_token_loss(
+                logp,
+                batch.behaviour_logp[rows],
+                proximal_logp[rows],
+                advantages[rows],
+                mask[rows],
+                eps_low=cfg.eps_low,
+                eps_high=cfg.eps_high,
+                off_policy=cfg.off_policy,
+                tis_cap=cfg.tis_cap,
+            )
+            self.optim.zero_grad(set_to_none=True)
+            parts.loss.backward()
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(list(self._named.values()), cfg.grad_clip)))
+            self.optim.step()
+            loss_sum += float(parts.loss.detach()) * parts.tokens
+            clipped += parts.clip_fraction * parts.tokens
+        self.model.eval()
+
+        tokens = int(mask.sum().item())
+        return UpdateMetrics(
             trainer_version=trainer_version,
             samples=len(kept),
-            tokens=parts.tokens,
+            tokens=tokens,
             reward_mean=sum(rewards) / len(rewards),
-            loss=float(parts.loss.detach()),
-            grad_norm=float(grad_norm),
-            clip_fraction=parts.clip_fraction,
+            loss=loss_sum / max(tokens, 1),
+            grad_norm=sum(grad_norms) / len(grad_norms),
+            clip_fraction=clipped / max(tokens, 1),
             entropy=entropy,
             response_len_mean=sum(len(t.response_ids) for t in kept) / len(kept),
             dropped_stale=dropped,
             staleness=hist,
+            is_weight_mean=drift.weight_mean,
+            is_weight_max=drift.weight_max,
+            is_capped_fraction=drift.capped_fraction,
+            kl_behaviour=drift.kl,
         )
+
+    def _log_softmax(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, T-1, V] next-token log-probabilities at the sampling temperature."""
+        return torch.log_softmax(self.model(ids, attention_mask)[:, :-1] / self.temperature, dim=-1)
 
     # -- weights and checkpoints ---------------------------------------------------------------
 

@@ -1,15 +1,18 @@
-"""GRPO pieces worked by hand, and the Trainer on a real tiny model (staleness, checkpoint parts)."""
+"""GRPO pieces worked by hand (advantages, the three off-policy losses, importance weights and KL), and the
+Trainer on a real tiny model (staleness, minibatches, off-policy metrics, checkpoint parts)."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
-from laminar.config import TrainerSection
+from laminar.config import RunConfig, TrainerSection
+from laminar.errors import ConfigError
 from laminar.records import Trajectory
-from rl.grpo import clipped_token_loss, group_advantages, split_stale
+from rl.grpo import behaviour_drift, clipped_token_loss, group_advantages, split_stale
 from rl.model import build_model, bytes_to_state_dict, state_dict_to_bytes
 from rl.trainer import Trainer
 
@@ -45,7 +48,8 @@ def test_clipped_loss_hand_worked():
       3    0.5   -1     -0.5     -0.8 (clip)    -0.8       0.8        no (clipped)
       4    1.5   -1     -1.5     -1.28          -1.5       1.5        yes, d/dlogp = +1.5
     token-level mean: (-1.28 - 0.5 + 0.8 + 1.5) / 4 = 0.52 / 4 = 0.13; clip fraction 2/4.
-    A fifth, masked-out token must change nothing."""
+    A fifth, masked-out token must change nothing. ppo takes the ratio against the behaviour policy, so the
+    proximal log-probs (here far off, -5) must change nothing either."""
     behaviour = torch.zeros(4, 2)
     logp = torch.tensor(
         [[math.log(1.5), 9.0], [math.log(0.5), 9.0], [math.log(0.5), 9.0], [math.log(1.5), 9.0]]
@@ -53,7 +57,7 @@ def test_clipped_loss_hand_worked():
     logp.requires_grad_(True)
     mask = torch.tensor([[1, 0], [1, 0], [1, 0], [1, 0]])
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    parts = clipped_token_loss(logp, behaviour, adv, mask, eps_low=0.2, eps_high=0.28)
+    parts = clipped_token_loss(logp, behaviour, torch.full((4, 2), -5.0), adv, mask, eps_low=0.2, eps_high=0.28)
     assert parts.loss.item() == pytest.approx(0.13, abs=1e-6)
     assert parts.clip_fraction == pytest.approx(0.5) and parts.tokens == 4
     parts.loss.backward()
@@ -62,15 +66,108 @@ def test_clipped_loss_hand_worked():
     assert logp.grad[:, 1].tolist() == [0.0] * 4
 
 
-def test_truncated_importance_sampling_caps_the_weight():
-    # pi_old/pi_behaviour = exp(logp - behaviour): token 1 e^1 = 2.718 -> capped at 2; token 2 e^-1 = 0.368.
-    # ratio vs pi_old is 1 (single update), so loss = -(2 * A1 + 0.368 * A2) / 2 with A = [1, 1] = -1.1839.
+# Four tokens as a later minibatch sees them: the trainer's weights have moved from pi_prox (ratio
+# r = pi_theta / pi_prox) and the samples are off-policy (w = pi_prox / pi_behaviour). Clip range [0.8, 1.28].
+# token  w           r    A   min(r A, clip(r) A)
+#   1    e   = 2.718 1.5  +1  min(1.5, 1.28)  =  1.28 (clipped: no gradient)
+#   2    1/e = 0.368 0.5  +1  min(0.5, 0.8)   =  0.5
+#   3    1.5         0.5  -1  min(-0.5, -0.8) = -0.8  (clipped: no gradient)
+#   4    1           1.5  -1  min(-1.5, -1.28) = -1.5
+W = [math.e, math.exp(-1), 1.5, 1.0]
+R = [1.5, 0.5, 0.5, 1.5]
+ADV = [1.0, 1.0, -1.0, -1.0]
+E = math.e
+
+
+@pytest.mark.parametrize(("off_policy", "cap", "loss", "grad"), [
+    # ppo: ratio against the behaviour policy, r * w = [4.077, 0.184, 0.75, 1.5]:
+    #   min terms [1.28 (clip), 0.184, -0.8 (clip), -1.5]; loss -(1.28 + 0.184 - 0.8 - 1.5) / 4 = 0.2090;
+    #   gradient -(r w) A / 4 on the unclipped tokens 2 and 4: [0, -0.184 / 4, 0, 1.5 / 4]
+    ("ppo", 0.0, -(1.28 + 0.5 / E - 0.8 - 1.5) / 4, [0.0, -0.5 / E / 4, 0.0, 1.5 / 4]),
+    # tis (Yao et al.): weight min(w, 2) = [2, 0.368, 1.5, 1]
+    #   loss -(2 * 1.28 + 0.368 * 0.5 + 1.5 * -0.8 + 1 * -1.5) / 4 = -(2.56 + 0.184 - 1.2 - 1.5) / 4 = -0.01098;
+    #   gradient -weight r A / 4 on tokens 2 and 4: [0, -0.368 * 0.5 / 4, 0, 1.5 / 4]
+    ("tis", 2.0, -(2 * 1.28 + 0.5 / E - 1.2 - 1.5) / 4, [0.0, -0.5 / E / 4, 0.0, 1.5 / 4]),
+    # decoupled (Hilton et al.; AReaL's cap): weight w, token 1 (w = 2.718 > 2) dropped: [0, 0.368, 1.5, 1]
+    #   loss -(0 + 0.184 - 1.2 - 1.5) / 4 = +0.6290; same gradient as tis (token 1 is clipped anyway)
+    ("decoupled", 2.0, -(0.5 / E - 1.2 - 1.5) / 4, [0.0, -0.5 / E / 4, 0.0, 1.5 / 4]),
+    # decoupled without a cap: weight w = [2.718, 0.368, 1.5, 1]
+    #   loss -(2.718 * 1.28 + 0.184 - 1.2 - 1.5) / 4 = -(3.479 + 0.184 - 2.7) / 4 = -0.2408
+    ("decoupled", 0.0, -(E * 1.28 + 0.5 / E - 1.2 - 1.5) / 4, [0.0, -0.5 / E / 4, 0.0, 1.5 / 4]),
+])
+def test_off_policy_losses_hand_worked(off_policy: str, cap: float, loss: float, grad: list[float]) -> None:
+    behaviour = torch.zeros(4, 1)
+    proximal = torch.tensor([[math.log(w)] for w in W])  # w = exp(proximal - behaviour)
+    logp = (proximal + torch.tensor([[math.log(r)] for r in R])).requires_grad_(True)  # r = exp(logp - proximal)
+    parts = clipped_token_loss(logp, behaviour, proximal, torch.tensor(ADV), torch.ones(4, 1), eps_low=0.2,
+                               eps_high=0.28, off_policy=off_policy, tis_cap=cap)  # type: ignore[arg-type]
+    assert parts.loss.item() == pytest.approx(loss, abs=1e-6)
+    assert parts.clip_fraction == 0.5 and parts.tokens == 4  # tokens 1 and 3, in all four cases
+    parts.loss.backward()
+    assert logp.grad[:, 0].tolist() == pytest.approx(grad, abs=1e-6)
+
+
+def test_with_theta_at_the_proximal_policy_tis_is_truncated_is_policy_gradient() -> None:
+    # The first (or only) minibatch: pi_theta == pi_prox, r = 1 inside the clip range, so the loss is
+    # -sum(min(w, cap) * A) / tokens and nothing clips. w = [e, 1/e], A = [1, 1], cap 2:
+    # loss -(2 + 0.368) / 2 = -1.1839; gradient -min(w, 2) A / 2 = [-1, -0.184].
     logp = torch.tensor([[0.0], [0.0]], requires_grad=True)
     behaviour = torch.tensor([[-1.0], [1.0]])
-    parts = clipped_token_loss(
-        logp, behaviour, torch.tensor([1.0, 1.0]), torch.ones(2, 1), eps_low=0.2, eps_high=0.28, tis_cap=2.0
-    )
-    assert parts.loss.item() == pytest.approx(-(2.0 + math.exp(-1)) / 2, abs=1e-5)
+    parts = clipped_token_loss(logp, behaviour, logp.detach().clone(), torch.tensor([1.0, 1.0]), torch.ones(2, 1),
+                               eps_low=0.2, eps_high=0.28, off_policy="tis", tis_cap=2.0)
+    assert parts.loss.item() == pytest.approx(-(2.0 + math.exp(-1)) / 2, abs=1e-6)
+    assert parts.clip_fraction == 0.0
+    parts.loss.backward()
+    assert logp.grad[:, 0].tolist() == pytest.approx([-1.0, -math.exp(-1) / 2], abs=1e-6)
+
+
+def test_behaviour_drift_hand_worked() -> None:
+    # the four tokens above, w = [e, 1/e, 1.5, 1], plus a masked-out token with w = e^5 that must not count
+    # mean w = (2.7183 + 0.3679 + 1.5 + 1) / 4 = 1.3965; max w = e
+    # k3 = (w - 1) - log w: [1.7183 - 1, -0.6321 + 1, 0.5 - 0.4055, 0] = [0.7183, 0.3679, 0.0945, 0]
+    #   -> KL mean (0.7183 + 0.3679 + 0.0945 + 0) / 4 = 0.2952
+    # tis_cap 2: one of four tokens above it -> 0.25
+    proximal = torch.tensor([[1.0, -1.0, math.log(1.5), 0.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    d = behaviour_drift(proximal, torch.zeros(1, 5), mask, tis_cap=2.0)
+    assert d.weight_mean == pytest.approx((E + 1 / E + 2.5) / 4)
+    assert d.weight_max == pytest.approx(E)
+    assert d.kl == pytest.approx((E - 2 + 1 / E + 0.5 - math.log(1.5)) / 4)
+    assert d.capped_fraction == 0.25
+    assert behaviour_drift(proximal, torch.zeros(1, 5), mask).capped_fraction == 0.0  # no cap
+    assert behaviour_drift(proximal, torch.zeros(1, 5), torch.zeros(1, 5)).weight_max == 0.0  # nothing to measure
+
+
+def test_k3_over_the_behaviour_distribution_is_the_exact_kl() -> None:
+    # q = pi_behaviour = [0.5, 0.3, 0.2], p = pi_prox = [0.2, 0.5, 0.3]. Ten tokens drawn in exact proportion to
+    # q (5, 3, 2): the mean of k3 is sum_x q(x) ((p/q - 1) - log p/q) = (1 - 1) + KL(q || p)
+    # = 0.5 ln 2.5 + 0.3 ln 0.6 + 0.2 ln(2/3) = 0.4581 - 0.1532 - 0.0811 = 0.2238.
+    q, p = [0.5, 0.3, 0.2], [0.2, 0.5, 0.3]
+    tokens = [0] * 5 + [1] * 3 + [2] * 2
+    behaviour = torch.tensor([[math.log(q[x]) for x in tokens]])
+    proximal = torch.tensor([[math.log(p[x]) for x in tokens]])
+    kl = sum(qi * math.log(qi / pi) for qi, pi in zip(q, p, strict=True))
+    assert kl == pytest.approx(0.2238, abs=1e-4)
+    assert behaviour_drift(proximal, behaviour, torch.ones(1, 10)).kl == pytest.approx(kl, abs=1e-6)
+
+
+@pytest.mark.parametrize(("overrides", "error"), [
+    (["trainer.tis_cap=2"], "trainer.tis_cap=2.0 has no effect with trainer.off_policy='ppo'"),
+    (['trainer.off_policy="tis"'], "trainer.tis_cap=0.0 with trainer.off_policy='tis' must be >= 1"),
+    (['trainer.off_policy="decoupled"', "trainer.tis_cap=0.5"], "must be 0 (no cap) or >= 1"),
+    (['trainer.off_policy="gspo"'], "trainer.off_policy='gspo'"),
+    (["trainer.minibatches=0"], "trainer.minibatches=0"),
+])
+def test_off_policy_config_is_unambiguous(overrides: list[str], error: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        RunConfig.load(None, overrides)
+
+
+def test_off_policy_config_defaults_to_plain_ppo() -> None:
+    t = RunConfig.load(None, []).trainer
+    assert (t.off_policy, t.tis_cap, t.minibatches) == ("ppo", 0.0, 1)
+    t = RunConfig.load(None, ['trainer.off_policy="decoupled"', "trainer.minibatches=4"]).trainer
+    assert (t.off_policy, t.tis_cap, t.minibatches) == ("decoupled", 0.0, 4)
 
 
 def traj(group, k, version, reward, prompt=(1, 3, 4), response=(5, 6, 2), logprobs=None) -> Trajectory:
@@ -154,3 +251,82 @@ def test_state_parts_round_trip_gives_identical_next_step():
     assert ma.loss == mb.loss and ma.grad_norm == mb.grad_norm
     sa, sb = a.policy_state_dict(), b.policy_state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def stale_setup() -> tuple[torch.nn.Module, list[Trajectory]]:
+    """A model one version ahead of its samples: the batch is sampled (log-probs recorded) at version 0, then
+    the model takes one step at lr 0.1 on another copy of it, so the batch is off-policy by one version."""
+    model = build_model(HF, seed=0)
+    stale = on_policy_batch(model, version=0)
+    Trainer(model, TrainerSection(lr=0.1), group_size=3).step(on_policy_batch(model), trainer_version=0)
+    return model, stale
+
+
+def test_trainer_measures_the_behaviour_gap_against_its_own_policy() -> None:
+    model, stale = stale_setup()
+    # independently: the model's own log-probs of the same tokens, one trajectory at a time
+    now = on_policy_batch(model)
+    log_w = [a - b for s, n in zip(stale, now, strict=True) for a, b in zip(n.logprobs, s.logprobs, strict=True)]
+    w = [math.exp(x) for x in log_w]
+    assert len(w) == 18  # 2 groups x (3 + 4 + 2) response tokens
+    m = Trainer(model, TrainerSection(lr=0.1, off_policy="tis", tis_cap=2.0), group_size=3).step(stale, 1)
+    assert m.is_weight_mean == pytest.approx(sum(w) / 18, rel=1e-5)
+    assert m.is_weight_max == pytest.approx(max(w), rel=1e-5)
+    assert m.kl_behaviour == pytest.approx(sum(x - 1 - lx for x, lx in zip(w, log_w, strict=True)) / 18, rel=1e-4)
+    assert m.is_capped_fraction == sum(x > 2.0 for x in w) / 18 > 0  # this batch drifted past the cap
+    # on-policy samples: w = 1 up to float rounding, KL 0
+    fresh = build_model(HF, seed=0)
+    m = Trainer(fresh, TrainerSection(), group_size=3).step(on_policy_batch(fresh), 0)
+    assert m.is_weight_mean == pytest.approx(1.0, abs=1e-5) and m.is_weight_max == pytest.approx(1.0, abs=1e-5)
+    assert m.kl_behaviour == pytest.approx(0.0, abs=1e-9) and m.is_capped_fraction == 0.0
+
+
+@pytest.mark.parametrize(("off_policy", "cap", "weight"), [
+    ("tis", 2.0, lambda w: min(w, 2.0)),
+    ("decoupled", 2.0, lambda w: w if w <= 2.0 else 0.0),
+    ("decoupled", 0.0, lambda w: w),
+])
+def test_one_minibatch_is_importance_weighted_policy_gradient(off_policy, cap, weight) -> None:
+    """With one minibatch, pi_theta == pi_prox at the only update: r = 1, nothing clips, and the loss is
+    -sum_t weight(w_t) * A_t / tokens over the stale batch, with w_t computed independently as above."""
+    model, stale = stale_setup()
+    now = on_policy_batch(model)
+    adv = group_advantages([t.reward for t in stale], [t.group_id for t in stale]).tolist()
+    expected = -sum(
+        weight(math.exp(a - b)) * adv[i]
+        for i, (s, n) in enumerate(zip(stale, now, strict=True))
+        for a, b in zip(n.logprobs, s.logprobs, strict=True)
+    ) / 18
+    cfg = TrainerSection(lr=0.1, off_policy=off_policy, tis_cap=cap)
+    m = Trainer(model, cfg, group_size=3).step(stale, trainer_version=1)
+    assert m.loss == pytest.approx(expected, abs=1e-5)
+    assert m.clip_fraction == 0.0
+
+
+def test_clipping_bites_against_the_proximal_policy_from_the_second_minibatch() -> None:
+    # ppo on the stale batch: the ratio against the behaviour policy starts away from 1, so the clip is
+    # already active at the first update (7 of 18 tokens on this batch).
+    model, stale = stale_setup()
+    m = Trainer(model, TrainerSection(lr=0.1), group_size=3).step(stale, 1)
+    assert m.clip_fraction > 0
+    for off_policy in ("tis", "decoupled"):
+        cfg = TrainerSection(lr=0.1, off_policy=off_policy, tis_cap=2.0)
+        model, stale = stale_setup()
+        assert Trainer(model, cfg, group_size=3).step(stale, 1).clip_fraction == 0.0  # one minibatch: r == 1
+        # two minibatches (group g0, then g1): the first update moves pi_theta off pi_prox, and on g1's
+        # 9 tokens the clip is active for some (4 of 18 tokens on this batch)
+        model, stale = stale_setup()
+        m = Trainer(model, cfg.model_copy(update={"minibatches": 2}), group_size=3).step(stale, 1)
+        assert m.clip_fraction > 0, off_policy
+
+
+def test_minibatches_make_one_update_each() -> None:
+    model = build_model(HF, seed=0)
+    trainer = Trainer(model, TrainerSection(minibatches=4), group_size=3)
+    trainer.step(on_policy_batch(model), trainer_version=0)
+    # 6 samples in 4 minibatches of 2, 2, 1, 1 samples: 4 AdamW updates
+    assert {int(v) for k, v in trainer.state_parts()["optim"].items() if k.endswith("/step")} == {4}
+    # more minibatches than samples: one update per sample
+    trainer = Trainer(model, TrainerSection(minibatches=100), group_size=3)
+    trainer.step(on_policy_batch(model), trainer_version=0)
+    assert {int(v) for k, v in trainer.state_parts()["optim"].items() if k.endswith("/step")} == {6}
