@@ -1,7 +1,7 @@
-"""One process of the relay benchmark, started by relay.bench inside a node's network namespace.
+"""One process of the relay benchmark, started by bench.relay inside a node's network namespace.
 
-    python -m relay.bench_node relay --id r3 --host 10.77.0.4   serve a relay; print its address
-    python -m relay.bench_node agent                            run JSON commands from stdin
+    python -m bench.node relay --id r3 --host 10.77.0.4   serve a relay; print its address
+    python -m bench.node agent                            run JSON commands from stdin
 
 An agent reads one JSON command per line on stdin and answers one JSON line on stdout
 ({"ok": true, ...} or {"ok": false, "error"}); it is the trainer (pushes), a rollout (local pulls) or an
@@ -11,7 +11,6 @@ namespace on the machine shares. The run token comes from LAMINAR_RELAY_TOKEN.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -21,13 +20,21 @@ import threading
 import time
 from typing import Any
 
+import typer
+
 from laminar.logs import configure_logging
 from relay import client, protocol
 
+app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
 
-def serve_relay(relay_id: str, host: str, keep_versions: int) -> None:
+
+@app.command("relay")
+def serve_relay(relay_id: str = typer.Option(..., "--id"), host: str = typer.Option(..., "--host"),
+                keep_versions: int = typer.Option(2, "--keep")) -> None:
+    """Serve a relay on host; print its address."""
     from relay.server import RelayServer
 
+    configure_logging(level="warning")
     token = os.environ.get("LAMINAR_RELAY_TOKEN") or None
     server = RelayServer(relay_id, bind_host=host, keep_versions=keep_versions, token=token,
                          forward_timeout_s=60.0)
@@ -170,7 +177,10 @@ class Agent:
         return {}
 
 
+@app.command("agent")
 def run_agent() -> None:
+    """Run JSON commands from stdin, one reply line each."""
+    configure_logging(level="warning")
     agent = Agent()
     for line in sys.stdin:
         if not line.strip():
@@ -184,21 +194,5 @@ def run_agent() -> None:
         print(json.dumps(reply), flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m relay.bench_node")
-    sub = parser.add_subparsers(dest="mode", required=True)
-    relay = sub.add_parser("relay")
-    relay.add_argument("--id", required=True)
-    relay.add_argument("--host", required=True)
-    relay.add_argument("--keep", type=int, default=2)
-    sub.add_parser("agent")
-    args = parser.parse_args()
-    configure_logging(level="warning")
-    if args.mode == "relay":
-        serve_relay(args.id, args.host, args.keep)
-    else:
-        run_agent()
-
-
 if __name__ == "__main__":
-    main()
+    app()

@@ -1,10 +1,10 @@
 """The relay benchmark (`laminar bench relay`): chain broadcast vs sending to each relay in turn vs the
 object store, per relay count, next to the chain model, measured on one link.
 
-Every node runs as its own process (relay.bench_node): the trainer agent and the master relay share a
+Every node runs as its own process (bench.node): the trainer agent and the master relay share a
 node (loopback between them, as on the trainer's host), each relay is a node, the object store
 (moto_server, S3 API) is a node, and each relay node has a reader agent for the storage baseline.
-With rate_mbit, nodes live in network namespaces whose uplinks are tc-rate-limited (relay.netns), so
+With rate_mbit, nodes live in network namespaces whose uplinks are tc-rate-limited (bench.netns), so
 the link, not the CPU, is the bottleneck; without it everything runs over loopback.
 
 Measured per relay count p:
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from bench.netns import Netns
 from laminar.errors import LaminarError
 from relay import protocol
-from relay.netns import Netns
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STORE_PORT = 9077
@@ -153,7 +153,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
 
         def spawn(name: str, node: str, *args: str) -> _Proc:
             nice = _other_host(node)
-            argv = [*prefix(node), *nice, sys.executable, "-m", "relay.bench_node", *args]
+            argv = [*prefix(node), *nice, sys.executable, "-m", "bench.node", *args]
             proc = _Proc(name, argv, log_dir, env)
             procs.append(proc)
             return proc

@@ -3,14 +3,15 @@
 Needs a running stack: `laminar dev up` and the workers (`laminar worker control|trainer|relay|rollout`,
 see README), or any Temporal address and store given by LAMINAR_* settings.
 
-    python examples/start_and_watch.py examples/tiny.toml --steps 20
+    python examples/start_and_watch.py examples/tiny.toml --steps 20 --set trainer.lr=0.001
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+from pathlib import Path
 
+import typer
 from temporalio.client import Client
 
 from laminar.config import RunConfig
@@ -20,16 +21,19 @@ from workers.settings import Settings
 from workflows.state import TrainingRunInput
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("config")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a config value (repeatable)")
-    args = parser.parse_args()
+def main(
+    config: Path,
+    steps: int | None = typer.Option(None, help="Trainer steps (overrides run.steps)."),
+    set_: list[str] = typer.Option([], "--set", metavar="SECTION.KEY=VALUE",
+                                   help="Override a config value (repeatable)."),
+) -> None:
+    """Start a run from CONFIG and print its progress until it ends."""
+    overrides = [*set_, *([f"run.steps={steps}"] if steps else [])]
+    cfg = RunConfig.load(config, overrides).with_run_id(new_run_id())  # validated before anything starts
+    asyncio.run(watch(cfg))
 
-    overrides = [*args.set, *([f"run.steps={args.steps}"] if args.steps else [])]
-    cfg = RunConfig.load(args.config, overrides).with_run_id(new_run_id())  # validated before anything starts
+
+async def watch(cfg: RunConfig) -> None:
     settings = Settings.from_env()
     client = await Client.connect(settings.temporal_address, namespace=settings.namespace)
     handle = await client.start_workflow(
@@ -52,4 +56,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    typer.run(main)

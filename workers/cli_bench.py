@@ -62,7 +62,7 @@ def relay_bench(
     plot_path: Path | None = typer.Option(Path("relay-bench.png"), "--plot", help="Write a PNG plot here."),
 ) -> None:
     """Trainer stall, time to all relays, one hop, each-in-turn, object store and the chain model."""
-    from relay.bench import BenchConfig, done_when, plot, run_bench
+    from bench.relay import BenchConfig, done_when, plot, run_bench
 
     cfg = BenchConfig(size=parse_size(size), relays=parse_counts(relays), rate_mbit=rate,
                       chunk_bytes=parse_size(chunk) if chunk else None, reps=reps, storage=storage)
