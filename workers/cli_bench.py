@@ -1,4 +1,4 @@
-"""`laminar bench`: measurements that never run as timed tests (DESIGN.md §8).
+"""`laminar bench`: measurements that never run as timed tests (see docs/relay.md).
 
     laminar bench relay --size 256MiB --relays 1,2,4,8 [--rate 1000] [--json out.json] [--plot out.png]
 """
@@ -23,7 +23,7 @@ err = Console(stderr=True)
 
 @bench_app.callback()
 def _bench() -> None:
-    """Benchmarks (DESIGN.md §8): measured, never asserted in tests."""
+    """Benchmarks: measured, never asserted in tests."""
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
           "g": 10**9, "gb": 10**9, "gib": 1 << 30}
