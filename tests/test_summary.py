@@ -1,5 +1,5 @@
-"""The run summary: nearest-rank percentiles, the reward rise and build_summary over per-step metric objects
-in a real local object store."""
+"""The run summary: nearest-rank percentiles (numpy's inverted_cdf), the reward rise and build_summary over
+per-step metric objects in a real local object store."""
 
 from __future__ import annotations
 
@@ -53,11 +53,6 @@ def test_p50_and_p99_ranks_are_exact_for_every_length_up_to_1000() -> None:
         assert percentile(values, 99) == (99 * n + 99) // 100, n
 
 
-def test_percentile_rank_is_exact_for_q_7_of_100() -> None:
-    # nearest rank of the 7th percentile of 1..100: ceil(7 * 100 / 100) = 7 -> value 7
-    assert percentile(list(range(1, 101)), 7) == 7.0
-
-
 def test_reward_rise_needs_ten_steps() -> None:
     assert reward_rise([]) == 0.0
     assert reward_rise([0.0] * 5 + [1.0] * 4) == 0.0  # 9 steps: too few to tell
@@ -99,21 +94,34 @@ def test_build_summary_from_store(tmp_path: Path) -> None:
     store = LocalObjectStore(tmp_path / "store")
     # written out of order: the summary orders by step
     _write_metrics(store, [
-        {"step": 3, "reward_mean": 0.75, "tokens": 300, "response_lengths": [9, 1], "loss": 0.1},
-        {"step": 1, "reward_mean": 0.1234567, "tokens": 100, "response_lengths": [4, 2, 8]},
-        {"step": 2, "reward_mean": 0.5, "tokens": 200, "response_lengths": [3, 6, 5, 7]},
+        {"step": 3, "reward_mean": 0.75, "tokens": 300, "response_lengths": [9, 1], "loss": 0.1, "samples": 2, "busy_s": 0.5,
+         "clip_fraction": 0.3, "is_weight_mean": 1.5, "is_weight_max": 9.0, "is_capped_fraction": 0.1,
+         "kl_behaviour": 0.25},
+        {"step": 1, "reward_mean": 0.1234567, "tokens": 100, "response_lengths": [4, 2, 8], "samples": 3, "busy_s": 0.25,
+         "clip_fraction": 0.0, "is_weight_mean": 1.0, "is_weight_max": 1.0, "is_capped_fraction": 0.0,
+         "kl_behaviour": 0.0},
+        {"step": 2, "reward_mean": 0.5, "tokens": 200, "response_lengths": [3, 6, 5, 7], "samples": 4, "busy_s": 1.0,
+         "clip_fraction": 0.1234567, "is_weight_mean": 1.25, "is_weight_max": 3.0, "is_capped_fraction": 0.2,
+         "kl_behaviour": 0.125},
+        # every sample was too stale: no update, and its zeros do not count in the off-policy means
+        {"step": 4, "reward_mean": 0.0, "tokens": 0, "response_lengths": [], "samples": 0, "busy_s": 0.125,
+         "clip_fraction": 0.0,
+         "is_weight_mean": 0.0, "is_weight_max": 0.0, "is_capped_fraction": 0.0, "kl_behaviour": 0.0},
     ])
     # another run's metrics are not read
     store.put(keys.step_metrics("other-run", 1), json.dumps({"step": 1, "reward_mean": 9.0, "tokens": 10 ** 6,
                                                                "response_lengths": [1000]}).encode())
-    assert [r["step"] for r in step_metrics(store, RUN)] == [1, 2, 3]
-    summary = build_summary(_status(), store, wall_s=12.3456)
+    assert [r["step"] for r in step_metrics(store, RUN)] == [1, 2, 3, 4]
+    summary = build_summary(_status(step=4), store, wall_s=12.3456)
     # lengths sorted: 1 2 3 4 5 6 7 8 9 (n = 9); p50 rank ceil(4.5) = 5 -> 5; p99 rank ceil(8.91) = 9 -> 9
     # tokens 100 + 200 + 300 = 600 over 12.3456 s = 48.600... -> 48.6
+    # off-policy figures over the three steps that updated (1, 2, 3), rounded to 5 places:
+    #   clip_fraction mean (0 + 0.1234567 + 0.3) / 3 = 0.14115; is_weight mean (1 + 1.25 + 1.5) / 3 = 1.25, max 9;
+    #   capped (0 + 0.2 + 0.1) / 3 = 0.1; KL mean (0 + 0.125 + 0.25) / 3 = 0.125, max 0.25
     assert summary == {
         "run_id": RUN,
-        "steps": 3,
-        "reward_per_step": [0.12346, 0.5, 0.75],  # rounded to 5 places
+        "steps": 4,
+        "reward_per_step": [0.12346, 0.5, 0.75, 0.0],  # rounded to 5 places
         "response_len_p50": 5.0,
         "response_len_p99": 9.0,
         "tokens_per_s": 48.6,
@@ -128,6 +136,14 @@ def test_build_summary_from_store(tmp_path: Path) -> None:
                          "manifest_sha256": "ab" * 32, "policy_version": 2}],
         "temporal_history_events_max": 1900,
         "continued_as_new": 1,
+        "handover_stall_s": {"count": 1, "p50": 0.0, "max": 0.0},  # no stall recorded in the status
+        "step_wall_s_p50": 0.375,  # busy_s 0.125 0.25 0.5 1.0: median (0.25 + 0.5) / 2
+        "clip_fraction_mean": 0.14115,
+        "is_weight_mean": 1.25,
+        "is_weight_max": 9.0,
+        "is_capped_fraction_mean": 0.1,
+        "kl_behaviour_mean": 0.125,
+        "kl_behaviour_max": 0.25,
     }
     json.dumps(summary)  # what `laminar run --summary` writes must be JSON
 
@@ -139,3 +155,4 @@ def test_build_summary_without_metrics_or_time(tmp_path: Path) -> None:
     assert (summary["response_len_p50"], summary["response_len_p99"]) == (0.0, 0.0)
     assert (summary["tokens_per_s"], summary["wall_s"]) == (0.0, 0.0)  # no division by zero
     assert summary["checkpoints"] == []
+    assert (summary["is_weight_mean"], summary["is_weight_max"], summary["kl_behaviour_max"]) == (0.0, 0.0, 0.0)
