@@ -1,26 +1,38 @@
 """TrainerService without Temporal: checkpoint + replay make train_step idempotent, a group consumed
-again is counted (never trained on twice), and an inconsistent replay is a permanent error."""
+again is counted (never trained on twice), an inconsistent replay is a permanent error, retention never
+deletes a checkpoint the workflow still records, and a corrupt checkpoint falls back to an older one."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from laminar.config import RunConfig
-from laminar.errors import InconsistentStateError
-from laminar.messages import BatchPart, TrainStepInput
+from laminar.errors import CorruptDataError, InconsistentStateError
+from laminar.messages import BatchPart, TrainStepInput, TrainStepResult
 from laminar.records import Trajectory
+from laminar.refs import SegmentRef
 from rl.tasks import get_task
 from services.trainer import TrainerService
+from storage import keys
+from storage.checkpoints import CheckpointStore
 from storage.objects import LocalObjectStore
 from storage.trajectories import TrajectoryStore
+from workflows.ledger import Ledger
+from workflows.state import RunState
 
 CFG = RunConfig.load(None, ["model.pretrain_steps=0", "task.max_count=8", "rollout.group_size=2",
                             "trainer.groups_per_step=2", "trainer.checkpoint_every=2", "run.steps=100"])
 
 
 def _batch(store: TrajectoryStore, run_id: str, first_prompt: int) -> list[BatchPart]:
+    ref = _segment(store, run_id, first_prompt)
+    return [BatchPart(segment=ref, group_ids=list(ref.group_ids))]
+
+
+def _segment(store: TrajectoryStore, run_id: str, first_prompt: int) -> SegmentRef:
     """Two groups of two made-up trajectories each (valid task tokens, behaviour log-prob -1)."""
     task = get_task("repeat", seed=0, max_count=8)
     rng = random.Random(first_prompt)
@@ -31,8 +43,7 @@ def _batch(store: TrajectoryStore, run_id: str, first_prompt: int) -> list[Batch
             response = [prompt.answer_meta["symbol_id"]] * rng.randint(1, 4) + [task.eos_id]
             rows.append(Trajectory(run_id, pid, f"g{pid:08d}", i, prompt.token_ids, response, [-1.0] * len(response),
                                    task.reward(prompt, response), 0, "replica-0", 0.0, 1.0, "stop"))
-    ref = store.write_segment(run_id, "replica-0", f"s{first_prompt}", rows)
-    return [BatchPart(segment=ref, group_ids=list(ref.group_ids))]
+    return store.write_segment(run_id, "replica-0", f"s{first_prompt}", rows)
 
 
 def _input(run_id: str, step: int, batch, checkpoint=None, replay=()) -> TrainStepInput:
@@ -78,3 +89,108 @@ def test_inconsistent_replay_is_a_permanent_error(setup):
     # Asked for step 5 with no checkpoint and 1 replay batch: 0 + 1 != 5.
     with pytest.raises(InconsistentStateError, match="does not reach it"):
         svc.train_step(_input("r", 5, _batch(trajs, "r", 0), replay=[_batch(trajs, "r", 50)]))
+
+
+# -- retention and fallback, driven by the real Ledger (what the workflow records) ----------------------
+
+
+def _cfg(*extra: str) -> RunConfig:
+    return RunConfig.load(None, ["model.pretrain_steps=0", "task.max_count=8", "rollout.group_size=2",
+                                 "trainer.groups_per_step=2", "trainer.checkpoint_every=2", "run.steps=100", *extra])
+
+
+def _next_input(ledger: Ledger, cfg: RunConfig, trajs: TrajectoryStore) -> TrainStepInput:
+    """Two fresh groups reach the ledger, which builds the next step's input as the workflow does."""
+    leases = ledger.lease("replica-0", 2)
+    ledger.add_segment(_segment(trajs, ledger.s.run_id, leases[0].prompt_id))
+    return ledger.next_train_input(cfg, [])
+
+
+def _steps(svc: TrainerService, ledger: Ledger, cfg: RunConfig, trajs: TrajectoryStore, n: int) -> TrainStepResult:
+    for _ in range(n):
+        inp = _next_input(ledger, cfg, trajs)
+        res = svc.train_step(inp)
+        ledger.commit_step(inp, res, keep_last=cfg.trainer.keep_last)
+    return res
+
+
+def _flip_a_byte(store, key: str) -> None:
+    data = bytearray(store.get(key))
+    data[-1] ^= 0xFF  # tensor data: the file still parses, its sha256 no longer matches the manifest
+    store.put(key, bytes(data))
+
+
+def test_retention_keeps_the_checkpoint_a_lost_step_result_points_to(setup):
+    store, trajs, home = setup
+    cfg = _cfg("trainer.keep_last=1")
+    ledger = Ledger(RunState(run_id="r"))
+    ckpts = CheckpointStore(store)
+    _steps(TrainerService(store, home), ledger, cfg, trajs, 3)
+    assert ledger.s.checkpoint.step == 2 and ckpts.list_committed("r") == [2]
+    # Step 3 -> 4 commits checkpoint 4, then the trainer dies before the workflow records the result.
+    inp = _next_input(ledger, cfg, trajs)
+    assert TrainerService(store, home).train_step(inp).checkpoint.step == 4
+    # keep_last=1 must not delete checkpoint 2: the workflow still points to it and retries the same input.
+    assert ckpts.list_committed("r") == [2, 4]
+    retry = TrainerService(store, home).train_step(inp)
+    # restore 2, replay the batch of step 2 -> 3 (1 step redone), step 3 -> 4 and save 4 again
+    assert (retry.step, retry.steps_redone, retry.restored, retry.checkpoint.step) == (4, 1, True, 4)
+    ledger.commit_step(inp, retry, keep_last=1)
+    # Later checkpoints: the store never holds more than the workflow's checkpoint plus the new one.
+    svc = TrainerService(store, home)
+    for _ in range(4):
+        _steps(svc, ledger, cfg, trajs, 1)
+        assert len(ckpts.list_committed("r")) <= 2
+    # steps 5..8: saving 6 deleted 2 (older than the workflow's 4), saving 8 deleted 4
+    assert ckpts.list_committed("r") == [6, 8] and [c.step for c in ledger.s.checkpoints] == [8]
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_and_redoes_the_steps(setup):
+    store, trajs, home = setup
+    cfg = _cfg("trainer.keep_last=2")
+    ledger = Ledger(RunState(run_id="r"))
+    first = TrainerService(store, home)
+    _steps(first, ledger, cfg, trajs, 5)  # checkpoints 2 and 4 committed, step 5 done
+    assert [c.step for c in ledger.s.checkpoints] == [2, 4]
+    _flip_a_byte(store, keys.checkpoint_part("r", 4, "model"))
+    inp = _next_input(ledger, cfg, trajs)  # step 5 -> 6
+    # The trainer is killed: a fresh process restores, finds 4 corrupt and falls back to 2.
+    fresh = TrainerService(store, home)
+    res = fresh.train_step(inp)
+    # replays the batches of steps 2, 3 and 4 (3 steps redone), then steps to 6 and checkpoints it
+    assert (res.step, res.steps_redone, res.restored, res.corrupt_checkpoints) == (6, 3, True, [4])
+    assert res.metrics.consumed_twice == 0
+    # The same policy as the trainer that never died (same batches, same order, exact restore).
+    first.train_step(inp)
+    expected = first.trainer.policy_state_dict()
+    for name, tensor in fresh.trainer.policy_state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    ledger.commit_step(inp, res, keep_last=2, at=7.0)
+    # The workflow records the fallback and drops the corrupt checkpoint from what it retains.
+    fallback = [e for e in ledger.s.events if e.kind == "checkpoint_fallback"]
+    assert [(e.subject, e.count, e.at) for e in fallback] == [("step-4", 2, 7.0)]
+    assert [c.step for c in ledger.s.checkpoints] == [2, 6] and ledger.s.checkpoint.step == 6
+
+
+def test_a_corrupt_only_checkpoint_falls_back_to_the_base_model_while_every_batch_is_kept(setup):
+    store, trajs, home = setup
+    cfg = _cfg()  # keep_last=3: step 0 stays a restore point until a checkpoint leaves the window
+    ledger = Ledger(RunState(run_id="r"))
+    _steps(TrainerService(store, home), ledger, cfg, trajs, 3)
+    _flip_a_byte(store, keys.checkpoint_part("r", 2, "optim"))
+    res = _steps(TrainerService(store, home), ledger, cfg, trajs, 1)
+    # base model, replay steps 0, 1, 2, then step 3 -> 4
+    assert (res.step, res.steps_redone, res.corrupt_checkpoints) == (4, 3, [2])
+    assert [c.step for c in ledger.s.checkpoints] == [4]
+
+
+def test_no_checkpoint_that_verifies_is_a_permanent_corrupt_data_error(setup):
+    store, trajs, home = setup
+    cfg = _cfg("trainer.keep_last=1")
+    ledger = Ledger(RunState(run_id="r"))
+    _steps(TrainerService(store, home), ledger, cfg, trajs, 5)  # checkpoint 4 is all the workflow keeps
+    _flip_a_byte(store, keys.checkpoint_part("r", 4, "model"))
+    with pytest.raises(CorruptDataError, match=r"no committed checkpoint the workflow retains verifies \(checkpoint "
+                                               r"step-4 part model-00001.safetensors: sha256 mismatch") as info:
+        TrainerService(store, home).train_step(_next_input(ledger, cfg, trajs))
+    assert "trainer.keep_last >= 2" in str(info.value)
