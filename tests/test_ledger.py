@@ -3,9 +3,10 @@ index, consumed batches, checkpoint replay and the counters behind the status qu
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from laminar.config import RunConfig
 from laminar.messages import BatchPart, ReplicaReport, StepMetrics, TrainStepInput, TrainStepResult
@@ -309,73 +310,123 @@ def test_status_reports_the_counts() -> None:
     assert (st.continued_as_new, st.started_at) == (1, 12.5)
 
 
-# -- randomized property ---------------------------------------------------------------------------
+# -- property: any interleaving -------------------------------------------------------------------
+
+REPLICAS = ["replica-0", "replica-1", "replica-2"]
+DEFAULT_CFG = RunConfig.load(None, [])
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_random_interleavings_never_lose_or_double_consume(seed: int) -> None:
-    """Replicas lease, report (with retries, duplicates and zombie reports after a restart), restart and
-    the trainer commits steps, in a random order. Every group ever leased ends in exactly one of consumed,
-    ready, open_leases or returned, and none is consumed twice."""
-    rng = random.Random(seed)
-    replicas = ["replica-0", "replica-1", "replica-2"]
-    ledger = Ledger(RunState(run_id=RUN))
-    holding: dict[str, set[str]] = {r: set() for r in replicas}  # what each live incarnation generates
-    zombie: dict[str, set[str]] = {r: set() for r in replicas}  # what a restarted replica's old process held
-    reported: list[SegmentRef] = []
-    leased: set[str] = set()
-    consumed: list[str] = []
-    seq = 0
-    for _ in range(300):
-        op = rng.random()
-        r = rng.choice(replicas)
-        if op < 0.3:
-            for lease in ledger.lease(r, rng.randint(0, 3)):
-                leased.add(lease.group_id)
-                holding[r].add(lease.group_id)
-        elif op < 0.55 and holding[r]:
-            done = rng.sample(sorted(holding[r]), rng.randint(1, len(holding[r])))
-            seq += 1
-            seg = _seg(str(seq), done, replica=r)
-            ledger.add_segment(seg)
-            holding[r] -= set(done)
-            reported.append(seg)
-        elif op < 0.65 and reported:
-            ledger.add_segment(rng.choice(reported))  # a retried report: must be a no-op
-        elif op < 0.72 and zombie[r]:
-            done = rng.sample(sorted(zombie[r]), 1)  # the old process finishes a group after all
-            seq += 1
-            ledger.add_segment(_seg(str(seq), done, replica=r))
-            zombie[r] -= set(done)
-        elif op < 0.8:
-            keep = {g for g in holding[r] if rng.random() < 0.5}  # resumed from the partial pool
-            released = ledger.release_leases_of(r, keep)
-            assert set(released) <= holding[r] | zombie[r]
-            zombie[r] |= holding[r] - keep
-            holding[r] = set(ledger.held_by(r, sorted(keep)))
-        elif len(ledger.s.ready) >= 2:
-            inp = _input(ledger, ledger.next_batch(rng.randint(1, 4)))
-            ids = _ids(inp.batch)
-            # a report that arrives while the step runs
-            if holding[r] and rng.random() < 0.3:
-                seq += 1
-                g = sorted(holding[r])[0]
-                ledger.add_segment(_seg(str(seq), [g], replica=r))
-                holding[r].discard(g)
-            ledger.commit_step(inp, _result(ledger.s.step + 1, checkpoint=rng.random() < 0.3), keep_last=2)
-            consumed.extend(ids)
-        # a group is leased to at most one replica (open_leases is keyed by group) and never also returned
-        ready = _ready_ids(ledger)
-        open_ = list(ledger.s.open_leases)
-        returned = [x.group_id for x in ledger.s.returned]
-        for g, lease in ledger.s.open_leases.items():
-            assert g not in returned and lease.replica_id in replicas
-        everywhere = consumed + ready + open_ + returned
-        assert len(consumed) == len(set(consumed)), "a group was consumed twice"
+class LedgerMachine(RuleBasedStateMachine):
+    """Replicas lease, report (with retries, duplicates and zombie reports after a restart), restart, and the
+    trainer consumes and commits steps (some with a checkpoint), in any order Hypothesis picks; on a failure it
+    shrinks to a minimal sequence. A small model of what the ledger must do is kept beside it: who holds each
+    open lease, which groups were generated (accepted once), which were consumed. After every rule: every group
+    ever leased is in exactly one of consumed, ready, open_leases or returned, none is consumed twice, and a
+    restarted trainer would replay exactly the batches since the checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger = Ledger(RunState(run_id=RUN))
+        self.owner: dict[str, str] = {}  # open lease -> replica (the model of open_leases)
+        self.zombie: dict[str, set[str]] = {r: set() for r in REPLICAS}  # a restarted replica's old process held
+        self.reported: list[SegmentRef] = []
+        self.leased: set[str] = set()
+        self.generated: set[str] = set()
+        self.consumed: list[str] = []
+        self.batches: list[list[BatchPart]] = []  # the batch of each step, in order
+        self.seq = 0
+
+    def held(self, r: str) -> list[str]:
+        return sorted(g for g, o in self.owner.items() if o == r)
+
+    def report(self, r: str, groups: list[str]) -> None:
+        """A report is accepted exactly for the groups nobody reported before (once each), the rest counted."""
+        self.seq += 1
+        seg = _seg(str(self.seq), groups, replica=r)
+        expected = [g for i, g in enumerate(groups) if g not in self.generated and g not in groups[:i]]
+        accepted, duplicates = self.ledger.add_segment(seg)
+        assert accepted == expected
+        assert len(duplicates) == len(groups) - len(expected)
+        self.generated |= set(accepted)
+        for g in accepted:
+            self.owner.pop(g, None)
+        if accepted:
+            self.reported.append(seg)
+
+    @rule(r=st.sampled_from(REPLICAS), n=st.integers(0, 3))
+    def lease(self, r: str, n: int) -> None:
+        leases = self.ledger.lease(r, n)
+        assert len(leases) == n
+        for x in leases:
+            assert x.group_id not in self.owner and x.group_id not in self.generated
+            self.owner[x.group_id] = r
+            self.leased.add(x.group_id)
+
+    @precondition(lambda self: self.owner)
+    @rule(data=st.data())
+    def generate(self, data: st.DataObject) -> None:
+        r = data.draw(st.sampled_from(sorted(set(self.owner.values()))))
+        self.report(r, data.draw(st.lists(st.sampled_from(self.held(r)), min_size=1, unique=True)))
+
+    @precondition(lambda self: self.reported)
+    @rule(data=st.data())
+    def retry_report(self, data: st.DataObject) -> None:
+        seg = data.draw(st.sampled_from(self.reported))
+        before = (_ready_ids(self.ledger), self.ledger.s.groups_generated)
+        assert self.ledger.add_segment(seg) == ([], seg.group_ids)  # a retried report is a no-op
+        assert (_ready_ids(self.ledger), self.ledger.s.groups_generated) == before
+
+    @precondition(lambda self: any(self.zombie.values()))
+    @rule(data=st.data())
+    def zombie_report(self, data: st.DataObject) -> None:
+        r = data.draw(st.sampled_from([r for r in REPLICAS if self.zombie[r]]))
+        g = data.draw(st.sampled_from(sorted(self.zombie[r])))  # the old process finishes a group after all
+        self.zombie[r].discard(g)
+        self.report(r, [g])
+
+    @rule(r=st.sampled_from(REPLICAS), data=st.data())
+    def restart(self, r: str, data: st.DataObject) -> None:
+        held = self.held(r)
+        keep = set(data.draw(st.lists(st.sampled_from(held), unique=True))) if held else set()
+        released = self.ledger.release_leases_of(r, keep)  # resumed from the partial pool: `keep`
+        assert sorted(released) == sorted(set(held) - keep)
+        for g in released:
+            del self.owner[g]
+        self.zombie[r] |= set(released)
+
+    @precondition(lambda self: self.ledger.s.ready)
+    @rule(n=st.integers(1, 4), checkpoint=st.booleans(), r=st.sampled_from(REPLICAS), data=st.data())
+    def train_step(self, n: int, checkpoint: bool, r: str, data: st.DataObject) -> None:
+        oldest = _ready_ids(self.ledger)[:n]
+        inp = _input(self.ledger, self.ledger.next_batch(n))
+        assert _ids(inp.batch) == oldest
+        if self.held(r) and data.draw(st.booleans()):  # a report that arrives while the step runs
+            self.report(r, self.held(r)[:1])
+        self.ledger.commit_step(inp, _result(self.ledger.s.step + 1, checkpoint=checkpoint), keep_last=2)
+        self.consumed.extend(oldest)
+        self.batches.append(inp.batch)
+
+    @invariant()
+    def every_group_in_exactly_one_place(self) -> None:
+        s = self.ledger.s
+        assert {g: lease.replica_id for g, lease in s.open_leases.items()} == self.owner
+        ready, returned = _ready_ids(self.ledger), [x.group_id for x in s.returned]
+        everywhere = self.consumed + ready + list(s.open_leases) + returned
+        assert len(self.consumed) == len(set(self.consumed)), "a group was consumed twice"
         assert len(everywhere) == len(set(everywhere)), "a group is in two places"
-        assert set(everywhere) == leased, "a leased group was lost"
-        assert ledger.s.groups_generated == len(consumed) + len(ready)
-        assert ledger.s.groups_consumed == len(consumed)
+        assert set(everywhere) == self.leased, "a leased group was lost"
+        assert set(self.consumed) | set(ready) == self.generated
+        assert s.groups_generated == len(self.generated) and s.groups_consumed == len(self.consumed)
         # every ready group's segment is still indexed, and nothing else is
-        assert set(ledger.s.segments) == {g.segment_key for g in ledger.s.ready}
-    assert consumed, f"seed {seed}: the schedule never trained; widen it"
+        assert set(s.segments) == {g.segment_key for g in s.ready}
+
+    @invariant()
+    def a_restarted_trainer_replays_the_batches_since_the_checkpoint(self) -> None:
+        inp = self.ledger.next_train_input(DEFAULT_CFG, [])
+        base = inp.checkpoint.step if inp.checkpoint is not None else 0
+        assert inp.step == len(self.batches) and base + len(inp.replay) == inp.step
+        assert inp.replay == self.batches[base:]
+
+
+TestLedgerInterleavings = LedgerMachine.TestCase
+TestLedgerInterleavings.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
