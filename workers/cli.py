@@ -114,12 +114,21 @@ def status(run_id: str, as_json: bool = typer.Option(False, "--json", help="Prin
 
 
 @app.command()
-def stop(run_id: str) -> None:
+def stop(
+    run_id: str,
+    force: bool = typer.Option(
+        False, "--force", help="Terminate the workflow at once (no control worker needed; nothing is summarised)."
+    ),
+) -> None:
     """Ask a run to stop: replicas finish, the trainer stops, the workflow completes."""
-    from workers.run_control import stop_run
+    from workers.run_control import stop_run, terminate_run
 
     with _exit_codes():
-        phase = asyncio.run(stop_run(Settings.from_env(), run_id))
+        if force:
+            asyncio.run(terminate_run(Settings.from_env(), run_id))
+            phase = "terminated"
+        else:
+            phase = asyncio.run(stop_run(Settings.from_env(), run_id))
     console.print(f"run_id={run_id} phase={phase}", highlight=False)
 
 

@@ -11,11 +11,13 @@ import json
 import secrets
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from temporalio.client import WorkflowFailureError
+from temporalio.client import WorkflowFailureError, WorkflowHandle
+from temporalio.service import RPCError, RPCStatusCode
 
 from laminar.config import RunConfig
 from laminar.messages import RunStatus
@@ -23,11 +25,15 @@ from storage import keys
 from workers.connect import connect, store_for
 from workers.devstack import DevStack
 from workers.launcher import LocalLauncher, plan_processes
-from workers.run_control import new_run_id, start_stored_run
+from workers.run_control import new_run_id, start_or_attach
 from workers.settings import Settings
 from workers.summary import build_summary, reward_rise
 
 POLL_S = 1.0
+QUERY_TIMEOUT_S = 5.0  # a status query the control worker has not answered by then shows as waiting
+# What a Temporal outage looks like to a client call once the SDK's own retries (about 10 s) give up.
+OUTAGE_CODES = (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED,
+                RPCStatusCode.UNKNOWN, RPCStatusCode.INTERNAL, RPCStatusCode.RESOURCE_EXHAUSTED)
 
 
 def run_local(cfg: RunConfig, summary_path: Path | None, console: Console) -> int:
@@ -47,9 +53,7 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console) -> in
         signal.signal(sig, signal.default_int_handler)
     launcher = LocalLauncher(plan_processes(cfg, settings, home / "logs" / cfg.run.run_id, spare_slots=1, allow_faults=True))
     try:
-        launcher.start_all()
-        launcher.start_supervision()
-        return asyncio.run(_drive(cfg, settings, summary_path, console))
+        return asyncio.run(_drive(cfg, settings, launcher, summary_path, console))
     except KeyboardInterrupt:
         console.print("interrupted: stopping the run and every process this command started")
         return 130
@@ -59,12 +63,17 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console) -> in
             stack.down()
 
 
-async def _drive(cfg: RunConfig, settings: Settings, summary_path: Path | None, console: Console) -> int:
+async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher, summary_path: Path | None,
+                 console: Console) -> int:
     store = store_for(settings)
     client = await connect(settings)
     t0 = time.time()
-    handle = await start_stored_run(client, store, cfg)
-    result_task = asyncio.create_task(handle.result())
+    handle, attached = await start_or_attach(client, store, cfg)  # a taken run id fails before any process starts
+    if attached:
+        console.print(f"run {cfg.run.run_id} is already running: attached to it", highlight=False)
+    launcher.start_all()
+    launcher.start_supervision()
+    result_task = asyncio.create_task(_result(handle))
     try:
         await _watch(handle, result_task, cfg, console, t0)
         final = await result_task
@@ -74,7 +83,7 @@ async def _drive(cfg: RunConfig, settings: Settings, summary_path: Path | None, 
     finally:
         if not result_task.done():  # interrupted: never leave a run behind to resume on the next start
             result_task.cancel()
-            await handle.cancel()
+            await _cancel(handle, console)
     summary = build_summary(final, store, time.time() - t0)
     store.put(keys.summary(cfg.run.run_id), json.dumps(summary, indent=2).encode())
     if summary_path is not None:
@@ -84,16 +93,48 @@ async def _drive(cfg: RunConfig, settings: Settings, summary_path: Path | None, 
     return 0
 
 
+async def _result(handle: WorkflowHandle) -> RunStatus:
+    """The run's result, through Temporal outages of any length: each call retries for as long as the SDK's
+    retry window lasts (about 10 s), then it is asked again; the workflow's state is on the server."""
+    while True:
+        try:
+            return await handle.result()
+        except RPCError as e:
+            if e.status not in OUTAGE_CODES:
+                raise
+            await asyncio.sleep(POLL_S)
+
+
+async def _cancel(handle: WorkflowHandle, console: Console) -> None:
+    try:
+        await handle.cancel()
+    except RPCError as e:
+        run_id = handle.id.removeprefix("run/")
+        console.print(f"could not cancel run {run_id} ({e}); it is still running: `laminar run --run-id {run_id}` "
+                      f"attaches to it again, `laminar stop --force {run_id}` ends it", highlight=False)
+
+
 async def _watch(handle, result_task, cfg: RunConfig, console: Console, t0: float) -> None:
     columns = [TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn()]
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("train", total=cfg.run.steps, info="starting workers")
+        down_since: float | None = None  # when the first status query of a Temporal outage was sent
         while not result_task.done():
+            asked = time.time()
             try:
-                st: RunStatus = await handle.query("status", result_type=RunStatus)
-                bar.update(task, completed=st.step, info=_progress_line(st, time.time() - t0))
-            except Exception as e:  # the control worker may be (re)starting; keep polling
+                st: RunStatus = await handle.query("status", result_type=RunStatus,
+                                                   rpc_timeout=timedelta(seconds=QUERY_TIMEOUT_S))
+                down_since = None
+                bar.update(task, total=st.total_steps, completed=st.step, info=_progress_line(st, time.time() - t0))
+            except RPCError as e:
+                if e.status == RPCStatusCode.UNAVAILABLE:
+                    down_since = down_since or asked
+                    info = f"Temporal unreachable for {time.time() - down_since:.0f} s; retrying"
+                else:  # the control worker may be (re)starting; keep polling
+                    info = f"waiting for control worker ({e.status.name if e.status else e})"
+                bar.update(task, info=info)
+            except Exception as e:
                 bar.update(task, info=f"waiting for control worker ({type(e).__name__})")
             await asyncio.wait({result_task}, timeout=POLL_S)
 

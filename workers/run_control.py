@@ -3,12 +3,18 @@ and examples/ use)."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from rich.table import Table
-from temporalio.client import Client, WorkflowHandle
-from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.service import RPCError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowHandle,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+)
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
 
 from laminar.config import RunConfig
 from laminar.errors import LaminarError
@@ -24,7 +30,11 @@ def new_run_id() -> str:
     return "run-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
 
 
+CONTROL_ANSWER_S = 10.0  # how long `laminar status|stop|pause|resume` wait for the control worker
+
+
 async def start_workflow(client: Client, cfg: RunConfig) -> WorkflowHandle:
+    """Start the run's workflow; a run id already used, by a live or a finished run, is an error."""
     try:
         return await client.start_workflow(
             "TrainingRunWorkflow",
@@ -33,7 +43,12 @@ async def start_workflow(client: Client, cfg: RunConfig) -> WorkflowHandle:
             task_queue=CONTROL_QUEUE,
             result_type=RunStatus,
             id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,  # its store prefix holds the old run
         )
+    except WorkflowAlreadyStartedError:
+        raise LaminarError(
+            f"run id {cfg.run.run_id!r} is already taken by another run; pick another --run-id"
+        ) from None
     except RPCError as e:
         raise LaminarError(f"could not start run {cfg.run.run_id}: {e}; pick another --run-id") from None
 
@@ -42,6 +57,23 @@ async def start_stored_run(client: Client, store: ObjectStore, cfg: RunConfig) -
     """Store the config with the run (runs/<id>/config.json), then start its workflow."""
     store.put(keys.config(cfg.run.run_id), cfg.model_dump_json(indent=2).encode())
     return await start_workflow(client, cfg)
+
+
+async def start_or_attach(client: Client, store: ObjectStore, cfg: RunConfig) -> tuple[WorkflowHandle, bool]:
+    """`laminar run`: start the run, or attach to it when a workflow with its id is still running (a
+    `laminar run` that died left it behind). Returns (handle, attached). A finished run with this id is an
+    error: its id cannot be reused."""
+    handle = client.get_workflow_handle(workflow_id_for(cfg.run.run_id), result_type=RunStatus)
+    try:
+        status = (await handle.describe()).status
+    except RPCError as e:
+        if e.status != RPCStatusCode.NOT_FOUND:
+            raise LaminarError(f"run {cfg.run.run_id}: cannot look it up: {e}") from None
+        return await start_stored_run(client, store, cfg), False
+    if status == WorkflowExecutionStatus.RUNNING:
+        return handle, True
+    name = status.name.lower() if status is not None else "closed"
+    raise LaminarError(f"run {cfg.run.run_id} already ran and is {name}; pick another --run-id")
 
 
 async def start_run(settings: Settings, cfg: RunConfig) -> str:
@@ -56,22 +88,57 @@ async def _handle(settings: Settings, run_id: str) -> WorkflowHandle:
     return (await connect(settings)).get_workflow_handle(workflow_id_for(run_id))
 
 
-async def query_status(settings: Settings, run_id: str) -> RunStatus:
-    try:
-        return await (await _handle(settings, run_id)).query("status", result_type=RunStatus)
-    except RPCError as e:
-        raise LaminarError(f"run {run_id}: status query failed: {e}; is the control worker running?") from None
+def _no_answer(run_id: str, what: str, timeout_s: float) -> LaminarError:
+    return LaminarError(
+        f"run {run_id}: {what}: no control worker answered within {timeout_s:.0f} s; is `laminar worker control` "
+        f"running? use `laminar stop --force {run_id}` to terminate the run"
+    )
 
 
-async def send_control(settings: Settings, run_id: str, name: str) -> str:
+def _rpc_failed(settings: Settings, run_id: str, what: str, e: RPCError) -> LaminarError:
+    if e.status == RPCStatusCode.NOT_FOUND:
+        return LaminarError(
+            f"run {run_id}: no such run in namespace {settings.namespace} at {settings.temporal_address}"
+        )
+    if e.status == RPCStatusCode.UNAVAILABLE:
+        return LaminarError(f"run {run_id}: {what}: Temporal at {settings.temporal_address} is unreachable ({e}); "
+                            "start it with `laminar dev up` or set LAMINAR_TEMPORAL_ADDRESS")
+    return LaminarError(f"run {run_id}: {what} failed: {e}")
+
+
+async def query_status(settings: Settings, run_id: str, timeout_s: float = CONTROL_ANSWER_S) -> RunStatus:
+    """The run's status query, answered by the control worker within timeout_s or a clear error."""
+    handle = await _handle(settings, run_id)
     try:
-        return await (await _handle(settings, run_id)).execute_update(name, result_type=str)
+        return await handle.query("status", result_type=RunStatus, rpc_timeout=timedelta(seconds=timeout_s))
     except RPCError as e:
-        raise LaminarError(f"run {run_id}: {name} failed: {e}") from None
+        if e.status in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):  # the rpc_timeout expired
+            raise _no_answer(run_id, "status", timeout_s) from None
+        raise _rpc_failed(settings, run_id, "status", e) from None
+
+
+async def send_control(settings: Settings, run_id: str, name: str, timeout_s: float = CONTROL_ANSWER_S) -> str:
+    """Send a control update (stop, pause, resume); the control worker must answer within timeout_s."""
+    handle = await _handle(settings, run_id)
+    try:
+        return await handle.execute_update(name, result_type=str, rpc_timeout=timedelta(seconds=timeout_s))
+    except WorkflowUpdateRPCTimeoutOrCancelledError:
+        raise _no_answer(run_id, name, timeout_s) from None
+    except RPCError as e:
+        raise _rpc_failed(settings, run_id, name, e) from None
 
 
 async def stop_run(settings: Settings, run_id: str) -> str:
     return await send_control(settings, run_id, "stop")
+
+
+async def terminate_run(settings: Settings, run_id: str) -> None:
+    """`laminar stop --force`: terminate the workflow through the server alone (no worker needed)."""
+    handle = await _handle(settings, run_id)
+    try:
+        await handle.terminate(reason="laminar stop --force")
+    except RPCError as e:
+        raise _rpc_failed(settings, run_id, "terminate", e) from None
 
 
 def render_status(st: RunStatus) -> Table:
