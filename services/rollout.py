@@ -10,8 +10,9 @@ Loop (trajectory-level asynchrony, DESIGN.md §1):
   incarnation (history segment, attempt) writes its own fenced pool, so a zombie cannot overwrite its retry's;
 - on hand-over (continue-as-new) or stop, flush the pool and return at once (the next incarnation resumes
   the in-flight groups), so a hand-over never waits for the long tail;
-- control traffic is bounded by work: a busy replica contacts the workflow at least every CONTACT_S (that
-  is how it learns of a hand-over while it has no room to claim); an idle replica backs off to
+- control traffic is bounded by work: a busy replica, or one still without weights, contacts the workflow at
+  least every CONTACT_S (that is how it learns of a hand-over while it has no room to claim, and of relays
+  that joined after it started, e.g. after a Temporal outage); an idle replica backs off to
   IDLE_CLAIM_MAX_S and a paused one to PAUSED_CLAIM_MAX_S.
 
 Talks to the workflow only through `ControlPort`, so the loop is testable without Temporal.
@@ -154,7 +155,8 @@ class RolloutReplica:
                 self._load_newest()
             want = self._admissible_groups()
             busy = self.engine.in_flight() > 0
-            if (want > 0 and now - last_claim >= claim_every) or (busy and now - last_claim >= CONTACT_S):
+            waiting = busy or self.engine.policy_version is None  # no weights yet: learn relays that join later
+            if (want > 0 and now - last_claim >= claim_every) or (waiting and now - last_claim >= CONTACT_S):
                 res = self.control.claim(ClaimPromptsInput(report=self._report(), max_groups=want,
                                                            attempt=self.attempt, request_id=self._request_id()))
                 last_claim = now
