@@ -28,7 +28,7 @@ class Progress:
 
 
 @contextmanager
-def background_heartbeat(every_s: float = 5.0, stall_s: float | None = 600.0) -> Iterator[Progress]:
+def background_heartbeat(every_s: float = 1.0, stall_s: float | None = 600.0) -> Iterator[Progress]:
     progress = Progress()
     stop = threading.Event()
 

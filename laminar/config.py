@@ -97,7 +97,7 @@ class RolloutSection(_Section):
         2.0, gt=0.0, le=600.0, description="Completed groups are written and reported at least this often (s)."
     )
     heartbeat_timeout_s: float = Field(
-        4.0, ge=1.0, le=3600.0,
+        3.0, ge=1.0, le=3600.0,
         description="Replica heartbeat timeout: the failure detector of a dead rollout worker (s).",
     )
 
@@ -133,7 +133,7 @@ class TrainerSection(_Section):
     )
     checkpoint_every: int = Field(10, ge=1, description="Commit a checkpoint every this many steps (steps).")
     heartbeat_timeout_s: float = Field(
-        30.0, ge=1.0, le=3600.0, description="Trainer heartbeat timeout: detects a dead trainer process (s)."
+        10.0, ge=1.0, le=3600.0, description="Trainer heartbeat timeout: detects a dead trainer process (s)."
     )
     keep_last: int = Field(3, ge=1, description="Committed checkpoints to retain (count).")
 
@@ -160,7 +160,7 @@ class TrainerSection(_Section):
 class RelaySection(_Section):
     relays: int = Field(2, ge=1, le=1024, description="Relays, one per (simulated) host (count).")
     heartbeat_timeout_s: float = Field(
-        4.0, ge=1.0, le=3600.0, description="Relay heartbeat timeout: the failure detector of a dead relay (s)."
+        3.0, ge=1.0, le=3600.0, description="Relay heartbeat timeout: the failure detector of a dead relay (s)."
     )
 
 

@@ -27,8 +27,9 @@ from workers.settings import Settings
 
 # 4 replicas on 2 hosts, each rollout worker 2 + 1 spare slots: whatever Temporal's placement, every
 # worker holds at least one replica (4 - 3), so killing one leaves replicas generating.
-DRILL_OVERRIDES = ["run.steps=1000", "rollout.replicas=4", "rollout.heartbeat_timeout_s=5",
-                   "trainer.heartbeat_timeout_s=5", "trainer.checkpoint_every=4"]
+# Rollout and relay heartbeat timeouts stay at their defaults (what a user runs).
+DRILL_OVERRIDES = ["run.steps=1000", "rollout.replicas=4", "trainer.heartbeat_timeout_s=5",
+                   "trainer.checkpoint_every=4"]
 DRILL_TIMEOUT_S = 180.0
 
 
@@ -70,8 +71,8 @@ async def drill_stack(drill_stack_module: DrillStack) -> AsyncIterator[DrillStac
     await terminate_running(await connect(drill_stack_module.settings))
 
 
-async def _start_run(stack: DrillStack):
-    cfg = small_config(*DRILL_OVERRIDES)
+async def _start_run(stack: DrillStack, *extra: str):
+    cfg = small_config(*DRILL_OVERRIDES, *extra)
     return await start_workflow(stack.client, cfg)
 
 
@@ -123,6 +124,27 @@ async def test_relay_drills(drill_stack, tmp_path, fault):
     # The restarted relay rejoins the chain.
     await async_wait_until(lambda: _relays_at_least(handle, 2), 60, "the restarted relay to rejoin")
     await _finish(handle)
+
+
+async def test_relay_drill_with_one_relay(drill_stack, tmp_path):
+    """The only relay dies and comes back on a new port: the step input's frozen chain is stale, and that
+    must never wedge the trainer (it used to retry the publish to the dead address forever)."""
+    handle = await _start_run(drill_stack, "relay.relays=1")
+    report = await _drill(drill_stack, handle, "relay", tmp_path)
+    _assert_recovered(report, "relay")
+    assert report.target == "host-0"
+    final = await _finish(handle)
+    assert final.step > report.steps_during_outage
+
+
+async def test_relay_drill_across_many_continue_as_new(drill_stack, tmp_path):
+    """A continue-as-new every 2 steps (several during the outage): the fault is still detected and the
+    report is right (it used to miss the relay's death: each segment restarted the relay activities)."""
+    handle = await _start_run(drill_stack, "run.continue_as_new_every=2")
+    report = await _drill(drill_stack, handle, "relay", tmp_path)
+    _assert_recovered(report, "relay")
+    final = await _finish(handle)
+    assert final.continued_as_new >= 3
 
 
 async def test_trainer_drill(drill_stack, tmp_path):

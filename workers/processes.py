@@ -76,6 +76,7 @@ async def trainer(settings: Settings, allow_faults: bool = False) -> None:
         activities=[acts.init_trainer, acts.train_step],
         activity_executor=ThreadPoolExecutor(max_workers=2),
         max_concurrent_activities=1,
+        max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
     )
     await _serve(worker, "trainer", "trainer", allow_faults, host_id=settings.host_id)
 

@@ -215,9 +215,25 @@ class TrainingRunWorkflow:
         """Wait until the trainer has a full batch of complete groups, or the history segment is full (a
         paused or starved run still continues as new); False when the run is stopping."""
         t0 = workflow.time()
-        await workflow.wait_condition(lambda: self.s.stopping or self._has_batch() or self._segment_full())
+        await workflow.wait_condition(lambda: self.s.stopping or self._has_batch() or self._segment_full()
+                                      or self._replica_ended())
         self.s.trainer_wait_s += workflow.time() - t0
+        self._fail_if_a_replica_failed()
         return not self.s.stopping
+
+    def _replica_ended(self) -> bool:
+        """A replica activity ended outside a hand-over: it retries without limit, so only a permanent
+        error (a ConfigError in the replica, say) ends it."""
+        return not self._handover and any(t.done() for t in self._replicas.values())
+
+    def _fail_if_a_replica_failed(self) -> None:
+        for replica_id, task in self._replicas.items():
+            if not self._handover and task.done() and not task.cancelled() and task.exception() is not None:
+                error = task.exception()
+                if isinstance(error, ActivityError):
+                    _fail_run_if_permanent(error, f"rollout {replica_id}")
+                raise ApplicationError(f"rollout {replica_id} ended: {error}", type="ReplicaFailed",
+                                       non_retryable=True)
 
     async def _train_one_step(self) -> None:
         assert self._cfg is not None
