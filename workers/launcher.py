@@ -3,7 +3,8 @@
 Layout for a config with H relays (simulated hosts) and R replicas: one control worker, one trainer
 worker, and per host `host-i` one relay worker and one rollout worker with its share of the R replica
 slots. A worker that dies is restarted with exponential backoff, as a cluster scheduler restarts a pod
-(recovery itself never depends on that restart: Temporal retries the work on any free worker).
+(recovery itself never depends on that restart: Temporal retries the work on any free worker). The backoff
+starts again from 1 s once a process has run for HEALTHY_S, so an old crash never delays a later restart.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from workers.settings import Settings
 log = get_logger(__name__)
 
 MAX_BACKOFF_S = 30.0
+HEALTHY_S = 60.0  # a process that ran this long before it exited is restarted after the shortest backoff
 
 
 @dataclass
@@ -33,8 +35,9 @@ class ManagedProcess:
     env: dict[str, str]
     log_path: Path
     proc: subprocess.Popen | None = None
-    restarts: int = 0
+    restarts: int = 0  # restarts since the process last ran for healthy_s
     restart_at: float | None = None
+    started_at: float = 0.0  # time.monotonic() of the last start
 
     @property
     def pid(self) -> int | None:
@@ -65,8 +68,9 @@ def plan_processes(cfg: RunConfig, settings: Settings, log_dir: Path, spare_slot
 
 
 class LocalLauncher:
-    def __init__(self, processes: list[ManagedProcess]) -> None:
+    def __init__(self, processes: list[ManagedProcess], healthy_s: float = HEALTHY_S) -> None:
         self.processes = {p.name: p for p in processes}
+        self.healthy_s = healthy_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -92,6 +96,7 @@ class LocalLauncher:
                                   start_new_session=True)
         out.close()
         p.restart_at = None
+        p.started_at = time.monotonic()
         log.info("process_started", name=p.name, pid=p.proc.pid, log=str(p.log_path))
 
     def supervise(self) -> list[str]:
@@ -110,6 +115,8 @@ class LocalLauncher:
         if p.proc is None or p.proc.poll() is None:
             return False
         if p.restart_at is None:
+            if now - p.started_at >= self.healthy_s:
+                p.restarts = 0
             delay = min(MAX_BACKOFF_S, 2.0**p.restarts)
             p.restart_at = now + delay
             log.warning("process_exited", name=p.name, pid=p.proc.pid, code=p.proc.returncode,

@@ -1,0 +1,42 @@
+"""The launcher's restart backoff, with real child processes: a process that crashes again and again waits
+longer each time (up to 30 s); one that had run healthily before it exited is restarted after 1 s, so an old
+crash loop (a worker that could not reach Temporal during an outage, say) never delays a later restart."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from tests.fixtures.waiting import wait_until
+from workers.launcher import MAX_BACKOFF_S, LocalLauncher, ManagedProcess
+
+HEALTHY_S = 3.0
+
+
+def _process(tmp_path: Path, name: str, code: str) -> ManagedProcess:
+    return ManagedProcess(name, [sys.executable, "-c", code], dict(os.environ), tmp_path / f"{name}.log")
+
+
+def test_backoff_starts_over_after_a_healthy_run(tmp_path):
+    crashing = _process(tmp_path, "crashing", "raise SystemExit(1)")  # exits at once: well under HEALTHY_S
+    healthy = _process(tmp_path, "healthy", f"import time; time.sleep({HEALTHY_S + 1}); raise SystemExit(1)")
+    launcher = LocalLauncher([crashing, healthy], healthy_s=HEALTHY_S)
+    for p in (crashing, healthy):
+        p.restarts = 5  # both have crashed five times before this start
+    launcher.start_all()
+    try:
+        # The supervisor notices each exit (it polls every 0.5 s; here at once) and schedules the restart.
+        wait_until(lambda: crashing.proc.poll() is not None, 10, "the crashing process to exit")
+        assert launcher.supervise() == []
+        # 2**5 = 32 s, capped at MAX_BACKOFF_S = 30 s.
+        assert crashing.restarts == 5 and MAX_BACKOFF_S - 1 < crashing.restart_at - time.monotonic() <= MAX_BACKOFF_S
+        wait_until(lambda: healthy.proc.poll() is not None, 30, "the healthy process to exit")
+        assert launcher.supervise() == []
+        # It ran for HEALTHY_S + 1 s: the count starts over, 2**0 = 1 s.
+        assert healthy.restarts == 0 and 0 < healthy.restart_at - time.monotonic() <= 1.0
+        assert wait_until(lambda: launcher.supervise() == ["healthy"], 5, "the healthy process's restart")
+        assert healthy.restarts == 1 and crashing.restarts == 5
+    finally:
+        launcher.stop_all(timeout_s=5)
