@@ -211,22 +211,27 @@ class DevStack:
         )
 
     @property
-    def s3_snapshot(self) -> Path:
-        """The bucket's objects as files, written when the S3 server is stopped (`down`, the store drill)
-        and loaded into the bucket on start, so S3 state survives as the Temporal SQLite file does. It
-        holds the live objects only; what a server killed outright wrote since the last stop is lost."""
-        return self.home / "s3-snapshot"
+    def s3_recording(self) -> Path:
+        """Every S3 request the dev stack's moto server served; replayed on start, so S3 state survives
+        `down`/`up` and restarts (as the Temporal SQLite file does)."""
+        return self.home / "s3-recording.jsonl"
 
     def _start_s3(self, info: DevStackInfo, port: int | None = None) -> DevStackInfo:
-        binary = _find_binary("moto_server", "install moto[server] (pip install -e '.[dev]')")
+        _find_binary("moto_server", "install moto[server] (pip install -e '.[dev]')")
         port = port or free_port()
         endpoint = f"http://127.0.0.1:{port}"
         log_file = self.log_dir / "s3.log"
-        proc = self._spawn([binary, "-H", "127.0.0.1", "-p", str(port)], log_file)
+        env = {**os.environ, "MOTO_RECORDER_FILEPATH": str(self.s3_recording)}
+        env.pop("MOTO_ENABLE_RECORDING", None)  # recording is switched on after the replay, not during it
+        cmd = [sys.executable, "-m", "workers.s3_dev_server", "-H", "127.0.0.1", "-p", str(port)]
+        proc = self._spawn(cmd, log_file, env=env)
         self._wait(proc, log_file, f"S3 server at {endpoint}", lambda: http_answers(endpoint))
         try:
+            if self.s3_recording.exists():
+                _trim_recording(self.s3_recording)
+                _moto_api(endpoint, "replay-recording")
+            _moto_api(endpoint, "start-recording")  # before the bucket, so the replay recreates it
             _create_bucket(endpoint, S3_BUCKET)
-            _restore_bucket(endpoint, S3_BUCKET, self.s3_snapshot)
         except Exception as e:
             _stop_pid(proc.pid, self.stop_timeout_s)
             raise DevStackError(
@@ -245,7 +250,6 @@ class DevStack:
                 raise DevStackError("the dev stack runs no S3 server; start it with `laminar dev up --s3`")
             if not _is_ours(info.s3_pid, "s3"):
                 raise DevStackError(f"pid {info.s3_pid} recorded for S3 is not our moto_server; not touching it")
-            self._snapshot_s3(info)
             _stop_pid(info.s3_pid, self.stop_timeout_s)
             stopped_at = time.time()
             log.warning("s3_server_interrupted", pid=info.s3_pid, outage_s=outage_s)
@@ -286,20 +290,11 @@ class DevStack:
         if info is not None:
             for name, pid in info.processes():
                 if _is_ours(pid, name):
-                    if name == "s3":
-                        self._snapshot_s3(info)
                     _stop_pid(pid, self.stop_timeout_s)
                     log.info("dev_process_stopped", name=name, pid=pid)
                     stopped.append(f"{name} (pid {pid})")
         self.record_path.unlink(missing_ok=True)
         return stopped
-
-    def _snapshot_s3(self, info: DevStackInfo) -> None:
-        """Replace the snapshot with the bucket's objects now; on failure keep the previous snapshot."""
-        try:
-            _snapshot_bucket(info.s3_endpoint, S3_BUCKET, self.s3_snapshot)
-        except Exception as e:  # a broken server must not block `down`; its last snapshot stays
-            log.warning("s3_snapshot_failed", endpoint=info.s3_endpoint, error=str(e), kept=str(self.s3_snapshot))
 
     def _write_record(self, info: DevStackInfo) -> None:
         tmp = self.record_path.with_suffix(".json.tmp")
@@ -327,7 +322,7 @@ def _find_binary(name: str, fix: str) -> str:
     return found
 
 
-_MARKERS = {"temporal": ("temporal", "start-dev"), "s3": ("moto_server",)}
+_MARKERS = {"temporal": ("temporal", "start-dev"), "s3": ("workers.s3_dev_server",)}
 
 
 def _is_ours(pid: int, name: str) -> bool:
@@ -432,42 +427,36 @@ def _create_bucket(endpoint: str, bucket: str) -> None:
 
     client = boto3.client("s3", endpoint_url=endpoint, **S3_CREDENTIALS)
     try:
-        client.head_bucket(Bucket=bucket)
+        client.head_bucket(Bucket=bucket)  # replayed from the recording
     except ClientError:
         client.create_bucket(Bucket=bucket)
     client.head_bucket(Bucket=bucket)
 
 
-def _snapshot_bucket(endpoint: str, bucket: str, dest: Path) -> None:
-    """Download every object of the bucket under dest (key = relative path), replacing dest whole."""
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=endpoint, **S3_CREDENTIALS)
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        for obj in page.get("Contents", []):
-            path = tmp / obj["Key"]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            client.download_file(bucket, obj["Key"], str(path))
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-
-
-def _restore_bucket(endpoint: str, bucket: str, snapshot: Path) -> None:
-    """Upload the snapshot's files into the bucket; a key already written (by a client that reached the
-    restarted server first) is newer and is kept."""
-    import boto3
-    from botocore.exceptions import ClientError
-
-    client = boto3.client("s3", endpoint_url=endpoint, **S3_CREDENTIALS)
-    for path in sorted(p for p in snapshot.rglob("*") if p.is_file()):
-        key = path.relative_to(snapshot).as_posix()
+def _trim_recording(path: Path) -> None:
+    """Cut the recording after its last complete request: a server stopped while appending leaves a
+    partial line, which would make the replay fail. That request was never answered, so its client
+    retried it against the restarted server."""
+    data = path.read_bytes()
+    keep = 0
+    for line in data.splitlines(keepends=True):
         try:
-            client.head_object(Bucket=bucket, Key=key)
-        except ClientError:
-            client.upload_file(str(path), bucket, key)
+            json.loads(line)
+        except ValueError:
+            break
+        if not line.endswith(b"\n"):
+            break
+        keep += len(line)
+    if keep < len(data):
+        log.warning("s3_recording_trimmed", path=str(path), dropped_bytes=len(data) - keep)
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+
+
+def _moto_api(endpoint: str, action: str) -> None:
+    req = urllib.request.Request(f"{endpoint}/moto-api/recorder/{action}", method="POST", data=b"")
+    with urllib.request.urlopen(req, timeout=120):
+        pass
 
 
 def _tail(log_file: Path, lines: int = 15) -> str:
