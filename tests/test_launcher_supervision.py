@@ -1,10 +1,13 @@
-"""The launcher's restart backoff, with real child processes: a process that crashes again and again waits
+"""The launcher with real child processes. Restart backoff: a process that crashes again and again waits
 longer each time (up to 30 s); one that had run healthily before it exited is restarted after 1 s, so an old
-crash loop (a worker that could not reach Temporal during an outage, say) never delays a later restart."""
+crash loop (a worker that could not reach Temporal during an outage, say) never delays a later restart. And
+no child outlives its launcher, even one killed with SIGKILL."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,3 +43,42 @@ def test_backoff_starts_over_after_a_healthy_run(tmp_path):
         assert healthy.restarts == 1 and crashing.restarts == 5
     finally:
         launcher.stop_all(timeout_s=5)
+
+
+LAUNCH_AND_WAIT = """
+import os, sys, time
+from pathlib import Path
+from workers.launcher import LocalLauncher, ManagedProcess
+child = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(300)"], dict(os.environ),
+                       Path(sys.argv[1]))
+launcher = LocalLauncher([child])
+launcher.start_all()
+launcher.start_supervision()
+print(f"child_pid={child.pid}", flush=True)
+time.sleep(300)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return True
+    return state == "Z"
+
+
+def test_children_die_with_a_killed_launcher(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", LAUNCH_AND_WAIT, str(tmp_path / "sleeper.log")],
+                              stdout=subprocess.PIPE, text=True)
+    child_pid = None
+    try:
+        child_pid = int(next(line for line in parent.stdout if line.startswith("child_pid=")).split("=")[1])
+        assert not _gone(child_pid)
+        os.kill(parent.pid, signal.SIGKILL)  # no handler, no finally: only the kernel can stop the child now
+        parent.wait(timeout=10)
+        wait_until(lambda: _gone(child_pid), 10, f"launcher child {child_pid} to exit after its launcher died")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if child_pid is not None and not _gone(child_pid):
+            os.kill(child_pid, signal.SIGKILL)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from temporalio.client import Client
+from temporalio.runtime import Runtime, TelemetryConfig
 
 from laminar.errors import LaminarError
 from storage.objects import ObjectStore, open_store
@@ -12,9 +13,12 @@ from workers.devstack import S3_CREDENTIALS, read_record
 from workers.settings import Settings
 
 
-async def connect(settings: Settings) -> Client:
+async def connect(settings: Settings, core_logs: bool = True) -> Client:
+    """A client of the settings' Temporal. core_logs=False: the SDK core prints nothing to stderr (its retry
+    warnings would tear through `laminar run`'s progress bar, which shows an outage itself)."""
+    runtime = None if core_logs else Runtime(telemetry=TelemetryConfig(logging=None))
     try:
-        return await Client.connect(settings.temporal_address, namespace=settings.namespace)
+        return await Client.connect(settings.temporal_address, namespace=settings.namespace, runtime=runtime)
     except RuntimeError as e:
         raise LaminarError(
             f"cannot reach Temporal at {settings.temporal_address} (namespace {settings.namespace}): {e}; "

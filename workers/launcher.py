@@ -9,6 +9,7 @@ starts again from 1 s once a process has run for HEALTHY_S, so an old crash neve
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -23,6 +24,8 @@ from laminar.logs import get_logger
 from workers.settings import Settings
 
 log = get_logger(__name__)
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
 
 MAX_BACKOFF_S = 30.0
 HEALTHY_S = 60.0  # a process that ran this long before it exited is restarted after the shortest backoff
@@ -93,7 +96,7 @@ class LocalLauncher:
         p.log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(p.log_path, "ab")  # noqa: SIM115 - owned by the child
         p.proc = subprocess.Popen(p.argv, env=p.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  start_new_session=True)
+                                  start_new_session=True, preexec_fn=_die_with_parent)
         out.close()
         p.restart_at = None
         p.started_at = time.monotonic()
@@ -148,6 +151,13 @@ class LocalLauncher:
                 _signal(p, signal.SIGKILL)
                 p.proc.wait(timeout=5)
         log.info("processes_stopped", count=len(live))
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when the launching thread dies, even by SIGKILL (Linux), so no
+    worker outlives its launcher (a `laminar run` started again attaches with a fresh set of processes)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _signal(p: ManagedProcess, sig: int) -> None:

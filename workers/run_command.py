@@ -66,7 +66,7 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console) -> in
 async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher, summary_path: Path | None,
                  console: Console) -> int:
     store = store_for(settings)
-    client = await connect(settings)
+    client = await connect(settings, core_logs=False)
     t0 = time.time()
     handle, attached = await start_or_attach(client, store, cfg)  # a taken run id fails before any process starts
     if attached:
