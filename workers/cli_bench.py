@@ -102,3 +102,20 @@ def render_table(report: dict) -> Table:
             f"{r['local_pull_gbps']:.2f} ({r['local_pull_fraction_of_memcpy']:.0%})",
         )
     return table
+
+
+@bench_app.command("heartbeats")
+def heartbeats_bench(
+    replicas: str = typer.Option("0,16,64", help="Heartbeating activities to measure, comma-separated."),
+    window_s: float = typer.Option(30.0, min=5.0, help="Measurement window per count (s)."),
+) -> None:
+    """What second-scale failure detection costs the Temporal server: heartbeat RPCs/s and server CPU."""
+    import asyncio
+
+    from bench.heartbeats import measure
+
+    table = Table("activities", "heartbeat RPCs/s", "server CPU %")
+    for n in sorted({int(x) for x in replicas.split(",") if x.strip()}):
+        row = asyncio.run(measure(n, window_s))
+        table.add_row(str(n), str(row["heartbeat_rpcs_per_s"]), str(row["server_cpu_percent"]))
+    console.print(table)
