@@ -391,10 +391,16 @@ class RolloutReplica:
     def _tokens_lost_by_previous_attempt(self) -> int:
         """Tokens the failed attempt generated after its last pool write (they die with it and are generated
         again), as its last heartbeat reported them; tokens generated after that heartbeat are not known."""
-        lost = int(self.previous_heartbeat.get("unsaved_tokens", 0))
+        lost = tokens_lost_with(self.previous_heartbeat)
         if lost > 0:
             log.info("tokens_lost_with_attempt", replica_id=self.replica_id, attempt=self.attempt - 1, tokens=lost)
-        return max(0, lost)
+        return lost
+
+
+def tokens_lost_with(last_heartbeat: dict) -> int:
+    """Tokens a dead incarnation generated after its last pool write, from its last heartbeat's details
+    (0 for a first attempt, or when that heartbeat was sent while it waited on the control plane)."""
+    return max(0, int(last_heartbeat.get("unsaved_tokens", 0)))
 
 
 def _next_claim_interval(current: float, wanted: int, got: int, paused: bool) -> float:
