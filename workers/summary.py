@@ -38,6 +38,10 @@ def _mean(values: list[float]) -> float:
     return round(sum(values) / len(values), 5) if values else 0.0
 
 
+def _median(values: list[float]) -> float:
+    return round(float(np.median(values)), 3) if values else 0.0
+
+
 def _max(values: list[float]) -> float:
     return round(max(values), 5) if values else 0.0
 
@@ -69,10 +73,9 @@ def build_summary(status: RunStatus, store: ObjectStore, wall_s: float) -> dict[
         "temporal_history_events_max": status.history_events_max,
         "continued_as_new": status.continued_as_new,
         # trainer idle across each continue-as-new: last step of a segment to the first step of the next
-        "handover_stall_s": {"count": status.continued_as_new,
-                             "p50": round(float(np.median(status.handover_stalls)), 3) if status.handover_stalls else 0.0,
+        "handover_stall_s": {"count": status.continued_as_new, "p50": _median(status.handover_stalls),
                              "max": round(status.handover_stall_max, 3)},
-        "step_wall_s_p50": round(float(np.median([r["busy_s"] for r in metrics if "busy_s" in r])), 3) if metrics else 0.0,
+        "step_wall_s_p50": _median([r["busy_s"] for r in metrics if "busy_s" in r]),
         "clip_fraction_mean": _mean(_over_updates(metrics, "clip_fraction")),
         "is_weight_mean": _mean(_over_updates(metrics, "is_weight_mean")),
         "is_weight_max": _max(_over_updates(metrics, "is_weight_max")),
