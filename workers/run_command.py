@@ -70,7 +70,8 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher, su
     t0 = time.time()
     handle, attached = await start_or_attach(client, store, cfg)  # a taken run id fails before any process starts
     if attached:
-        console.print(f"run {cfg.run.run_id} is already running: attached to it", highlight=False)
+        console.print(f"run {cfg.run.run_id} is already running: attached to it (the run keeps the config it "
+                      "started with; this one only sizes the worker processes)", highlight=False)
     launcher.start_all()
     launcher.start_supervision()
     result_task = asyncio.create_task(_result(handle))
