@@ -1,6 +1,6 @@
 """structlog set-up, once per process: a console renderer locally, JSON lines with `--log-format json`.
 
-Log events are past-tense snake_case facts with key=value context (STYLE.md).
+Log events are past-tense snake_case facts with key=value context (`checkpoint_saved step=10`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Typed messages that cross Temporal, with their direction. Small and JSON-able: ids, refs, counts.
 
-Nothing here carries tokens, tensors, weights or trajectories (DESIGN.md §2).
+Nothing here carries tokens, tensors, weights or trajectories (docs/architecture.md, 'Only small
+things cross Temporal').
 Deterministic and import-light: imported by workflow code through the sandbox pass-through.
 """
 

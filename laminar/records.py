@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Trajectory:
-    """One generated response to one prompt; a row of an experience segment (DESIGN.md §4).
+    """One generated response to one prompt; a row of an experience segment
+    (docs/architecture.md, 'Storage layout').
 
     Every trajectory is generated from start to end by exactly one policy version.
     `finish_reason` is "stop" (EOS), "length" (hit max_new_tokens) or "partial" (in-flight prefix

@@ -1,10 +1,12 @@
-"""Every object-store key layout of a run (DESIGN.md §4). Nothing else in the project spells keys.
+"""Every object-store key layout of a run (docs/architecture.md, 'Storage layout'). Nothing else in the
+project spells keys.
 
     runs/<run_id>/config.json
+    runs/<run_id>/model/{config.json, tokenizer.json}
     runs/<run_id>/checkpoints/step-<n:08d>/{model-00001.safetensors, optim-00001.safetensors,
                                             trainer.json, manifest.json}
     runs/<run_id>/experience/<replica>/<seq>.parquet
-    runs/<run_id>/partial/<replica>/g<segment>-a<attempt>.parquet   (+ .json, its commit manifest)
+    runs/<run_id>/partial/<replica>/g<segment:06d>-a<attempt:04d>.parquet   (+ .json, its commit manifest)
     runs/<run_id>/drills/<drill_id>.json
     runs/<run_id>/metrics/step-<n:08d>.json
     runs/<run_id>/summary.json

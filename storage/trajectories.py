@@ -1,4 +1,5 @@
-"""Experience segments and partial-response pools as Parquet, one row per trajectory (DESIGN.md §4).
+"""Experience segments and partial-response pools as Parquet, one row per trajectory
+(docs/architecture.md, 'Storage layout').
 
 A segment is one atomic put: it is committed once it exists, and its SegmentRef (with sha256) is the
 commit record reported to the workflow. A replica's partial pool is overwritten each flush: Parquet first,

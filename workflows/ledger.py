@@ -1,5 +1,6 @@
-"""Exactly-once accounting over RunState (DESIGN.md §5): leases, the experience index, consumed
-batches and counters. Pure and deterministic, so it is unit-tested without Temporal.
+"""Exactly-once accounting over RunState (docs/architecture.md, 'Exactly-once accounting'): leases, the
+experience index, consumed batches and counters. Pure and deterministic, so it is unit-tested without
+Temporal.
 
 Invariants:
 - a group id is leased to at most one replica at a time, and enters `ready` at most once;

@@ -1,4 +1,5 @@
-"""TrainingRunWorkflow: the durable owner of one RL run (DESIGN.md §3, §5).
+"""TrainingRunWorkflow: the durable owner of one RL run (docs/architecture.md: 'Parts', the two traces,
+'Continue-as-new: the hand-over').
 
 Owns step, policy version, committed checkpoint, prompt leases, the experience index, relay chain and
 replica table. Rollout replicas and relays are long-running activities; each trainer step is one
