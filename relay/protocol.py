@@ -78,7 +78,7 @@ DEFAULT_T_START_S = 200e-6  # per-chunk start-up cost of one hop (frame + Python
 
 def chunk_bytes_for(size: int, hops: int, bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S,
                     t_start_s: float = DEFAULT_T_START_S) -> int:
-    """Chunk size minimising the chain model's time for `size` bytes over `hops` hops (docs/relay.md, 'The chain model').
+    """Chunk size minimising the chain model's time for `size` bytes over `hops` hops (docs/relay.md).
 
     T(p, k) = (p + k - 2) * (M/k / B + t_start) is smallest at k* = sqrt((p - 2) * M / B / t_start), so a
     chunk is M / k* = sqrt(M * B * t_start / (p - 2)), clamped to MIN_CHUNK_BYTES..MAX_CHUNK_BYTES. With
