@@ -29,7 +29,7 @@ def workflow_id_for(run_id: str) -> str:
 # -- replicas <-> workflow (updates) ----------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReplicaReport:
     """rollout replica -> workflow, piggy-backed on every update: what the replica holds now."""
 
@@ -41,7 +41,7 @@ class ReplicaReport:
     kv_capacity: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Lease:
     """workflow -> replica: one prompt group to generate. group_id is the idempotency key."""
 
@@ -49,7 +49,7 @@ class Lease:
     prompt_id: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClaimPromptsInput:
     """replica -> workflow (update `claim_prompts`)."""
 
@@ -61,14 +61,14 @@ class ClaimPromptsInput:
     request_id: str = ""  # idempotency key: a retried claim with the same id gets the same leases back
 
 
-@dataclass
+@dataclass(frozen=True)
 class RelayInfo:
     relay_id: str
     host_id: str
     address: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClaimPromptsResult:
     """workflow -> replica."""
 
@@ -81,7 +81,7 @@ class ClaimPromptsResult:
     resume_ok: list[str] = field(default_factory=list)  # of `resuming`: still leased to this replica
 
 
-@dataclass
+@dataclass(frozen=True)
 class AddExperienceInput:
     """replica -> workflow (update `add_experience`): a committed segment of complete groups."""
 
@@ -90,7 +90,7 @@ class AddExperienceInput:
     tokens_regenerated: int = 0  # tokens thrown away since the last report (restarted partial groups)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AddExperienceResult:
     accepted: list[str]
     duplicates: list[str]  # already reported (a retried report): ignored
@@ -101,7 +101,7 @@ class AddExperienceResult:
 # -- trainer activities -----------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchPart:
     """Which groups of one segment a step consumes."""
 
@@ -109,7 +109,7 @@ class BatchPart:
     group_ids: list[str]
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainerInitInput:
     """workflow -> trainer worker: load (or restore) the policy and publish it to the relay chain."""
 
@@ -119,14 +119,14 @@ class TrainerInitInput:
     relay_chain: list[str]
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainerInitResult:
     step: int
     policy_version: int
     published_bytes: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainStepInput:
     """workflow -> trainer worker. `step` is the number of steps already applied to the policy the
     trainer must start from; a trainer whose in-memory state is elsewhere restores `checkpoint` and
@@ -149,7 +149,7 @@ class TrainStepInput:
     fallback_replay: list[list[BatchPart]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepMetrics:
     reward_mean: float
     loss: float
@@ -169,7 +169,7 @@ class StepMetrics:
     kl_behaviour: float = 0.0  # KL(behaviour || trainer) per token, k3 estimator
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainStepResult:
     step: int  # steps applied after this one
     policy_version: int
@@ -186,7 +186,7 @@ class TrainStepResult:
 # -- rollout / relay activities ---------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutReplicaInput:
     """workflow -> rollout worker (long-running activity `run_rollout_replica`)."""
 
@@ -197,7 +197,7 @@ class RolloutReplicaInput:
     generation: int = 0  # the run's history segment (continue-as-new count): fences the partial pool
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutReplicaResult:
     replica_id: str
     groups_completed: int
@@ -205,7 +205,7 @@ class RolloutReplicaResult:
     handed_over: int  # in-flight groups written to the partial pool at hand-over
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunRelayInput:
     """workflow -> relay worker (long-running activity `run_relay`)."""
 
@@ -217,7 +217,7 @@ class RunRelayInput:
 # -- operator-facing ---------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunEvent:
     """Something the control plane noticed, with the workflow time it noticed it (drills read these).
 
@@ -232,7 +232,7 @@ class RunEvent:
     count: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunStatus:
     """The `status` query and the workflow result."""
 
@@ -283,7 +283,7 @@ def fault_queue(process: str) -> str:
     return f"laminar-fault-{process}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class DrillInput:
     """client -> RecoveryDrillWorkflow."""
 
@@ -297,7 +297,7 @@ class DrillInput:
     outage_s: float = 3.0  # store fault: how long the S3 server stays down (s)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DrillPlan:
     """What the drill will do, resolved against the live run just before injecting."""
 
@@ -307,7 +307,7 @@ class DrillPlan:
     baseline: RunStatus
 
 
-@dataclass
+@dataclass(frozen=True)
 class InjectFaultInput:
     drill_id: str
     fault: str
@@ -315,21 +315,21 @@ class InjectFaultInput:
     delay_s: float = 0.5  # the process dies this long after acknowledging, so the reply is delivered
 
 
-@dataclass
+@dataclass(frozen=True)
 class InjectFaultResult:
     process: str
     pid: int
     injected_at: float  # Unix time the process died (or the store went down)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ObserveInput:
     drill: DrillInput
     plan: DrillPlan
     injected: InjectFaultResult
 
 
-@dataclass
+@dataclass(frozen=True)
 class DrillReport:
     """A drill's outcome (also written to the store and printed). Times are Unix seconds."""
 

@@ -119,7 +119,7 @@ class RolloutReplica:
         self.relays: list[RelayInfo] = []
         self.newest_at_relay: int | None = None
         self.seq = 0
-        self.stats = RolloutReplicaResult(replica_id=replica_id, groups_completed=0, tokens_generated=0, handed_over=0)
+        self.groups_completed = self.tokens_generated = 0  # by this incarnation, reported
         self.tokens_regenerated = 0  # since the last report
         self.unsaved_tokens = 0  # generated since the last pool write: a retry would generate them again
         self._pool_empty = False  # unknown until the first write
@@ -282,8 +282,8 @@ class RolloutReplica:
             AddExperienceInput(report=self._report(), segment=ref, tokens_regenerated=self.tokens_regenerated)
         )
         self.tokens_regenerated = 0
-        self.stats.groups_completed += len(res.accepted)
-        self.stats.tokens_generated += sum(len(t.response_ids) for t in rows)
+        self.groups_completed += len(res.accepted)
+        self.tokens_generated += sum(len(t.response_ids) for t in rows)
         log.info("experience_reported", replica_id=self.replica_id, groups=len(self.completed),
                  policy_version=ref.policy_version, duplicates=len(res.duplicates))
         self.completed = []
@@ -363,9 +363,10 @@ class RolloutReplica:
     def _hand_over(self, stop: bool) -> RolloutReplicaResult:
         self._flush_completed()
         self._write_partial_pool()
-        self.stats.handed_over = len(self.groups)
+
         log.info("replica_returned", replica_id=self.replica_id, stop=stop, in_flight_groups=len(self.groups))
-        return self.stats
+        return RolloutReplicaResult(replica_id=self.replica_id, groups_completed=self.groups_completed,
+                                    tokens_generated=self.tokens_generated, handed_over=len(self.groups))
 
     # -- reports -------------------------------------------------------------------------------
 
@@ -385,7 +386,7 @@ class RolloutReplica:
     def _heartbeat_details(self) -> dict:
         r = self._report()
         return {"policy_version": r.policy_version, "in_flight": r.in_flight, "kv_used": r.kv_used,
-                "kv_capacity": r.kv_capacity, "groups_completed": self.stats.groups_completed,
+                "kv_capacity": r.kv_capacity, "groups_completed": self.groups_completed,
                 "unsaved_tokens": self.unsaved_tokens}
 
     def _tokens_lost_by_previous_attempt(self) -> int:

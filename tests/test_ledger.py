@@ -37,8 +37,8 @@ def _metrics(reward: float = 0.5, tokens: int = 0, staleness: dict[str, int] | N
 
 
 def _input(ledger: Ledger, batch: list[BatchPart]) -> TrainStepInput:
-    return TrainStepInput(run_id=RUN, config={}, step=ledger.s.step, batch=batch, checkpoint=ledger.s.checkpoint,
-                          replay=list(ledger.s.uncommitted), relay_chain=[])
+    return TrainStepInput(run_id=RUN, config={}, step=ledger.state.step, batch=batch, checkpoint=ledger.state.checkpoint,
+                          replay=list(ledger.state.uncommitted), relay_chain=[])
 
 
 def _result(step: int, checkpoint: bool = False, **metrics: object) -> TrainStepResult:
@@ -51,7 +51,7 @@ def _ids(parts: list[BatchPart]) -> list[str]:
 
 
 def _ready_ids(ledger: Ledger) -> list[str]:
-    return [g.group_id for g in ledger.s.ready]
+    return [g.group_id for g in ledger.state.ready]
 
 
 # -- leases ---------------------------------------------------------------------------------------
@@ -64,8 +64,8 @@ def test_fresh_leases_have_sequential_ids_and_one_owner() -> None:
     # prompt_cursor runs 0,1 for replica-0 then 2,3,4 for replica-1; group ids are g + 8-digit prompt id
     assert [(x.group_id, x.prompt_id) for x in a] == [("g00000000", 0), ("g00000001", 1)]
     assert [(x.group_id, x.prompt_id) for x in b] == [("g00000002", 2), ("g00000003", 3), ("g00000004", 4)]
-    assert ledger.s.prompt_cursor == 5
-    assert {g: lease.replica_id for g, lease in ledger.s.open_leases.items()} == {
+    assert ledger.state.prompt_cursor == 5
+    assert {g: lease.replica_id for g, lease in ledger.state.open_leases.items()} == {
         "g00000000": "replica-0", "g00000001": "replica-0",
         "g00000002": "replica-1", "g00000003": "replica-1", "g00000004": "replica-1",
     }
@@ -80,13 +80,13 @@ def test_released_leases_go_out_again_first_with_their_ids() -> None:
     # replica-0 restarted and resumes g1 from its partial pool: g0 and g2 go back, oldest first
     assert ledger.release_leases_of("replica-0", keep={"g00000001"}) == ["g00000000", "g00000002"]
     assert ledger.held_by("replica-0", ["g00000000", "g00000001", "g00000002"]) == ["g00000001"]
-    assert [x.group_id for x in ledger.s.returned] == ["g00000000", "g00000002"]
+    assert [x.group_id for x in ledger.state.returned] == ["g00000000", "g00000002"]
     # the next claimant gets the two returned groups (same prompt ids) before one fresh prompt (id 4)
     leases = ledger.lease("replica-1", 3)
     assert [(x.group_id, x.prompt_id) for x in leases] == [("g00000000", 0), ("g00000002", 2), ("g00000004", 4)]
-    assert ledger.s.returned == []
-    assert ledger.s.open_leases["g00000000"].replica_id == "replica-1"
-    assert ledger.s.open_leases["g00000001"].replica_id == "replica-0"
+    assert ledger.state.returned == []
+    assert ledger.state.open_leases["g00000000"].replica_id == "replica-1"
+    assert ledger.state.open_leases["g00000001"].replica_id == "replica-0"
     # releasing a replica that holds nothing releases nothing
     assert ledger.release_leases_of("replica-7", keep=set()) == []
 
@@ -102,12 +102,12 @@ def test_duplicate_reports_are_counted_not_readded() -> None:
     mixed = _seg("1", ["g00000001", "g00000002", "g00000099"])
     assert ledger.add_segment(mixed) == (["g00000002"], ["g00000001", "g00000099"])
     assert _ready_ids(ledger) == ["g00000000", "g00000001", "g00000002"]
-    assert ledger.s.groups_generated == 3  # 2 + 0 + 1
-    assert ledger.s.duplicate_reports == 4  # 0 + 2 + 2
-    assert ledger.s.open_leases == {}
+    assert ledger.state.groups_generated == 3  # 2 + 0 + 1
+    assert ledger.state.duplicate_reports == 4  # 0 + 2 + 2
+    assert ledger.state.open_leases == {}
     # a segment with no accepted group is not indexed
     assert ledger.add_segment(_seg("2", ["g00000000"])) == ([], ["g00000000"])
-    assert set(ledger.s.segments) == {seg.key, mixed.key}
+    assert set(ledger.state.segments) == {seg.key, mixed.key}
     # a group repeated inside one segment enters ready once
     ledger.lease("replica-0", 1)  # g3
     assert ledger.add_segment(_seg("3", ["g00000003", "g00000003"])) == (["g00000003"], ["g00000003"])
@@ -120,13 +120,13 @@ def test_zombie_completion_of_a_returned_group_is_accepted_once() -> None:
     ledger.release_leases_of("replica-0", keep=set())  # replica-0 thought lost: all three returned
     # the old process finishes g1 after all: accepted, and g1 leaves the returned pool
     assert ledger.add_segment(_seg("0", ["g00000001"])) == (["g00000001"], [])
-    assert [x.group_id for x in ledger.s.returned] == ["g00000000", "g00000002"]
+    assert [x.group_id for x in ledger.state.returned] == ["g00000000", "g00000002"]
     # its retry of the same report is a duplicate
     assert ledger.add_segment(_seg("0", ["g00000001"])) == ([], ["g00000001"])
     # the next claimant is not handed g1 again: g0, g2, then fresh g3
     assert [x.group_id for x in ledger.lease("replica-1", 3)] == ["g00000000", "g00000002", "g00000003"]
-    assert ledger.s.groups_generated == 1
-    assert ledger.s.duplicate_reports == 1
+    assert ledger.state.groups_generated == 1
+    assert ledger.state.duplicate_reports == 1
 
 
 def test_zombie_completion_of_a_reassigned_group_wins_once() -> None:
@@ -140,7 +140,7 @@ def test_zombie_completion_of_a_reassigned_group_wins_once() -> None:
     assert ledger.add_segment(_seg("0", ["g00000000"], replica="replica-1")) == ([], ["g00000000"])
     assert _ready_ids(ledger) == ["g00000000"]
     # the ready entry points at the zombie's segment, the one indexed
-    assert ledger.s.ready[0].segment_key == keys.experience_segment(RUN, "replica-0", "0")
+    assert ledger.state.ready[0].segment_key == keys.experience_segment(RUN, "replica-0", "0")
 
 
 # -- trainer --------------------------------------------------------------------------------------
@@ -161,7 +161,7 @@ def test_next_batch_takes_oldest_in_arrival_order_grouped_by_segment() -> None:
     ]
     assert batch[0].segment == a and batch[2].segment == c
     # next_batch only looks: nothing leaves ready until commit_step
-    assert len(ledger.s.ready) == 6
+    assert len(ledger.state.ready) == 6
     # asking for more than is ready returns what there is
     assert _ids(ledger.next_batch(10)) == ["g00000002", "g00000000", "g00000001", "g00000003", "g00000004",
                                            "g00000005"]
@@ -181,14 +181,14 @@ def test_commit_step_consumes_exactly_the_batch_and_prunes_segments() -> None:
     ledger.commit_step(inp, _result(1, tokens=300, staleness={"0": 6, "1": 2}), keep_last=3)
     assert _ready_ids(ledger) == ["g00000003", "g00000004"]
     # a is fully consumed -> pruned; b still has g3; c has g4
-    assert set(ledger.s.segments) == {b.key, keys.experience_segment(RUN, "replica-0", "c")}
-    assert ledger.s.step == 1 and ledger.s.policy_version == 1
-    assert ledger.s.uncommitted == [inp.batch]
-    assert ledger.s.checkpoint is None
-    assert ledger.s.groups_consumed == 3
-    assert ledger.s.tokens_consumed == 300
+    assert set(ledger.state.segments) == {b.key, keys.experience_segment(RUN, "replica-0", "c")}
+    assert ledger.state.step == 1 and ledger.state.policy_version == 1
+    assert ledger.state.uncommitted == [inp.batch]
+    assert ledger.state.checkpoint is None
+    assert ledger.state.groups_consumed == 3
+    assert ledger.state.tokens_consumed == 300
     # the replayed batch still carries a's ref after a left the index
-    assert ledger.s.uncommitted[0][0].segment == a
+    assert ledger.state.uncommitted[0][0].segment == a
 
 
 def test_commit_step_counters_staleness_and_checkpoint_window() -> None:
@@ -203,15 +203,15 @@ def test_commit_step_counters_staleness_and_checkpoint_window() -> None:
                                         consumed_twice=0), keep_last=2)
         rewards.append(step / 10)
     # 4 steps x 2 groups; tokens 4 x 50
-    assert ledger.s.groups_consumed == 8 and ledger.s.tokens_consumed == 200
-    assert ledger.s.ready == [] and ledger.s.segments == {}
+    assert ledger.state.groups_consumed == 8 and ledger.state.tokens_consumed == 200
+    assert ledger.state.ready == [] and ledger.state.segments == {}
     # checkpoints at 1,2,3,4 with keep_last=2 -> the last two
-    assert [c.step for c in ledger.s.checkpoints] == [3, 4]
-    assert ledger.s.checkpoint == _ckpt(4)
-    assert ledger.s.uncommitted == []
+    assert [c.step for c in ledger.state.checkpoints] == [3, 4]
+    assert ledger.state.checkpoint == _ckpt(4)
+    assert ledger.state.uncommitted == []
     # steps 1,3 add {"0": 4, "1": 4} each, steps 2,4 add {"2": 1, "10": 7} each (string keys throughout)
-    assert ledger.s.staleness_histogram == {"0": 8, "1": 8, "2": 2, "10": 14}
-    assert ledger.s.reward_recent == rewards
+    assert ledger.state.staleness_histogram == {"0": 8, "1": 8, "2": 2, "10": 14}
+    assert ledger.state.reward_recent == rewards
     # the status orders the histogram numerically: "10" after "2"
     assert list(ledger.status("running", 4, 0).staleness_histogram) == ["0", "1", "2", "10"]
 
@@ -221,14 +221,14 @@ def test_reward_window_is_bounded() -> None:
     for step in range(1, RECENT_REWARDS + 6):
         ledger.commit_step(_input(ledger, []), _result(step, reward=float(step)), keep_last=3)
     # RECENT_REWARDS + 5 steps with reward == step: the window holds steps 6 .. RECENT_REWARDS + 5
-    assert ledger.s.reward_recent == [float(s) for s in range(6, RECENT_REWARDS + 6)]
+    assert ledger.state.reward_recent == [float(s) for s in range(6, RECENT_REWARDS + 6)]
 
 
 def test_consumed_twice_is_summed_from_the_trainer() -> None:
     ledger = Ledger(RunState(run_id=RUN))
     ledger.commit_step(_input(ledger, []), _result(1, consumed_twice=2), keep_last=3)
     ledger.commit_step(_input(ledger, []), _result(2, consumed_twice=1), keep_last=3)
-    assert ledger.s.groups_consumed_twice == 3  # 2 + 1
+    assert ledger.state.groups_consumed_twice == 3  # 2 + 1
 
 
 def test_train_input_replays_batches_since_the_checkpoint() -> None:
@@ -255,7 +255,7 @@ def test_train_input_replays_batches_since_the_checkpoint() -> None:
     assert seen == [(0, None, 0), (1, None, 1), (2, 2, 0), (3, 2, 1), (4, 4, 0), (5, 4, 1)]
     # 6 steps x 2 groups = all 12, each once, oldest first
     assert [g for b in batches for g in _ids(b)] == [f"g{i:08d}" for i in range(12)]
-    assert [c.step for c in ledger.s.checkpoints] == [2, 4, 6]
+    assert [c.step for c in ledger.state.checkpoints] == [2, 4, 6]
 
 
 # -- replicas and status --------------------------------------------------------------------------
@@ -268,17 +268,17 @@ def _report(replica: str, version: int) -> ReplicaReport:
 def test_max_versions_in_use_is_the_high_water_mark() -> None:
     ledger = Ledger(RunState(run_id=RUN))
     ledger.note_report(_report("replica-0", -1))  # no weights yet: not a version in use
-    assert ledger.versions_in_use() == [] and ledger.s.max_versions_in_use == 0
+    assert ledger.versions_in_use() == [] and ledger.state.max_versions_in_use == 0
     ledger.note_report(_report("replica-1", 0))  # {0}
     ledger.note_report(_report("replica-0", 0))  # {0}
-    assert ledger.s.max_versions_in_use == 1
+    assert ledger.state.max_versions_in_use == 1
     ledger.note_report(_report("replica-1", 1))  # {0, 1}
     ledger.note_report(_report("replica-2", 2))  # {0, 1, 2}
-    assert ledger.versions_in_use() == [0, 1, 2] and ledger.s.max_versions_in_use == 3
+    assert ledger.versions_in_use() == [0, 1, 2] and ledger.state.max_versions_in_use == 3
     ledger.note_report(_report("replica-0", 2))  # {1, 2}
     ledger.note_report(_report("replica-1", 2))  # {2}
     assert ledger.versions_in_use() == [2]
-    assert ledger.s.max_versions_in_use == 3
+    assert ledger.state.max_versions_in_use == 3
 
 
 @pytest.mark.parametrize(("wait_s", "busy_s", "fraction"), [
@@ -372,9 +372,9 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def retry_report(self, data: st.DataObject) -> None:
         seg = data.draw(st.sampled_from(self.reported))
-        before = (_ready_ids(self.ledger), self.ledger.s.groups_generated)
+        before = (_ready_ids(self.ledger), self.ledger.state.groups_generated)
         assert self.ledger.add_segment(seg) == ([], seg.group_ids)  # a retried report is a no-op
-        assert (_ready_ids(self.ledger), self.ledger.s.groups_generated) == before
+        assert (_ready_ids(self.ledger), self.ledger.state.groups_generated) == before
 
     @precondition(lambda self: any(self.zombie.values()))
     @rule(data=st.data())
@@ -394,7 +394,7 @@ class LedgerMachine(RuleBasedStateMachine):
             del self.owner[g]
         self.zombie[r] |= set(released)
 
-    @precondition(lambda self: self.ledger.s.ready)
+    @precondition(lambda self: self.ledger.state.ready)
     @rule(n=st.integers(1, 4), checkpoint=st.booleans(), r=st.sampled_from(REPLICAS), data=st.data())
     def train_step(self, n: int, checkpoint: bool, r: str, data: st.DataObject) -> None:
         oldest = _ready_ids(self.ledger)[:n]
@@ -402,13 +402,13 @@ class LedgerMachine(RuleBasedStateMachine):
         assert _ids(inp.batch) == oldest
         if self.held(r) and data.draw(st.booleans()):  # a report that arrives while the step runs
             self.report(r, self.held(r)[:1])
-        self.ledger.commit_step(inp, _result(self.ledger.s.step + 1, checkpoint=checkpoint), keep_last=2)
+        self.ledger.commit_step(inp, _result(self.ledger.state.step + 1, checkpoint=checkpoint), keep_last=2)
         self.consumed.extend(oldest)
         self.batches.append(inp.batch)
 
     @invariant()
     def every_group_in_exactly_one_place(self) -> None:
-        s = self.ledger.s
+        s = self.ledger.state
         assert {g: lease.replica_id for g, lease in s.open_leases.items()} == self.owner
         ready, returned = _ready_ids(self.ledger), [x.group_id for x in s.returned]
         everywhere = self.consumed + ready + list(s.open_leases) + returned

@@ -82,11 +82,11 @@ def test_a_fallback_is_recorded_and_the_corrupt_checkpoint_forgotten() -> None:
     batches = [_step(ledger, cfg) for _ in range(5)]  # checkpoints 2 and 4, step 5 done
     # step 5 -> 6: the trainer found checkpoint 4 corrupt and restored from 2 (no checkpoint at step 6)
     batches.append(_step(ledger, cfg, corrupt=[4], checkpoint=False))
-    assert [(e.kind, e.subject, e.count, e.at) for e in ledger.s.events if e.kind == "checkpoint_fallback"] == [
+    assert [(e.kind, e.subject, e.count, e.at) for e in ledger.state.events if e.kind == "checkpoint_fallback"] == [
         ("checkpoint_fallback", "step-4", 2, 6.0)]
     assert [e.kind for e in ledger.status("running", 10, 0).events][-2:] == ["checkpoint_fallback", "trainer_restored"]
     # The workflow's newest checkpoint is 2 again; the next restore replays steps 2 .. 5 from it.
     inp = ledger.next_train_input(cfg, [])
     assert (inp.step, inp.checkpoint.step, inp.fallbacks) == (6, 2, [])
     assert inp.replay == batches[2:6] and inp.fallback_replay == batches[0:2]
-    assert [c.step for c in ledger.s.checkpoints] == [2]
+    assert [c.step for c in ledger.state.checkpoints] == [2]

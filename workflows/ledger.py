@@ -37,26 +37,26 @@ from workflows.state import (
 
 class Ledger:
     def __init__(self, state: RunState) -> None:
-        self.s = state
+        self.state = state
 
     # -- replicas ----------------------------------------------------------------------------
 
     def note_report(self, report: ReplicaReport) -> None:
-        self.s.replicas[report.replica_id] = report
+        self.state.replicas[report.replica_id] = report
         in_use = self.versions_in_use()
-        self.s.max_versions_in_use = max(self.s.max_versions_in_use, len(in_use))
+        self.state.max_versions_in_use = max(self.state.max_versions_in_use, len(in_use))
 
     def versions_in_use(self) -> list[int]:
-        return sorted({r.policy_version for r in self.s.replicas.values() if r.policy_version >= 0})
+        return sorted({r.policy_version for r in self.state.replicas.values() if r.policy_version >= 0})
 
     def note_event(self, kind: str, subject: str, at: float, count: int = 0) -> None:
-        self.s.events = (self.s.events + [RunEvent(kind=kind, subject=subject, at=at, count=count)])[-RECENT_EVENTS:]
+        self.state.events = (self.state.events + [RunEvent(kind=kind, subject=subject, at=at, count=count)])[-RECENT_EVENTS:]
         key = f"{kind}/{subject}"
-        self.s.event_times[key] = (self.s.event_times.get(key, []) + [at])[-EVENTS_PER_KEY:]
+        self.state.event_times[key] = (self.state.event_times.get(key, []) + [at])[-EVENTS_PER_KEY:]
 
     def replay_claim(self, replica_id: str, request_id: str) -> list[Lease] | None:
         """The leases of a retried claim (same request id), still held by the replica; None if not a retry."""
-        last = self.s.last_claims.get(replica_id)
+        last = self.state.last_claims.get(replica_id)
         if not request_id or last is None or last.request_id != request_id:
             return None
         held = set(self.held_by(replica_id, [lease.group_id for lease in last.leases]))
@@ -64,39 +64,39 @@ class Ledger:
 
     def remember_claim(self, replica_id: str, request_id: str, leases: list[Lease]) -> None:
         if request_id:
-            self.s.last_claims[replica_id] = LastClaim(request_id=request_id, leases=list(leases))
+            self.state.last_claims[replica_id] = LastClaim(request_id=request_id, leases=list(leases))
 
     def rejoin(self, replica_id: str, at: float) -> None:
         """A retried replica activity claimed again: the failure was detected and recovery began."""
-        if replica_id not in self.s.rejoined:
-            self.s.rejoined.append(replica_id)
+        if replica_id not in self.state.rejoined:
+            self.state.rejoined.append(replica_id)
         self.note_event("replica_rejoined", replica_id, at)
 
     def lease(self, replica_id: str, n: int) -> list[Lease]:
         """Hand out up to n groups: returned leases first (oldest first), then fresh prompts."""
         out: list[Lease] = []
-        while len(out) < n and self.s.returned:
-            old = self.s.returned.pop(0)
+        while len(out) < n and self.state.returned:
+            old = self.state.returned.pop(0)
             out.append(self._open(old.group_id, old.prompt_id, replica_id))
         while len(out) < n:
-            prompt_id = self.s.prompt_cursor
-            self.s.prompt_cursor += 1
+            prompt_id = self.state.prompt_cursor
+            self.state.prompt_cursor += 1
             out.append(self._open(f"g{prompt_id:08d}", prompt_id, replica_id))
         return out
 
     def _open(self, group_id: str, prompt_id: int, replica_id: str) -> Lease:
-        self.s.open_leases[group_id] = OpenLease(group_id=group_id, prompt_id=prompt_id, replica_id=replica_id)
+        self.state.open_leases[group_id] = OpenLease(group_id=group_id, prompt_id=prompt_id, replica_id=replica_id)
         return Lease(group_id=group_id, prompt_id=prompt_id)
 
     def release_leases_of(self, replica_id: str, keep: set[str]) -> list[str]:
         """A (re)started replica holds only what it resumes: its other open leases go back to the pool."""
-        released = [g for g, lease in self.s.open_leases.items() if lease.replica_id == replica_id and g not in keep]
+        released = [g for g, lease in self.state.open_leases.items() if lease.replica_id == replica_id and g not in keep]
         for g in released:
-            self.s.returned.append(self.s.open_leases.pop(g))
+            self.state.returned.append(self.state.open_leases.pop(g))
         return released
 
     def held_by(self, replica_id: str, group_ids: list[str]) -> list[str]:
-        return [g for g in group_ids if g in self.s.open_leases and self.s.open_leases[g].replica_id == replica_id]
+        return [g for g in group_ids if g in self.state.open_leases and self.state.open_leases[g].replica_id == replica_id]
 
     def add_segment(self, seg: SegmentRef, replica_id: str = "", at: float = 0.0,
                     tokens_regenerated: int = 0) -> tuple[list[str], list[str]]:
@@ -104,26 +104,26 @@ class Ledger:
         regenerated tokens are not counted again)."""
         accepted: list[str] = []
         duplicates: list[str] = []
-        returned = {lease.group_id: i for i, lease in enumerate(self.s.returned)}
+        returned = {lease.group_id: i for i, lease in enumerate(self.state.returned)}
         for g in seg.group_ids:
-            if g in self.s.open_leases:
-                del self.s.open_leases[g]
+            if g in self.state.open_leases:
+                del self.state.open_leases[g]
             elif g in returned:  # a replica thought lost finished it after all
-                self.s.returned = [lease for lease in self.s.returned if lease.group_id != g]
-                returned = {lease.group_id: i for i, lease in enumerate(self.s.returned)}
+                self.state.returned = [lease for lease in self.state.returned if lease.group_id != g]
+                returned = {lease.group_id: i for i, lease in enumerate(self.state.returned)}
             else:
                 duplicates.append(g)
                 continue
-            self.s.ready.append(ReadyGroup(group_id=g, segment_key=seg.key, policy_version=seg.policy_version))
+            self.state.ready.append(ReadyGroup(group_id=g, segment_key=seg.key, policy_version=seg.policy_version))
             accepted.append(g)
         if accepted:
-            self.s.tokens_regenerated += tokens_regenerated
-            self.s.segments[seg.key] = seg
-            self.s.groups_generated += len(accepted)
-            if replica_id in self.s.rejoined:
-                self.s.rejoined.remove(replica_id)
+            self.state.tokens_regenerated += tokens_regenerated
+            self.state.segments[seg.key] = seg
+            self.state.groups_generated += len(accepted)
+            if replica_id in self.state.rejoined:
+                self.state.rejoined.remove(replica_id)
                 self.note_event("replica_recovered", replica_id, at, len(accepted))
-        self.s.duplicate_reports += len(duplicates)
+        self.state.duplicate_reports += len(duplicates)
         return accepted, duplicates
 
     # -- trainer -----------------------------------------------------------------------------
@@ -131,76 +131,76 @@ class Ledger:
     def next_batch(self, groups: int) -> list[BatchPart]:
         """The oldest `groups` ready groups, grouped by segment in arrival order."""
         parts: list[BatchPart] = []
-        for g in self.s.ready[:groups]:
+        for g in self.state.ready[:groups]:
             if parts and parts[-1].segment.key == g.segment_key:
                 parts[-1].group_ids.append(g.group_id)
             else:
-                parts.append(BatchPart(segment=self.s.segments[g.segment_key], group_ids=[g.group_id]))
+                parts.append(BatchPart(segment=self.state.segments[g.segment_key], group_ids=[g.group_id]))
         return parts
 
     def next_train_input(self, cfg: RunConfig, chain: list[str]) -> TrainStepInput:
         return TrainStepInput(
-            run_id=self.s.run_id,
+            run_id=self.state.run_id,
             config=cfg.to_json(),
-            step=self.s.step,
+            step=self.state.step,
             batch=self.next_batch(cfg.trainer.groups_per_step),
-            checkpoint=self.s.checkpoint,
-            replay=list(self.s.uncommitted),
+            checkpoint=self.state.checkpoint,
+            replay=list(self.state.uncommitted),
             relay_chain=chain,
-            fallbacks=[c for c in self.s.checkpoints[:-1] if c.step >= self._replay_base()],
-            fallback_replay=list(self.s.committed_batches),
+            fallbacks=[c for c in self.state.checkpoints[:-1] if c.step >= self._replay_base()],
+            fallback_replay=list(self.state.committed_batches),
         )
 
     def _replay_base(self) -> int:
         """The step `committed_batches` start at: the oldest restore point the workflow retains."""
-        return (self.s.checkpoint.step if self.s.checkpoint else 0) - len(self.s.committed_batches)
+        return (self.state.checkpoint.step if self.state.checkpoint else 0) - len(self.state.committed_batches)
 
     def commit_step(self, inp: TrainStepInput, res: TrainStepResult, keep_last: int, at: float = 0.0) -> None:
         consumed = {g for part in inp.batch for g in part.group_ids}
-        self.s.ready = [g for g in self.s.ready if g.group_id not in consumed]
-        live = {g.segment_key for g in self.s.ready}
-        self.s.segments = {k: v for k, v in self.s.segments.items() if k in live}
-        self.s.step, self.s.policy_version = res.step, res.policy_version
+        self.state.ready = [g for g in self.state.ready if g.group_id not in consumed]
+        live = {g.segment_key for g in self.state.ready}
+        self.state.segments = {k: v for k, v in self.state.segments.items() if k in live}
+        self.state.step, self.state.policy_version = res.step, res.policy_version
         if res.corrupt_checkpoints:
             self._fall_back(res.corrupt_checkpoints, at)
-        self.s.uncommitted.append(inp.batch)
-        self.s.step_times = (self.s.step_times + [at])[-RECENT_STEPS:]
-        self.s.steps_redone += res.steps_redone
+        self.state.uncommitted.append(inp.batch)
+        self.state.step_times = (self.state.step_times + [at])[-RECENT_STEPS:]
+        self.state.steps_redone += res.steps_redone
         if res.restored:
             self.note_event("trainer_restored", "trainer", at, res.steps_redone)
         if res.checkpoint is not None:
             base = self._replay_base()
-            self.s.committed_batches += self.s.uncommitted
-            self.s.checkpoint = res.checkpoint
-            self.s.uncommitted = []
-            full = len(self.s.checkpoints) >= keep_last
-            self.s.checkpoints = (self.s.checkpoints + [res.checkpoint])[-keep_last:]
+            self.state.committed_batches += self.state.uncommitted
+            self.state.checkpoint = res.checkpoint
+            self.state.uncommitted = []
+            full = len(self.state.checkpoints) >= keep_last
+            self.state.checkpoints = (self.state.checkpoints + [res.checkpoint])[-keep_last:]
             if full:  # the oldest checkpoint (and step 0 with it) left the window: its batches go too
-                self.s.committed_batches = self.s.committed_batches[max(0, self.s.checkpoints[0].step - base):]
+                self.state.committed_batches = self.state.committed_batches[max(0, self.state.checkpoints[0].step - base):]
         m = res.metrics
-        self.s.groups_consumed += len(consumed)
-        self.s.groups_consumed_twice += m.consumed_twice
-        self.s.tokens_consumed += m.tokens
-        self.s.reward_recent = (self.s.reward_recent + [m.reward_mean])[-RECENT_REWARDS:]
+        self.state.groups_consumed += len(consumed)
+        self.state.groups_consumed_twice += m.consumed_twice
+        self.state.tokens_consumed += m.tokens
+        self.state.reward_recent = (self.state.reward_recent + [m.reward_mean])[-RECENT_REWARDS:]
         for gap, n in m.staleness.items():
-            self.s.staleness_histogram[gap] = self.s.staleness_histogram.get(gap, 0) + n
+            self.state.staleness_histogram[gap] = self.state.staleness_histogram.get(gap, 0) + n
 
     def _fall_back(self, corrupt: list[int], at: float) -> None:
         """The trainer found these committed checkpoints corrupt and restored from the newest older restore
         point: forget them, so the next restore starts there and replays the batches since."""
-        batches = self.s.committed_batches + self.s.uncommitted
+        batches = self.state.committed_batches + self.state.uncommitted
         base = self._replay_base()
-        self.s.checkpoints = [c for c in self.s.checkpoints if c.step not in corrupt]
-        self.s.checkpoint = self.s.checkpoints[-1] if self.s.checkpoints else None
-        split = (self.s.checkpoint.step if self.s.checkpoint else 0) - base
-        self.s.committed_batches, self.s.uncommitted = batches[:split], batches[split:]
-        restored_from = self.s.checkpoint.step if self.s.checkpoint else 0
+        self.state.checkpoints = [c for c in self.state.checkpoints if c.step not in corrupt]
+        self.state.checkpoint = self.state.checkpoints[-1] if self.state.checkpoints else None
+        split = (self.state.checkpoint.step if self.state.checkpoint else 0) - base
+        self.state.committed_batches, self.state.uncommitted = batches[:split], batches[split:]
+        restored_from = self.state.checkpoint.step if self.state.checkpoint else 0
         self.note_event("checkpoint_fallback", ",".join(f"step-{c}" for c in corrupt), at, restored_from)
 
     # -- status ------------------------------------------------------------------------------
 
     def status(self, phase: str, total_steps: int, history_events: int) -> RunStatus:
-        s = self.s
+        s = self.state
         busy, wait = s.trainer_busy_s, s.trainer_wait_s
         return RunStatus(
             run_id=s.run_id,

@@ -65,13 +65,13 @@ class TrainingRunWorkflow:
         try:
             self._cfg, state = _parse_input(inp)
             run_id = self._cfg.run.run_id or workflow.info().workflow_id.removeprefix("run/")
-            self.s = state or RunState(run_id=run_id, started_at=workflow.time())
-            self._segment_first_step = self.s.step
+            self.state = state or RunState(run_id=run_id, started_at=workflow.time())
+            self._segment_first_step = self.state.step
         except ConfigError as e:
             self._error = str(e)
-            self.s = RunState(run_id="invalid")
+            self.state = RunState(run_id="invalid")
             self._segment_first_step = 0
-        self.ledger = Ledger(self.s)
+        self.ledger = Ledger(self.state)
 
     # -- the run, as a table of contents -----------------------------------------------------
 
@@ -81,10 +81,10 @@ class TrainingRunWorkflow:
             raise ApplicationError(self._error or "invalid input", type="InvalidConfig", non_retryable=True)
         self._start_relays()
         await self._wait_for_relays()
-        if not self.s.trainer_ready:
+        if not self.state.trainer_ready:
             await self._init_trainer()
         self._start_replicas()
-        while self.s.step < self._cfg.run.steps and not self.s.stopping:
+        while self.state.step < self._cfg.run.steps and not self.state.stopping:
             if self._should_continue_as_new():
                 await self._continue_as_new()
             if not await self._wait_for_batch():
@@ -96,13 +96,13 @@ class TrainingRunWorkflow:
     async def _step(self) -> None:
         """One trainer step; the first step of a continued segment measures the hand-over stall."""
         started = workflow.time()
-        if self.s.handover_last_step_at is not None:
-            stall = max(0.0, started - self.s.handover_last_step_at)
-            self.s.handover_stalls = (self.s.handover_stalls + [round(stall, 3)])[-HANDOVER_STALLS_KEPT:]
-            self.s.handover_stall_max = max(self.s.handover_stall_max, stall)
-            self.s.handover_last_step_at = None
+        if self.state.handover_last_step_at is not None:
+            stall = max(0.0, started - self.state.handover_last_step_at)
+            self.state.handover_stalls = (self.state.handover_stalls + [round(stall, 3)])[-HANDOVER_STALLS_KEPT:]
+            self.state.handover_stall_max = max(self.state.handover_stall_max, stall)
+            self.state.handover_last_step_at = None
         await self._train_one_step()
-        self.s.last_step_at = workflow.time()
+        self.state.last_step_at = workflow.time()
 
     # -- relays ------------------------------------------------------------------------------
 
@@ -111,7 +111,7 @@ class TrainingRunWorkflow:
         for i in range(self._cfg.relay.relays):
             relay_id = f"host-{i}"
             self._relay_tasks[relay_id] = asyncio.create_task(self._watch_relay(relay_id))
-            if relay_id in self.s.relays:  # inherited from the previous segment
+            if relay_id in self.state.relays:  # inherited from the previous segment
                 self._relay_tasks[f"{relay_id}/rejoin"] = asyncio.create_task(self._expect_rejoin(relay_id))
 
     async def _watch_relay(self, relay_id: str) -> None:
@@ -126,7 +126,7 @@ class TrainingRunWorkflow:
             try:
                 await workflow.execute_activity(
                     "run_relay",
-                    RunRelayInput(run_id=self.s.run_id, workflow_id=workflow.info().workflow_id, relay_id=relay_id),
+                    RunRelayInput(run_id=self.state.run_id, workflow_id=workflow.info().workflow_id, relay_id=relay_id),
                     task_queue=relay_queue(relay_id),
                     start_to_close_timeout=timedelta(days=30),
                     heartbeat_timeout=timedelta(seconds=self._cfg.relay.heartbeat_timeout_s),
@@ -144,7 +144,7 @@ class TrainingRunWorkflow:
             await workflow.sleep(timedelta(seconds=min(30, 2**failures)))
 
     def _lose_relay(self, relay_id: str) -> None:
-        if self.s.relays.pop(relay_id, None) is not None:
+        if self.state.relays.pop(relay_id, None) is not None:
             self.ledger.note_event("relay_lost", relay_id, workflow.time())
             workflow.logger.warning("relay_lost", extra={"relay_id": relay_id})
 
@@ -164,23 +164,23 @@ class TrainingRunWorkflow:
         only one (it normally inherits the whole chain), and the others rejoin the chain as they come (a dead
         relay never stalls training)."""
         assert self._cfg is not None
-        want = self._cfg.relay.relays if not self.s.trainer_ready else 1
+        want = self._cfg.relay.relays if not self.state.trainer_ready else 1
         try:
-            await workflow.wait_condition(lambda: len(self.s.relays) >= want, timeout=RELAY_JOIN_TIMEOUT)
+            await workflow.wait_condition(lambda: len(self.state.relays) >= want, timeout=RELAY_JOIN_TIMEOUT)
         except TimeoutError:
-            workflow.logger.warning("relays_missing", extra={"joined": sorted(self.s.relays), "wanted": want})
-            await workflow.wait_condition(lambda: len(self.s.relays) >= 1)
+            workflow.logger.warning("relays_missing", extra={"joined": sorted(self.state.relays), "wanted": want})
+            await workflow.wait_condition(lambda: len(self.state.relays) >= 1)
 
     def _chain(self) -> list[str]:
-        return [r.address for _, r in sorted(self.s.relays.items())]
+        return [r.address for _, r in sorted(self.state.relays.items())]
 
     @workflow.signal
     def relay_joined(self, info: RelayInfo) -> None:
-        known = self.s.relays.get(info.relay_id)
+        known = self.state.relays.get(info.relay_id)
         if known is not None and known.address != info.address:
             # a new incarnation of the relay (its process restarted): the old one is gone
             self._lose_relay(info.relay_id)
-        self.s.relays[info.relay_id] = info
+        self.state.relays[info.relay_id] = info
         self._rejoined_relays.add(info.relay_id)
         self.ledger.note_event("relay_joined", info.relay_id, workflow.time())
 
@@ -192,9 +192,9 @@ class TrainingRunWorkflow:
             res: TrainerInitResult = await workflow.execute_activity(
                 "init_trainer",
                 TrainerInitInput(
-                    run_id=self.s.run_id,
+                    run_id=self.state.run_id,
                     config=self._cfg.to_json(),
-                    checkpoint=self.s.checkpoint,
+                    checkpoint=self.state.checkpoint,
                     relay_chain=self._chain(),
                 ),
                 result_type=TrainerInitResult,
@@ -206,21 +206,21 @@ class TrainingRunWorkflow:
         except ActivityError as e:
             _fail_run_if_permanent(e, "init_trainer")
             raise
-        self.s.step, self.s.policy_version, self.s.trainer_ready = res.step, res.policy_version, True
+        self.state.step, self.state.policy_version, self.state.trainer_ready = res.step, res.policy_version, True
 
     def _has_batch(self) -> bool:
         assert self._cfg is not None
-        return not self.s.paused and len(self.s.ready) >= self._cfg.trainer.groups_per_step
+        return not self.state.paused and len(self.state.ready) >= self._cfg.trainer.groups_per_step
 
     async def _wait_for_batch(self) -> bool:
         """Wait until the trainer has a full batch of complete groups, or the history segment is full (a
         paused or starved run still continues as new); False when the run is stopping."""
         t0 = workflow.time()
-        await workflow.wait_condition(lambda: self.s.stopping or self._has_batch() or self._segment_full()
+        await workflow.wait_condition(lambda: self.state.stopping or self._has_batch() or self._segment_full()
                                       or self._replica_ended())
-        self.s.trainer_wait_s += workflow.time() - t0
+        self.state.trainer_wait_s += workflow.time() - t0
         self._fail_if_a_replica_failed()
-        return not self.s.stopping
+        return not self.state.stopping
 
     def _replica_ended(self) -> bool:
         """A replica activity ended outside a hand-over: it retries without limit, so only a permanent
@@ -254,7 +254,7 @@ class TrainingRunWorkflow:
         except ActivityError as e:
             _fail_run_if_permanent(e, f"train_step {inp.step}")
             raise
-        self.s.trainer_busy_s += workflow.time() - t0
+        self.state.trainer_busy_s += workflow.time() - t0
         self.ledger.commit_step(inp, res, keep_last=self._cfg.trainer.keep_last, at=workflow.time())
         self._note_history()
 
@@ -267,11 +267,11 @@ class TrainingRunWorkflow:
             self._replicas[replica_id] = workflow.start_activity(
                 "run_rollout_replica",
                 RolloutReplicaInput(
-                    run_id=self.s.run_id,
+                    run_id=self.state.run_id,
                     workflow_id=workflow.info().workflow_id,
                     replica_id=replica_id,
                     config=self._cfg.to_json(),
-                    generation=self.s.continued_as_new,
+                    generation=self.state.continued_as_new,
                 ),
                 task_queue=ROLLOUT_QUEUE,
                 start_to_close_timeout=timedelta(days=30),
@@ -292,21 +292,21 @@ class TrainingRunWorkflow:
             resume_ok = self.ledger.held_by(replica_id, inp.resuming)
             if inp.attempt > 1:
                 self.ledger.rejoin(replica_id, workflow.time())
-        stop, handover = self.s.stopping, self._handover
+        stop, handover = self.state.stopping, self._handover
         leases = self.ledger.replay_claim(replica_id, inp.request_id)
         if leases is None:
             leases = []
-            if not (stop or handover or self.s.paused or not self.s.trainer_ready):
-                room = self._cfg.rollout.max_ready_groups - len(self.s.ready)
+            if not (stop or handover or self.state.paused or not self.state.trainer_ready):
+                room = self._cfg.rollout.max_ready_groups - len(self.state.ready)
                 leases = self.ledger.lease(replica_id, max(0, min(inp.max_groups, room)))
             self.ledger.remember_claim(replica_id, inp.request_id, leases)
         return ClaimPromptsResult(
             leases=leases,
-            newest_policy_version=self.s.policy_version,
-            relays=[r for _, r in sorted(self.s.relays.items())],
+            newest_policy_version=self.state.policy_version,
+            relays=[r for _, r in sorted(self.state.relays.items())],
             stop=stop,
             handover=handover,
-            paused=self.s.paused,
+            paused=self.state.paused,
             resume_ok=resume_ok,
         )
 
@@ -325,7 +325,7 @@ class TrainingRunWorkflow:
             inp.segment, inp.report.replica_id, workflow.time(), inp.tokens_regenerated
         )
         return AddExperienceResult(
-            accepted=accepted, duplicates=duplicates, stop=self.s.stopping, handover=self._handover
+            accepted=accepted, duplicates=duplicates, stop=self.state.stopping, handover=self._handover
         )
 
     @add_experience.validator
@@ -338,19 +338,19 @@ class TrainingRunWorkflow:
     @workflow.update
     def pause(self) -> str:
         self._updates += 1
-        self.s.paused = True
+        self.state.paused = True
         return self._phase()
 
     @workflow.update
     def resume(self) -> str:
         self._updates += 1
-        self.s.paused = False
+        self.state.paused = False
         return self._phase()
 
     @workflow.update
     def stop(self) -> str:
         self._updates += 1
-        self.s.stopping = True
+        self.state.stopping = True
         return self._phase()
 
     @workflow.query
@@ -366,11 +366,11 @@ class TrainingRunWorkflow:
             return "failed"
         if self._finished:
             return "finished"
-        if self.s.stopping or self.s.step >= (self._cfg.run.steps if self._cfg else 0):
+        if self.state.stopping or self.state.step >= (self._cfg.run.steps if self._cfg else 0):
             return "stopping"
-        if self.s.paused:
+        if self.state.paused:
             return "paused"
-        return "running" if self.s.trainer_ready else "starting"
+        return "running" if self.state.trainer_ready else "starting"
 
     # -- continue-as-new and finish ----------------------------------------------------------
 
@@ -384,10 +384,10 @@ class TrainingRunWorkflow:
 
     def _should_continue_as_new(self) -> bool:
         assert self._cfg is not None
-        if self.s.step >= self._cfg.run.steps or self.s.stopping:
+        if self.state.step >= self._cfg.run.steps or self.state.stopping:
             return False
         every = self._cfg.run.continue_as_new_every
-        forced = every > 0 and self.s.step > self._segment_first_step and self.s.step % every == 0
+        forced = every > 0 and self.state.step > self._segment_first_step and self.state.step % every == 0
         return forced or self._segment_full()
 
     async def _drain(self) -> None:
@@ -412,26 +412,26 @@ class TrainingRunWorkflow:
         assert self._cfg is not None
         self._handover = True
         deadline = workflow.time() + DRAIN_TIMEOUT.total_seconds()
-        while not self._replicas_returned() and not self.s.stopping:
+        while not self._replicas_returned() and not self.state.stopping:
             try:
-                await workflow.wait_condition(lambda: self._replicas_returned() or self.s.stopping
+                await workflow.wait_condition(lambda: self._replicas_returned() or self.state.stopping
                                               or self._has_batch(), timeout=max(0.0, deadline - workflow.time()))
             except TimeoutError:
                 workflow.logger.warning("replicas_drain_timed_out")
                 break
-            if self._has_batch() and self.s.step < self._cfg.run.steps:
+            if self._has_batch() and self.state.step < self._cfg.run.steps:
                 await self._step()
         await self._drain()
         self._note_history()
-        self.s.continued_as_new += 1
-        self.s.handover_last_step_at = self.s.last_step_at
-        workflow.continue_as_new(TrainingRunInput(config=self._cfg.to_json(), state=self.s))
+        self.state.continued_as_new += 1
+        self.state.handover_last_step_at = self.state.last_step_at
+        workflow.continue_as_new(TrainingRunInput(config=self._cfg.to_json(), state=self.state))
 
     def _replicas_returned(self) -> bool:
         return all(t.done() for t in self._replicas.values())
 
     async def _finish(self) -> RunStatus:
-        self.s.stopping = True
+        self.state.stopping = True
         await self._drain()
         self._note_history()
         self._finished = True
@@ -443,7 +443,7 @@ class TrainingRunWorkflow:
 
     def _note_history(self) -> None:
         n = workflow.info().get_current_history_length()
-        self.s.history_events_max = max(self.s.history_events_max, n)
+        self.state.history_events_max = max(self.state.history_events_max, n)
 
 
 def _fail_run_if_permanent(e: ActivityError, what: str) -> None:
