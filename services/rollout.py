@@ -20,6 +20,7 @@ Talks to the workflow only through `ControlPort`, so the loop is testable withou
 
 from __future__ import annotations
 
+import json
 import time
 import zlib
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from laminar.config import RunConfig
-from laminar.errors import RelayError
+from laminar.errors import CorruptDataError, RelayError
 from laminar.logs import get_logger
 from laminar.messages import (
     AddExperienceInput,
@@ -40,12 +41,14 @@ from laminar.messages import (
     RolloutReplicaResult,
 )
 from laminar.records import Trajectory
+from laminar.timing import TimeBreakdown
 from relay import client as relay_client
 from relay.weights import state_dict_from_buffer
 from rl.engine import Finished, TorchEngine
 from rl.model import bytes_to_state_dict
 from rl.tasks import Prompt
 from services.model_files import load_run_model
+from storage import keys
 from storage.objects import ObjectStore
 from storage.trajectories import TrajectoryStore
 
@@ -56,6 +59,7 @@ CLAIM_POLL_S = 0.5  # how often a replica with free slots asks for work
 CONTACT_S = 1.0  # a busy replica with no free slot still reports this often (hand-over, stop)
 IDLE_CLAIM_MAX_S = 2.0  # an empty claim doubles the interval up to this (back-pressure, no weights yet)
 PAUSED_CLAIM_MAX_S = 10.0  # ... and up to this while the run is paused
+PROFILE_EVERY_S = 5.0  # how often the replica writes its time breakdown to the store (and at return)
 
 
 class ControlPort(Protocol):
@@ -95,6 +99,7 @@ class RolloutReplica:
         self.run_id, self.replica_id, self.host_id = run_id, replica_id, host_id
         self.segment_prefix = segment_prefix  # attempt-scoped: a zombie never overwrites its retry's segments
         self.cfg = cfg
+        self.store = store
         self.trajectories = TrajectoryStore(store)
         self.control = control
         self.attempt = attempt
@@ -123,6 +128,9 @@ class RolloutReplica:
         self.tokens_regenerated = 0  # since the last report
         self.unsaved_tokens = 0  # generated since the last pool write: a retry would generate them again
         self._pool_empty = False  # unknown until the first write
+        # Where this incarnation's time goes; generate/drain count tokens (sequence-steps), the rest calls.
+        self.profile = TimeBreakdown()
+        self._profile_written = self.profile.started
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -147,29 +155,40 @@ class RolloutReplica:
             now = self.clock()
             if self.control.cancelled():
                 self._write_partial_pool()
+                self._write_profile()
                 raise InterruptedError(f"replica {self.replica_id} cancelled")
             if now - last_poll >= VERSION_POLL_S:
-                self._poll_relay()
+                with self.profile.measure("poll_relay"):
+                    self._poll_relay()
                 last_poll = now
             if self.engine.in_flight() == 0 and self._newer_available():
-                self._load_newest()
+                with self.profile.measure("load_weights"):
+                    self._load_newest()
             want = self._admissible_groups()
             busy = self.engine.in_flight() > 0
             waiting = busy or self.engine.policy_version is None  # no weights yet: learn relays that join later
             if (want > 0 and now - last_claim >= claim_every) or (waiting and now - last_claim >= CONTACT_S):
-                res = self.control.claim(ClaimPromptsInput(report=self._report(), max_groups=want,
-                                                           attempt=self.attempt, request_id=self._request_id()))
+                with self.profile.measure("claim"):
+                    res = self.control.claim(ClaimPromptsInput(report=self._report(), max_groups=want,
+                                                               attempt=self.attempt, request_id=self._request_id()))
                 last_claim = now
                 self.relays = res.relays or self.relays
                 if res.stop or res.handover:
                     return self._hand_over(res.stop)
                 self._admit(res.leases)
                 claim_every = _next_claim_interval(claim_every, want, len(res.leases), res.paused)
-            if self.engine.in_flight():
-                self.unsaved_tokens += self.engine.in_flight()  # one token per sequence per engine step
-                self._record(self.engine.step())
+            if in_flight := self.engine.in_flight():
+                self.unsaved_tokens += in_flight  # one token per sequence per engine step
+                t0 = self.profile.clock()
+                finished = self.engine.step()
+                # draining: a newer version waits, so nothing is admitted until these finish
+                self.profile.add("drain" if self._newer_available() else "generate", self.profile.clock() - t0,
+                                 in_flight)
+                self._record(finished)
             else:
-                time.sleep(0.05)  # idle: nothing leased (paused, back-pressure) or waiting for weights
+                # idle: nothing leased (paused, back-pressure) or waiting for weights
+                with self.profile.measure("idle" if self.engine.policy_version is not None else "wait_weights"):
+                    time.sleep(0.05)
             if now - last_flush >= self.cfg.rollout.flush_interval_s:
                 res = self._flush_completed()
                 if res is not None:
@@ -178,7 +197,10 @@ class RolloutReplica:
                         return self._hand_over(res.stop)
                 self._write_partial_pool()
                 last_flush = now
-            self.control.heartbeat(self._heartbeat_details())
+            with self.profile.measure("heartbeat"):
+                self.control.heartbeat(self._heartbeat_details())
+            if self.profile.clock() - self._profile_written >= PROFILE_EVERY_S:
+                self._write_profile()
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -276,11 +298,14 @@ class RolloutReplica:
         if not self.completed:
             return None
         rows = [t for g in self.completed for _, t in sorted(g.done.items())]
-        ref = self.trajectories.write_segment(self.run_id, self.replica_id, f"{self.segment_prefix}-{self.seq:06d}", rows)
+        with self.profile.measure("write_segment"):
+            ref = self.trajectories.write_segment(self.run_id, self.replica_id,
+                                                  f"{self.segment_prefix}-{self.seq:06d}", rows)
         self.seq += 1
-        res = self.control.add_experience(
-            AddExperienceInput(report=self._report(), segment=ref, tokens_regenerated=self.tokens_regenerated)
-        )
+        with self.profile.measure("add_experience"):
+            res = self.control.add_experience(
+                AddExperienceInput(report=self._report(), segment=ref, tokens_regenerated=self.tokens_regenerated)
+            )
         self.tokens_regenerated = 0
         self.groups_completed += len(res.accepted)
         self.tokens_generated += sum(len(t.response_ids) for t in rows)
@@ -302,13 +327,21 @@ class RolloutReplica:
         rows += [t for g in self.completed for t in g.done.values()]  # complete but not yet reported
         if not rows and self._pool_empty:
             return  # an idle replica does not rewrite an empty pool every flush interval
-        self.trajectories.write_partial(self.run_id, self.replica_id, self.fence, rows)
+        with self.profile.measure("flush_pool"):
+            self.trajectories.write_partial(self.run_id, self.replica_id, self.fence, rows)
         self._pool_empty = not rows
         self.unsaved_tokens = 0
 
     def _read_partial_pool(self) -> dict[str, list[Trajectory]]:
+        """The previous incarnation's in-flight groups by group id. A corrupt pool is dropped, not retried
+        forever: its groups' leases go back to the pool at the first claim and are generated again."""
+        try:
+            rows = self.trajectories.read_partial(self.run_id, self.replica_id)
+        except CorruptDataError as e:
+            log.error("partial_pool_corrupt", replica_id=self.replica_id, error=str(e))
+            rows = []
         by_group: dict[str, list[Trajectory]] = {}
-        for t in self.trajectories.read_partial(self.run_id, self.replica_id):
+        for t in rows:
             by_group.setdefault(t.group_id, []).append(t)
         return by_group
 
@@ -363,12 +396,20 @@ class RolloutReplica:
     def _hand_over(self, stop: bool) -> RolloutReplicaResult:
         self._flush_completed()
         self._write_partial_pool()
+        self._write_profile()
 
         log.info("replica_returned", replica_id=self.replica_id, stop=stop, in_flight_groups=len(self.groups))
         return RolloutReplicaResult(replica_id=self.replica_id, groups_completed=self.groups_completed,
                                     tokens_generated=self.tokens_generated, handed_over=len(self.groups))
 
     # -- reports -------------------------------------------------------------------------------
+
+    def _write_profile(self) -> None:
+        """This incarnation's time breakdown, to the store (read by the run summary)."""
+        with self.profile.measure("profile_write"):
+            key = keys.profile(self.run_id, f"rollout-{self.replica_id}-{self.segment_prefix}")
+            self.store.put(key, json.dumps(self.profile.to_dict()).encode())
+        self._profile_written = self.profile.clock()
 
     def _report(self) -> ReplicaReport:
         used, capacity = self.engine.kv_usage()
