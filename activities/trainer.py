@@ -29,4 +29,6 @@ class TrainerActivities:
     @activity.defn(name="train_step")
     def train_step(self, inp: TrainStepInput) -> TrainStepResult:
         with background_heartbeat() as progress, permanent_errors(CorruptDataError):
-            return self.service.train_step(inp, heartbeat=progress.tick)
+            info = activity.info()
+            queued_s = (info.started_time - info.current_attempt_scheduled_time).total_seconds()
+            return self.service.train_step(inp, heartbeat=progress.tick, schedule_to_start_s=queued_s)

@@ -23,6 +23,7 @@ log = get_logger(__name__)
 class SyncLoopResult:
     metrics: list[UpdateMetrics] = field(default_factory=list)
     response_lens: list[list[int]] = field(default_factory=list)  # per step
+    step_end_s: list[float] = field(default_factory=list)  # seconds from the loop's start to each step's end
     wall_s: float = 0.0
 
 
@@ -88,6 +89,7 @@ def run_sync_loop(cfg: RunConfig, model_dir, steps: int | None = None) -> SyncLo
         m = trainer.step(trajs, trainer_version=step)
         result.metrics.append(m)
         result.response_lens.append([len(t.response_ids) for t in trajs])
+        result.step_end_s.append(time.time() - started)
         log.info(
             "sync_step_finished",
             step=step,

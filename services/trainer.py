@@ -12,6 +12,7 @@ while the trainer goes back to work.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -29,6 +30,7 @@ from laminar.messages import (
 )
 from laminar.records import Trajectory
 from laminar.refs import CheckpointRef
+from laminar.timing import TimeBreakdown
 from relay import client as relay_client
 from rl.model import load_pretrained, state_dict_to_bytes
 from rl.trainer import Trainer
@@ -39,6 +41,8 @@ from storage.objects import ObjectStore
 from storage.trajectories import TrajectoryStore
 
 log = get_logger(__name__)
+
+PROFILE_EVERY_S = 5.0  # how often the trainer writes its time breakdown to the store (and at the last step)
 
 
 class TrainerService:
@@ -54,6 +58,8 @@ class TrainerService:
         self.step = -1  # steps applied to the in-memory policy; -1: nothing loaded
         self.consumed: set[str] = set()
         self.last_step_end: float | None = None
+        self.profile = TimeBreakdown()  # where this process's time goes (laminar.timing)
+        self._profile_written = self.profile.started
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -80,20 +86,32 @@ class TrainerService:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def train_step(self, inp: TrainStepInput, heartbeat=lambda: None) -> TrainStepResult:
+    def train_step(self, inp: TrainStepInput, heartbeat=lambda: None,
+                   schedule_to_start_s: float | None = None) -> TrainStepResult:
+        """schedule_to_start_s: how long the activity waited on the task queue (control-plane latency)."""
         t_start = time.time()
         wait_s = 0.0 if self.last_step_end is None else t_start - self.last_step_end
+        prof = self.profile
+        if self.last_step_end is not None:
+            prof.add("wait_groups", wait_s)
+        if schedule_to_start_s is not None:  # part of wait_groups
+            prof.latency("train_step_schedule_to_start", schedule_to_start_s)
         redone, restored, corrupt = 0, False, []
         if self.run_id != inp.run_id or self.step != inp.step:
-            (redone, corrupt), restored = self._rewind(inp, heartbeat), True
+            with prof.measure("rewind"):
+                (redone, corrupt), restored = self._rewind(inp, heartbeat), True
         assert self.trainer is not None and self.cfg is not None
-        trajectories, twice = self._read_batch(inp.batch)
-        m = self.trainer.step(trajectories, trainer_version=self.step)
+        with prof.measure("read_segments"):
+            trajectories, twice = self._read_batch(inp.batch)
+        with prof.measure("compute"):
+            m = self.trainer.step(trajectories, trainer_version=self.step)
         self.step += 1
         self.consumed.update(g for part in inp.batch for g in part.group_ids)
         heartbeat()
-        ckpt = self._maybe_checkpoint(keep_from_step=_replay_base(inp))
-        stall_s, _ = self._publish(inp.relay_chain)
+        with prof.measure("checkpoint"):
+            ckpt = self._maybe_checkpoint(keep_from_step=_replay_base(inp))
+        with prof.measure("publish"):
+            stall_s, _ = self._publish(inp.relay_chain)
         metrics = StepMetrics(
             reward_mean=m.reward_mean, loss=m.loss, grad_norm=m.grad_norm, samples=m.samples, tokens=m.tokens,
             response_len_mean=m.response_len_mean, staleness={str(k): v for k, v in m.staleness.items()},
@@ -101,7 +119,10 @@ class TrainerService:
             is_weight_mean=m.is_weight_mean, is_weight_max=m.is_weight_max,
             is_capped_fraction=m.is_capped_fraction, kl_behaviour=m.kl_behaviour,
         )
-        self._write_metrics(metrics, trajectories, wait_s=wait_s, busy_s=time.time() - t_start, stall_s=stall_s)
+        with prof.measure("write_metrics"):
+            self._write_metrics(metrics, trajectories, wait_s=wait_s, busy_s=time.time() - t_start, stall_s=stall_s)
+        if self.step >= self.cfg.run.steps or prof.clock() - self._profile_written >= PROFILE_EVERY_S:
+            self._write_profile()
         self.last_step_end = time.time()
         log.info("train_step_completed", step=self.step, reward=round(m.reward_mean, 4), tokens=m.tokens,
                  staleness=metrics.staleness, stall_s=round(stall_s, 4), checkpoint=ckpt is not None)
@@ -222,6 +243,12 @@ class TrainerService:
                   "policy_versions": sorted({t.policy_version for t in trajectories}), "time": time.time()}
         self.store.put(keys.step_metrics(self.run_id, self.step), json.dumps(record).encode())
 
+
+
+    def _write_profile(self) -> None:
+        assert self.run_id is not None
+        self.store.put(keys.profile(self.run_id, f"trainer-{os.getpid()}"), json.dumps(self.profile.to_dict()).encode())
+        self._profile_written = self.profile.clock()
 
 
 def _replay_base(inp: TrainStepInput) -> int:

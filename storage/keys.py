@@ -9,6 +9,7 @@ project spells keys.
     runs/<run_id>/partial/<replica>/g<segment:06d>-a<attempt:04d>.parquet   (+ .json, its commit manifest)
     runs/<run_id>/drills/<drill_id>.json
     runs/<run_id>/metrics/step-<n:08d>.json
+    runs/<run_id>/profile/<process>.json
     runs/<run_id>/summary.json
 """
 
@@ -153,6 +154,15 @@ def step_metrics(run_id: str, step: int) -> str:
 
 def step_metrics_prefix(run_id: str) -> str:
     return f"{run_prefix(run_id)}metrics/"
+
+
+def profile_prefix(run_id: str) -> str:
+    return f"{run_prefix(run_id)}profile/"
+
+
+def profile(run_id: str, process: str) -> str:
+    """One process's time breakdown (laminar.timing), e.g. `trainer-1234` or a rollout replica incarnation."""
+    return f"{profile_prefix(run_id)}{check_id('profile process', process)}.json"
 
 
 # -- model -------------------------------------------------------------------------------------------

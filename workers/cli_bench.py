@@ -119,3 +119,42 @@ def heartbeats_bench(
         row = asyncio.run(measure(n, window_s))
         table.add_row(str(n), str(row["heartbeat_rpcs_per_s"]), str(row["server_cpu_percent"]))
     console.print(table)
+
+
+@bench_app.command("overhead", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def overhead_bench(
+    ctx: typer.Context,
+    config: Path = typer.Argument(Path("examples/tiny.toml"), help="Run config (TOML), used by both sides."),
+    steps: int | None = typer.Option(None, help="Override run.steps."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write {\"loop\": ..., \"laminar\": ...} here."),
+) -> None:
+    """The single-process loop, then `laminar run`, on the same config: wall time, tokens/s, time to reward,
+    reward rise, ratios, and laminar's time breakdown. Extra `--section.key=value` arguments override both."""
+    from bench.overhead import ratios, run_laminar, run_loop
+    from laminar.config import RunConfig
+    from workers.settings import Settings
+    from workers.summary import format_profile
+
+    overrides = [*ctx.args, *([f"--run.steps={steps}"] if steps is not None else [])]
+    try:
+        cfg = RunConfig.load(config, overrides)
+        err.print("[dim]single-process loop ...[/dim]")
+        loop = run_loop(cfg, Settings.from_env().home)
+        err.print(f"[dim]loop: {loop}[/dim]")
+        err.print("[dim]laminar run ...[/dim]")
+        laminar = run_laminar(config, overrides)
+    except LaminarError as exc:
+        err.print(f"[red]overhead benchmark failed:[/red] {exc}")
+        raise typer.Exit(1) from None
+    r = ratios(loop, laminar)
+    table = Table("", "single-process loop", "laminar run", "laminar / loop",
+                  title=f"{config} ({loop['steps']} steps)")
+    for key in ("wall_s", "tokens_per_s", "reward_rise", "time_to_reward_0_6_s", "time_to_reward_0_8_s",
+                "groups_consumed_twice"):
+        table.add_row(key, str(loop[key]), str(laminar[key]), "" if r.get(key) is None else f"{r[key]}x")
+    console.print(table)
+    if laminar.get("profile"):
+        console.print(format_profile(laminar["profile"]), highlight=False)
+    if json_path is not None:
+        json_path.write_text(json.dumps({"loop": loop, "laminar": laminar, "ratios": r}, indent=2) + "\n")
+        console.print(f"wrote {json_path}")

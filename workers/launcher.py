@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from laminar.config import RunConfig
 from laminar.logs import get_logger
 from workers.settings import Settings
@@ -131,6 +133,14 @@ class LocalLauncher:
         self._start(p)
         return True
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) of each live process's current incarnation, by name."""
+        out = {}
+        for name, p in self.processes.items():
+            if p.proc is not None and p.proc.poll() is None and (cpu := process_cpu_s(p.proc.pid)) is not None:
+                out[name] = cpu
+        return out
+
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self.processes.items() if p.pid is not None}
 
@@ -151,6 +161,15 @@ class LocalLauncher:
                 _signal(p, signal.SIGKILL)
                 p.proc.wait(timeout=5)
         log.info("processes_stopped", count=len(live))
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a live process, None if it is gone or not readable."""
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return round(t.user + t.system, 2)
 
 
 def _die_with_parent() -> None:

@@ -24,10 +24,10 @@ from laminar.messages import RunStatus
 from storage import keys
 from workers.connect import connect, store_for
 from workers.devstack import DevStack
-from workers.launcher import LocalLauncher, plan_processes
+from workers.launcher import LocalLauncher, plan_processes, process_cpu_s
 from workers.run_control import new_run_id, start_or_attach
 from workers.settings import Settings
-from workers.summary import build_summary, reward_rise
+from workers.summary import build_profile, build_summary, format_profile, reward_rise
 
 POLL_S = 1.0
 QUERY_TIMEOUT_S = 5.0  # a status query the control worker has not answered by then shows as waiting
@@ -53,7 +53,7 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console) -> in
         signal.signal(sig, signal.default_int_handler)
     launcher = LocalLauncher(plan_processes(cfg, settings, home / "logs" / cfg.run.run_id, spare_slots=1, allow_faults=True))
     try:
-        return asyncio.run(_drive(cfg, settings, launcher, summary_path, console))
+        return asyncio.run(_drive(cfg, settings, launcher, summary_path, console, info.temporal_pid))
     except KeyboardInterrupt:
         console.print("interrupted: stopping the run and every process this command started")
         return 130
@@ -64,7 +64,7 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console) -> in
 
 
 async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher, summary_path: Path | None,
-                 console: Console) -> int:
+                 console: Console, temporal_pid: int | None = None) -> int:
     store = store_for(settings)
     client = await connect(settings, core_logs=False)
     t0 = time.time()
@@ -85,12 +85,18 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher, su
         if not result_task.done():  # interrupted: never leave a run behind to resume on the next start
             result_task.cancel()
             await _cancel(handle, console)
-    summary = build_summary(final, store, time.time() - t0)
+    wall_s = time.time() - t0
+    cpu_s = launcher.cpu_seconds()  # before stop_all: the processes are still alive
+    if temporal_pid is not None and (temporal_cpu := process_cpu_s(temporal_pid)) is not None:
+        cpu_s["temporal (since dev up)"] = temporal_cpu
+    profile = build_profile(store, cfg.run.run_id, cpu_s)
+    summary = build_summary(final, store, wall_s, started_at=t0, profile=profile)
     store.put(keys.summary(cfg.run.run_id), json.dumps(summary, indent=2).encode())
     if summary_path is not None:
         summary_path.parent.mkdir(parents=True, exist_ok=True)
         summary_path.write_text(json.dumps(summary, indent=2))
     _print_summary(summary, console)
+    console.print(format_profile(profile), highlight=False)
     return 0
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from laminar.messages import RunStatus
+from laminar.timing import merge
 from storage import keys
 from storage.objects import ObjectStore
 
@@ -51,7 +52,48 @@ def step_metrics(store: ObjectStore, run_id: str) -> list[dict[str, Any]]:
     return sorted(records, key=lambda r: r["step"])
 
 
-def build_summary(status: RunStatus, store: ObjectStore, wall_s: float) -> dict[str, Any]:
+def build_profile(store: ObjectStore, run_id: str, cpu_s: dict[str, float]) -> dict[str, Any]:
+    """Where the run's time went: the rollout replicas' breakdowns summed over every incarnation (replica x
+    history segment x attempt), the trainer's (summed over its processes), and CPU seconds per process."""
+    prefix = keys.profile_prefix(run_id)
+    by_process = {k[len(prefix):].removesuffix(".json"): json.loads(store.get(k)) for k in store.list(prefix)}
+    return {
+        "rollout": merge([v for k, v in by_process.items() if k.startswith("rollout-")]),
+        "rollout_incarnations": sum(1 for k in by_process if k.startswith("rollout-")),
+        "trainer": merge([v for k, v in by_process.items() if k.startswith("trainer-")]),
+        "cpu_s": cpu_s,
+    }
+
+
+def format_profile(profile: dict[str, Any]) -> str:
+    """The breakdown as text, rollout and trainer side by side: seconds, share of the role's wall time, count."""
+    cols = []
+    for role in ("rollout", "trainer"):
+        p = profile[role]
+        wall = p["wall_s"] or 1.0
+        rows = [(name, v["s"], v["n"]) for name, v in sorted(p["buckets"].items(), key=lambda kv: -kv[1]["s"])]
+        rows.append(("(other)", p["other_s"], 0))
+        lines = [f"{role} ({p['wall_s']:.1f} s wall{', summed over replicas' if role == 'rollout' else ''})"]
+        lines += [f"  {name:<22}{s:8.1f} s {100 * s / wall:5.1f} % {n or '':>8}" for name, s, n in rows]
+        lines += [f"  latency {name:<14}{1000 * v['s'] / max(1, v['n']):8.1f} ms/call {v['n']:>6}"
+                  for name, v in p.get("latency", {}).items()]
+        cols.append(lines)
+    for name in ("claim", "add_experience"):  # control-plane latency per update, as the replica sees it
+        v = profile["rollout"]["buckets"].get(name)
+        if v:
+            cols[0].append(f"  latency {name:<14}{1000 * v['s'] / max(1, v['n']):8.1f} ms/call {v['n']:>6}")
+    width = max(len(line) for line in cols[0]) + 2
+    height = max(len(c) for c in cols)
+    out = [f"{(cols[0] + [''] * height)[i]:<{width}}{(cols[1] + [''] * height)[i]}" for i in range(height)]
+    cpu = profile.get("cpu_s", {})
+    if cpu:
+        out.append("cpu s: " + ", ".join(f"{k}={v:.1f}" for k, v in cpu.items()) + f" (total {sum(cpu.values()):.1f})")
+    return "\n".join(out)
+
+
+def build_summary(status: RunStatus, store: ObjectStore, wall_s: float, started_at: float | None = None,
+                  profile: dict[str, Any] | None = None) -> dict[str, Any]:
+    """started_at: the run's start (time.time()), for each step's completion time; profile: build_profile's."""
     metrics = step_metrics(store, status.run_id)
     lengths = sorted(n for r in metrics for n in r["response_lengths"])
     tokens = sum(r["tokens"] for r in metrics)
@@ -82,6 +124,9 @@ def build_summary(status: RunStatus, store: ObjectStore, wall_s: float) -> dict[
         "is_capped_fraction_mean": _mean(_over_updates(metrics, "is_capped_fraction")),
         "kl_behaviour_mean": _mean(_over_updates(metrics, "kl_behaviour")),
         "kl_behaviour_max": _max(_over_updates(metrics, "kl_behaviour")),
+        # seconds from the run's start to each step's end (time to reward); empty without started_at
+        "step_end_s": [round(r["time"] - started_at, 3) for r in metrics] if started_at is not None else [],
+        **({"profile": profile} if profile is not None else {}),
     }
 
 

@@ -1,0 +1,88 @@
+"""`laminar bench overhead`: the single-process loop (rl/sync_loop.py) and `laminar run` on the same config,
+one after the other, so the price of separate processes and a durable control plane is one number.
+
+Each side reports wall time, response tokens consumed per second, the reward rise (last fifth minus
+first tenth of the steps), the time until the 30-step moving average of reward first exceeds 0.6 and
+0.8, and groups consumed twice; `laminar run`'s side also carries its time breakdown (the summary's
+`profile`). The loop's wall time starts after both models are loaded; laminar's is the summary's
+(workflow start to result, worker start-up included).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from laminar.config import RunConfig
+from workers.summary import reward_rise
+
+WINDOW = 30  # steps in the reward moving average
+THRESHOLDS = (0.6, 0.8)
+
+
+def time_to_reward(rewards: list[float], step_end_s: list[float], threshold: float,
+                   window: int = WINDOW) -> float | None:
+    """Seconds until the `window`-step moving average of reward first exceeds `threshold`: the end time of
+    the first step i >= window - 1 whose last `window` rewards average above it; None if none does."""
+    total = 0.0
+    for i, r in enumerate(rewards):
+        total += r
+        if i >= window:
+            total -= rewards[i - window]
+        if i >= window - 1 and total / window > threshold:
+            return round(step_end_s[i], 3)
+    return None
+
+
+def side(wall_s: float, tokens: int, rewards: list[float], step_end_s: list[float],
+         groups_consumed_twice: int) -> dict[str, Any]:
+    """One column of the comparison."""
+    out: dict[str, Any] = {
+        "wall_s": round(wall_s, 2),
+        "steps": len(rewards),
+        "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0,
+        "reward_rise": round(reward_rise(rewards), 4),
+        "groups_consumed_twice": groups_consumed_twice,
+    }
+    for t in THRESHOLDS:
+        out[f"time_to_reward_{str(t).replace('.', '_')}_s"] = time_to_reward(rewards, step_end_s, t)
+    return out
+
+
+def ratios(loop: dict[str, Any], laminar: dict[str, Any]) -> dict[str, float | None]:
+    """laminar / loop for wall time and times to reward, loop / laminar for tokens/s (higher = slower)."""
+    out: dict[str, float | None] = {}
+    for key in ("wall_s", *(k for k in loop if k.startswith("time_to_reward"))):
+        a, b = loop.get(key), laminar.get(key)
+        out[key] = round(b / a, 2) if a and b is not None else None
+    a, b = loop["tokens_per_s"], laminar["tokens_per_s"]
+    out["tokens_per_s"] = round(a / b, 2) if b else None
+    return out
+
+
+def run_loop(cfg: RunConfig, home: Path) -> dict[str, Any]:
+    """The single-process loop in this process (torch's default thread count: every core)."""
+    from rl.sync_loop import run_sync_loop
+    from services.model_files import resolve_model_dir
+
+    result = run_sync_loop(cfg, resolve_model_dir(cfg, home))
+    rewards = [m.reward_mean for m in result.metrics]
+    return side(result.wall_s, sum(m.tokens for m in result.metrics), rewards, result.step_end_s, 0)
+
+
+def run_laminar(config_path: Path, overrides: list[str]) -> dict[str, Any]:
+    """`laminar run` in a child process (it starts the dev stack if none runs); its summary -> one column."""
+    with tempfile.TemporaryDirectory(prefix="laminar-bench-") as tmp:
+        summary_path = Path(tmp) / "summary.json"
+        subprocess.run([sys.executable, "-m", "workers.cli", "run", str(config_path), "--summary",
+                        str(summary_path), *overrides], check=True)
+        s = json.loads(summary_path.read_text())
+    tokens = round(s["tokens_per_s"] * s["wall_s"])
+    out = side(s["wall_s"], tokens, s["reward_per_step"], s["step_end_s"], s["groups_consumed_twice"])
+    out["run_id"] = s["run_id"]
+    out["profile"] = s.get("profile")
+    return out
