@@ -1,0 +1,151 @@
+"""The dev stack's S3 server keeps its state in a snapshot: saved on a graceful stop, loaded before it
+listens. Real dev stacks (Temporal dev server + workers.s3_dev_server processes), written to through
+the store API."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from laminar.errors import ObjectNotFoundError, StoreUnavailableError
+from storage.objects import MiB, ObjectStore, open_store
+from tests.fixtures.s3 import free_port
+from workers.devstack import DevStack, DevStackInfo
+
+
+@pytest.fixture
+def stack(tmp_path: Path, aws_test_env) -> Iterator[DevStack]:
+    stack = DevStack(tmp_path / "home")
+    yield stack
+    stack.down()  # whatever a test started, stopped by the recorded pids
+
+
+def up(stack: DevStack) -> tuple[DevStackInfo, ObjectStore]:
+    info = stack.up(s3=True, port=free_port(), ui=False)
+    return info, open_store(info.store_url, endpoint_url=info.s3_endpoint)
+
+
+def snapshot_bytes(stack: DevStack) -> int:
+    return sum(p.stat().st_size for p in stack.s3_snapshot.rglob("*") if p.is_file())
+
+
+def test_objects_survive_down_and_up_identical(stack: DevStack) -> None:
+    _, store = up(stack)
+    rng = random.Random(7)
+    objects = {
+        "runs/r1/ckpt/step-3.pt": rng.randbytes(9 * MiB),  # over the store's 8 MiB threshold: a multipart upload
+        "runs/r1/exp/seg-0001.bin": rng.randbytes(1000),
+        "runs/r1/empty": b"",
+        "runs/r1/odd key+name=1": b"odd",
+    }
+    for key, data in objects.items():
+        store.put(key, data)
+    store.put("runs/r1/deleted", b"gone")
+    store.delete("runs/r1/deleted")
+
+    stack.down()
+    manifest = json.loads((stack.s3_snapshot / "manifest.json").read_text())
+    assert sorted(manifest["buckets"]["laminar"]["objects"]) == sorted(objects)
+    _, store = up(stack)
+    assert store.list("runs/") == sorted(objects)  # the deleted key stays deleted
+    for key, data in objects.items():
+        assert store.get(key) == data, key
+
+    # A second stop with nothing changed rewrites no object file, and the state is still all there.
+    files = sorted(p.name for p in (stack.s3_snapshot / "objects").iterdir())
+    assert len(files) == len(objects)
+    stack.down()
+    assert sorted(p.name for p in (stack.s3_snapshot / "objects").iterdir()) == files
+    _, store = up(stack)
+    assert {key: store.get(key) for key in objects} == objects
+
+
+def test_snapshot_holds_live_objects_only(stack: DevStack) -> None:
+    _, store = up(stack)
+    for i in range(50):
+        store.put("runs/r1/weights", bytes([i]) * MiB)  # 50 MiB written, one 1 MiB object live
+    stack.down()
+    # One 1 MiB object file plus a manifest of a few hundred bytes; a log of every write would hold 50 MiB.
+    size = snapshot_bytes(stack)
+    assert MiB <= size < MiB + 4096, size
+    _, store = up(stack)
+    assert store.get("runs/r1/weights") == bytes([49]) * MiB
+    stack.down()
+    assert snapshot_bytes(stack) == size  # and a restart does not add to it
+
+
+def test_every_acknowledged_write_survives_an_interrupt(stack: DevStack) -> None:
+    """A writer puts keys as fast as it can while the server is stopped and started again; after each
+    acknowledged put it reads back an earlier acknowledged key, which must never be missing. A save
+    taken while the server still answered would lose the writes acknowledged after it; a restore done
+    after the server listens would answer NotFound for objects it had not put back yet."""
+    _, store = up(stack)
+    acked: dict[str, bytes] = {}
+    puts: list[tuple[float, float, bool]] = []  # (called at, returned at, acknowledged)
+    failures: list[BaseException] = []
+    missing: list[str] = []
+    stop = threading.Event()
+
+    def write() -> None:
+        rng = random.Random(11)
+        i = 0
+        while not stop.is_set():
+            key, data = f"runs/r1/exp/seg-{i:05d}", rng.randbytes(rng.randrange(1, 64 * 1024))
+            i += 1
+            called_at = time.time()
+            try:
+                store.put(key, data)
+            except StoreUnavailableError:  # the server is down (after botocore's retries): nothing is owed
+                puts.append((called_at, time.time(), False))
+                continue
+            puts.append((called_at, time.time(), True))
+            acked[key] = data
+            earlier = rng.choice(list(acked))
+            try:
+                if store.get(earlier) != acked[earlier]:
+                    missing.append(f"{earlier} (different bytes)")
+            except ObjectNotFoundError:
+                missing.append(earlier)
+            except StoreUnavailableError:
+                pass
+
+    def guarded() -> None:
+        try:
+            write()
+        except BaseException as e:  # noqa: BLE001 -- reported by the test thread below
+            failures.append(e)
+
+    def acks_after(t: float) -> int:
+        return sum(1 for _, returned_at, ok in puts if ok and returned_at > t)
+
+    writer = threading.Thread(target=guarded)
+    writer.start()
+    try:
+        time.sleep(1.0)  # writes under way
+        interrupted_at = time.time()
+        stopped_at, back_at = stack.interrupt_s3(outage_s=1.0)
+        # botocore backs off up to 2**attempt s between a put's attempts, so the writer may sleep a while.
+        deadline = time.monotonic() + 120
+        while acks_after(back_at) < 10 and time.monotonic() < deadline and not failures:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        writer.join(timeout=120)
+    assert not failures, failures
+    assert back_at - stopped_at >= 1.0
+    assert acks_after(0) - acks_after(interrupted_at) >= 10, "the old server acknowledged too few writes"
+    assert any(called_at < stopped_at and returned_at > interrupted_at for called_at, returned_at, _ in puts), (
+        "no put was under way while the server stopped")
+    assert acks_after(back_at) >= 10, "the restarted server acknowledged too few writes"
+    assert missing == []
+
+    info = stack.status()
+    store = open_store(info.store_url, endpoint_url=info.s3_endpoint)  # a fresh client
+    lost = [key for key, data in acked.items() if not store.exists(key) or store.get(key) != data]
+    assert lost == [], f"{len(lost)} of {len(acked)} acknowledged writes lost"
