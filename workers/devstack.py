@@ -44,6 +44,7 @@ S3_CREDENTIALS = {
 }
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
+S3_STOP_TIMEOUT_S = 120.0  # the S3 server saves its snapshot before it exits; a SIGKILL would lose it
 
 
 @dataclass(frozen=True)
@@ -211,29 +212,24 @@ class DevStack:
         )
 
     @property
-    def s3_recording(self) -> Path:
-        """Every S3 request the dev stack's moto server served; replayed on start, so S3 state survives
-        `down`/`up` and restarts (as the Temporal SQLite file does)."""
-        return self.home / "s3-recording.jsonl"
+    def s3_snapshot(self) -> Path:
+        """The S3 server's buckets and objects, saved when it stops and loaded before it listens, so S3
+        state survives `down`/`up` and restarts (as the Temporal SQLite file does)."""
+        return self.home / "s3-snapshot"
 
     def _start_s3(self, info: DevStackInfo, port: int | None = None) -> DevStackInfo:
         _find_binary("moto_server", "install moto[server] (pip install -e '.[dev]')")
         port = port or free_port()
         endpoint = f"http://127.0.0.1:{port}"
         log_file = self.log_dir / "s3.log"
-        env = {**os.environ, "MOTO_RECORDER_FILEPATH": str(self.s3_recording)}
-        env.pop("MOTO_ENABLE_RECORDING", None)  # recording is switched on after the replay, not during it
-        cmd = [sys.executable, "-m", "workers.s3_dev_server", "-H", "127.0.0.1", "-p", str(port)]
-        proc = self._spawn(cmd, log_file, env=env)
+        cmd = [sys.executable, "-m", "workers.s3_dev_server", "-H", "127.0.0.1", "-p", str(port),
+               "--snapshot", str(self.s3_snapshot)]  # fmt: skip
+        proc = self._spawn(cmd, log_file)
         self._wait(proc, log_file, f"S3 server at {endpoint}", lambda: http_answers(endpoint))
         try:
-            if self.s3_recording.exists():
-                _trim_recording(self.s3_recording)
-                _moto_api(endpoint, "replay-recording")
-            _moto_api(endpoint, "start-recording")  # before the bucket, so the replay recreates it
             _create_bucket(endpoint, S3_BUCKET)
         except Exception as e:
-            _stop_pid(proc.pid, self.stop_timeout_s)
+            _stop_pid(proc.pid, S3_STOP_TIMEOUT_S)
             raise DevStackError(
                 f"preparing bucket {S3_BUCKET!r} at {endpoint} failed ({e}); see {log_file}"
             ) from e
@@ -242,15 +238,16 @@ class DevStack:
                        store_url=f"s3://{S3_BUCKET}")  # fmt: skip
 
     def interrupt_s3(self, outage_s: float) -> tuple[float, float]:
-        """Drill: stop the dev stack's S3 server (only the pid it recorded), keep it down for outage_s,
-        start it again on the same port with its state replayed. Returns (stopped_at, back_at)."""
+        """Drill: stop the dev stack's S3 server (only the pid it recorded) gracefully, so it saves every
+        write it acknowledged, keep it down for outage_s, start it again on the same port with its state
+        loaded. Returns (stopped_at, back_at)."""
         with self._lock():
             info = read_record(self.home)
             if info is None or info.s3_pid is None or info.s3_endpoint is None:
                 raise DevStackError("the dev stack runs no S3 server; start it with `laminar dev up --s3`")
             if not _is_ours(info.s3_pid, "s3"):
                 raise DevStackError(f"pid {info.s3_pid} recorded for S3 is not our moto_server; not touching it")
-            _stop_pid(info.s3_pid, self.stop_timeout_s)
+            _stop_pid(info.s3_pid, S3_STOP_TIMEOUT_S)
             stopped_at = time.time()
             log.warning("s3_server_interrupted", pid=info.s3_pid, outage_s=outage_s)
             time.sleep(outage_s)  # the outage itself
@@ -259,13 +256,13 @@ class DevStack:
             self._write_record(info)
             return stopped_at, time.time()
 
-    def _spawn(self, cmd: list[str], log_file: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def _spawn(self, cmd: list[str], log_file: Path) -> subprocess.Popen:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(log_file, "ab") as out:
             out.write(f"\n--- {datetime.now(UTC).isoformat()} {' '.join(cmd)}\n".encode())
             out.flush()
             return subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
 
     def _wait(self, proc: subprocess.Popen, log_file: Path, what: str, ready: Callable[[], bool]) -> None:
@@ -290,7 +287,7 @@ class DevStack:
         if info is not None:
             for name, pid in info.processes():
                 if _is_ours(pid, name):
-                    _stop_pid(pid, self.stop_timeout_s)
+                    _stop_pid(pid, S3_STOP_TIMEOUT_S if name == "s3" else self.stop_timeout_s)
                     log.info("dev_process_stopped", name=name, pid=pid)
                     stopped.append(f"{name} (pid {pid})")
         self.record_path.unlink(missing_ok=True)
@@ -427,36 +424,10 @@ def _create_bucket(endpoint: str, bucket: str) -> None:
 
     client = boto3.client("s3", endpoint_url=endpoint, **S3_CREDENTIALS)
     try:
-        client.head_bucket(Bucket=bucket)  # replayed from the recording
+        client.head_bucket(Bucket=bucket)  # loaded from the snapshot
     except ClientError:
         client.create_bucket(Bucket=bucket)
     client.head_bucket(Bucket=bucket)
-
-
-def _trim_recording(path: Path) -> None:
-    """Cut the recording after its last complete request: a server stopped while appending leaves a
-    partial line, which would make the replay fail. That request was never answered, so its client
-    retried it against the restarted server."""
-    data = path.read_bytes()
-    keep = 0
-    for line in data.splitlines(keepends=True):
-        try:
-            json.loads(line)
-        except ValueError:
-            break
-        if not line.endswith(b"\n"):
-            break
-        keep += len(line)
-    if keep < len(data):
-        log.warning("s3_recording_trimmed", path=str(path), dropped_bytes=len(data) - keep)
-        with open(path, "r+b") as f:
-            f.truncate(keep)
-
-
-def _moto_api(endpoint: str, action: str) -> None:
-    req = urllib.request.Request(f"{endpoint}/moto-api/recorder/{action}", method="POST", data=b"")
-    with urllib.request.urlopen(req, timeout=120):
-        pass
 
 
 def _tail(log_file: Path, lines: int = 15) -> str:
