@@ -154,7 +154,7 @@ def overhead_bench(
         table.add_row(key, str(loop[key]), str(laminar[key]), "" if r.get(key) is None else f"{r[key]}x")
     console.print(table)
     if laminar.get("profile"):
-        console.print(format_profile(laminar["profile"]), highlight=False)
+        console.print(format_profile(laminar["profile"]), highlight=False, soft_wrap=True)
     if json_path is not None:
         json_path.write_text(json.dumps({"loop": loop, "laminar": laminar, "ratios": r}, indent=2) + "\n")
         console.print(f"wrote {json_path}")

@@ -96,7 +96,7 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher, su
         summary_path.parent.mkdir(parents=True, exist_ok=True)
         summary_path.write_text(json.dumps(summary, indent=2))
     _print_summary(summary, console)
-    console.print(format_profile(profile), highlight=False)
+    console.print(format_profile(profile), highlight=False, soft_wrap=True)
     return 0
 
 
