@@ -6,6 +6,7 @@ RecoveryDrillWorkflow on the control queue, and prints (and optionally writes) t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import asdict
@@ -26,9 +27,8 @@ from workers.settings import Settings
 async def run_drill(settings: Settings, inp: DrillInput, report_path: Path | None = None) -> DrillReport:
     if inp.fault not in FAULTS:
         raise ConfigError(f"--fault {inp.fault!r} is not one of {', '.join(FAULTS)}")
-    if not inp.drill_id:
-        inp.drill_id = f"{inp.fault}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
-    inp.runner_queue = f"laminar-drill-{inp.drill_id}-{os.getpid()}"
+    drill_id = inp.drill_id or f"{inp.fault}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
+    inp = dataclasses.replace(inp, drill_id=drill_id, runner_queue=f"laminar-drill-{drill_id}-{os.getpid()}")
     client = await connect(settings)
     interrupt = DevStack(settings.home).interrupt_s3 if inp.fault == "store" else None
     acts = DrillActivities(client, store_for(settings), interrupt)
