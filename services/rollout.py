@@ -4,7 +4,10 @@ Loop (trajectory-level asynchrony; docs/architecture.md, 'Trace 1' and 'Trace 2'
 - admit leased prompt groups into the continuous batch while the replica's policy version is the newest
   its relay holds; once a newer version is there, admit nothing more, let in-flight trajectories finish
   on the version they started with, then pull and load the new version (only between batches);
-- write complete groups to the trajectory store, then report them (`add_experience`, idempotent);
+- write complete groups to the trajectory store, then report them (`add_experience`, idempotent), as soon
+  as they complete;
+- control calls (claims, reports) run one at a time on the replica's control thread, so the engine keeps
+  generating during a round trip; their answers are handled by the loop, in order;
 - every flush interval, write all in-flight groups to the partial-response pool, so a killed replica's
   retry resumes them under the policy version they started on (or restarts them fresh, counted); each
   incarnation (history segment, attempt) writes its own fenced pool, so a zombie cannot overwrite its retry's;
@@ -20,10 +23,13 @@ Talks to the workflow only through `ControlPort`, so the loop is testable withou
 
 from __future__ import annotations
 
+import contextvars
 import json
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -55,7 +61,7 @@ from storage.trajectories import TrajectoryStore
 log = get_logger(__name__)
 
 VERSION_POLL_S = 0.5  # how often the replica asks its relay for the newest version
-CLAIM_POLL_S = 0.5  # how often a replica with free slots asks for work
+CLAIM_POLL_S = 0.1  # a replica with free slots asks again this long after an empty claim (then doubling)
 CONTACT_S = 1.0  # a busy replica with no free slot still reports this often (hand-over, stop)
 IDLE_CLAIM_MAX_S = 2.0  # an empty claim doubles the interval up to this (back-pressure, no weights yet)
 PAUSED_CLAIM_MAX_S = 10.0  # ... and up to this while the run is paused
@@ -122,6 +128,9 @@ class RolloutReplica:
         )
         self.groups: dict[str, _Group] = {}
         self.completed: list[_Group] = []
+        self.reporting: list[_Group] = []  # complete groups whose report is in flight
+        self._control_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"control-{replica_id}")
+        self._call: tuple[str, Future] | None = None  # the control call in flight: ("claim" | "report", future)
         self.relays: list[RelayInfo] = []
         self.newest_at_relay: int | None = None
         self.seq = 0
@@ -136,6 +145,12 @@ class RolloutReplica:
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> RolloutReplicaResult:
+        try:
+            return self._run()
+        finally:
+            self._control_thread.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self) -> RolloutReplicaResult:
         resumed = self._read_partial_pool()
         self.tokens_regenerated += self._tokens_lost_by_previous_attempt()
         first = self.control.claim(
@@ -151,7 +166,8 @@ class RolloutReplica:
         self._write_partial_pool()  # claim this incarnation's fence before anything else can be lost
         self.trajectories.clear_partial(self.run_id, self.replica_id, older_than=self.fence)
         last_flush = last_claim = last_poll = last_beat = 0.0
-        claim_every = CLAIM_POLL_S
+        claim_every = 0.0
+        asked = 0  # groups the claim in flight asked for
         while True:
             now = self.clock()
             if self.control.cancelled():
@@ -165,19 +181,31 @@ class RolloutReplica:
             if self.engine.in_flight() == 0 and self._newer_available():
                 with self.profile.measure("load_weights"):
                     self._load_newest()
+            answer = self._collect(wait=False)
+            if answer is not None:
+                kind, res = answer
+                if kind == "claim":
+                    self.relays = res.relays or self.relays
+                    if res.stop or res.handover:
+                        return self._hand_over(res.stop)
+                    self._admit(res.leases)
+                    claim_every = _next_claim_interval(claim_every, asked, len(res.leases), res.paused)
+                elif res.stop or res.handover:
+                    return self._hand_over(res.stop)
             want = self._admissible_groups()
             busy = self.engine.in_flight() > 0
             waiting = busy or self.engine.policy_version is None  # no weights yet: learn relays that join later
-            if (want > 0 and now - last_claim >= claim_every) or (waiting and now - last_claim >= CONTACT_S):
-                with self.profile.measure("claim"):
-                    res = self.control.claim(ClaimPromptsInput(report=self._report(), max_groups=want,
-                                                               attempt=self.attempt, request_id=self._request_id()))
+            if self._call is not None:
+                pass  # one control call at a time: its answer comes first
+            elif self.completed:
+                self._start_report()
+                last_claim = now  # a report is a contact
+            elif (want > 0 and now - last_claim >= claim_every) or (waiting and now - last_claim >= CONTACT_S):
+                asked = want
+                request = ClaimPromptsInput(report=self._report(), max_groups=want, attempt=self.attempt,
+                                            request_id=self._request_id())
+                self._start("claim", self.control.claim, request)
                 last_claim = now
-                self.relays = res.relays or self.relays
-                if res.stop or res.handover:
-                    return self._hand_over(res.stop)
-                self._admit(res.leases)
-                claim_every = _next_claim_interval(claim_every, want, len(res.leases), res.paused)
             if in_flight := self.engine.in_flight():
                 self.unsaved_tokens += in_flight  # one token per sequence per engine step
                 t0 = self.profile.clock()
@@ -187,15 +215,13 @@ class RolloutReplica:
                                  in_flight)
                 self._record(finished)
             else:
-                # idle: nothing leased (paused, back-pressure) or waiting for weights
+                # idle: nothing leased (paused, back-pressure) or waiting for weights; wake for an answer
                 with self.profile.measure("idle" if self.engine.policy_version is not None else "wait_weights"):
-                    time.sleep(0.05)
+                    if self._call is not None:
+                        wait_futures([self._call[1]], timeout=0.05)
+                    else:
+                        time.sleep(0.05)
             if now - last_flush >= self.cfg.rollout.flush_interval_s:
-                res = self._flush_completed()
-                if res is not None:
-                    last_claim = now  # a report is a contact
-                    if res.stop or res.handover:
-                        return self._hand_over(res.stop)
                 self._write_partial_pool()
                 last_flush = now
             if now - last_beat >= HEARTBEAT_EVERY_S:
@@ -295,27 +321,60 @@ class RolloutReplica:
             replica_id=self.replica_id, started_at=group.started_at, ended_at=now, finish_reason=finish,
         )
 
+    # -- control calls on the control thread -------------------------------------------------------
+
+    def _start(self, kind: str, fn: Callable, *args) -> None:
+        """Run fn(*args) on the control thread, in the activity's context (its heartbeats and cancellation)."""
+        clock, t0 = self.profile.clock, self.profile.clock()
+
+        def timed():
+            return fn(*args), clock() - t0
+
+        self._call = (kind, self._control_thread.submit(contextvars.copy_context().run, timed))
+
+    def _collect(self, wait: bool) -> tuple[str, ClaimPromptsResult | AddExperienceResult] | None:
+        """The answer of the control call in flight, once done (or waiting for it); a failed call raises here."""
+        if self._call is None or not (wait or self._call[1].done()):
+            return None
+        kind, future = self._call
+        with self.profile.measure("wait_control"):
+            res, latency = future.result()
+        self._call = None
+        self.profile.latency(kind, latency)
+        if kind == "report":
+            self._reported(self.reporting, res)
+            self.reporting = []
+        return kind, res
+
+    def _start_report(self) -> None:
+        """Report the complete groups: write them as one segment, then `add_experience`, on the control thread."""
+        self.reporting, self.completed = self.completed, []
+        rows = [t for g in self.reporting for _, t in sorted(g.done.items())]
+        seq, regenerated, report = f"{self.segment_prefix}-{self.seq:06d}", self.tokens_regenerated, self._report()
+        self.seq += 1
+        self.tokens_regenerated = 0
+
+        def send() -> AddExperienceResult:
+            ref = self.trajectories.write_segment(self.run_id, self.replica_id, seq, rows)
+            return self.control.add_experience(AddExperienceInput(report=report, segment=ref,
+                                                                  tokens_regenerated=regenerated))
+
+        self._start("report", send)
+
+    def _reported(self, groups: list[_Group], res: AddExperienceResult) -> None:
+        self.groups_completed += len(res.accepted)
+        self.tokens_generated += sum(len(t.response_ids) for g in groups for t in g.done.values())
+        log.info("experience_reported", replica_id=self.replica_id, groups=len(groups),
+                 policy_version=max(t.policy_version for g in groups for t in g.done.values()),
+                 duplicates=len(res.duplicates))
+
     def _flush_completed(self) -> AddExperienceResult | None:
-        """Write complete groups as one segment, then report it; the workflow's answer, None if nothing to
-        report."""
+        """Report the complete groups and wait for the answer (hand-over); None if nothing to report."""
         if not self.completed:
             return None
-        rows = [t for g in self.completed for _, t in sorted(g.done.items())]
-        with self.profile.measure("write_segment"):
-            ref = self.trajectories.write_segment(self.run_id, self.replica_id,
-                                                  f"{self.segment_prefix}-{self.seq:06d}", rows)
-        self.seq += 1
-        with self.profile.measure("add_experience"):
-            res = self.control.add_experience(
-                AddExperienceInput(report=self._report(), segment=ref, tokens_regenerated=self.tokens_regenerated)
-            )
-        self.tokens_regenerated = 0
-        self.groups_completed += len(res.accepted)
-        self.tokens_generated += sum(len(t.response_ids) for t in rows)
-        log.info("experience_reported", replica_id=self.replica_id, groups=len(self.completed),
-                 policy_version=ref.policy_version, duplicates=len(res.duplicates))
-        self.completed = []
-        return res
+        self._start_report()
+        answer = self._collect(wait=True)
+        return None if answer is None else answer[1]
 
     # -- partial-response pool ------------------------------------------------------------------
 
@@ -327,7 +386,7 @@ class RolloutReplica:
             group_id, index = request_id.rsplit("/", 1)
             group = self.groups[group_id]
             rows.append(self._trajectory(group, int(index), response, logprobs, 0.0, "partial", now))
-        rows += [t for g in self.completed for t in g.done.values()]  # complete but not yet reported
+        rows += [t for g in self.reporting + self.completed for t in g.done.values()]  # complete, not yet reported
         if not rows and self._pool_empty:
             return  # an idle replica does not rewrite an empty pool every flush interval
         with self.profile.measure("flush_pool"):
@@ -449,8 +508,11 @@ def tokens_lost_with(last_heartbeat: dict) -> int:
 
 
 def _next_claim_interval(current: float, wanted: int, got: int, paused: bool) -> float:
-    """Claim again soon while work comes; back off (doubling) while claims come back empty."""
-    if got > 0 or wanted == 0:
-        return CLAIM_POLL_S if got > 0 else current
-    return min(PAUSED_CLAIM_MAX_S if paused else IDLE_CLAIM_MAX_S, current * 2)
+    """Claim again as soon as slots are free while work comes; back off (doubling from CLAIM_POLL_S) while
+    claims come back empty."""
+    if got > 0:
+        return 0.0
+    if wanted == 0:
+        return current
+    return min(PAUSED_CLAIM_MAX_S if paused else IDLE_CLAIM_MAX_S, max(CLAIM_POLL_S, current * 2))
 

@@ -62,8 +62,8 @@ def test_merge_sums_every_field():
 
 def test_build_profile_sums_replica_incarnations_and_trainer_processes(tmp_path):
     store = LocalObjectStore(tmp_path)
-    one = {"wall_s": 20.0, "buckets": {"generate": {"s": 12.0, "n": 900}, "claim": {"s": 1.0, "n": 40}},
-           "other_s": 7.0, "latency": {}}
+    one = {"wall_s": 20.0, "buckets": {"generate": {"s": 12.0, "n": 900}, "wait_control": {"s": 1.0, "n": 2}},
+           "other_s": 7.0, "latency": {"claim": {"s": 1.0, "n": 40}}}
     trainer = {"wall_s": 30.0, "buckets": {"wait_groups": {"s": 24.0, "n": 99}, "compute": {"s": 5.0, "n": 100}},
                "other_s": 1.0, "latency": {"train_step_schedule_to_start": {"s": 0.5, "n": 100}}}
     for process, body in [("rollout-r0-abc-a1", one), ("rollout-r1-abc-a1", one), ("rollout-r0-def-a1", one),
@@ -73,7 +73,8 @@ def test_build_profile_sums_replica_incarnations_and_trainer_processes(tmp_path)
     # three rollout incarnations of 20 s each: 60 s wall, 36 s generating, 3 s in 120 claims
     assert p["rollout_incarnations"] == 3
     assert p["rollout"]["wall_s"] == 60.0
-    assert p["rollout"]["buckets"] == {"claim": {"s": 3.0, "n": 120}, "generate": {"s": 36.0, "n": 2700}}
+    assert p["rollout"]["buckets"] == {"generate": {"s": 36.0, "n": 2700}, "wait_control": {"s": 3.0, "n": 6}}
+    assert p["rollout"]["latency"] == {"claim": {"s": 3.0, "n": 120}}
     assert p["trainer"] == trainer
     text = format_profile(p)
     # claim latency per update: 3 s / 120 = 25 ms; the trainer waits 24 / 30 = 80 % of its wall time

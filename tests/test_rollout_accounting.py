@@ -19,16 +19,18 @@ def test_tokens_lost_after_the_last_flush_come_from_the_dead_attempts_last_heart
 
 
 def test_claims_back_off_while_empty_and_snap_back_when_work_comes():
-    # empty claims double the interval: 0.5 -> 1 -> 2, capped at 2 s while idle (back-pressure)...
-    intervals = [CLAIM_POLL_S]
-    for _ in range(4):
+    # while leases come, the next claim goes as soon as slots are free (interval 0); empty claims start the
+    # back-off at 0.1 s and double: 0.1 -> 0.2 -> 0.4 -> 0.8 -> 1.6, capped at 2 s while idle (back-pressure)...
+    intervals = [0.0]
+    for _ in range(7):
         intervals.append(_next_claim_interval(intervals[-1], wanted=2, got=0, paused=False))
-    assert intervals == [0.5, 1.0, 2.0, IDLE_CLAIM_MAX_S, IDLE_CLAIM_MAX_S]
-    # ... and at 10 s while paused: 0.5, 1, 2, 4, 8, 10
-    paused = [CLAIM_POLL_S]
-    for _ in range(5):
+    assert CLAIM_POLL_S == 0.1 and IDLE_CLAIM_MAX_S == 2.0
+    assert intervals == [0.0, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0]
+    # ... and at 10 s while paused: ... 1.6, 3.2, 6.4, 10
+    paused = [0.0]
+    for _ in range(8):
         paused.append(_next_claim_interval(paused[-1], wanted=2, got=0, paused=True))
-    assert paused == [0.5, 1.0, 2.0, 4.0, 8.0, PAUSED_CLAIM_MAX_S]
-    # leases came: back to polling every 0.5 s; a claim that asked for nothing leaves the interval alone
-    assert _next_claim_interval(8.0, wanted=2, got=1, paused=False) == CLAIM_POLL_S
+    assert paused == [0.0, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, PAUSED_CLAIM_MAX_S]
+    # leases came: claim again at once; a claim that asked for nothing leaves the interval alone
+    assert _next_claim_interval(8.0, wanted=2, got=1, paused=False) == 0.0
     assert _next_claim_interval(4.0, wanted=0, got=0, paused=True) == 4.0

@@ -78,10 +78,6 @@ def format_profile(profile: dict[str, Any]) -> str:
         lines += [f"  latency {name:<14}{1000 * v['s'] / max(1, v['n']):8.1f} ms/call {v['n']:>6}"
                   for name, v in p.get("latency", {}).items()]
         cols.append(lines)
-    for name in ("claim", "add_experience"):  # control-plane latency per update, as the replica sees it
-        v = profile["rollout"]["buckets"].get(name)
-        if v:
-            cols[0].append(f"  latency {name:<14}{1000 * v['s'] / max(1, v['n']):8.1f} ms/call {v['n']:>6}")
     width = max(len(line) for line in cols[0]) + 2
     height = max(len(c) for c in cols)
     out = [f"{(cols[0] + [''] * height)[i]:<{width}}{(cols[1] + [''] * height)[i]}" for i in range(height)]
