@@ -3,7 +3,8 @@
 Loop (trajectory-level asynchrony; docs/architecture.md, 'Trace 1' and 'Trace 2'):
 - admit leased prompt groups into the continuous batch while the replica's policy version is the newest
   its relay holds; once a newer version is there, admit nothing more, let in-flight trajectories finish
-  on the version they started with, then pull and load the new version (only between batches);
+  on the version they started with, then pull and load the new version (only between batches); slots
+  that free up during that drain are claimed already, and their leases wait to start on the new version;
 - write complete groups to the trajectory store, then report them (`add_experience`, idempotent), as soon
   as they complete;
 - control calls (claims, reports) run one at a time on the replica's control thread, so the engine keeps
@@ -129,6 +130,7 @@ class RolloutReplica:
         self.groups: dict[str, _Group] = {}
         self.completed: list[_Group] = []
         self.reporting: list[_Group] = []  # complete groups whose report is in flight
+        self.pending: list[Lease] = []  # leased while draining: admitted once the newer version is loaded
         self._control_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"control-{replica_id}")
         self._call: tuple[str, Future] | None = None  # the control call in flight: ("claim" | "report", future)
         self.relays: list[RelayInfo] = []
@@ -188,10 +190,13 @@ class RolloutReplica:
                     self.relays = res.relays or self.relays
                     if res.stop or res.handover:
                         return self._hand_over(res.stop)
-                    self._admit(res.leases)
+                    self.pending += res.leases
                     claim_every = _next_claim_interval(claim_every, asked, len(res.leases), res.paused)
                 elif res.stop or res.handover:
                     return self._hand_over(res.stop)
+            if self.pending and not self._newer_available():
+                self._admit(self.pending)
+                self.pending = []
             want = self._admissible_groups()
             busy = self.engine.in_flight() > 0
             waiting = busy or self.engine.policy_version is None  # no weights yet: learn relays that join later
@@ -287,10 +292,11 @@ class RolloutReplica:
                  load_s=round(time.perf_counter() - t0, 3))
 
     def _admissible_groups(self) -> int:
-        """Free group slots, or 0 while weights are missing or a newer version waits (drain first)."""
-        if self.engine.policy_version is None or self._newer_available():
+        """Free group slots not yet leased, or 0 while weights are missing. While a newer version waits
+        (drain), slots are claimed too: their leases wait in `pending` for the new version."""
+        if self.engine.policy_version is None:
             return 0
-        return self.engine.free_slots() // self.cfg.rollout.group_size
+        return self.engine.free_slots() // self.cfg.rollout.group_size - len(self.pending)
 
     # -- generation ----------------------------------------------------------------------------
 
