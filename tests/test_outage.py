@@ -143,6 +143,8 @@ async def test_laminar_run_attaches_and_rides_out_a_temporal_outage(dev, client,
         stopped = laminar(dev, "stop", run_id)
         assert stopped.returncode == 0, one_line(stopped)
         assert run.wait(timeout=120) == 0, log.read_text()[-3000:]
+    except AssertionError as e:  # a wait that timed out: show where the run was
+        raise AssertionError(f"{e}\n--- laminar run output (end):\n{log.read_text()[-3000:]}") from None
     finally:
         if run.poll() is None:
             run.terminate()
