@@ -202,15 +202,17 @@ class RolloutReplica:
             waiting = busy or self.engine.policy_version is None  # no weights yet: learn relays that join later
             if self._call is not None:
                 pass  # one control call at a time: its answer comes first
-            elif self.completed:
-                self._start_report()
-                last_claim = now  # a report is a contact
-            elif (want > 0 and now - last_claim >= claim_every) or (waiting and now - last_claim >= CONTACT_S):
+            elif (want > 0 and now - last_claim >= claim_every) or (waiting and not self.completed
+                                                                     and now - last_claim >= CONTACT_S):
+                # free slots first (an empty batch idles through the round trip), then reports
                 asked = want
                 request = ClaimPromptsInput(report=self._report(), max_groups=want, attempt=self.attempt,
                                             request_id=self._request_id())
                 self._start("claim", self.control.claim, request)
                 last_claim = now
+            elif self.completed:
+                self._start_report()
+                last_claim = now  # a report is a contact
             if in_flight := self.engine.in_flight():
                 self.unsaved_tokens += in_flight  # one token per sequence per engine step
                 t0 = self.profile.clock()
