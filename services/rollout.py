@@ -133,6 +133,7 @@ class RolloutReplica:
         self.pending: list[Lease] = []  # leased while draining: admitted once the newer version is loaded
         self._control_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"control-{replica_id}")
         self._call: tuple[str, Future] | None = None  # the control call in flight: ("claim" | "report", future)
+        self._last_call = ""  # kind of the last call started
         self.relays: list[RelayInfo] = []
         self.newest_at_relay: int | None = None
         self.seq = 0
@@ -200,19 +201,19 @@ class RolloutReplica:
             want = self._admissible_groups()
             busy = self.engine.in_flight() > 0
             waiting = busy or self.engine.policy_version is None  # no weights yet: learn relays that join later
+            claim_due = (want > 0 and now - last_claim >= claim_every) or (waiting and not self.completed
+                                                                           and now - last_claim >= CONTACT_S)
             if self._call is not None:
                 pass  # one control call at a time: its answer comes first
-            elif (want > 0 and now - last_claim >= claim_every) or (waiting and not self.completed
-                                                                     and now - last_claim >= CONTACT_S):
-                # free slots first (an empty batch idles through the round trip), then reports
+            elif self.completed and (not claim_due or self._last_call == "claim"):
+                self._start_report()  # claims and reports take turns: neither waits behind a run of the other
+                last_claim = now  # a report is a contact
+            elif claim_due:
                 asked = want
                 request = ClaimPromptsInput(report=self._report(), max_groups=want, attempt=self.attempt,
                                             request_id=self._request_id())
                 self._start("claim", self.control.claim, request)
                 last_claim = now
-            elif self.completed:
-                self._start_report()
-                last_claim = now  # a report is a contact
             if in_flight := self.engine.in_flight():
                 self.unsaved_tokens += in_flight  # one token per sequence per engine step
                 t0 = self.profile.clock()
@@ -339,6 +340,7 @@ class RolloutReplica:
             return fn(*args), clock() - t0
 
         self._call = (kind, self._control_thread.submit(contextvars.copy_context().run, timed))
+        self._last_call = kind
 
     def _collect(self, wait: bool) -> tuple[str, ClaimPromptsResult | AddExperienceResult] | None:
         """The answer of the control call in flight, once done (or waiting for it); a failed call raises here."""
