@@ -223,8 +223,15 @@ class RolloutReplica:
                                  in_flight)
                 self._record(finished)
             else:
-                # idle: nothing leased (paused, back-pressure) or waiting for weights; wake for an answer
-                with self.profile.measure("idle" if self.engine.policy_version is not None else "wait_weights"):
+                # idle: waiting for weights, for a claim's answer, or for work (paused, back-pressure: empty
+                # claims); wake for an answer
+                if self.engine.policy_version is None:
+                    idle = "wait_weights"
+                elif self._call is not None and self._call[0] == "claim":
+                    idle = "idle_claim_in_flight"
+                else:
+                    idle = "idle_no_work" if claim_every > 0 else "idle"
+                with self.profile.measure(idle):
                     if self._call is not None:
                         wait_futures([self._call[1]], timeout=0.05)
                     else:

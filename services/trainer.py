@@ -92,8 +92,6 @@ class TrainerService:
         t_start = time.time()
         wait_s = 0.0 if self.last_step_end is None else t_start - self.last_step_end
         prof = self.profile
-        if self.last_step_end is not None:
-            prof.add("wait_groups", wait_s)
         if schedule_to_start_s is not None:  # part of wait_groups
             prof.latency("train_step_schedule_to_start", schedule_to_start_s)
         redone, restored, corrupt = 0, False, []
@@ -103,6 +101,12 @@ class TrainerService:
         assert self.trainer is not None and self.cfg is not None
         with prof.measure("read_segments"):
             trajectories, twice = self._read_batch(inp.batch)
+        if self.last_step_end is not None and trajectories:
+            # The gap since the last step: until the batch's last trajectory ended, the trainer waited for
+            # generation; after that, for the report, the workflow and the activity to reach it.
+            for_data = min(wait_s, max(0.0, max(t.ended_at for t in trajectories) - self.last_step_end))
+            prof.add("wait_groups", for_data)
+            prof.add("wait_control_plane", wait_s - for_data)
         with prof.measure("compute"):
             m = self.trainer.step(trajectories, trainer_version=self.step)
         self.step += 1
