@@ -11,7 +11,7 @@ import concurrent.futures
 import time
 
 from temporalio import activity
-from temporalio.client import Client
+from temporalio.client import Client, RPCTimeoutOrCancelledError
 from temporalio.service import RPCError
 
 from activities.errors import permanent_errors
@@ -58,7 +58,7 @@ class _TemporalControl:
                     if self.cancelled():
                         future.cancel()
                         raise InterruptedError(f"{name}: cancelled while waiting for the control plane") from None
-                except RPCError as e:
+                except (RPCError, RPCTimeoutOrCancelledError) as e:  # server or control worker unreachable
                     log.warning("control_update_failed", update=name, error=str(e))
                     activity.heartbeat({"waiting_for": name})
                     if self.cancelled():
