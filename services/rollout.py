@@ -66,6 +66,9 @@ CLAIM_POLL_S = 0.1  # a replica with free slots asks again this long after an em
 CONTACT_S = 1.0  # a busy replica with no free slot still reports this often (hand-over, stop)
 IDLE_CLAIM_MAX_S = 2.0  # an empty claim doubles the interval up to this (back-pressure, no weights yet)
 PAUSED_CLAIM_MAX_S = 10.0  # ... and up to this while the run is paused
+CLAIM_MIN_GROUPS = 2  # a replica with groups in flight claims once this many group slots are free ...
+REPORT_MIN_GROUPS = 2  # ... and reports once this many groups are complete or the oldest waited REPORT_MAX_WAIT_S:
+REPORT_MAX_WAIT_S = 0.25  # each update costs the workflow a task, which delays the trainer's next step
 HEARTBEAT_EVERY_S = 0.2  # the loop heartbeats at most this often (a beat costs ~1.6 ms: thread hop, payload)
 PROFILE_EVERY_S = 5.0  # how often the replica writes its time breakdown to the store (and at return)
 
@@ -130,6 +133,7 @@ class RolloutReplica:
         self.groups: dict[str, _Group] = {}
         self.completed: list[_Group] = []
         self.reporting: list[_Group] = []  # complete groups whose report is in flight
+        self._completed_since = 0.0  # when the oldest complete group not yet reported completed
         self.pending: list[Lease] = []  # leased while draining: admitted once the newer version is loaded
         self._control_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"control-{replica_id}")
         self._call: tuple[str, Future] | None = None  # the control call in flight: ("claim" | "report", future)
@@ -201,11 +205,14 @@ class RolloutReplica:
             want = self._admissible_groups()
             busy = self.engine.in_flight() > 0
             waiting = busy or self.engine.policy_version is None  # no weights yet: learn relays that join later
-            claim_due = (want > 0 and now - last_claim >= claim_every) or (waiting and not self.completed
-                                                                           and now - last_claim >= CONTACT_S)
+            enough = 1 if not self.groups else min(CLAIM_MIN_GROUPS, self.cfg.rollout.max_inflight_groups)
+            claim_due = (want >= enough and now - last_claim >= claim_every) or (
+                waiting and not self.completed and now - last_claim >= CONTACT_S)
+            report_due = len(self.completed) >= REPORT_MIN_GROUPS or bool(self.completed) and (
+                not self.groups or now - self._completed_since >= REPORT_MAX_WAIT_S)
             if self._call is not None:
                 pass  # one control call at a time: its answer comes first
-            elif self.completed and (not claim_due or self._last_call == "claim"):
+            elif report_due and (not claim_due or self._last_call == "claim"):
                 self._start_report()  # claims and reports take turns: neither waits behind a run of the other
                 last_claim = now  # a report is a contact
             elif claim_due:
@@ -326,6 +333,8 @@ class RolloutReplica:
             group.done[int(index)] = self._trajectory(group, int(index), f.response_ids, f.logprobs, reward,
                                                       f.finish_reason, now)
             if len(group.done) == self.cfg.rollout.group_size:
+                if not self.completed:
+                    self._completed_since = now
                 self.completed.append(self.groups.pop(group_id))
 
     def _trajectory(self, group: _Group, index: int, response: list[int], logprobs: list[float],
