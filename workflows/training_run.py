@@ -217,24 +217,24 @@ class TrainingRunWorkflow:
         paused or starved run still continues as new); False when the run is stopping."""
         t0 = workflow.time()
         await workflow.wait_condition(lambda: self.state.stopping or self._has_batch() or self._segment_full()
-                                      or self._replica_ended())
+                                      or self._failed_replica() is not None)
         self.state.trainer_wait_s += workflow.time() - t0
         self._fail_if_a_replica_failed()
         return not self.state.stopping
 
-    def _replica_ended(self) -> bool:
-        """A replica activity ended outside a hand-over: it retries without limit, so only a permanent
-        error (a ConfigError in the replica, say) ends it."""
-        return not self._handover and any(t.done() for t in self._replicas.values())
+    def _failed_replica(self) -> str | None:
+        """A replica activity that failed: it retries without limit, so only a permanent error (a
+        ConfigError in the replica, say) ends it that way."""
+        return next((r for r, t in self._replicas.items()
+                     if t.done() and not t.cancelled() and t.exception() is not None), None)
 
     def _fail_if_a_replica_failed(self) -> None:
-        for replica_id, task in self._replicas.items():
-            if not self._handover and task.done() and not task.cancelled() and task.exception() is not None:
-                error = task.exception()
-                if isinstance(error, ActivityError):
-                    _fail_run_if_permanent(error, f"rollout {replica_id}")
-                raise ApplicationError(f"rollout {replica_id} ended: {error}", type="ReplicaFailed",
-                                       non_retryable=True)
+        replica_id = self._failed_replica()
+        if replica_id is not None:
+            error = self._replicas[replica_id].exception()
+            if isinstance(error, ActivityError):
+                _fail_run_if_permanent(error, f"rollout {replica_id}")
+            raise ApplicationError(f"rollout {replica_id} failed: {error}", type="ReplicaFailed", non_retryable=True)
 
     async def _train_one_step(self) -> None:
         assert self._cfg is not None
@@ -415,17 +415,22 @@ class TrainingRunWorkflow:
         while not self._replicas_returned() and not self.state.stopping:
             try:
                 await workflow.wait_condition(lambda: self._replicas_returned() or self.state.stopping
-                                              or self._has_batch(), timeout=max(0.0, deadline - workflow.time()))
+                                              or self._can_step(), timeout=max(0.0, deadline - workflow.time()))
             except TimeoutError:
                 workflow.logger.warning("replicas_drain_timed_out")
                 break
-            if self._has_batch() and self.state.step < self._cfg.run.steps:
+            if self._can_step():
                 await self._step()
         await self._drain()
         self._note_history()
         self.state.continued_as_new += 1
         self.state.handover_last_step_at = self.state.last_step_at
         workflow.continue_as_new(TrainingRunInput(config=self._cfg.to_json(), state=self.state))
+
+    def _can_step(self) -> bool:
+        """A batch is there and the run still has steps to take (a finished run must not wait on it)."""
+        assert self._cfg is not None
+        return self._has_batch() and self.state.step < self._cfg.run.steps
 
     def _replicas_returned(self) -> bool:
         return all(t.done() for t in self._replicas.values())
