@@ -6,10 +6,10 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import typer
+from pydantic import ByteSize, TypeAdapter, ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -25,16 +25,12 @@ err = Console(stderr=True)
 def _bench() -> None:
     """Benchmarks: measured, never asserted in tests."""
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
-          "g": 10**9, "gb": 10**9, "gib": 1 << 30}
-
-
 def parse_size(text: str) -> int:
-    """'268435456', '256MiB', '1.5GB' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise typer.BadParameter(f"{text!r} is not a size; use bytes or a unit: 256MiB, 1GB, 65536")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """'268435456', '256MiB', '1.5GB' -> bytes (pydantic's ByteSize: decimal and binary units)."""
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise typer.BadParameter(f"{text!r} is not a size; use bytes or a unit: 256MiB, 1GB, 65536") from None
 
 
 def parse_counts(text: str) -> tuple[int, ...]:
