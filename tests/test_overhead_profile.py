@@ -8,10 +8,11 @@ import json
 import pytest
 
 from bench.overhead import ratios, side, time_to_reward
+from laminar.messages import RunStatus
 from laminar.timing import TimeBreakdown, merge
 from storage import keys
 from storage.objects import LocalObjectStore
-from workers.summary import build_profile, format_profile
+from workers.summary import build_profile, build_summary, format_profile
 
 
 class SteppedClock:
@@ -112,3 +113,21 @@ def test_side_and_ratios():
     r = ratios(loop, laminar)
     # every laminar time is 2.5x the loop's; tokens/s 200 vs 80: loop / laminar = 2.5
     assert r == {"wall_s": 2.5, "time_to_reward_0_6_s": 2.5, "time_to_reward_0_8_s": 2.5, "tokens_per_s": 2.5}
+
+
+def test_summary_step_end_times_are_relative_to_the_run_start(tmp_path):
+    store = LocalObjectStore(tmp_path)
+    for step, t in [(2, 1000.75), (1, 1000.25)]:  # written out of order; the summary orders by step
+        store.put(keys.step_metrics("run1", step), json.dumps(
+            {"step": step, "reward_mean": 0.5, "tokens": 10, "response_lengths": [5, 5], "time": t}).encode())
+    status = RunStatus(
+        run_id="run1", phase="finished", step=2, total_steps=2, policy_version=2, ready_groups=0, open_leases=0,
+        groups_generated=8, groups_consumed=8, groups_consumed_twice=0, tokens_consumed=20, reward_recent=[],
+        versions_in_use=[2], max_versions_in_use=1, staleness_histogram={}, trainer_wait_fraction=0.0,
+        history_events=10, history_events_max=10, continued_as_new=0, checkpoints=[], relays=[], replicas=[],
+        started_at=1000.0)
+    summary = build_summary(status, store, wall_s=2.0, started_at=1000.0, profile={"cpu_s": {}})
+    # started at 1000.0: step 1 ended 0.25 s in, step 2 0.75 s in
+    assert summary["step_end_s"] == [0.25, 0.75]
+    assert summary["profile"] == {"cpu_s": {}}
+    assert "step_end_s" not in build_summary(status, store, wall_s=2.0)

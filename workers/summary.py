@@ -120,8 +120,8 @@ def build_summary(status: RunStatus, store: ObjectStore, wall_s: float, started_
         "is_capped_fraction_mean": _mean(_over_updates(metrics, "is_capped_fraction")),
         "kl_behaviour_mean": _mean(_over_updates(metrics, "kl_behaviour")),
         "kl_behaviour_max": _max(_over_updates(metrics, "kl_behaviour")),
-        # seconds from the run's start to each step's end (time to reward); empty without started_at
-        "step_end_s": [round(r["time"] - started_at, 3) for r in metrics] if started_at is not None else [],
+        # seconds from the run's start to each step's end (time to reward)
+        **({"step_end_s": [round(r["time"] - started_at, 3) for r in metrics]} if started_at is not None else {}),
         **({"profile": profile} if profile is not None else {}),
     }
 
