@@ -81,6 +81,8 @@ class TrainerService:
         if loaded is not None:
             trainer.load_state_parts(loaded.parts)
             step, consumed = int(loaded.meta["step"]), set(loaded.meta.get("consumed", []))
+        if run_id != self.run_id:  # a worker that serves another run profiles it from scratch
+            self.profile, self._profile_written = TimeBreakdown(), time.perf_counter()
         self.run_id, self.cfg, self.trainer, self.step, self.consumed = run_id, cfg, trainer, step, consumed
         log.info("trainer_restored", run_id=run_id, step=step, checkpoint=loaded.ref.step if loaded else None)
 
