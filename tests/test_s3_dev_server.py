@@ -1,5 +1,5 @@
 """The dev stack's S3 server keeps its state in a snapshot: saved on a graceful stop, loaded before it
-listens. Real dev stacks (Temporal dev server + workers.s3_dev_server processes), written to through
+listens. Real dev stacks (Temporal dev server + devstack.s3_server processes), written to through
 the store API."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from devstack.stack import DevStack, DevStackInfo
 from laminar.errors import ObjectNotFoundError, StoreUnavailableError
 from storage.objects import MiB, ObjectStore, open_store
 from tests.fixtures.s3 import free_port
-from workers.devstack import DevStack, DevStackInfo
 
 
 @pytest.fixture

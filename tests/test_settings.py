@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from devstack.record import DevStackInfo
 from laminar.errors import ConfigError
-from workers.devstack import DevStackInfo
 from workers.settings import Settings
 
 

@@ -7,9 +7,9 @@ import os
 from temporalio.client import Client
 from temporalio.runtime import Runtime, TelemetryConfig
 
+from devstack.record import S3_CREDENTIALS, read_record
 from laminar.errors import LaminarError
 from storage.objects import ObjectStore, open_store
-from workers.devstack import S3_CREDENTIALS, read_record
 from workers.settings import Settings
 
 

@@ -17,10 +17,10 @@ from rich.table import Table
 from temporalio.worker import Worker
 
 from activities.drill import DrillActivities
+from devstack.stack import DevStack
 from laminar.errors import ConfigError
 from laminar.messages import CONTROL_QUEUE, FAULTS, DrillInput, DrillReport
 from workers.connect import connect, store_for
-from workers.devstack import DevStack
 from workers.settings import Settings
 
 

@@ -19,11 +19,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 
+from devstack.stack import DevStack
 from laminar.config import RunConfig
 from laminar.messages import RunStatus
 from storage import keys
 from workers.connect import connect, store_for
-from workers.devstack import DevStack
 from workers.launcher import LocalLauncher, plan_processes, process_cpu_s
 from workers.run_control import new_run_id, start_or_attach
 from workers.settings import Settings

@@ -31,8 +31,8 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from devstack.record import DevStackInfo, read_record
 from laminar.errors import ConfigError, DevStackError
-from workers.devstack import DevStackInfo, read_record
 
 DEFAULT_TEMPORAL_ADDRESS = "127.0.0.1:7233"
 LOG_FORMATS = ("console", "json")

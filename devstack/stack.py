@@ -22,71 +22,22 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psutil
 
+from devstack.record import RECORD_FILE, S3_BUCKET, S3_CREDENTIALS, DevStackInfo, read_record
 from laminar.errors import DevStackError
 from laminar.logs import get_logger
 
 log = get_logger(__name__)
 
-RECORD_FILE = "dev.json"
-RECORD_VERSION = 1
 DEFAULT_PORT = 7233
-S3_BUCKET = "laminar"
-S3_CREDENTIALS = {
-    "aws_access_key_id": "laminar",
-    "aws_secret_access_key": "laminar",
-    "region_name": "us-east-1",
-}
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 S3_STOP_TIMEOUT_S = 120.0  # the S3 server saves its snapshot before it exits; a SIGKILL would lose it
-
-
-@dataclass(frozen=True)
-class DevStackInfo:
-    """What `laminar dev up` started, as recorded in `<home>/dev.json`."""
-
-    home: str
-    temporal_pid: int
-    temporal_address: str  # host:port (gRPC)
-    namespace: str
-    ui_url: str | None  # None when started with ui=False
-    db_file: str  # SQLite state of the Temporal server; kept by `down`
-    temporal_log: str
-    store_url: str  # s3://<bucket> when S3 runs, else file://<home>/store
-    started_at: str  # ISO 8601, UTC
-    s3_pid: int | None = None
-    s3_endpoint: str | None = None  # http://host:port
-    s3_bucket: str | None = None
-    s3_log: str | None = None
-    version: int = RECORD_VERSION
-
-    def processes(self) -> list[tuple[str, int]]:
-        """(name, pid) of every process this record names."""
-        procs = [("temporal", self.temporal_pid)]
-        if self.s3_pid is not None:
-            procs.append(("s3", self.s3_pid))
-        return procs
-
-
-def read_record(home: Path) -> DevStackInfo | None:
-    """The record in `<home>/dev.json`, or None when there is none (liveness is not checked)."""
-    path = home / RECORD_FILE
-    try:
-        raw = json.loads(path.read_text())
-        known = {f.name for f in fields(DevStackInfo)}
-        return DevStackInfo(**{k: v for k, v in raw.items() if k in known})
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, TypeError) as e:
-        raise DevStackError(
-            f"{path} is unreadable ({e}); stop any servers it names by hand, then delete it"
-        ) from e
 
 
 class DevStack:
@@ -222,7 +173,7 @@ class DevStack:
         port = port or free_port()
         endpoint = f"http://127.0.0.1:{port}"
         log_file = self.log_dir / "s3.log"
-        cmd = [sys.executable, "-m", "workers.s3_dev_server", "-H", "127.0.0.1", "-p", str(port),
+        cmd = [sys.executable, "-m", "devstack.s3_server", "-H", "127.0.0.1", "-p", str(port),
                "--snapshot", str(self.s3_snapshot)]  # fmt: skip
         proc = self._spawn(cmd, log_file)
         self._wait(proc, log_file, f"S3 server at {endpoint}", lambda: http_answers(endpoint))
@@ -319,7 +270,7 @@ def _find_binary(name: str, fix: str) -> str:
     return found
 
 
-_MARKERS = {"temporal": ("temporal", "start-dev"), "s3": ("workers.s3_dev_server",)}
+_MARKERS = {"temporal": ("temporal", "start-dev"), "s3": ("devstack.s3_server",)}
 
 
 def _is_ours(pid: int, name: str) -> bool:

@@ -1,7 +1,7 @@
 """The dev stack's S3 server: moto's in-memory S3, saved to a snapshot directory when it stops and loaded
 from it before it listens, so S3 state survives `laminar dev down`/`up` and the store drill's restarts.
 
-    python -m workers.s3_dev_server -H 127.0.0.1 -p PORT --snapshot DIR
+    python -m devstack.s3_server -H 127.0.0.1 -p PORT --snapshot DIR
 
 Start: the snapshot's buckets and objects are put into moto's backend before the socket is bound, so no
 client ever finds an object missing that was there when the server last stopped.
