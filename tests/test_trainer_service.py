@@ -102,7 +102,7 @@ def _cfg(*extra: str) -> RunConfig:
 def _next_input(ledger: Ledger, cfg: RunConfig, trajs: TrajectoryStore) -> TrainStepInput:
     """Two fresh groups reach the ledger, which builds the next step's input as the workflow does."""
     leases = ledger.lease("replica-0", 2)
-    ledger.add_segment(_segment(trajs, ledger.s.run_id, leases[0].prompt_id))
+    ledger.add_segment(_segment(trajs, ledger.state.run_id, leases[0].prompt_id))
     return ledger.next_train_input(cfg, [])
 
 
@@ -126,7 +126,7 @@ def test_retention_keeps_the_checkpoint_a_lost_step_result_points_to(setup):
     ledger = Ledger(RunState(run_id="r"))
     ckpts = CheckpointStore(store)
     _steps(TrainerService(store, home), ledger, cfg, trajs, 3)
-    assert ledger.s.checkpoint.step == 2 and ckpts.list_committed("r") == [2]
+    assert ledger.state.checkpoint.step == 2 and ckpts.list_committed("r") == [2]
     # Step 3 -> 4 commits checkpoint 4, then the trainer dies before the workflow records the result.
     inp = _next_input(ledger, cfg, trajs)
     assert TrainerService(store, home).train_step(inp).checkpoint.step == 4
@@ -142,7 +142,7 @@ def test_retention_keeps_the_checkpoint_a_lost_step_result_points_to(setup):
         _steps(svc, ledger, cfg, trajs, 1)
         assert len(ckpts.list_committed("r")) <= 2
     # steps 5..8: saving 6 deleted 2 (older than the workflow's 4), saving 8 deleted 4
-    assert ckpts.list_committed("r") == [6, 8] and [c.step for c in ledger.s.checkpoints] == [8]
+    assert ckpts.list_committed("r") == [6, 8] and [c.step for c in ledger.state.checkpoints] == [8]
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_and_redoes_the_steps(setup):
@@ -151,7 +151,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_and_redoes_t
     ledger = Ledger(RunState(run_id="r"))
     first = TrainerService(store, home)
     _steps(first, ledger, cfg, trajs, 5)  # checkpoints 2 and 4 committed, step 5 done
-    assert [c.step for c in ledger.s.checkpoints] == [2, 4]
+    assert [c.step for c in ledger.state.checkpoints] == [2, 4]
     _flip_a_byte(store, keys.checkpoint_part("r", 4, "model"))
     inp = _next_input(ledger, cfg, trajs)  # step 5 -> 6
     # The trainer is killed: a fresh process restores, finds 4 corrupt and falls back to 2.
@@ -167,9 +167,9 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_and_redoes_t
         assert torch.equal(tensor, expected[name]), name
     ledger.commit_step(inp, res, keep_last=2, at=7.0)
     # The workflow records the fallback and drops the corrupt checkpoint from what it retains.
-    fallback = [e for e in ledger.s.events if e.kind == "checkpoint_fallback"]
+    fallback = [e for e in ledger.state.events if e.kind == "checkpoint_fallback"]
     assert [(e.subject, e.count, e.at) for e in fallback] == [("step-4", 2, 7.0)]
-    assert [c.step for c in ledger.s.checkpoints] == [2, 6] and ledger.s.checkpoint.step == 6
+    assert [c.step for c in ledger.state.checkpoints] == [2, 6] and ledger.state.checkpoint.step == 6
 
 
 def test_a_corrupt_only_checkpoint_falls_back_to_the_base_model_while_every_batch_is_kept(setup):
@@ -181,7 +181,7 @@ def test_a_corrupt_only_checkpoint_falls_back_to_the_base_model_while_every_batc
     res = _steps(TrainerService(store, home), ledger, cfg, trajs, 1)
     # base model, replay steps 0, 1, 2, then step 3 -> 4
     assert (res.step, res.steps_redone, res.corrupt_checkpoints) == (4, 3, [2])
-    assert [c.step for c in ledger.s.checkpoints] == [4]
+    assert [c.step for c in ledger.state.checkpoints] == [4]
 
 
 def test_no_checkpoint_that_verifies_is_a_permanent_corrupt_data_error(setup):
