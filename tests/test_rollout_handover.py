@@ -1,0 +1,93 @@
+"""A rollout replica acts on a hand-over at its next contact, even with no free slot and no complete group:
+its in-flight groups go to its (fenced) partial pool and it returns, so continue-as-new never waits for
+the long tail. The replica runs its real loop and a real torch engine; the control plane is the replica's
+`ControlPort` seam, answered here the way the workflow answers once a hand-over is pending."""
+
+from __future__ import annotations
+
+from laminar.config import RunConfig
+from laminar.messages import (
+    AddExperienceInput,
+    AddExperienceResult,
+    ClaimPromptsInput,
+    ClaimPromptsResult,
+    Lease,
+)
+from rl.model import model_state_dict
+from services.model_files import publish_model_files, resolve_model_dir
+from services.rollout import CONTACT_S, RolloutReplica
+from storage import keys
+from storage.objects import open_store
+from storage.trajectories import TrajectoryStore
+
+RUN = "handover-unit"
+GROUPS = 2  # = rollout.max_inflight_groups: once admitted, the replica has no free slot (it never claims work)
+GROUP_SIZE = 8
+
+
+class HandoverPending:
+    """Leases GROUPS groups on the first work claim; from then on every answer says `handover`."""
+
+    def __init__(self) -> None:
+        self.leased = False
+        self.contacts_after_handover = 0
+
+    def claim(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
+        if inp.first_claim:
+            return ClaimPromptsResult(leases=[], newest_policy_version=0, relays=[])
+        if not self.leased:
+            self.leased = True
+            return ClaimPromptsResult(leases=[Lease(f"g{i:08d}", i) for i in range(GROUPS)], newest_policy_version=0,
+                                      relays=[])
+        self.contacts_after_handover += 1
+        return ClaimPromptsResult(leases=[], newest_policy_version=0, relays=[], handover=True)
+
+    def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
+        self.contacts_after_handover += 1
+        return AddExperienceResult(accepted=list(inp.segment.group_ids), duplicates=[], handover=True)
+
+    def heartbeat(self, details: dict) -> None:
+        pass
+
+    def cancelled(self) -> bool:
+        return False
+
+
+class Ticks:
+    """A clock that advances 50 ms per reading: the loop's intervals count loop turns, not wall time."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 0.05
+        return self.now
+
+
+def test_hand_over_returns_at_the_next_contact_with_every_group_still_in_flight(tmp_path):
+    # An untrained model (no warm-up) rarely samples <eos>: with 2000 new tokens allowed, no group of 8 can
+    # complete in the few dozen engine steps before the replica's next contact (CONTACT_S = 1 s = 20 ticks).
+    # Before the fix the replica, full and with nothing complete, contacted nobody until a group completed,
+    # and then ignored `handover` in the report's answer: it returned hundreds of steps later, with at most
+    # one group still in flight.
+    cfg = RunConfig.load(None, ["model.pretrain_steps=0", f"rollout.group_size={GROUP_SIZE}",
+                                f"rollout.max_inflight_groups={GROUPS}", "rollout.max_new_tokens=2000",
+                                "rollout.flush_interval_s=600"]).with_run_id(RUN)
+    store = open_store((tmp_path / "store").as_uri())
+    publish_model_files(store, RUN, resolve_model_dir(cfg, tmp_path))
+    control = HandoverPending()
+    clock = Ticks()
+    replica = RolloutReplica(run_id=RUN, replica_id="replica-0", host_id="host-0", segment_prefix="seg-a1",
+                             cfg=cfg, store=store, control=control, attempt=1, generation=3, clock=clock)
+    replica.engine.load_weights(model_state_dict(replica.engine.model), 0)  # version 0, as a relay would serve
+
+    result = replica.run()
+
+    assert result.handed_over == GROUPS and result.groups_completed == 0
+    assert control.contacts_after_handover == 1  # it returned at the first contact that said so
+    assert clock.now - 1000.0 < 4 * CONTACT_S  # within a few contacts' worth of loop turns
+    pool = TrajectoryStore(store).read_partial(RUN, "replica-0")
+    assert len(pool) == GROUPS * GROUP_SIZE  # every sample, finished or a prefix, is in the pool
+    assert {t.finish_reason for t in pool} >= {"partial"}
+    # under this incarnation's fence: history segment 3, attempt 1
+    assert keys.partial_manifest(RUN, "replica-0", (3, 1)) in store.list(keys.partial_prefix(RUN, "replica-0"))
