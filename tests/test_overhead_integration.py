@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from laminar.messages import RunStatus
+from services.rollout import HEARTBEAT_EVERY_S
 from tests.fixtures.stack import small_config
 from workers.run_control import start_workflow
 from workers.summary import build_profile
@@ -37,6 +38,11 @@ async def test_groups_are_reported_as_they_complete_and_every_process_profiles_t
     tokens = sum(rollout["buckets"].get(b, {"n": 0})["n"] for b in ("generate", "drain"))
     assert tokens >= cfg.run.steps * cfg.trainer.groups_per_step * cfg.rollout.group_size
     assert rollout["latency"]["report"]["n"] >= 1 and rollout["latency"]["claim"]["n"] >= 1
+    # the loop heartbeats at most every HEARTBEAT_EVERY_S: over W seconds of replica wall time (summed over
+    # the incarnations) at most W / 0.2 beats plus one at each incarnation's start (and one for clock
+    # rounding); a beat on every engine step (milliseconds each) would be many times more
+    beats_max = rollout["wall_s"] / HEARTBEAT_EVERY_S + 2 * profile["rollout_incarnations"]
+    assert rollout["buckets"]["heartbeat"]["n"] <= beats_max
     # the trainer process profiles this run only (it served other runs in this session): one compute per step
     assert profile["trainer"]["buckets"]["compute"]["n"] == cfg.run.steps
     assert profile["trainer"]["latency"]["train_step_schedule_to_start"]["n"] == cfg.run.steps
