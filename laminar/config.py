@@ -94,7 +94,9 @@ class RolloutSection(_Section):
         description="Stop leasing new prompts while this many complete groups wait for the trainer (groups).",
     )
     flush_interval_s: float = Field(
-        2.0, gt=0.0, le=600.0, description="Completed groups are written and reported at least this often (s)."
+        2.0, gt=0.0, le=600.0,
+        description="In-flight groups are written to the partial-response pool this often (s); complete groups "
+        "are reported as they complete.",
     )
     heartbeat_timeout_s: float = Field(
         3.0, ge=1.0, le=3600.0,
