@@ -82,7 +82,8 @@ class DrillActivities:
                 times = await asyncio.to_thread(steps.times_until, st.step)
                 detected = detected or rules.detected_at(plan.fault, plan.target, injected_at, st,
                                                          await self._activities(run_id))
-                recovered = rules.recovered_at(plan.fault, plan.target, injected_at, detected, st, times,
+                recovered = rules.recovered_at(plan.fault, plan.target, injected_at, detected, st,
+                                               steps.recovery_candidates(plan.fault, injected_at),
                                                len(plan.baseline.relays))
                 settled = recovered is not None and sum(t > recovered for t in times) >= SETTLE_STEPS
                 if settled or (recovered is not None and st.phase in ("stopping", "finished")):
@@ -119,6 +120,7 @@ class StepClock:
         self.store, self.run_id = store, run_id
         self.next_step = after_step + 1
         self.times: dict[int, float] = {}
+        self.scheduled: dict[int, float | None] = {}  # when the workflow scheduled each step
 
     def times_until(self, step: int) -> list[float]:
         while self.next_step <= step:
@@ -127,5 +129,13 @@ class StepClock:
             except StoreError:  # not written yet (the status moved first), or the store is down: next time
                 break
             self.times[self.next_step] = float(record["time"])
+            self.scheduled[self.next_step] = record.get("scheduled_at")
             self.next_step += 1
         return list(self.times.values())
+
+    def recovery_candidates(self, fault: str, injected_at: float) -> list[float]:
+        """Completion times of the steps that can show recovery. For the control worker only steps the
+        workflow scheduled after the fault count: a step already running completes without it."""
+        if fault != "control":
+            return list(self.times.values())
+        return [t for n, t in self.times.items() if (self.scheduled.get(n) or 0.0) > injected_at]

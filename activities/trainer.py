@@ -31,4 +31,5 @@ class TrainerActivities:
         with background_heartbeat() as progress, permanent_errors(CorruptDataError):
             info = activity.info()
             queued_s = (info.started_time - info.current_attempt_scheduled_time).total_seconds()
-            return self.service.train_step(inp, heartbeat=progress.tick, schedule_to_start_s=queued_s)
+            return self.service.train_step(inp, heartbeat=progress.tick, schedule_to_start_s=queued_s,
+                                           scheduled_at=info.scheduled_time.timestamp())

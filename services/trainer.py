@@ -89,8 +89,10 @@ class TrainerService:
     # -- one step ------------------------------------------------------------------------------
 
     def train_step(self, inp: TrainStepInput, heartbeat=lambda: None,
-                   schedule_to_start_s: float | None = None) -> TrainStepResult:
-        """schedule_to_start_s: how long the activity waited on the task queue (control-plane latency)."""
+                   schedule_to_start_s: float | None = None, scheduled_at: float | None = None) -> TrainStepResult:
+        """schedule_to_start_s: how long the activity waited on the task queue (control-plane latency);
+        scheduled_at: when the workflow scheduled the step (its record carries it: a drill of the control
+        worker counts only steps scheduled after the fault)."""
         t_start = time.time()
         wait_s = 0.0 if self.last_step_end is None else t_start - self.last_step_end
         prof = self.profile
@@ -126,7 +128,8 @@ class TrainerService:
             is_capped_fraction=m.is_capped_fraction, kl_behaviour=m.kl_behaviour,
         )
         with prof.measure("write_metrics"):
-            self._write_metrics(metrics, trajectories, wait_s=wait_s, busy_s=time.time() - t_start, stall_s=stall_s)
+            self._write_metrics(metrics, trajectories, wait_s=wait_s, busy_s=time.time() - t_start, stall_s=stall_s,
+                                scheduled_at=scheduled_at)
         if self.step >= self.cfg.run.steps or prof.clock() - self._profile_written >= PROFILE_EVERY_S:
             self._write_profile()
         self.last_step_end = time.time()
@@ -242,7 +245,7 @@ class TrainerService:
                     policy_version=self.step)
         return 0.0, payload
 
-    def _write_metrics(self, m: StepMetrics, trajectories: list[Trajectory], **timing: float) -> None:
+    def _write_metrics(self, m: StepMetrics, trajectories: list[Trajectory], **timing: float | None) -> None:
         assert self.run_id is not None
         lengths = sorted(len(t.response_ids) for t in trajectories)
         record = {"step": self.step, **asdict(m), **timing, "response_lengths": lengths,

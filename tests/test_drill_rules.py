@@ -108,3 +108,25 @@ def test_one_relay_recovers_only_once_it_is_back_in_the_chain():
     assert rules.recovered_at("relay", "host-0", 100.0, 104.0, st, steps, 1) == 107.0
     # with two relays the rebuilt chain (the survivor) is there at detection: 105
     assert rules.recovered_at("relay", "host-0", 100.0, 104.0, st, steps, 2) == 105.0
+
+
+def test_control_recovery_counts_only_steps_the_workflow_scheduled_after_the_fault(tmp_path):
+    import json
+
+    from activities.drill import StepClock
+    from storage import keys
+    from storage.objects import open_store
+
+    store = open_store((tmp_path / "store").as_uri())
+    # step 11 was scheduled at 99 (before the control worker died at 100) and completes at 100.07 without it;
+    # step 12 was scheduled at 111.5 by the restarted control worker and completes at 111.8
+    for step, done, scheduled in [(11, 100.07, 99.0), (12, 111.8, 111.5)]:
+        store.put(keys.step_metrics("r", step), json.dumps({"time": done, "scheduled_at": scheduled}).encode())
+    clock = StepClock(store, "r", after_step=10)
+    assert clock.times_until(12) == [100.07, 111.8]
+    assert clock.recovery_candidates("control", 100.0) == [111.8]
+    assert clock.recovery_candidates("trainer", 100.0) == [100.07, 111.8]
+    st = status()
+    assert rules.recovered_at("control", "control", 100.0, 100.0, st, clock.recovery_candidates("control", 100.0),
+                              2) == 111.8
+    assert clock.times_until(13) == [100.07, 111.8]  # step 13 has no record yet: read it next time
