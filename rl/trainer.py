@@ -119,18 +119,23 @@ class Trainer:
         batch = collate(kept, self.pad_id)
         mask = batch.response_mask
 
+        chunks = torch.arange(len(kept)).tensor_split(min(cfg.minibatches, len(kept)))
+        # The proximal policy is the weights at the start of the step. With one minibatch the update's own
+        # forward pass is at those weights, so it serves (detached) and no extra pass is paid; with more, a
+        # no-grad pass first. (The model has no dropout: train and eval modes compute the same.)
+        self.model.train()
+        first = self._log_softmax(batch.ids, batch.attention_mask) if len(chunks) == 1 else None
         with torch.no_grad():
-            logp_all = self._log_softmax(batch.ids, batch.attention_mask)
+            logp_all = first.detach() if first is not None else self._log_softmax(batch.ids, batch.attention_mask)
             proximal_logp = logp_all.gather(-1, batch.targets[..., None])[..., 0]
             ent = -(logp_all.exp() * logp_all).sum(-1)
             entropy = float((ent * mask).sum() / mask.sum().clamp(min=1))
         del logp_all
         drift = behaviour_drift(proximal_logp, batch.behaviour_logp, mask, cfg.tis_cap)
 
-        self.model.train()
         loss_sum, clipped, grad_norms = 0.0, 0.0, []
-        for rows in torch.arange(len(kept)).tensor_split(min(cfg.minibatches, len(kept))):
-            logp_all = self._log_softmax(batch.ids[rows], batch.attention_mask[rows])
+        for rows in chunks:
+            logp_all = first if first is not None else self._log_softmax(batch.ids[rows], batch.attention_mask[rows])
             logp = logp_all.gather(-1, batch.targets[rows][..., None])[..., 0]
             parts = clipped_token_loss(
                 logp,
