@@ -16,7 +16,7 @@ How each fault is detected and when it counts as recovered:
 | relay        | the relay activity's heartbeat timeout, or its new incarnation joining (`relay_lost`) | the first trainer step published to the rebuilt chain (with one relay: after it re-joined) |
 | master-relay | as relay                                                  | as relay (the next relay is the new master)             |
 | trainer      | the train_step heartbeat timeout (its retry)              | the first step completed by the restored trainer        |
-| control      | at injection (workflow tasks wait in their queue)         | the first trainer step after the control worker is back |
+| control      | at injection (workflow tasks wait in their queue)         | the first step the workflow scheduled after the fault, completed |
 | store        | at injection (every store call retries with backoff)      | the first trainer step after the store is back          |
 """
 
