@@ -13,6 +13,7 @@ from laminar.messages import (
     ClaimPromptsResult,
     Lease,
 )
+from laminar.records import Trajectory
 from rl.model import model_state_dict
 from services.model_files import publish_model_files, resolve_model_dir
 from services.rollout import CONTACT_S, RolloutReplica
@@ -91,3 +92,33 @@ def test_hand_over_returns_at_the_next_contact_with_every_group_still_in_flight(
     assert {t.finish_reason for t in pool} >= {"partial"}
     # under this incarnation's fence: history segment 3, attempt 1
     assert keys.partial_manifest(RUN, "replica-0", (3, 1)) in store.list(keys.partial_prefix(RUN, "replica-0"))
+
+
+def test_a_corrupt_partial_pool_is_dropped_not_retried_forever(tmp_path):
+    # The previous incarnation's pool fails its sha256 check: the new incarnation starts with nothing to
+    # resume (its leases go back to the pool at the first claim and are generated again) instead of raising
+    # the same CorruptDataError on every retry of the activity.
+    cfg = RunConfig.load(None, ["model.pretrain_steps=0", f"rollout.group_size={GROUP_SIZE}",
+                                f"rollout.max_inflight_groups={GROUPS}", "rollout.max_new_tokens=2000",
+                                "rollout.flush_interval_s=600"]).with_run_id(RUN)
+    store = open_store((tmp_path / "store").as_uri())
+    publish_model_files(store, RUN, resolve_model_dir(cfg, tmp_path))
+    row = Trajectory(run_id=RUN, prompt_id=0, group_id="g00000000", sample_index=0, prompt_ids=[1, 2],
+                     response_ids=[3], logprobs=[-0.5], reward=0.0, policy_version=0, replica_id="replica-0",
+                     started_at=1.0, ended_at=2.0, finish_reason="partial")
+    TrajectoryStore(store).write_partial(RUN, "replica-0", (3, 1), [row])
+    pool_key = keys.partial_pool(RUN, "replica-0", (3, 1))
+    data = bytearray(store.get(pool_key))
+    data[len(data) // 2] ^= 0x01
+    store.put(pool_key, bytes(data))
+
+    control = HandoverPending()
+    replica = RolloutReplica(run_id=RUN, replica_id="replica-0", host_id="host-0", segment_prefix="seg-a2",
+                             cfg=cfg, store=store, control=control, attempt=2, generation=3, clock=Ticks())
+    replica.engine.load_weights(model_state_dict(replica.engine.model), 0)
+    result = replica.run()  # raised CorruptDataError before the fix
+
+    assert result.handed_over == GROUPS  # it went on to generate fresh groups
+    # its own pool (attempt 2) replaced the corrupt one (attempt 1), which the sweep removed
+    assert store.list(keys.partial_prefix(RUN, "replica-0")) == [keys.partial_manifest(RUN, "replica-0", (3, 2)),
+                                                                 keys.partial_pool(RUN, "replica-0", (3, 2))]
