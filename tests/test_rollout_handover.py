@@ -65,24 +65,34 @@ class Ticks:
         return self.now
 
 
+CFG = RunConfig.load(None, ["model.pretrain_steps=0", f"rollout.group_size={GROUP_SIZE}",
+                            f"rollout.max_inflight_groups={GROUPS}", "rollout.max_new_tokens=2000",
+                            "rollout.flush_interval_s=600"]).with_run_id(RUN)
+
+
+def _store_with_model(tmp_path):
+    store = open_store((tmp_path / "store").as_uri())
+    publish_model_files(store, RUN, resolve_model_dir(CFG, tmp_path))
+    return store
+
+
+def _replica(store, control, clock, attempt: int) -> RolloutReplica:
+    """Incarnation (history segment 3, `attempt`) of replica-0, holding version 0 as a relay would serve it."""
+    replica = RolloutReplica(run_id=RUN, replica_id="replica-0", host_id="host-0", segment_prefix=f"seg-a{attempt}",
+                             cfg=CFG, store=store, control=control, attempt=attempt, generation=3, clock=clock)
+    replica.engine.load_weights(model_state_dict(replica.engine.model), 0)
+    return replica
+
+
 def test_hand_over_returns_at_the_next_contact_with_every_group_still_in_flight(tmp_path):
     # An untrained model (no warm-up) rarely samples <eos>: with 2000 new tokens allowed, no group of 8 can
     # complete in the few dozen engine steps before the replica's next contact (CONTACT_S = 1 s = 20 ticks).
     # Before the fix the replica, full and with nothing complete, contacted nobody until a group completed,
     # and then ignored `handover` in the report's answer: it returned hundreds of steps later, with at most
     # one group still in flight.
-    cfg = RunConfig.load(None, ["model.pretrain_steps=0", f"rollout.group_size={GROUP_SIZE}",
-                                f"rollout.max_inflight_groups={GROUPS}", "rollout.max_new_tokens=2000",
-                                "rollout.flush_interval_s=600"]).with_run_id(RUN)
-    store = open_store((tmp_path / "store").as_uri())
-    publish_model_files(store, RUN, resolve_model_dir(cfg, tmp_path))
-    control = HandoverPending()
-    clock = Ticks()
-    replica = RolloutReplica(run_id=RUN, replica_id="replica-0", host_id="host-0", segment_prefix="seg-a1",
-                             cfg=cfg, store=store, control=control, attempt=1, generation=3, clock=clock)
-    replica.engine.load_weights(model_state_dict(replica.engine.model), 0)  # version 0, as a relay would serve
-
-    result = replica.run()
+    store = _store_with_model(tmp_path)
+    control, clock = HandoverPending(), Ticks()
+    result = _replica(store, control, clock, attempt=1).run()
 
     assert result.handed_over == GROUPS and result.groups_completed == 0
     assert control.contacts_after_handover == 1  # it returned at the first contact that said so
@@ -98,11 +108,7 @@ def test_a_corrupt_partial_pool_is_dropped_not_retried_forever(tmp_path):
     # The previous incarnation's pool fails its sha256 check: the new incarnation starts with nothing to
     # resume (its leases go back to the pool at the first claim and are generated again) instead of raising
     # the same CorruptDataError on every retry of the activity.
-    cfg = RunConfig.load(None, ["model.pretrain_steps=0", f"rollout.group_size={GROUP_SIZE}",
-                                f"rollout.max_inflight_groups={GROUPS}", "rollout.max_new_tokens=2000",
-                                "rollout.flush_interval_s=600"]).with_run_id(RUN)
-    store = open_store((tmp_path / "store").as_uri())
-    publish_model_files(store, RUN, resolve_model_dir(cfg, tmp_path))
+    store = _store_with_model(tmp_path)
     row = Trajectory(run_id=RUN, prompt_id=0, group_id="g00000000", sample_index=0, prompt_ids=[1, 2],
                      response_ids=[3], logprobs=[-0.5], reward=0.0, policy_version=0, replica_id="replica-0",
                      started_at=1.0, ended_at=2.0, finish_reason="partial")
@@ -112,11 +118,7 @@ def test_a_corrupt_partial_pool_is_dropped_not_retried_forever(tmp_path):
     data[len(data) // 2] ^= 0x01
     store.put(pool_key, bytes(data))
 
-    control = HandoverPending()
-    replica = RolloutReplica(run_id=RUN, replica_id="replica-0", host_id="host-0", segment_prefix="seg-a2",
-                             cfg=cfg, store=store, control=control, attempt=2, generation=3, clock=Ticks())
-    replica.engine.load_weights(model_state_dict(replica.engine.model), 0)
-    result = replica.run()  # raised CorruptDataError before the fix
+    result = _replica(store, HandoverPending(), Ticks(), attempt=2).run()  # raised CorruptDataError before the fix
 
     assert result.handed_over == GROUPS  # it went on to generate fresh groups
     # its own pool (attempt 2) replaced the corrupt one (attempt 1), which the sweep removed
