@@ -271,6 +271,8 @@ class RunStatus:
     event_times: dict[str, list[float]] = field(default_factory=dict)
     handover_stalls: list[float] = field(default_factory=list)  # trainer idle across recent continue-as-new (s)
     handover_stall_max: float = 0.0  # the longest, over the whole run (s)
+    # a train step is in flight; after `pause` the run is quiet (nothing commits) once this is False
+    training: bool = False
 
 
 # -- recovery drills ----------------------------------------------------------------------------

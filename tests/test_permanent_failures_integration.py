@@ -15,7 +15,7 @@ from temporalio.exceptions import ApplicationError
 
 from laminar.messages import RunStatus
 from storage import keys
-from tests.fixtures.stack import small_config
+from tests.fixtures.stack import quiet_status, small_config
 from tests.fixtures.waiting import async_wait_until, wait_until
 from workers.run_control import start_workflow
 
@@ -42,14 +42,7 @@ async def test_a_corrupt_newest_checkpoint_and_a_trainer_kill_fall_back_to_the_p
     await async_wait_until(lambda: _has_checkpoints(handle, 2), 120, "two committed checkpoints")
     # Pause: the step in flight finishes, then the trainer idles, so nothing commits behind our back.
     await handle.execute_update("pause", result_type=str)
-    steps = [(await _status(handle)).step]
-
-    async def settled() -> bool:
-        steps.append((await _status(handle)).step)
-        return steps[-1] == steps[-2]
-
-    await async_wait_until(settled, 60, "the in-flight step to finish", interval_s=1.0)
-    before = await _status(handle)
+    before = await async_wait_until(lambda: quiet_status(handle), 60, "the in-flight step to finish")
     newest, previous = before.checkpoints[-1], before.checkpoints[-2]
     # Kill the trainer, flip a byte of the newest checkpoint's weights, restart the trainer.
     trainer = stack.launcher.processes["trainer"]

@@ -144,7 +144,7 @@ async def terminate_run(settings: Settings, run_id: str) -> None:
 def render_status(st: RunStatus) -> Table:
     t = Table(title=f"run {st.run_id}", show_header=False)
     rows = {
-        "phase": st.phase,
+        "phase": f"{st.phase} (its step in flight finishes)" if st.phase == "paused" and st.training else st.phase,
         "step": f"{st.step}/{st.total_steps}",
         "policy_version": st.policy_version,
         "reward (recent)": f"{st.reward_recent[-1]:.3f}" if st.reward_recent else "-",

@@ -199,7 +199,7 @@ class Ledger:
 
     # -- status ------------------------------------------------------------------------------
 
-    def status(self, phase: str, total_steps: int, history_events: int) -> RunStatus:
+    def status(self, phase: str, total_steps: int, history_events: int, training: bool = False) -> RunStatus:
         s = self.state
         busy, wait = s.trainer_busy_s, s.trainer_wait_s
         return RunStatus(
@@ -236,4 +236,5 @@ class Ledger:
             event_times={k: list(v) for k, v in s.event_times.items()},
             handover_stalls=list(s.handover_stalls),
             handover_stall_max=s.handover_stall_max,
+            training=training,
         )

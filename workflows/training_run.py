@@ -62,6 +62,7 @@ class TrainingRunWorkflow:
         self._finished = False
         self._updates = 0  # updates handled in this history segment (the server caps them per run)
         self._rejoined_relays: set[str] = set()  # relays that joined in this segment
+        self._training = False  # a train_step activity is in flight
         try:
             self._cfg, state = _parse_input(inp)
             run_id = self._cfg.run.run_id or workflow.info().workflow_id.removeprefix("run/")
@@ -101,7 +102,11 @@ class TrainingRunWorkflow:
             self.state.handover_stalls = (self.state.handover_stalls + [round(stall, 3)])[-HANDOVER_STALLS_KEPT:]
             self.state.handover_stall_max = max(self.state.handover_stall_max, stall)
             self.state.handover_last_step_at = None
-        await self._train_one_step()
+        self._training = True
+        try:
+            await self._train_one_step()
+        finally:
+            self._training = False
         self.state.last_step_at = workflow.time()
 
     # -- relays ------------------------------------------------------------------------------
@@ -359,6 +364,7 @@ class TrainingRunWorkflow:
             phase=self._phase(),
             total_steps=self._cfg.run.steps if self._cfg else 0,
             history_events=workflow.info().get_current_history_length(),
+            training=self._training,
         )
 
     def _phase(self) -> str:
