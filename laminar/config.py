@@ -18,7 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from laminar.errors import ConfigError
 
-MODES = ("laminar",)  # scheduling policies; baselines (sync, one_step, stream, partial_rollout) plug in here
+MODES = ("laminar", "sync", "one_step", "stream", "partial_rollout")  # workflows/policy.py says what each does
+Mode = Literal["laminar", "sync", "one_step", "stream", "partial_rollout"]
+Engine = Literal["torch", "modelled"]
 
 
 class _Section(BaseModel):
@@ -27,8 +29,13 @@ class _Section(BaseModel):
 
 class RunSection(_Section):
     run_id: str = Field("", description="Run id; empty means generated at start (`run-<utc time>`).")
-    mode: Literal["laminar"] = Field(
-        "laminar", description="Scheduling policy. `laminar`: trajectory-level asynchrony, no global barrier."
+    mode: Mode = Field(
+        "laminar",
+        description="Scheduling policy (workflows/policy.py). `laminar`: trajectory-level asynchrony, no global "
+        "barrier. Baselines: `sync` (verl-style, staleness 0), `one_step` (generate batch k+1 while training k, "
+        "staleness <= 1), `stream` (one_step whose trainer consumes minibatches as they complete), "
+        "`partial_rollout` (AReaL-style: interrupt in-flight trajectories at each new version, staleness <= "
+        "trainer.max_staleness).",
     )
     steps: int = Field(300, ge=1, le=1_000_000, description="Trainer steps to run (count).")
     seed: int = Field(0, ge=0, description="Seed for prompts, sampling and model init.")
@@ -102,6 +109,12 @@ class RolloutSection(_Section):
         3.0, ge=1.0, le=3600.0,
         description="Replica heartbeat timeout: the failure detector of a dead rollout worker (s).",
     )
+    engine: Engine = Field(
+        "torch",
+        description="`torch`: the real continuous-batching engine (rl/engine.py). `modelled`: a GPU engine whose "
+        "decode, prefill and weight-load times follow the [modelled] section (rl/modelled.py); needs "
+        "trainer.engine = 'modelled' too.",
+    )
 
 
 class TrainerSection(_Section):
@@ -131,13 +144,21 @@ class TrainerSection(_Section):
         "(count). With 1, pi_theta equals pi_prox at the only update, so tis/decoupled never clip.",
     )
     max_staleness: int = Field(
-        -1, ge=-1, description="Drop (and count) samples staler than this many versions; -1 keeps all."
+        -1, ge=-1,
+        description="Drop (and count) samples staler than this many versions; -1 keeps all, except in "
+        "run.mode = 'partial_rollout', where -1 means 4 (AReaL's recommended bound), which also bounds how far "
+        "generation may run ahead of the trainer.",
     )
     checkpoint_every: int = Field(10, ge=1, description="Commit a checkpoint every this many steps (steps).")
     heartbeat_timeout_s: float = Field(
         10.0, ge=1.0, le=3600.0, description="Trainer heartbeat timeout: detects a dead trainer process (s)."
     )
     keep_last: int = Field(3, ge=1, description="Committed checkpoints to retain (count).")
+    engine: Engine = Field(
+        "torch",
+        description="`torch`: the real trainer (rl/trainer.py). `modelled`: step time proportional to the "
+        "batch's tokens ([modelled] section); needs rollout.engine = 'modelled' too.",
+    )
 
     @model_validator(mode="after")
     def _cap_fits_off_policy(self) -> TrainerSection:
@@ -166,6 +187,83 @@ class RelaySection(_Section):
     )
 
 
+class ModelledSection(_Section):
+    """The modelled GPU engine and trainer (rollout.engine = trainer.engine = 'modelled'; rl/modelled.py).
+
+    Defaults describe Qwen2.5-7B in bf16 on H800 GPUs, the paper's throughput setup (Laminar, EuroSys 2026,
+    section 8); each field says where its value comes from. They were chosen before any measurement and are
+    not tuned to a result. Only time is modelled: leases, relays, stores and the ledger are real.
+    """
+
+    speedup: float = Field(
+        100.0, gt=0.0, le=100_000.0,
+        description="Modelled seconds per wall-clock second (ratio). Chosen so that a 16K-token tail "
+        "(~410 modelled s) takes ~4 wall s; the control plane's share of iteration time is reported.",
+    )
+    workload: Literal["long_tail", "uniform"] = Field(
+        "long_tail",
+        description="Response lengths. `long_tail`: lognormal with p99 = 10 x p50 (paper Fig. 2: AIME lengths, "
+        "p99 an order of magnitude above p50), capped at max_response_tokens. `uniform`: uniform within "
+        "+-20 % of response_p50_tokens (no tail).",
+    )
+    response_p50_tokens: int = Field(
+        1024, ge=1, le=1_000_000,
+        description="Median response length (tokens); assumed (the paper's Fig. 2 gives the shape, not this value).",
+    )
+    max_response_tokens: int = Field(
+        16384, ge=1, le=1_000_000, description="Response length cap (tokens): the paper's max output 16K (section 8)."
+    )
+    prompt_tokens: int = Field(
+        256, ge=1, le=1_000_000, description="Prompt length (tokens); assumed (the paper's max input is 2K)."
+    )
+    decode_step_s: float = Field(
+        0.025, gt=0.0,
+        description="One decode step at or below roofline_batch (s): flat, as decoding is memory-bound (paper "
+        "Fig. 4: a batch below 8 decodes as fast as one of 64). 25 ms is an assumed 7B bf16 H800 TP=1 step.",
+    )
+    roofline_batch: int = Field(
+        64, ge=1,
+        description="Decode batch where decoding turns compute-bound (sequences); above it the step time rises "
+        "linearly: decode_step_s x batch / roofline_batch (paper Fig. 4 and its repack's roofline bound B).",
+    )
+    prefill_s_per_token: float = Field(
+        4e-5, ge=0.0,
+        description="Prefill time per prompt (or re-prefilled prefix) token (s): 2 x 7.6e9 FLOP per token at "
+        "40 % of an H800's 989 TFLOP/s bf16.",
+    )
+    kv_capacity_tokens: int = Field(
+        1_000_000, ge=1,
+        description="KV-cache capacity per replica (tokens); admission stops when full: (80 GB - 15.2 GB weights "
+        "- ~10 GB activations) / 57,344 B per token (Qwen2.5-7B: 28 layers x 4 KV heads x 128 x 2 x 2 B).",
+    )
+    params_billion: float = Field(7.6, gt=0.0, description="Model parameters (billions): Qwen2.5-7B.")
+    bytes_per_param: float = Field(2.0, gt=0.0, description="Bytes per parameter (B): bf16.")
+    relay_gbytes_s: float = Field(
+        100.0, gt=0.0,
+        description="Trainer -> master relay push and relay -> relay chain bandwidth (GB/s): the paper's actor "
+        "stall of 0.64 s for 32B in bf16 (64 GB), section 8.3.",
+    )
+    pcie_gbytes_s: float = Field(
+        50.0, gt=0.0,
+        description="Local pull, relay shared memory -> GPU (GB/s): PCIe 5.0 x16 (64 GB/s raw) pinned copies.",
+    )
+    broadcast_gbytes_s: float = Field(
+        31.5, gt=0.0,
+        description="Global NCCL weight sync of sync/one_step/stream/partial_rollout, during which every replica "
+        "stops (GB/s): the paper's relay pull cuts average rollout waiting by up to 37 % against it (section "
+        "8.3), so 0.63 x the local-pull bandwidth.",
+    )
+    trainer_s_per_token: float = Field(
+        2.4e-5, gt=0.0,
+        description="Trainer time per batch token, prompt + response (s): 10 x 7.6e9 FLOP per token (forward + "
+        "backward, old and reference log-probs) on as many H800s as all rollouts (8, paper section 8.3's "
+        "setup) at 40 % of 989 TFLOP/s.",
+    )
+
+    def weight_bytes(self) -> float:
+        return self.params_billion * 1e9 * self.bytes_per_param
+
+
 class RunConfig(_Section):
     """What the experiment is. Where things run (addresses, store) comes from LAMINAR_* settings."""
 
@@ -175,6 +273,30 @@ class RunConfig(_Section):
     rollout: RolloutSection = RolloutSection()
     trainer: TrainerSection = TrainerSection()
     relay: RelaySection = RelaySection()
+    modelled: ModelledSection = ModelledSection()
+
+    @model_validator(mode="after")
+    def _engines_and_modes_fit(self) -> RunConfig:
+        if self.rollout.engine != self.trainer.engine:
+            raise ValueError(
+                f"rollout.engine={self.rollout.engine!r} and trainer.engine={self.trainer.engine!r} must match: a "
+                f"modelled engine's trajectories carry no real tokens to train on; set both to 'torch' or 'modelled'"
+            )
+        lookahead = {"sync": 0, "one_step": 1, "stream": 1}.get(self.run.mode)
+        need = (lookahead + 1) * self.trainer.groups_per_step if lookahead is not None else 0
+        if self.rollout.max_ready_groups < need:
+            raise ValueError(
+                f"rollout.max_ready_groups={self.rollout.max_ready_groups} is below the {need} groups run.mode="
+                f"{self.run.mode!r} keeps in flight ({lookahead + 1} x trainer.groups_per_step="
+                f"{self.trainer.groups_per_step}); raise rollout.max_ready_groups to at least {need}"
+            )
+        if self.run.mode == "stream" and self.trainer.groups_per_step % self.trainer.minibatches:
+            raise ValueError(
+                f"trainer.groups_per_step={self.trainer.groups_per_step} must be a multiple of trainer.minibatches="
+                f"{self.trainer.minibatches} in run.mode='stream' (it trains one minibatch of groups as soon as "
+                f"they are complete)"
+            )
+        return self
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -253,7 +375,10 @@ def describe_validation_error(e: ValidationError) -> str:
     """One line per problem: `field=value: what is wrong (field description)`."""
     lines = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "config"
+        if not err["loc"]:  # a check across sections: its message names the fields
+            lines.append(err["msg"].removeprefix("Value error, "))
+            continue
+        loc = ".".join(str(x) for x in err["loc"])
         value = err.get("input")
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
