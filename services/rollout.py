@@ -58,10 +58,12 @@ from services.model_files import load_run_model
 from storage import keys
 from storage.objects import ObjectStore
 from storage.trajectories import TrajectoryStore
+from workflows.policy import Policy, load_action, may_start, min_version, policy_for
 
 log = get_logger(__name__)
 
 VERSION_POLL_S = 0.5  # how often the replica asks its relay for the newest version
+VERSION_WAIT_POLL_S = 0.02  # ... while its leases wait for a version it does not hold yet (barrier modes)
 CLAIM_POLL_S = 0.1  # a replica with free slots asks again this long after an empty claim (then doubling)
 CONTACT_S = 1.0  # a busy replica with no free slot still reports this often (hand-over, stop)
 IDLE_CLAIM_MAX_S = 2.0  # an empty claim doubles the interval up to this (back-pressure, no weights yet)
@@ -87,7 +89,25 @@ class _Group:
     lease: Lease
     prompt: Prompt  # derived once per group; the verifier needs it for every finished sample
     started_at: float
+    start_version: int  # the policy version it started on (partial rollout may finish it under newer ones)
     done: dict[int, Trajectory] = field(default_factory=dict)  # sample index -> finished trajectory
+
+
+def _build_engine(cfg: RunConfig, store: ObjectStore, run_id: str, replica_id: str, segment_prefix: str,
+                  policy: Policy):
+    """(engine, task): the real torch engine on the run's model, or the modelled GPU engine (rl/modelled.py)."""
+    r = cfg.rollout
+    seed = zlib.crc32(f"{cfg.run.seed}/{replica_id}/{segment_prefix}".encode())
+    if r.engine == "modelled":
+        from rl.modelled import ModelledEngine, ModelledTask
+
+        engine = ModelledEngine(cfg, max_inflight_seqs=r.max_inflight_groups * r.group_size, seed=seed,
+                                global_sync=policy.global_sync)
+        return engine, ModelledTask(cfg)
+    model, tokenizer, task = load_run_model(store, run_id, cfg)
+    engine = TorchEngine(model, tokenizer, max_inflight_seqs=r.max_inflight_groups * r.group_size,
+                         max_new_tokens=r.max_new_tokens, temperature=r.temperature, seed=seed, eos_id=task.eos_id)
+    return engine, task
 
 
 class RolloutReplica:
@@ -119,17 +139,8 @@ class RolloutReplica:
         self.relay_token = relay_token
         self.clock = clock
         self.claims = 0
-        model, tokenizer, self.task = load_run_model(store, run_id, cfg)
-        r = cfg.rollout
-        self.engine = TorchEngine(
-            model,
-            tokenizer,
-            max_inflight_seqs=r.max_inflight_groups * r.group_size,
-            max_new_tokens=r.max_new_tokens,
-            temperature=r.temperature,
-            seed=zlib.crc32(f"{cfg.run.seed}/{replica_id}/{segment_prefix}".encode()),
-            eos_id=self.task.eos_id,
-        )
+        self.policy = policy_for(cfg)  # what the run mode lets this replica do (workflows/policy.py)
+        self.engine, self.task = _build_engine(cfg, store, run_id, replica_id, segment_prefix, self.policy)
         self.groups: dict[str, _Group] = {}
         self.completed: list[_Group] = []
         self.reporting: list[_Group] = []  # complete groups whose report is in flight
@@ -140,6 +151,8 @@ class RolloutReplica:
         self._last_call = ""  # kind of the last call started
         self.relays: list[RelayInfo] = []
         self.newest_at_relay: int | None = None
+        self.newest_known = -1  # the newest version the workflow announced (claims answer with it)
+        self.reprefill_tokens = 0  # partial rollout: prefix tokens prefilled again after interrupts
         self.seq = 0
         self.groups_completed = self.tokens_generated = 0  # by this incarnation, reported
         self.tokens_regenerated = 0  # since the last report
@@ -181,27 +194,28 @@ class RolloutReplica:
                 self._write_partial_pool()
                 self._write_profile()
                 raise InterruptedError(f"replica {self.replica_id} cancelled")
-            if now - last_poll >= VERSION_POLL_S:
+            if now - last_poll >= (VERSION_WAIT_POLL_S if self._waiting_for_version() else VERSION_POLL_S):
                 with self.profile.measure("poll_relay"):
                     self._poll_relay()
                 last_poll = now
-            if self.engine.in_flight() == 0 and self._newer_available():
-                with self.profile.measure("load_weights"):
-                    self._load_newest()
+            action = load_action(self.policy, self.engine.policy_version, self.newest_at_relay, self.engine.in_flight())
+            if action:
+                with self.profile.measure("load_weights" if action == "load" else "interrupt"):
+                    self._load_newest(interrupt=action == "interrupt")
             answer = self._collect(wait=False)
             if answer is not None:
                 kind, res = answer
                 if kind == "claim":
                     self.relays = res.relays or self.relays
+                    self.newest_known = max(self.newest_known, res.newest_policy_version)
                     if res.stop or res.handover:
                         return self._hand_over(res.stop)
                     self.pending += res.leases
                     claim_every = _next_claim_interval(claim_every, asked, len(res.leases), res.paused)
                 elif res.stop or res.handover:
                     return self._hand_over(res.stop)
-            if self.pending and not self._newer_available():
-                self._admit(self.pending)
-                self.pending = []
+            if self.pending:
+                self._admit_startable()
             want = self._admissible_groups()
             busy = self.engine.in_flight() > 0
             waiting = busy or self.engine.policy_version is None  # no weights yet: learn relays that join later
@@ -226,13 +240,13 @@ class RolloutReplica:
                 t0 = self.profile.clock()
                 finished = self.engine.step()
                 # draining: a newer version waits, so nothing is admitted until these finish
-                self.profile.add("drain" if self._newer_available() else "generate", self.profile.clock() - t0,
-                                 in_flight)
+                draining = self._newer_available() and not self.policy.interrupts
+                self.profile.add("drain" if draining else "generate", self.profile.clock() - t0, in_flight)
                 self._record(finished)
             else:
                 # idle: waiting for weights, for a claim's answer, or for work (paused, back-pressure: empty
                 # claims); wake for an answer
-                if self.engine.policy_version is None:
+                if self.engine.policy_version is None or self._waiting_for_version():
                     idle = "wait_weights"
                 elif self._call is not None and self._call[0] == "claim":
                     idle = "idle_claim_in_flight"
@@ -277,34 +291,48 @@ class RolloutReplica:
         current = self.engine.policy_version
         return self.newest_at_relay is not None and (current is None or self.newest_at_relay > current)
 
-    def _load_newest(self) -> None:
+    def _waiting_for_version(self) -> bool:
+        """Leases wait for a version this replica does not hold yet (a barrier mode's next batch), or an idle
+        replica knows from the workflow of a version newer than its own: poll the relay often."""
+        v = -1 if self.engine.policy_version is None else self.engine.policy_version
+        return (self.engine.in_flight() == 0 and self.newest_known > v) or any(
+            min_version(self.policy, lease.prompt_id) > v for lease in self.pending)
+
+    def _load_newest(self, interrupt: bool = False) -> None:
         """Own host's relay: map the version from its shared memory (no copy through a socket); any other
-        relay (own one gone): fetch it over TCP."""
+        relay (own one gone): fetch it over TCP. interrupt (partial rollout): in-flight trajectories stop,
+        the version loads, and they continue under it (their prefixes are prefilled again, counted)."""
         for addr in self._relay_order():
             try:
                 if addr in self._local_relays():
                     with relay_client.pull_local(addr, run=self.run_id, token=self.relay_token) as pulled:
                         if pulled is not None:
                             self._load_tensors(pulled.policy_version, state_dict_from_buffer(pulled.buffer),
-                                               pulled.buffer.nbytes, "shared_memory")
+                                               pulled.buffer.nbytes, "shared_memory", interrupt)
                             return
                 version, payload = relay_client.fetch_latest(addr, run=self.run_id, token=self.relay_token)
             except RelayError as e:
                 log.warning("relay_pull_failed", replica_id=self.replica_id, address=addr, error=str(e))
                 continue
             if version is not None and payload is not None:
-                self._load(version, payload)
+                self._load(version, payload, interrupt)
                 return
 
     def _local_relays(self) -> set[str]:
         return {r.address for r in self.relays if r.host_id == self.host_id}
 
-    def _load(self, version: int, payload: bytes) -> None:
-        self._load_tensors(version, bytes_to_state_dict(payload), len(payload), "tcp")
+    def _load(self, version: int, payload: bytes, interrupt: bool = False) -> None:
+        self._load_tensors(version, bytes_to_state_dict(payload), len(payload), "tcp", interrupt)
 
-    def _load_tensors(self, version: int, tensors: dict, size: int, via: str) -> None:
+    def _load_tensors(self, version: int, tensors: dict, size: int, via: str, interrupt: bool = False) -> None:
         t0 = time.perf_counter()
-        self.engine.load_weights(tensors, version)
+        if interrupt and self.engine.in_flight():
+            tokens = self.engine.interrupt_and_load(tensors, version)
+            self.reprefill_tokens += tokens
+            log.info("policy_loaded_interrupting", replica_id=self.replica_id, policy_version=version,
+                     in_flight=self.engine.in_flight(), reprefill_tokens=tokens)
+        else:
+            self.engine.load_weights(tensors, version)
         log.info("policy_loaded", replica_id=self.replica_id, policy_version=version, bytes=size, via=via,
                  load_s=round(time.perf_counter() - t0, 3))
 
@@ -317,10 +345,21 @@ class RolloutReplica:
 
     # -- generation ----------------------------------------------------------------------------
 
+    def _admit_startable(self) -> None:
+        """Start the pending leases the run mode lets this replica start now; the others keep waiting (for
+        the drain to end, or for the version their batch needs)."""
+        newer = self._newer_available()
+        start = [lease for lease in self.pending
+                 if may_start(self.policy, min_version(self.policy, lease.prompt_id), self.engine.policy_version,
+                              newer)]
+        if start:
+            self.pending = [lease for lease in self.pending if lease not in start]
+            self._admit(start)
+
     def _admit(self, leases: list[Lease]) -> None:
         for lease in leases:
             prompt = self.task.prompt(lease.prompt_id)
-            self.groups[lease.group_id] = _Group(lease, prompt, self.clock())
+            self.groups[lease.group_id] = _Group(lease, prompt, self.clock(), int(self.engine.policy_version or 0))
             for i in range(self.cfg.rollout.group_size):
                 self.engine.add(f"{lease.group_id}/{i}", prompt.token_ids)
 
@@ -342,7 +381,7 @@ class RolloutReplica:
         return Trajectory(
             run_id=self.run_id, prompt_id=group.lease.prompt_id, group_id=group.lease.group_id,
             sample_index=index, prompt_ids=list(group.prompt.token_ids), response_ids=list(response),
-            logprobs=list(logprobs), reward=reward, policy_version=int(self.engine.policy_version or 0),
+            logprobs=list(logprobs), reward=reward, policy_version=group.start_version,
             replica_id=self.replica_id, started_at=group.started_at, ended_at=now, finish_reason=finish,
         )
 
@@ -446,7 +485,8 @@ class RolloutReplica:
         self._load(version, payload)
         for group_id, rows in resumed.items():
             first = rows[0]
-            group = _Group(Lease(group_id, first.prompt_id), self.task.prompt(first.prompt_id), first.started_at)
+            group = _Group(Lease(group_id, first.prompt_id), self.task.prompt(first.prompt_id), first.started_at,
+                           version)
             self.groups[group_id] = group
             for t in rows:
                 if t.finish_reason == "partial":

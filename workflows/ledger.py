@@ -23,6 +23,7 @@ from laminar.messages import (
     TrainStepResult,
 )
 from laminar.refs import SegmentRef
+from workflows.policy import Policy, policy_for, trainer_batch
 from workflows.state import (
     EVENTS_PER_KEY,
     RECENT_EVENTS,
@@ -72,13 +73,15 @@ class Ledger:
             self.state.rejoined.append(replica_id)
         self.note_event("replica_rejoined", replica_id, at)
 
-    def lease(self, replica_id: str, n: int) -> list[Lease]:
-        """Hand out up to n groups: returned leases first (oldest first), then fresh prompts."""
+    def lease(self, replica_id: str, n: int, fresh_room: int | None = None) -> list[Lease]:
+        """Hand out up to n groups: returned leases first (oldest first), then at most `fresh_room` fresh
+        prompts (None: no bound; the run mode's bound, workflows/policy.py fresh_lease_room)."""
         out: list[Lease] = []
         while len(out) < n and self.state.returned:
             old = self.state.returned.pop(0)
             out.append(self._open(old.group_id, old.prompt_id, replica_id))
-        while len(out) < n:
+        stop_at = n if fresh_room is None else min(n, len(out) + fresh_room)
+        while len(out) < stop_at:
             prompt_id = self.state.prompt_cursor
             self.state.prompt_cursor += 1
             out.append(self._open(f"g{prompt_id:08d}", prompt_id, replica_id))
@@ -104,17 +107,18 @@ class Ledger:
         regenerated tokens are not counted again)."""
         accepted: list[str] = []
         duplicates: list[str] = []
-        returned = {lease.group_id: i for i, lease in enumerate(self.state.returned)}
+        returned = {lease.group_id: lease.prompt_id for lease in self.state.returned}
         for g in seg.group_ids:
             if g in self.state.open_leases:
-                del self.state.open_leases[g]
+                prompt_id = self.state.open_leases.pop(g).prompt_id
             elif g in returned:  # a replica thought lost finished it after all
+                prompt_id = returned.pop(g)
                 self.state.returned = [lease for lease in self.state.returned if lease.group_id != g]
-                returned = {lease.group_id: i for i, lease in enumerate(self.state.returned)}
             else:
                 duplicates.append(g)
                 continue
-            self.state.ready.append(ReadyGroup(group_id=g, segment_key=seg.key, policy_version=seg.policy_version))
+            self.state.ready.append(ReadyGroup(group_id=g, segment_key=seg.key, policy_version=seg.policy_version,
+                                               prompt_id=prompt_id))
             accepted.append(g)
         if accepted:
             self.state.tokens_regenerated += tokens_regenerated
@@ -128,10 +132,19 @@ class Ledger:
 
     # -- trainer -----------------------------------------------------------------------------
 
+    def trainable(self, policy: Policy) -> list[str] | None:
+        """The group ids the next step consumes under the run mode's policy, or None while it must wait."""
+        return trainer_batch(policy, [(g.group_id, g.prompt_id) for g in self.state.ready], self.state.step)
+
     def next_batch(self, groups: int) -> list[BatchPart]:
         """The oldest `groups` ready groups, grouped by segment in arrival order."""
+        return self.batch_parts([g.group_id for g in self.state.ready[:groups]])
+
+    def batch_parts(self, group_ids: list[str]) -> list[BatchPart]:
+        """These ready groups, grouped by segment in arrival order."""
+        wanted = set(group_ids)
         parts: list[BatchPart] = []
-        for g in self.state.ready[:groups]:
+        for g in (g for g in self.state.ready if g.group_id in wanted):
             if parts and parts[-1].segment.key == g.segment_key:
                 parts[-1].group_ids.append(g.group_id)
             else:
@@ -139,11 +152,16 @@ class Ledger:
         return parts
 
     def next_train_input(self, cfg: RunConfig, chain: list[str]) -> TrainStepInput:
+        """The trainer's next step: the batch the mode's policy picks (the workflow asks only once there is one;
+        otherwise the oldest ready groups, up to a batch)."""
+        group_ids = self.trainable(policy_for(cfg))
+        if group_ids is None:
+            group_ids = [g.group_id for g in self.state.ready[:cfg.trainer.groups_per_step]]
         return TrainStepInput(
             run_id=self.state.run_id,
             config=cfg.to_json(),
             step=self.state.step,
-            batch=self.next_batch(cfg.trainer.groups_per_step),
+            batch=self.batch_parts(group_ids),
             checkpoint=self.state.checkpoint,
             replay=list(self.state.uncommitted),
             relay_chain=chain,

@@ -29,6 +29,7 @@ class ReadyGroup:
     group_id: str
     segment_key: str
     policy_version: int
+    prompt_id: int = -1  # its batch is prompt_id // trainer.groups_per_step (workflows/policy.py)
 
 
 @dataclass

@@ -39,6 +39,7 @@ with workflow.unsafe.imports_passed_through():
         relay_queue,
     )
     from workflows.ledger import Ledger
+    from workflows.policy import fresh_lease_room, policy_for
     from workflows.state import RunState, TrainingRunInput
 
 __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
@@ -214,8 +215,9 @@ class TrainingRunWorkflow:
         self.state.step, self.state.policy_version, self.state.trainer_ready = res.step, res.policy_version, True
 
     def _has_batch(self) -> bool:
+        """The run mode's policy has a batch for the trainer (workflows/policy.py trainer_batch)."""
         assert self._cfg is not None
-        return not self.state.paused and len(self.state.ready) >= self._cfg.trainer.groups_per_step
+        return not self.state.paused and self.ledger.trainable(policy_for(self._cfg)) is not None
 
     async def _wait_for_batch(self) -> bool:
         """Wait until the trainer has a full batch of complete groups, or the history segment is full (a
@@ -303,7 +305,9 @@ class TrainingRunWorkflow:
             leases = []
             if not (stop or handover or self.state.paused or not self.state.trainer_ready):
                 room = self._cfg.rollout.max_ready_groups - len(self.state.ready)
-                leases = self.ledger.lease(replica_id, max(0, min(inp.max_groups, room)))
+                fresh = fresh_lease_room(policy_for(self._cfg), self.state.prompt_cursor, self.state.policy_version,
+                                         self.state.groups_generated)
+                leases = self.ledger.lease(replica_id, max(0, min(inp.max_groups, room)), fresh)
             self.ledger.remember_claim(replica_id, inp.request_id, leases)
         return ClaimPromptsResult(
             leases=leases,
