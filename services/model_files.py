@@ -44,6 +44,8 @@ def check_model_path(cfg: RunConfig) -> None:
 
 
 def resolve_model_dir(cfg: RunConfig, home: Path) -> Path:
+    """The trainer's model directory: model.path, or the task's tiny base model (built once under home).
+    Never needed by a modelled run (trainer.engine = 'modelled' builds no model)."""
     if cfg.model.path:
         check_model_path(cfg)
         return Path(cfg.model.path)
@@ -56,7 +58,16 @@ def publish_model_files(store: ObjectStore, run_id: str, model_dir: Path) -> Non
 
 
 def load_run_model(store: ObjectStore, run_id: str, cfg: RunConfig):
-    """(model with untrained weights, tokenizer, task) built from the run's published model files."""
+    """(model with untrained weights, tokenizer, task) built from the run's published model files.
+
+    Torch runs only: a modelled run (rollout.engine = 'modelled') has no model files (its trainer publishes
+    none), and its replicas build rl.modelled.ModelledEngine and ModelledTask instead."""
+    if cfg.rollout.engine == "modelled":
+        raise ConfigError(
+            f"run {run_id} has rollout.engine='modelled': it has no model files to load; build "
+            f"rl.modelled.ModelledEngine and ModelledTask for it (services/rollout.py does), or set "
+            f"rollout.engine='torch' and trainer.engine='torch'"
+        )
     hf = json.loads(store.get(keys.model_file(run_id, "config.json")))
     tokenizer = Tokenizer.from_str(store.get(keys.model_file(run_id, "tokenizer.json")).decode())
     task = get_task(cfg.task.name, seed=cfg.run.seed, max_count=cfg.task.max_count, tokenizer=tokenizer)

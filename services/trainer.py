@@ -33,12 +33,14 @@ from laminar.refs import CheckpointRef
 from laminar.timing import TimeBreakdown
 from relay import client as relay_client
 from rl.model import load_pretrained, state_dict_to_bytes
+from rl.modelled import ModelledTrainer
 from rl.trainer import Trainer
 from services.model_files import publish_model_files, resolve_model_dir
 from storage import keys
 from storage.checkpoints import CheckpointStore, LoadedCheckpoint
 from storage.objects import ObjectStore
 from storage.trajectories import TrajectoryStore
+from workflows.policy import staleness_bound
 
 log = get_logger(__name__)
 
@@ -54,7 +56,7 @@ class TrainerService:
         self.trajectories = TrajectoryStore(store)
         self.run_id: str | None = None
         self.cfg: RunConfig | None = None
-        self.trainer: Trainer | None = None
+        self.trainer: Trainer | ModelledTrainer | None = None
         self.step = -1  # steps applied to the in-memory policy; -1: nothing loaded
         self.consumed: set[str] = set()
         self.last_step_end: float | None = None
@@ -70,13 +72,23 @@ class TrainerService:
         return TrainerInitResult(step=self.step, policy_version=self.step, published_bytes=size)
 
     def _restore(self, run_id: str, cfg: RunConfig, loaded: LoadedCheckpoint | None) -> None:
-        """Load the base model, then the verified checkpoint (weights, optimizer, step, consumed groups) if any."""
-        model_dir = resolve_model_dir(cfg, self.home)
-        model, tokenizer, _ = load_pretrained(model_dir)
-        publish_model_files(self.store, run_id, model_dir)
-        pad = tokenizer.token_to_id("<pad>")
-        trainer = Trainer(model, cfg.trainer, group_size=cfg.rollout.group_size,
-                          temperature=cfg.rollout.temperature, pad_id=0 if pad is None else pad)
+        """Load the base model, then the verified checkpoint (weights, optimizer, step, consumed groups) if any.
+
+        trainer.engine = 'modelled': a ModelledTrainer instead (no model directory, no model files published;
+        rollout replicas build the modelled engine). Samples staler than workflows.policy.staleness_bound(cfg)
+        are dropped in either case (partial_rollout bounds staleness even when trainer.max_staleness is -1)."""
+        bound = staleness_bound(cfg)
+        trainer: Trainer | ModelledTrainer
+        if cfg.trainer.engine == "modelled":
+            trainer = ModelledTrainer(cfg, max_staleness=bound)
+        else:
+            model_dir = resolve_model_dir(cfg, self.home)
+            model, tokenizer, _ = load_pretrained(model_dir)
+            publish_model_files(self.store, run_id, model_dir)
+            pad = tokenizer.token_to_id("<pad>")
+            section = cfg.trainer.model_copy(update={"max_staleness": bound})
+            trainer = Trainer(model, section, group_size=cfg.rollout.group_size,
+                              temperature=cfg.rollout.temperature, pad_id=0 if pad is None else pad)
         step, consumed = 0, set()
         if loaded is not None:
             trainer.load_state_parts(loaded.parts)
@@ -234,6 +246,11 @@ class TrainerService:
             try:
                 stall = relay_client.push(addr, self.step, payload, chain[i + 1:], run=self.run_id or "",
                                          token=self.relay_token)
+                if isinstance(self.trainer, ModelledTrainer):  # the modelled model's push, after the real one
+                    assert self.cfg is not None
+                    modelled = self.trainer.publish_stall_s(global_sync=self.cfg.run.mode != "laminar")
+                    time.sleep(modelled)
+                    stall += modelled
                 log.info("weights_published", policy_version=self.step, bytes=len(payload), stall_s=round(stall, 4))
                 return stall, payload
             except RelayError as e:

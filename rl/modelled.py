@@ -1,0 +1,397 @@
+"""The `modelled` engine and trainer: a GPU's timing without a GPU (rollout.engine = trainer.engine = 'modelled').
+
+Only time is modelled. Leases, relays, object stores, the ledger, checkpoints and the workflow are the real
+code; what is replaced is the arithmetic of generation and training. Every cost below is a *modelled* second
+(the time the [modelled] section's GPU would take) and is slept as modelled / `modelled.speedup` wall seconds
+through an injected `sleep`, so schedules can be compared at scale on a 2-core CPU machine.
+
+- `response_length`: the length a request will reach, a deterministic function of (run seed, prompt id,
+  sample index), so every mode sees the same workload.
+- `ModelledTask`: fake prompts (`modelled.prompt_tokens` copies of one id) and a deterministic pseudo-reward.
+  Modelled runs do not learn: the reward does not depend on anything a policy could change.
+- `ModelledEngine`: the interface of `rl.engine.TorchEngine` (continuous batching, slots, KV admission,
+  resumable prefixes) with modelled prefill, decode and weight-load times.
+- `ModelledTrainer`: the interface `services/trainer.py` uses from `rl.trainer.Trainer`; a step sleeps in
+  proportion to the batch's tokens and returns the batch's real reward, length and staleness statistics.
+
+Response length cap: in modelled runs the cap is `modelled.max_response_tokens`, not `rollout.max_new_tokens`
+(which sizes the tiny torch model's cache). A request whose drawn length exceeds the cap ends with
+finish_reason "length" after exactly `max_response_tokens` tokens; every other ends with <eos> ("stop").
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from hashlib import blake2b
+
+import numpy as np
+import torch
+
+from laminar.config import ModelledSection, RunConfig
+from laminar.errors import EngineError
+from laminar.records import Trajectory
+from rl.engine import Finished
+from rl.grpo import split_stale
+from rl.tasks import Prompt
+from rl.trainer import UpdateMetrics
+
+EOS_ID = 2  # the fake <eos> that ends a "stop" response
+PROMPT_TOKEN_ID = 5  # every fake prompt token
+RESPONSE_TOKEN_ID = 7  # every fake response token but a final <eos>
+TOKEN_LOGPROB = -1.0  # behaviour log-prob recorded for every fake token
+LONG_TAIL_SIGMA = math.log(10) / 2.326  # lognormal sigma with p99 / p50 = 10 (z_0.99 = 2.326)
+WALL_S_PER_STEP = 0.05  # one `step()` call advances at most this much wall time of decoding (s)
+
+
+# -- workload ----------------------------------------------------------------------------------------------
+
+
+def _drawn_length(cfg: ModelledSection, seed: int, prompt_id: int, sample: int) -> int:
+    """The uncapped response length (tokens, >= 1) of sample `sample` of prompt `prompt_id`."""
+    digest = blake2b(f"{seed}/{prompt_id}/{sample}".encode(), digest_size=8).digest()
+    rng = np.random.default_rng(int.from_bytes(digest, "big"))
+    p50 = cfg.response_p50_tokens
+    if cfg.workload == "long_tail":
+        return max(1, round(float(rng.lognormal(mean=math.log(p50), sigma=LONG_TAIL_SIGMA))))
+    lo, hi = -(-4 * p50 // 5), 6 * p50 // 5  # integers within +-20 % of p50: ceil(0.8 p50) .. floor(1.2 p50)
+    if lo > hi:  # no integer in the band (p50 = 1 or 2 cannot move by 20 %)
+        lo = hi = p50
+    return max(1, int(rng.integers(lo, hi + 1)))
+
+
+def response_length(cfg: ModelledSection, seed: int, prompt_id: int, sample: int) -> int:
+    """Response length in tokens (<eos> included) that request `g<prompt_id>/<sample>` reaches.
+
+    Deterministic in (seed, prompt_id, sample). `long_tail`: lognormal with median response_p50_tokens and
+    sigma = ln(10)/2.326, so p99 = 10 x p50; `uniform`: uniform integer in [ceil(0.8 p50), floor(1.2 p50)].
+    Always in 1..cfg.max_response_tokens (the cap)."""
+    return min(_drawn_length(cfg, seed, prompt_id, sample), cfg.max_response_tokens)
+
+
+def parse_request_id(request_id: str) -> tuple[int, int]:
+    """("g00000012/3") -> (prompt id 12, sample 3); EngineError naming the id and the expected form."""
+    group, _, sample = request_id.partition("/")
+    if not (group.startswith("g") and group[1:].isdigit() and sample.isdigit()):
+        raise EngineError(
+            f"request_id={request_id!r} is not '<group>/<sample>' with group 'g%08d' % prompt_id (e.g. "
+            f"'g00000012/3'); the modelled engine derives the response length from it"
+        )
+    return int(group[1:]), int(sample)
+
+
+class ModelledTask:
+    """What services/rollout.py needs from a task, with fake tokens and a pseudo-reward.
+
+    Modelled runs do not learn: `reward` is a deterministic hash of (prompt id, response length) in [0, 1],
+    so groups have a spread of rewards (non-zero advantages) but nothing a policy could improve."""
+
+    name = "modelled"
+    eos_id = EOS_ID
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+
+    def prompt(self, prompt_id: int) -> Prompt:
+        ids = [PROMPT_TOKEN_ID] * self.cfg.modelled.prompt_tokens
+        return Prompt(prompt_id=prompt_id, text=f"modelled prompt {prompt_id}", token_ids=ids)
+
+    def reward(self, prompt: Prompt, response_ids: list[int]) -> float:
+        digest = blake2b(f"reward/{prompt.prompt_id}/{len(response_ids)}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") / 2**64
+
+
+# -- engine ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Seq:
+    request_id: str
+    prompt_ids: list[int]
+    target: int  # response tokens at which it finishes (<eos> included for "stop")
+    capped: bool  # the drawn length exceeded max_response_tokens: finishes with "length"
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prefilled: bool = False
+
+    def tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+class ModelledEngine:
+    """Continuous batching with the timing of the [modelled] GPU; the interface of rl.engine.TorchEngine.
+
+    `step()` prefills the requests added since the last step (prompt + resumed prefix tokens x
+    prefill_s_per_token, all together), then advances every active sequence by k decode steps at once:
+    k = min(tokens until the next sequence finishes, steps that fit in WALL_S_PER_STEP wall seconds), >= 1.
+    A decode step costs decode_step_s up to roofline_batch active sequences, decode_step_s x batch /
+    roofline_batch above it (memory- then compute-bound). Each step's modelled cost is slept as
+    cost / speedup wall seconds in one `sleep` call.
+
+    KV cache: `kv_usage()` = (prompt + response tokens of in-flight sequences, kv_capacity_tokens). A request is
+    admitted only if its prompt + prefix fits in what is left, and `free_slots()` is 0 once less than one
+    prompt (modelled.prompt_tokens) fits, so a replica stops claiming. Growth during decode is not preempted
+    (as a real engine would): usage may exceed capacity until sequences finish.
+
+    Weights: `load_weights` ignores the tensors (the modelled trainer publishes a tiny real payload) and
+    charges the transfer: with `global_sync` a global NCCL broadcast (weight_bytes / broadcast_gbytes_s);
+    otherwise Laminar's relays: one chain hop (weight_bytes / relay_gbytes_s, charged to the puller,
+    conservatively) plus the local pull from the host's relay (weight_bytes / pcie_gbytes_s), plus another
+    relay_gbytes_s transfer when `local_pull` is False (this host has no live relay: fetched over the network
+    from another host's). `local_pull` is a plain attribute: the replica may set it before each load.
+
+    Counters (modelled seconds unless a count): `modelled_seconds` (everything charged), `load_seconds`,
+    `reprefill_tokens` (prompt + prefix tokens prefilled again after interrupts), `interrupts`.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        max_inflight_seqs: int,
+        seed: int,
+        global_sync: bool,
+        sleep: Callable[[float], None] = time.sleep,
+        local_pull: bool = True,
+    ):
+        if max_inflight_seqs < 1:
+            raise EngineError(f"modelled engine needs max_inflight_seqs >= 1, got {max_inflight_seqs}")
+        self.cfg = cfg
+        self.m = cfg.modelled
+        self.seed = seed  # TorchEngine's sampling seed; unused: fake tokens involve no sampling
+        self.run_seed = cfg.run.seed  # lengths depend on (run.seed, prompt, sample), never on the replica
+        self.global_sync = global_sync
+        self.local_pull = local_pull
+        self.eos_id = EOS_ID
+        self._sleep = sleep
+        self.policy_version: int | None = None
+        self._slots: list[_Seq | None] = [None] * max_inflight_seqs
+        self.modelled_seconds = 0.0
+        self.load_seconds = 0.0
+        self.reprefill_tokens = 0
+        self.interrupts = 0
+
+    # -- time ----------------------------------------------------------------------------------------------
+
+    def _charge(self, modelled_s: float) -> None:
+        """Account `modelled_s` modelled seconds and sleep them as modelled_s / speedup wall seconds."""
+        if modelled_s <= 0:
+            return
+        self.modelled_seconds += modelled_s
+        self._sleep(modelled_s / self.m.speedup)
+
+    def decode_step_s(self, batch: int) -> float:
+        """Modelled seconds of one decode step over `batch` active sequences (flat up to the roofline)."""
+        return self.m.decode_step_s * max(1.0, batch / self.m.roofline_batch)
+
+    def load_cost_s(self) -> float:
+        """Modelled seconds one weight load takes on this replica (see the class docstring)."""
+        wb = self.m.weight_bytes()
+        if self.global_sync:
+            return wb / (self.m.broadcast_gbytes_s * 1e9)
+        hops = 1 if self.local_pull else 2
+        return hops * wb / (self.m.relay_gbytes_s * 1e9) + wb / (self.m.pcie_gbytes_s * 1e9)
+
+    # -- weights -------------------------------------------------------------------------------------------
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> None:
+        """Take version `policy_version` (tensors ignored); only with nothing in flight, like TorchEngine."""
+        if self.in_flight():
+            raise EngineError(
+                f"cannot load policy_version={policy_version} while {self.in_flight()} sequences of "
+                f"policy_version={self.policy_version} are in flight; load a new policy version only "
+                "between batches (or use interrupt_and_load)"
+            )
+        cost = self.load_cost_s()
+        self.load_seconds += cost
+        self._charge(cost)
+        self.policy_version = policy_version
+
+    def interrupt_and_load(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> int:
+        """Partial rollout: stop every in-flight sequence, load the version, continue them under it.
+
+        Each sequence keeps its response so far as a prefix and is prefilled again (prompt + prefix) at the
+        next `step`, which charges it. Returns the re-prefilled tokens of sequences that had been prefilled
+        (a sequence added but not yet prefilled costs nothing extra)."""
+        held = [s for s in self._slots if s is not None]
+        self._slots = [None] * len(self._slots)
+        try:
+            self.load_weights(state_dict, policy_version)
+        except BaseException:
+            self._slots = held + [None] * (len(self._slots) - len(held))
+            raise
+        tokens = sum(s.tokens() for s in held if s.prefilled)
+        for i, s in enumerate(held):
+            s.prefilled = False
+            self._slots[i] = s
+        self.reprefill_tokens += tokens
+        self.interrupts += 1
+        return tokens
+
+    # -- admission -----------------------------------------------------------------------------------------
+
+    def free_slots(self) -> int:
+        """Free sequence slots, or 0 once the KV cache cannot hold one more prompt."""
+        used, capacity = self.kv_usage()
+        if capacity - used < self.m.prompt_tokens:
+            return 0
+        return sum(1 for s in self._slots if s is None)
+
+    def in_flight(self) -> int:
+        return sum(1 for s in self._slots if s is not None)
+
+    def kv_usage(self) -> tuple[int, int]:
+        """(tokens held by in-flight sequences, kv_capacity_tokens)."""
+        return sum(s.tokens() for s in self._slots if s is not None), self.m.kv_capacity_tokens
+
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        *,
+        prefix_ids: list[int] | None = None,
+        prefix_logprobs: list[float] | None = None,
+    ) -> None:
+        """Queue request `g<prompt id, 8 digits>/<sample>`; it joins the running batch at the next `step`.
+
+        A resumed prefix counts toward the request's response length."""
+        prefix_ids, prefix_logprobs = list(prefix_ids or []), list(prefix_logprobs or [])
+        if self.policy_version is None:
+            raise EngineError(f"request {request_id}: no weights loaded; call load_weights first")
+        prompt_id, sample = parse_request_id(request_id)
+        if not prompt_ids:
+            raise EngineError(f"request {request_id}: empty prompt; pass at least one prompt token")
+        drawn = _drawn_length(self.m, self.run_seed, prompt_id, sample)
+        target = min(drawn, self.m.max_response_tokens)
+        if len(prefix_ids) != len(prefix_logprobs) or len(prefix_ids) >= target:
+            raise EngineError(
+                f"request {request_id}: prefix of {len(prefix_ids)} tokens with {len(prefix_logprobs)} "
+                f"log-probs must have equal lengths below the request's modelled length {target} (run.seed="
+                f"{self.run_seed}, [modelled] section); a prefix from another config cannot be resumed"
+            )
+        if self.eos_id in prefix_ids:
+            raise EngineError(f"request {request_id}: prefix already contains <eos>; it is finished, not partial")
+        try:
+            slot = self._slots.index(None)
+        except ValueError:
+            raise EngineError(
+                f"request {request_id}: all {len(self._slots)} slots are busy; wait for free_slots() > 0"
+            ) from None
+        used, capacity = self.kv_usage()
+        need = len(prompt_ids) + len(prefix_ids)
+        if used + need > capacity:
+            raise EngineError(
+                f"request {request_id}: {need} prompt + prefix tokens do not fit in the KV cache ({used} of "
+                f"modelled.kv_capacity_tokens={capacity} in use); wait for free_slots() > 0"
+            )
+        self._slots[slot] = _Seq(request_id, list(prompt_ids), target, drawn > self.m.max_response_tokens,
+                                 prefix_ids, prefix_logprobs)
+
+    def snapshot_inflight(self) -> list[tuple[str, list[int], list[int], list[float]]]:
+        """(request_id, prompt_ids, response_ids so far, logprobs so far) of every in-flight sequence."""
+        return [
+            (s.request_id, list(s.prompt_ids), list(s.response_ids), list(s.logprobs))
+            for s in self._slots
+            if s is not None
+        ]
+
+    # -- generation ----------------------------------------------------------------------------------------
+
+    def step(self) -> list[Finished]:
+        """Prefill new requests, then advance all active sequences by k decode steps (class docstring);
+        return the sequences that finished."""
+        new = [s for s in self._slots if s is not None and not s.prefilled]
+        cost = sum(s.tokens() for s in new) * self.m.prefill_s_per_token
+        for s in new:
+            s.prefilled = True
+        active = [(i, s) for i, s in enumerate(self._slots) if s is not None]
+        if not active:
+            return []
+        step_s = self.decode_step_s(len(active))
+        fit = max(1, int(WALL_S_PER_STEP * self.m.speedup / step_s))
+        k = min(min(s.target - len(s.response_ids) for _, s in active), fit)
+        self._charge(cost + k * step_s)
+        finished = []
+        for i, s in active:
+            s.response_ids.extend([RESPONSE_TOKEN_ID] * k)
+            s.logprobs.extend([TOKEN_LOGPROB] * k)
+            if len(s.response_ids) >= s.target:
+                reason = "length" if s.capped else "stop"
+                if reason == "stop":
+                    s.response_ids[-1] = self.eos_id
+                finished.append(Finished(s.request_id, s.prompt_ids, s.response_ids, s.logprobs, reason))
+                self._slots[i] = None
+        return finished
+
+
+# -- trainer -----------------------------------------------------------------------------------------------
+
+
+class ModelledTrainer:
+    """The interface services/trainer.py uses from rl.trainer.Trainer, with a modelled step time.
+
+    `step` sleeps (prompt + response tokens of the kept samples) x trainer_s_per_token / speedup wall
+    seconds and reports the batch's real reward mean, sample and token counts, response length and staleness;
+    loss, grad_norm and the other optimisation statistics are 0. `max_staleness` is the bound the run
+    applies (workflows.policy.staleness_bound; rl does not import workflows): samples staler than it are
+    dropped and counted, -1 keeps all. The "weights" are one tensor holding the step count.
+    """
+
+    def __init__(self, cfg: RunConfig, *, max_staleness: int, sleep: Callable[[float], None] = time.sleep):
+        self.cfg = cfg
+        self.m = cfg.modelled
+        self.max_staleness = max_staleness
+        self._sleep = sleep
+        self.steps = 0  # optimizer steps applied (what a checkpoint restores)
+        self.modelled_seconds = 0.0
+
+    def step(self, trajectories: list[Trajectory], trainer_version: int) -> UpdateMetrics:
+        kept, hist, dropped = split_stale(trajectories, trainer_version, self.max_staleness)
+        self.steps += 1
+        if not kept:
+            return UpdateMetrics(trainer_version, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, dropped, hist, updated=False)
+        batch_tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in kept)
+        cost = batch_tokens * self.m.trainer_s_per_token
+        self.modelled_seconds += cost
+        self._sleep(cost / self.m.speedup)
+        response_tokens = sum(len(t.response_ids) for t in kept)
+        return UpdateMetrics(
+            trainer_version=trainer_version,
+            samples=len(kept),
+            tokens=response_tokens,
+            reward_mean=sum(t.reward for t in kept) / len(kept),
+            loss=0.0,
+            grad_norm=0.0,
+            clip_fraction=0.0,
+            entropy=0.0,
+            response_len_mean=response_tokens / len(kept),
+            dropped_stale=dropped,
+            staleness=hist,
+        )
+
+    def publish_stall_s(self, global_sync: bool) -> float:
+        """Wall seconds the trainer stalls pushing a version (already divided by speedup): the push to the
+        master relay (weight_bytes / relay_gbytes_s) for laminar, a global broadcast (weight_bytes /
+        broadcast_gbytes_s) for the global-sync modes."""
+        gbytes_s = self.m.broadcast_gbytes_s if global_sync else self.m.relay_gbytes_s
+        return self.m.weight_bytes() / (gbytes_s * 1e9) / self.m.speedup
+
+    # -- weights and checkpoints -----------------------------------------------------------------------------
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """A tiny real payload for the relays: {"version": [steps]} (the modelled engine ignores it)."""
+        return {"version": torch.tensor([self.steps], dtype=torch.int64)}
+
+    def state_parts(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {"model": self.policy_state_dict(), "optim": {"steps": torch.tensor([self.steps], dtype=torch.int64)}}
+
+    def load_state_parts(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
+        try:
+            self.steps = int(parts["optim"]["steps"][0])
+        except (KeyError, IndexError) as e:
+            raise ValueError(
+                f"checkpoint parts {sorted(parts)} are not a modelled trainer's ({e!r} missing); a torch run's "
+                f"checkpoint cannot be restored with trainer.engine='modelled'"
+            ) from None
