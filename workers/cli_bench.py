@@ -1,6 +1,8 @@
 """`laminar bench`: measurements that never run as timed tests (see docs/relay.md).
 
     laminar bench relay --size 256MiB --relays 1,2,4,8 [--rate 1000] [--json out.json] [--plot out.png]
+    laminar bench throughput --modes laminar,sync,one_step,stream,partial_rollout --replicas 8
+        [--engine modelled|torch] [--workload long_tail|uniform|both] [--iterations N] [--json PATH] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -154,3 +156,89 @@ def overhead_bench(
     if json_path is not None:
         json_path.write_text(json.dumps({"loop": loop, "laminar": laminar, "ratios": r}, indent=2) + "\n")
         console.print(f"wrote {json_path}")
+
+
+@bench_app.command("throughput", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def throughput_bench(
+    ctx: typer.Context,
+    modes: str = typer.Option("laminar,sync,one_step,stream,partial_rollout",
+                              help="Run modes to compare, comma-separated, run one after another."),
+    replicas: int = typer.Option(8, min=1, help="Rollout replicas; the global batch is replicas x 4 groups."),
+    engine: str = typer.Option("modelled", help="modelled (GPU time from the [modelled] section) or torch."),
+    workload: str = typer.Option("long_tail", help="Response lengths: long_tail, uniform or both."),
+    iterations: int | None = typer.Option(None, min=2, help="Trainer steps per run (default: bench.throughput."
+                                          "DEFAULT_ITERATIONS; the first fifth is a warm-up)."),
+    config: Path | None = typer.Option(None, help="Base run config (TOML); default: the built-in defaults."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write {\"results\": [...], \"config\": {...}} here."),
+    plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG: throughput bars and per-run "
+                                          "per-replica policy-version timelines."),
+) -> None:
+    """Every mode on the same workload and seed on the real stack: tokens/s (paper definition, modelled time),
+    KV use, trainer idle, weight-sync stall, staleness, trajectory latency, control-plane share. Extra
+    `--section.key=value` arguments override every run's config."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from bench.throughput import DEFAULT_ITERATIONS, MODES, WORKLOADS, BenchSpec, dump_json, plot, run_bench
+
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    bad = [m for m in chosen if m not in MODES]
+    if not chosen or bad:
+        raise typer.BadParameter(f"--modes {modes!r}: {bad or 'empty'} not a run mode; pick from {','.join(MODES)}")
+    if engine not in ("modelled", "torch"):
+        raise typer.BadParameter(f"--engine {engine!r}: use modelled or torch")
+    if workload not in (*WORKLOADS, "both"):
+        raise typer.BadParameter(f"--workload {workload!r}: use long_tail, uniform or both")
+    spec = BenchSpec(modes=chosen, workloads=WORKLOADS if workload == "both" else (workload,), replicas=replicas,
+                     engine=engine, iterations=iterations or DEFAULT_ITERATIONS, config_path=config,
+                     extra_overrides=tuple(ctx.args))
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn()]
+    with Progress(*columns, console=err, transient=False) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(label: str, st, note: str) -> None:
+            if label == "dev stack":
+                bar.console.print(f"[dim]{note}[/dim]")
+                return
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=spec.iterations, info="starting workers")
+            if st is not None:
+                kv = [r.kv_used / r.kv_capacity for r in st.replicas if r.kv_capacity]
+                info = (f"{st.phase} ready={st.ready_groups} versions={st.versions_in_use} "
+                        f"kv={sum(kv) / len(kv):.0%}" if kv else f"{st.phase} ready={st.ready_groups}")
+                bar.update(tasks[label], completed=st.step, info=note or info)
+            elif note:
+                bar.update(tasks[label], info=note)
+
+        try:
+            report = run_bench(spec, progress)
+        except (LaminarError, ValueError) as exc:
+            err.print(f"[red]throughput benchmark failed:[/red] {exc}")
+            raise typer.Exit(1) from None
+    console.print(render_throughput_table(report), width=max(console.width, 180))
+    if json_path is not None:
+        dump_json(report, json_path)
+        console.print(f"wrote {json_path}")
+    if plot_path is not None:
+        try:
+            plot(report, plot_path)
+            console.print(f"wrote {plot_path}")
+        except ImportError:
+            err.print("[yellow]matplotlib is not installed (pip install -e '.[bench]'); no plot written[/yellow]")
+    if any(r.get("error") for r in report["results"]):
+        raise typer.Exit(1)
+
+
+def render_throughput_table(report: dict) -> Table:
+    from bench.throughput import COLUMNS, table_rows
+
+    c = report["config"]
+    unit = "modelled s" if c["time_scale"] != 1.0 else "wall s"
+    table = Table(title=(f"throughput: {c['replicas']} replicas, {c['groups_per_step']} groups x {c['group_size']} "
+                         f"samples per step, {c['iterations']} steps ({c['warmup_steps']} warm-up), {c['engine']} "
+                         f"engine, times in {unit}, {c['cpus']} CPUs"))
+    for _, header, _ in COLUMNS:
+        table.add_column(header, justify="left" if header in ("mode", "workload") else "right")
+    for row in table_rows(report):
+        table.add_row(*row)
+    return table

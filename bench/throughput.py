@@ -1,0 +1,587 @@
+"""`laminar bench throughput`: every scheduling mode on the same workload and seed, on the real stack.
+
+One Temporal dev server for the whole command; for each (workload, mode) a run of its own (own run id) with
+a fresh set of worker processes (control, trainer, one relay and one rollout worker per simulated host), so no
+mode inherits another's process state (the trainer's last step time, the relays' versions, busy slots). The
+modes run one after another, never at the same time: they would share the machine's two cores.
+
+The scaled workload (fixed before any result was seen; never tuned to one). With R replicas:
+
+| override | value | why |
+| --- | --- | --- |
+| `rollout.max_inflight_groups` | 4 | per-rollout concurrency: 4 groups x 8 samples = 32 sequences, below the modelled roofline batch (64) |
+| `rollout.group_size` | 8 | GRPO group size of the paper's setup |
+| `trainer.groups_per_step` | R x 4 (32 for 8 replicas) | global batch = replicas x per-rollout concurrency, as in the paper's section 8: 8 x 4 x 8 = 256 samples |
+| `rollout.max_ready_groups` | 2 x groups_per_step (64) | the least one_step/stream accept (2 batches in flight); laminar's back-pressure at the same bound |
+| `run.steps` | `--iterations` | |
+| `rollout.engine`, `trainer.engine` | `--engine` | `modelled` (default): GPU time from the [modelled] section |
+| `modelled.workload` | `--workload` | `long_tail` (p99 = 10 x p50) or `uniform` (+-20 %) |
+
+Extra `--section.key=value` arguments override on top (tests shrink the torch model with them).
+
+Metrics, per run (pure functions below, from records to numbers). Time is MODELLED time: wall seconds x
+`modelled.speedup` (1 for the torch engine), so a number reads as a GPU-cluster number. The first
+`warmup_steps(iterations)` steps are a warm-up; the measured window runs from the end of the last warm-up step
+(its metric record's `time`) to the end of the last step.
+
+- `tokens_per_s`: the paper's throughput: prompt + response tokens of the global batches trained in the window
+  / the window's length (the mean over consecutive trainer-update completions, weighted by their durations).
+- `generation_tokens_per_s`: response tokens of every trajectory (consumed or not) that ended in the window /
+  the window's length.
+- `kv_utilisation`: the workflow's `status` query is polled every POLL_S; each poll in the window gives the
+  mean over replicas of kv_used / kv_capacity (the last report each replica sent); the mean over those polls.
+- `trainer_idle_fraction`: in the window, the trainer's wait between steps / (wait + step).
+- `weight_sync_stall_s`: the trainer's publish stall per step (its step records' `stall_s`), window mean.
+- `staleness_histogram`, `staleness_max`: the final status's (whole run): trainer version - sample version.
+- `latency_p50_s`, `latency_p99_s`: ended_at - started_at of the consumed trajectories (nearest rank).
+- `groups_consumed_twice`: the final status's; must be 0.
+- `control_plane_share`: the trainer profile's `wait_control_plane` (time from a batch's last trajectory
+  ending to the trainer starting the step on it) / the trainer's iteration time (wait + step), steps 2..n.
+- `ratio_to_laminar`: tokens_per_s / laminar's on the same workload.
+
+Which trajectories were consumed is derived, not logged: barrier modes (sync, one_step, stream) train exactly
+batch b at step b, so the consumed groups are those of prompt batches below the final step; the others train
+the oldest ready groups, and a replica reports a group as it completes, so they are the first
+`groups_consumed` groups in order of completion (two groups finishing within a report's round trip of each
+other may swap places; their latencies are alike).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from laminar.config import MODES, RunConfig
+from laminar.errors import LaminarError
+from laminar.messages import RunStatus
+from storage import keys
+from storage.objects import ObjectStore
+from workers.summary import percentile
+
+WORKLOADS = ("long_tail", "uniform")
+GROUPS_PER_REPLICA = 4  # rollout.max_inflight_groups: per-rollout concurrency (groups)
+GROUP_SIZE = 8  # rollout.group_size (samples per prompt)
+DEFAULT_ITERATIONS = 20  # trainer steps per run; the whole default command (both workloads) fits in 15 min
+POLL_S = 0.5  # status poll period for KV occupancy and progress (wall s)
+RUN_TIMEOUT_S = 900.0  # one run's wall-clock limit; past it the run is cancelled and reported as failed
+
+
+# -- configuration -------------------------------------------------------------------------------------
+
+def warmup_steps(iterations: int) -> int:
+    """Steps excluded from the time-based metrics: the first fifth, at least 1 (the first step also waits for
+    worker start-up and the first weights). iterations=20 -> 4; 3 -> 1."""
+    if iterations < 2:
+        raise ValueError(f"iterations={iterations} leaves no step after the warm-up; use --iterations 2 or more")
+    return max(1, iterations // 5)
+
+
+def scaled_overrides(mode: str, replicas: int, engine: str, workload: str, iterations: int) -> list[str]:
+    """The `section.key=value` overrides of one run (see the module docstring for the choice of numbers)."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not a run mode; one of {', '.join(MODES)}")
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload={workload!r} is not a modelled workload; one of {', '.join(WORKLOADS)}")
+    if engine not in ("torch", "modelled"):
+        raise ValueError(f"engine={engine!r} is not an engine; use torch or modelled")
+    groups_per_step = replicas * GROUPS_PER_REPLICA
+    return [
+        f"run.mode={mode}",
+        f"run.steps={iterations}",
+        f"rollout.replicas={replicas}",
+        f"rollout.engine={engine}",
+        f"trainer.engine={engine}",
+        f"modelled.workload={workload}",
+        f"rollout.group_size={GROUP_SIZE}",
+        f"rollout.max_inflight_groups={GROUPS_PER_REPLICA}",
+        f"trainer.groups_per_step={groups_per_step}",
+        f"rollout.max_ready_groups={2 * groups_per_step}",
+    ]
+
+
+def time_scale(cfg: RunConfig) -> float:
+    """Modelled seconds per wall second: modelled.speedup for the modelled engine, 1 for torch."""
+    return cfg.modelled.speedup if cfg.rollout.engine == "modelled" else 1.0
+
+
+# -- records -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TrajRow:
+    """What the benchmark needs of one trajectory (a row of an experience segment). Times are unix wall s."""
+
+    group_id: str
+    prompt_id: int
+    sample_index: int
+    replica_id: str
+    policy_version: int
+    started_at: float
+    ended_at: float
+    prompt_tokens: int
+    response_tokens: int
+
+
+@dataclass(frozen=True)
+class KvPoll:
+    """One status poll: wall time and each replica's last (kv_used, kv_capacity) report (tokens)."""
+
+    at: float
+    kv: list[tuple[int, int]]
+
+
+def read_trajectories(store: ObjectStore, run_id: str) -> list[TrajRow]:
+    """Every trajectory of the run's experience segments (consumed or not), each (group, sample) once: the first
+    segment in key order wins (a group reported twice after a retry is accepted once by the workflow)."""
+    cols = ["group_id", "prompt_id", "sample_index", "replica_id", "policy_version", "started_at", "ended_at"]
+    seen: set[tuple[str, int]] = set()
+    rows: list[TrajRow] = []
+    for key in store.list(keys.experience_prefix(run_id)):
+        if not key.endswith(".parquet"):
+            continue
+        table = pq.read_table(io.BytesIO(store.get(key)), columns=[*cols, "prompt_ids", "response_ids"])
+        data = table.select(cols).to_pydict()
+        plen = pc.list_value_length(table["prompt_ids"]).to_pylist()
+        rlen = pc.list_value_length(table["response_ids"]).to_pylist()
+        for i in range(table.num_rows):
+            ident = (data["group_id"][i], data["sample_index"][i])
+            if ident in seen:
+                continue
+            seen.add(ident)
+            rows.append(TrajRow(*(data[c][i] for c in cols), prompt_tokens=plen[i], response_tokens=rlen[i]))
+    return rows
+
+
+def read_step_records(store: ObjectStore, run_id: str) -> list[dict[str, Any]]:
+    """The trainer's per-step metric records (services/trainer.py `_write_metrics`), by step."""
+    records = [json.loads(store.get(k)) for k in store.list(keys.step_metrics_prefix(run_id))]
+    return sorted(records, key=lambda r: r["step"])
+
+
+def trainer_control_plane_s(store: ObjectStore, run_id: str) -> float:
+    """Seconds the trainer's profile puts in `wait_control_plane` (summed over its processes)."""
+    from workers.summary import build_profile
+
+    return float(build_profile(store, run_id, {})["trainer"]["buckets"].get("wait_control_plane", {"s": 0.0})["s"])
+
+
+# -- metric arithmetic (pure) --------------------------------------------------------------------------
+
+def window(records: list[dict[str, Any]], warmup: int) -> tuple[list[dict[str, Any]], float, float]:
+    """(records after the warm-up, window start, window end): from the `time` of step `warmup` (the end of the
+    last warm-up step) to the `time` of the last step. Records must be sorted by step."""
+    if len(records) <= warmup:
+        raise ValueError(f"{len(records)} step records but warm-up is {warmup} steps: nothing to measure; "
+                         f"raise --iterations")
+    return records[warmup:], records[warmup - 1]["time"], records[-1]["time"]
+
+
+def mean_prompt_tokens(trajs: Iterable[TrajRow]) -> float:
+    """Mean prompt length (tokens); the step records carry response lengths only."""
+    lengths = [t.prompt_tokens for t in trajs]
+    return sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def batch_tokens(record: dict[str, Any], prompt_tokens: float) -> float:
+    """Prompt + response tokens of one step's global batch: samples x prompt length + sum of response lengths."""
+    lengths = record["response_lengths"]
+    return len(lengths) * prompt_tokens + sum(lengths)
+
+
+def tokens_per_s(records: list[dict[str, Any]], warmup: int, prompt_tokens: float, scale: float) -> float:
+    """The paper's throughput: batch tokens trained in the window / the window's length in modelled s."""
+    measured, t_from, t_to = window(records, warmup)
+    span = (t_to - t_from) * scale
+    return sum(batch_tokens(r, prompt_tokens) for r in measured) / span if span > 0 else 0.0
+
+
+def generation_tokens_per_s(trajs: Iterable[TrajRow], t_from: float, t_to: float, scale: float) -> float:
+    """Response tokens of trajectories that ended in (t_from, t_to] / (t_to - t_from) in modelled s."""
+    span = (t_to - t_from) * scale
+    tokens = sum(t.response_tokens for t in trajs if t_from < t.ended_at <= t_to)
+    return tokens / span if span > 0 else 0.0
+
+
+def kv_utilisation(polls: Iterable[KvPoll], t_from: float, t_to: float) -> float | None:
+    """Mean over polls in [t_from, t_to] of the mean over reporting replicas (capacity > 0) of used / capacity;
+    None when no poll in the window has a report."""
+    per_poll = []
+    for p in polls:
+        shares = [used / cap for used, cap in p.kv if cap > 0]
+        if t_from <= p.at <= t_to and shares:
+            per_poll.append(sum(shares) / len(shares))
+    return sum(per_poll) / len(per_poll) if per_poll else None
+
+
+def trainer_idle_fraction(records: list[dict[str, Any]], warmup: int) -> float:
+    """In the window: sum of the trainer's waits before each step / sum of (wait + step busy time)."""
+    measured, _, _ = window(records, warmup)
+    wait = sum(r["wait_s"] for r in measured)
+    total = wait + sum(r["busy_s"] for r in measured)
+    return wait / total if total > 0 else 0.0
+
+
+def weight_sync_stall_s(records: list[dict[str, Any]], warmup: int, scale: float) -> float:
+    """Mean trainer publish stall per step in the window (modelled s)."""
+    measured, _, _ = window(records, warmup)
+    return scale * sum(r.get("stall_s") or 0.0 for r in measured) / len(measured)
+
+
+def staleness(histogram: dict[str, int]) -> tuple[dict[int, int], int]:
+    """(version gap -> samples, gaps with samples only, sorted; the largest gap, 0 when empty)."""
+    hist = {int(k): v for k, v in sorted(histogram.items(), key=lambda kv: int(kv[0])) if v > 0}
+    return hist, max(hist, default=0)
+
+
+def consumed_group_ids(trajs: Iterable[TrajRow], whole_batches: bool, steps: int, groups_per_step: int,
+                       groups_consumed: int) -> set[str]:
+    """The groups the trainer consumed (see the module docstring). whole_batches: the group of prompt p was
+    consumed iff p // groups_per_step < steps; otherwise the first `groups_consumed` groups to complete (a
+    group completes when its last sample ends)."""
+    completed: dict[str, float] = {}
+    prompt: dict[str, int] = {}
+    for t in trajs:
+        completed[t.group_id] = max(completed.get(t.group_id, t.ended_at), t.ended_at)
+        prompt[t.group_id] = t.prompt_id
+    if whole_batches:
+        return {g for g, p in prompt.items() if p // groups_per_step < steps}
+    return set(sorted(completed, key=lambda g: (completed[g], g))[:groups_consumed])
+
+
+def latency_percentiles(trajs: Iterable[TrajRow], consumed: set[str], scale: float) -> tuple[float, float]:
+    """(p50, p99) of ended_at - started_at over the consumed groups' trajectories, modelled s, nearest rank."""
+    lat = sorted((t.ended_at - t.started_at) * scale for t in trajs if t.group_id in consumed)
+    return percentile(lat, 50), percentile(lat, 99)
+
+
+def control_plane_share(wait_control_plane_s: float, records: list[dict[str, Any]]) -> float:
+    """Control-plane wait / iteration time over steps 2..n (the first step has no previous step to wait from;
+    the trainer profile's wait_control_plane covers exactly those steps)."""
+    total = sum(r["wait_s"] + r["busy_s"] for r in records[1:])
+    return wait_control_plane_s / total if total > 0 else 0.0
+
+
+def version_intervals(trajs: Iterable[TrajRow], t0: float, scale: float) -> dict[str, list[tuple[float, float, int]]]:
+    """Per replica, (start, end, version) intervals in modelled s since t0: each trajectory's [started_at,
+    ended_at], overlapping (or touching) intervals of the same version merged. Sorted by start."""
+    by_key: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for t in trajs:
+        by_key.setdefault((t.replica_id, t.policy_version), []).append(
+            ((t.started_at - t0) * scale, (t.ended_at - t0) * scale))
+    out: dict[str, list[tuple[float, float, int]]] = {}
+    for (replica, version), spans in by_key.items():
+        spans.sort()
+        merged = [list(spans[0])]
+        for s, e in spans[1:]:
+            if s <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        out.setdefault(replica, []).extend((s, e, version) for s, e in merged)
+    return {r: sorted(v) for r, v in sorted(out.items(), key=lambda kv: _natural(kv[0]))}
+
+
+def _natural(name: str) -> tuple[str, int]:
+    head, _, tail = name.rpartition("-")
+    return (head, int(tail)) if tail.isdigit() else (name, -1)
+
+
+def add_ratios(results: list[dict[str, Any]]) -> None:
+    """Set each result's ratio_to_laminar: its tokens_per_s / laminar's on the same workload (None without)."""
+    base = {r["workload"]: r["tokens_per_s"] for r in results if r["mode"] == "laminar" and r.get("tokens_per_s")}
+    for r in results:
+        b = base.get(r["workload"])
+        r["ratio_to_laminar"] = round(r["tokens_per_s"] / b, 3) if b and r.get("tokens_per_s") is not None else None
+
+
+# -- one run's result ----------------------------------------------------------------------------------
+
+@dataclass
+class RunData:
+    """What one run left behind: the final status, the KV polls, the run's wall start and its records."""
+
+    cfg: RunConfig
+    final: RunStatus
+    started_at: float
+    polls: list[KvPoll]
+    records: list[dict[str, Any]] = field(default_factory=list)
+    trajectories: list[TrajRow] = field(default_factory=list)
+    control_plane_s: float = 0.0
+
+
+def measure(data: RunData) -> dict[str, Any]:
+    """The result row of one run (see the module docstring for each metric)."""
+    from workflows.policy import policy_for
+
+    cfg, final = data.cfg, data.final
+    scale = time_scale(cfg)
+    warm = warmup_steps(cfg.run.steps)
+    _, t_from, t_to = window(data.records, warm)
+    consumed = consumed_group_ids(data.trajectories, policy_for(cfg).whole_batches, final.step,
+                                  cfg.trainer.groups_per_step, final.groups_consumed)
+    hist, gap_max = staleness(final.staleness_histogram)
+    p50, p99 = latency_percentiles(data.trajectories, consumed, scale)
+    kv = kv_utilisation(data.polls, t_from, t_to)
+    return {
+        "mode": cfg.run.mode,
+        "workload": cfg.modelled.workload,
+        "run_id": cfg.run.run_id,
+        "tokens_per_s": round(tokens_per_s(data.records, warm, mean_prompt_tokens(data.trajectories), scale), 1),
+        "generation_tokens_per_s": round(generation_tokens_per_s(data.trajectories, t_from, t_to, scale), 1),
+        "kv_utilisation": None if kv is None else round(kv, 4),
+        "trainer_idle_fraction": round(trainer_idle_fraction(data.records, warm), 4),
+        "weight_sync_stall_s": round(weight_sync_stall_s(data.records, warm, scale), 4),
+        "staleness_max": gap_max,
+        "staleness_histogram": {str(k): v for k, v in hist.items()},
+        "latency_p50_s": round(p50, 3),
+        "latency_p99_s": round(p99, 3),
+        "groups_consumed_twice": final.groups_consumed_twice,
+        "control_plane_share": round(control_plane_share(data.control_plane_s, data.records), 4),
+        "ratio_to_laminar": None,
+        "iterations": final.step,
+        "warmup_steps": warm,
+        "window_s": round((t_to - t_from) * scale, 2),
+        "wall_s": round(t_to - data.started_at, 2),
+        "time_unit": "modelled s" if scale != 1.0 else "wall s",
+    }
+
+
+# -- driving the runs ----------------------------------------------------------------------------------
+
+Progress = Callable[[str, RunStatus | None, str], None]  # (label, latest status or None, note)
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What `laminar bench throughput` was asked for."""
+
+    modes: tuple[str, ...]
+    workloads: tuple[str, ...]
+    replicas: int = 8
+    engine: str = "modelled"
+    iterations: int = DEFAULT_ITERATIONS
+    config_path: Path | None = None
+    extra_overrides: tuple[str, ...] = ()
+    run_timeout_s: float = RUN_TIMEOUT_S
+
+    def run_config(self, mode: str, workload: str, stamp: str) -> RunConfig:
+        overrides = [*scaled_overrides(mode, self.replicas, self.engine, workload, self.iterations),
+                     *self.extra_overrides]
+        cfg = RunConfig.load(self.config_path, overrides)
+        return cfg.with_run_id(f"bench-{stamp}-{workload.replace('_', '')}-{mode.replace('_', '')}")
+
+
+def run_bench(spec: BenchSpec, progress: Progress) -> dict[str, Any]:
+    """Start (or reuse) the dev stack, run every (workload, mode) one after another, return the report."""
+    from devstack.stack import DevStack
+    from workers.settings import Settings
+
+    for mode in spec.modes:  # fail on a bad mode or override before anything starts
+        for workload in spec.workloads:
+            spec.run_config(mode, workload, "check")
+    warmup_steps(spec.iterations)
+    home = Settings.from_env().home
+    stack = DevStack(home)
+    info, started_stack = stack.ensure_up(ui=False)
+    try:
+        settings = Settings.from_env()
+        if settings.relay_token is None:
+            settings = settings.with_relay_token(secrets.token_hex(16))
+        progress("dev stack", None, f"temporal={info.temporal_address} store={settings.store_url}")
+        results = asyncio.run(_run_all(spec, settings, progress))
+    finally:
+        if started_stack:
+            stack.down()
+    add_ratios(results)
+    first = spec.run_config(spec.modes[0], spec.workloads[0], "cfg")
+    return {
+        "results": results,
+        "config": {
+            "modes": list(spec.modes), "workloads": list(spec.workloads), "replicas": spec.replicas,
+            "engine": spec.engine, "iterations": spec.iterations, "warmup_steps": warmup_steps(spec.iterations),
+            "overrides": scaled_overrides("laminar", spec.replicas, spec.engine, spec.workloads[0],
+                                          spec.iterations)[1:] + list(spec.extra_overrides),
+            "groups_per_step": first.trainer.groups_per_step, "group_size": first.rollout.group_size,
+            "relays": first.relay.relays, "seed": first.run.seed, "time_scale": time_scale(first),
+            "modelled": first.modelled.model_dump(mode="json") if spec.engine == "modelled" else None,
+            "cpus": os.cpu_count(), "config_file": str(spec.config_path) if spec.config_path else None,
+        },
+    }
+
+
+async def _run_all(spec: BenchSpec, settings, progress: Progress) -> list[dict[str, Any]]:
+    from workers.connect import connect, store_for
+
+    client = await connect(settings, core_logs=False)
+    store = store_for(settings)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    results = []
+    for workload in spec.workloads:
+        for mode in spec.modes:
+            cfg = spec.run_config(mode, workload, stamp)
+            label = f"{mode} ({workload})"
+            try:
+                data = await _run_one(client, store, settings, cfg, label, progress, spec.run_timeout_s)
+                row = measure(data)
+                row["timeline"] = {r: [[round(s, 2), round(e, 2), v] for s, e, v in iv]
+                                   for r, iv in version_intervals(data.trajectories, data.started_at,
+                                                                  time_scale(cfg)).items()}
+            except (LaminarError, ValueError) as exc:
+                progress(label, None, f"failed: {exc}")
+                row = {"mode": mode, "workload": workload, "run_id": cfg.run.run_id, "error": str(exc),
+                       "tokens_per_s": None, "iterations": 0}
+            results.append(row)
+    return results
+
+
+async def _run_one(client, store: ObjectStore, settings, cfg: RunConfig, label: str, progress: Progress,
+                   timeout_s: float) -> RunData:
+    from temporalio.client import WorkflowFailureError
+    from temporalio.service import RPCError
+
+    from workers.launcher import LocalLauncher, plan_processes
+    from workers.run_control import start_stored_run
+
+    log_dir = settings.home / "logs" / cfg.run.run_id
+    launcher = LocalLauncher(plan_processes(cfg, settings, log_dir, spare_slots=1))
+    launcher.start_all()
+    launcher.start_supervision()
+    polls: list[KvPoll] = []
+    result: asyncio.Task | None = None
+    handle = None
+    try:
+        handle = await start_stored_run(client, store, cfg)
+        t0 = time.time()
+        progress(label, None, f"run {cfg.run.run_id} started; logs in {log_dir}")
+        result = asyncio.create_task(handle.result(rpc_timeout=None))
+        while not result.done():
+            if time.time() - t0 > timeout_s:
+                raise LaminarError(f"{label}: run {cfg.run.run_id} did not finish within {timeout_s:.0f} s; "
+                                   f"see the worker logs in {log_dir}")
+            try:
+                st = await handle.query("status", result_type=RunStatus, rpc_timeout=timedelta(seconds=5))
+                polls.append(KvPoll(time.time(), [(r.kv_used, r.kv_capacity) for r in st.replicas]))
+                progress(label, st, "")
+            except RPCError:
+                pass  # the control worker is (re)starting; the next poll tries again
+            await asyncio.wait({result}, timeout=POLL_S)
+        try:
+            final: RunStatus = await result
+        except WorkflowFailureError as exc:
+            raise LaminarError(f"{label}: run {cfg.run.run_id} failed: {exc.cause or exc}") from None
+        progress(label, final, "finished")
+    finally:
+        if result is not None and not result.done():
+            result.cancel()
+            if handle is not None:
+                try:
+                    await handle.cancel()
+                except RPCError:
+                    pass
+        launcher.stop_all()
+    return RunData(cfg=cfg, final=final, started_at=t0, polls=polls,
+                   records=read_step_records(store, cfg.run.run_id),
+                   trajectories=read_trajectories(store, cfg.run.run_id),
+                   control_plane_s=trainer_control_plane_s(store, cfg.run.run_id))
+
+
+# -- output --------------------------------------------------------------------------------------------
+
+def fmt_num(v: float) -> str:
+    """3 significant digits at most, thousands separated: 12345.6 -> '12,346', 41.23 -> '41.2', 0.0123 -> '0.0123'."""
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.3g}"
+
+
+COLUMNS = [  # (key, header, format: a format string or a function)
+    ("mode", "mode", "{}"), ("workload", "workload", "{}"), ("tokens_per_s", "tokens/s", fmt_num),
+    ("ratio_to_laminar", "vs laminar", "{:.2f}x"), ("generation_tokens_per_s", "gen tokens/s", fmt_num),
+    ("kv_utilisation", "KV use", "{:.0%}"), ("trainer_idle_fraction", "trainer idle", "{:.0%}"),
+    ("weight_sync_stall_s", "sync stall s", fmt_num), ("staleness_max", "stale max", "{}"),
+    ("latency_p50_s", "lat p50 s", fmt_num), ("latency_p99_s", "lat p99 s", fmt_num),
+    ("groups_consumed_twice", "twice", "{}"), ("control_plane_share", "ctrl plane", "{:.1%}"),
+    ("iterations", "iters", "{}"),
+]
+
+
+def table_rows(report: dict[str, Any]) -> list[list[str]]:
+    """Formatted cells per result ('-' for a missing value, the error for a failed run)."""
+    rows = []
+    for r in report["results"]:
+        cells = []
+        for key, _, fmt in COLUMNS:
+            v = r.get(key)
+            cells.append("-" if v is None else fmt(v) if callable(fmt) else fmt.format(v))
+        if r.get("error"):
+            cells[2] = f"failed: {r['error'][:60]}"
+        rows.append(cells)
+    return rows
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Throughput bars per mode and workload, then per run a per-replica timeline of the policy version each
+    replica generated with (x: modelled time since the run's start; the paper's Fig. 3 from measured data)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
+
+    results = [r for r in report["results"] if r.get("tokens_per_s") is not None]
+    modes = list(dict.fromkeys(r["mode"] for r in report["results"]))
+    workloads = list(dict.fromkeys(r["workload"] for r in report["results"]))
+    fig = plt.figure(figsize=(7 * len(workloads), 3.2 + 2.4 * len(modes)))
+    grid = fig.add_gridspec(1 + len(modes), len(workloads), height_ratios=[1.4] + [1] * len(modes))
+    bars = fig.add_subplot(grid[0, :])
+    width = 0.8 / max(1, len(workloads))
+    for j, w in enumerate(workloads):
+        ys = [next((r["tokens_per_s"] for r in results if r["mode"] == m and r["workload"] == w), 0) for m in modes]
+        xs = [i + (j - (len(workloads) - 1) / 2) * width for i in range(len(modes))]
+        drawn = bars.bar(xs, ys, width, label=w)
+        bars.bar_label(drawn, fmt="{:,.0f}", fontsize=7)
+    unit = results[0]["time_unit"] if results else "s"
+    bars.set(xticks=range(len(modes)), xticklabels=modes, ylabel=f"tokens / {unit}",
+             title=f"Throughput (prompt + response tokens per {unit}), {report['config']['replicas']} replicas, "
+                   f"{report['config']['engine']} engine")
+    bars.legend()
+    bars.grid(axis="y", alpha=0.3)
+    cmap = colormaps["viridis"]
+    for i, m in enumerate(modes):
+        for j, w in enumerate(workloads):
+            ax = fig.add_subplot(grid[1 + i, j])
+            r = next((r for r in results if r["mode"] == m and r["workload"] == w), None)
+            ax.set_title(f"{m} ({w}): policy version per replica", fontsize=9)
+            if r is None:
+                ax.text(0.5, 0.5, "no result", ha="center", va="center", transform=ax.transAxes)
+                continue
+            timeline = r.get("timeline", {})
+            top = max((v for iv in timeline.values() for _, _, v in iv), default=0)
+            span = max((e for iv in timeline.values() for _, e, _ in iv), default=1.0)
+            for y, intervals in enumerate(timeline.values()):
+                for s, e, v in intervals:
+                    ax.broken_barh([(s, e - s)], (y - 0.4, 0.8), color=cmap(v / max(1, top)))
+                    if e - s > span / 40:
+                        ax.text((s + e) / 2, y, str(v), ha="center", va="center", fontsize=6, color="white")
+            ax.set(yticks=range(len(timeline)), yticklabels=list(timeline), xlabel=unit)
+            ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def dump_json(report: dict[str, Any], path: Path) -> None:
+    """The report as indented JSON; each result keeps its `timeline` ({replica: [[start, end, version]]},
+    modelled s), so `plot` can redraw the figure from the file."""
+    path.write_text(json.dumps(report, indent=2) + "\n")
