@@ -273,6 +273,7 @@ class RunStatus:
     handover_stall_max: float = 0.0  # the longest, over the whole run (s)
     # a train step is in flight; after `pause` the run is quiet (nothing commits) once this is False
     training: bool = False
+    dropped_stale: int = 0  # samples dropped as staler than the run mode's bound (workflows/policy.py)
 
 
 # -- recovery drills ----------------------------------------------------------------------------

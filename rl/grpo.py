@@ -35,15 +35,15 @@ def group_advantages(rewards: list[float], group_ids: list[str]) -> torch.Tensor
 def split_stale(
     trajectories: list[Trajectory], trainer_version: int, max_staleness: int
 ) -> tuple[list[Trajectory], dict[int, int], int]:
-    """-> (kept, staleness histogram over all samples {staleness: count}, dropped count).
+    """-> (kept, staleness histogram of the kept samples {staleness: count}, dropped count).
 
-    max_staleness < 0 keeps everything; otherwise samples with staleness > max_staleness are dropped.
+    max_staleness < 0 keeps everything; otherwise samples with staleness > max_staleness are dropped (and only
+    counted), so the histogram is the staleness of what is trained on.
     """
     staleness = [trainer_version - t.policy_version for t in trajectories]
-    hist = dict(sorted(Counter(staleness).items()))
-    if max_staleness < 0:
-        return list(trajectories), hist, 0
-    kept = [t for t, s in zip(trajectories, staleness, strict=True) if s <= max_staleness]
+    keep = [max_staleness < 0 or s <= max_staleness for s in staleness]
+    hist = dict(sorted(Counter(s for s, k in zip(staleness, keep, strict=True) if k).items()))
+    kept = [t for t, k in zip(trajectories, keep, strict=True) if k]
     return kept, hist, len(trajectories) - len(kept)
 
 

@@ -326,6 +326,8 @@ class RolloutReplica:
 
     def _load_tensors(self, version: int, tensors: dict, size: int, via: str, interrupt: bool = False) -> None:
         t0 = time.perf_counter()
+        if self.cfg.rollout.engine == "modelled":  # a pull from another host's relay pays a network hop too
+            self.engine.local_pull = via == "shared_memory"
         if interrupt and self.engine.in_flight():
             tokens = self.engine.interrupt_and_load(tensors, version)
             self.reprefill_tokens += tokens

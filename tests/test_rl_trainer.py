@@ -194,7 +194,8 @@ def test_staleness_histogram_and_drop():
     kept, hist, dropped = split_stale(ts, 5, max_staleness=-1)
     assert hist == {0: 2, 1: 1, 3: 1} and dropped == 0 and len(kept) == 4
     kept, hist, dropped = split_stale(ts, 5, max_staleness=1)
-    assert hist == {0: 2, 1: 1, 3: 1} and dropped == 1 and [t.policy_version for t in kept] == [5, 5, 4]
+    # the version-2 sample (staleness 3) is dropped: the histogram is of what is trained on
+    assert hist == {0: 2, 1: 1} and dropped == 1 and [t.policy_version for t in kept] == [5, 5, 4]
 
 
 def on_policy_batch(model, version=0):

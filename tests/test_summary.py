@@ -132,6 +132,7 @@ def test_build_summary_from_store(tmp_path: Path) -> None:
         "groups_generated": 14,
         "groups_consumed": 12,
         "groups_consumed_twice": 0,
+        "dropped_stale": 0,
         "checkpoints": [{"run_id": RUN, "step": 2, "manifest_key": keys.checkpoint_manifest(RUN, 2),
                          "manifest_sha256": "ab" * 32, "policy_version": 2}],
         "temporal_history_events_max": 1900,

@@ -90,7 +90,7 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher, su
     if temporal_pid is not None and (temporal_cpu := process_cpu_s(temporal_pid)) is not None:
         cpu_s["temporal (since dev up)"] = temporal_cpu
     profile = build_profile(store, cfg.run.run_id, cpu_s)
-    summary = build_summary(final, store, wall_s, started_at=t0, profile=profile)
+    summary = {"mode": cfg.run.mode, **build_summary(final, store, wall_s, started_at=t0, profile=profile)}
     store.put(keys.summary(cfg.run.run_id), json.dumps(summary, indent=2).encode())
     if summary_path is not None:
         summary_path.parent.mkdir(parents=True, exist_ok=True)

@@ -107,6 +107,7 @@ def build_summary(status: RunStatus, store: ObjectStore, wall_s: float, started_
         "groups_generated": status.groups_generated,
         "groups_consumed": status.groups_consumed,
         "groups_consumed_twice": status.groups_consumed_twice,
+        "dropped_stale": status.dropped_stale,
         "checkpoints": [asdict(c) for c in status.checkpoints],
         "temporal_history_events_max": status.history_events_max,
         "continued_as_new": status.continued_as_new,

@@ -198,6 +198,7 @@ class Ledger:
         m = res.metrics
         self.state.groups_consumed += len(consumed)
         self.state.groups_consumed_twice += m.consumed_twice
+        self.state.dropped_stale += m.dropped_stale
         self.state.tokens_consumed += m.tokens
         self.state.reward_recent = (self.state.reward_recent + [m.reward_mean])[-RECENT_REWARDS:]
         for gap, n in m.staleness.items():
@@ -255,4 +256,5 @@ class Ledger:
             handover_stalls=list(s.handover_stalls),
             handover_stall_max=s.handover_stall_max,
             training=training,
+            dropped_stale=s.dropped_stale,
         )

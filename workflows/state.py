@@ -57,6 +57,7 @@ class RunState:
     groups_generated: int = 0
     groups_consumed: int = 0
     groups_consumed_twice: int = 0
+    dropped_stale: int = 0  # samples the trainer dropped as staler than the mode's bound
     duplicate_reports: int = 0
     tokens_consumed: int = 0
     reward_recent: list[float] = field(default_factory=list)
