@@ -45,12 +45,10 @@ if _FIELDS != TRAJECTORY_SCHEMA.names:  # a new Trajectory field must get a colu
 
 def trajectories_to_table(trajectories: list[Trajectory]) -> pa.Table:
     """An Arrow table with TRAJECTORY_SCHEMA, one row per trajectory."""
-    rows = []
-    for t in trajectories:
-        row = dataclasses.asdict(t)
-        row["extra"] = sorted(t.extra.items())
-        rows.append(row)
-    return pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
+    # a shallow row per trajectory: dataclasses.asdict deep-copies every token list (1.3 s for 32 x 5,000 tokens)
+    columns = {name: [getattr(t, name) for t in trajectories] for name in _FIELDS}
+    columns["extra"] = [sorted(t.extra.items()) for t in trajectories]
+    return pa.Table.from_pydict(columns, schema=TRAJECTORY_SCHEMA)
 
 
 def table_to_trajectories(table: pa.Table) -> list[Trajectory]:
