@@ -554,7 +554,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     unit = results[0]["time_unit"] if results else "s"
     bars.set(xticks=range(len(modes)), xticklabels=modes, ylabel=f"tokens / {unit}",
              title=f"Throughput (prompt + response tokens per {unit}), {report['config']['replicas']} replicas, "
-                   f"{report['config']['engine']} engine")
+                   f"{report['config']['engine']} engine, {report['config']['iterations']} steps")
+    bars.title.set_fontsize(10)
     bars.legend()
     bars.grid(axis="y", alpha=0.3)
     cmap = colormaps["viridis"]
@@ -568,7 +569,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 continue
             timeline = r.get("timeline", {})
             top = max((v for iv in timeline.values() for _, _, v in iv), default=0)
-            span = max((e for iv in timeline.values() for _, e, _ in iv), default=1.0)
+            ends = [e for iv in timeline.values() for _, e, _ in iv]
+            starts = [st for iv in timeline.values() for st, _, _ in iv]
+            span = max(ends) - min(starts) if ends else 1.0
             for y, intervals in enumerate(timeline.values()):
                 for s, e, v in intervals:
                     ax.broken_barh([(s, e - s)], (y - 0.4, 0.8), color=cmap(v / max(1, top)))
