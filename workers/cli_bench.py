@@ -164,10 +164,11 @@ def throughput_bench(
     modes: str = typer.Option("laminar,sync,one_step,stream,partial_rollout",
                               help="Run modes to compare, comma-separated, run one after another."),
     replicas: int = typer.Option(8, min=1, help="Rollout replicas; the global batch is replicas x 4 groups."),
-    engine: str = typer.Option("modelled", help="modelled (GPU time from the [modelled] section) or torch."),
+    engine: str = typer.Option("modelled", help="modelled (GPU time from the run config's \\[modelled] "
+                               "section) or torch."),
     workload: str = typer.Option("long_tail", help="Response lengths: long_tail, uniform or both."),
-    iterations: int | None = typer.Option(None, min=2, help="Trainer steps per run (default: bench.throughput."
-                                          "DEFAULT_ITERATIONS; the first fifth is a warm-up)."),
+    iterations: int | None = typer.Option(None, min=2, help="Trainer steps per run (default 20: bench.throughput."
+                                          "DEFAULT_ITERATIONS); the first fifth is a warm-up."),
     config: Path | None = typer.Option(None, help="Base run config (TOML); default: the built-in defaults."),
     json_path: Path | None = typer.Option(None, "--json", help="Write {\"results\": [...], \"config\": {...}} here."),
     plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG: throughput bars and per-run "
@@ -195,8 +196,12 @@ def throughput_bench(
                TimeElapsedColumn()]
     with Progress(*columns, console=err, transient=False) as bar:
         tasks: dict[str, int] = {}
+        shown: dict[str, int] = {}  # label -> last step printed as a line (when stderr is not a terminal)
 
         def progress(label: str, st, note: str) -> None:
+            if not err.is_terminal and label != "dev stack" and (note or st is not None and shown.get(label) != st.step):
+                shown[label] = st.step if st is not None else shown.get(label, 0)
+                err.print(f"{label}: step {shown[label]}/{spec.iterations} {note}", highlight=False)
             if label == "dev stack":
                 bar.console.print(f"[dim]{note}[/dim]")
                 return
