@@ -334,7 +334,8 @@ def test_measure_whole_batch_mode_consumes_by_prompt_batch(tmp_path: Path) -> No
 def test_table_json_and_plot(tmp_path: Path) -> None:
     data = _run_data(tmp_path)
     row = measure(data)
-    row["timeline"] = {r: [list(iv) for iv in ivs] for r, ivs in version_intervals(data.trajectories, 90.0, 10.0).items()}
+    intervals = version_intervals(data.trajectories, 90.0, 10.0)
+    row["timeline"] = {r: [list(iv) for iv in ivs] for r, ivs in intervals.items()}
     failed = {"mode": "sync", "workload": "long_tail", "run_id": "x", "error": "run x failed: boom",
               "tokens_per_s": None, "iterations": 0}
     report = {"results": [row, failed], "config": {"replicas": 1, "engine": "modelled", "iterations": 3}}
@@ -344,7 +345,8 @@ def test_table_json_and_plot(tmp_path: Path) -> None:
     assert rows[1][2] == "failed: run x failed: boom" and rows[1][3] == "-"
     dump_json(report, tmp_path / "r.json")
     again = json.loads((tmp_path / "r.json").read_text())
-    assert again["results"][0]["timeline"]["replica-0"][0] == [50.0, 70.0, 0]  # g0 (version 0): 95 -> 97, minus 90, x 10
+    # replica-0's first interval: g0 (version 0) ran 95 -> 97, minus t0 90, x 10
+    assert again["results"][0]["timeline"]["replica-0"][0] == [50.0, 70.0, 0]
     plot(again, tmp_path / "r.png")  # redrawn from the JSON
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -199,7 +199,8 @@ def throughput_bench(
         shown: dict[str, int] = {}  # label -> last step printed as a line (when stderr is not a terminal)
 
         def progress(label: str, st, note: str) -> None:
-            if not err.is_terminal and label != "dev stack" and (note or st is not None and shown.get(label) != st.step):
+            new_step = st is not None and shown.get(label) != st.step
+            if not err.is_terminal and label != "dev stack" and (note or new_step):
                 shown[label] = st.step if st is not None else shown.get(label, 0)
                 err.print(f"{label}: step {shown[label]}/{spec.iterations} {note}", highlight=False)
             if label == "dev stack":
