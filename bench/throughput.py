@@ -26,6 +26,7 @@ Metrics, per run (pure functions below, from records to numbers). Time is MODELL
 
 - `tokens_per_s`: the paper's throughput: prompt + response tokens of the global batches trained in the window
   / the window's length (the mean over consecutive trainer-update completions, weighted by their durations).
+  Samples the trainer dropped as too stale are not trained and not counted (`samples_dropped_stale`).
 - `generation_tokens_per_s`: response tokens of every trajectory (consumed or not) that ended in the window /
   the window's length.
 - `kv_utilisation`: the workflow's `status` query is polled every POLL_S; each poll in the window gives the
@@ -194,9 +195,9 @@ def mean_prompt_tokens(trajs: Iterable[TrajRow]) -> float:
 
 
 def batch_tokens(record: dict[str, Any], prompt_tokens: float) -> float:
-    """Prompt + response tokens of one step's global batch: samples x prompt length + sum of response lengths."""
-    lengths = record["response_lengths"]
-    return len(lengths) * prompt_tokens + sum(lengths)
+    """Prompt + response tokens one step trained on: samples x prompt length + its response tokens (`samples`
+    and `tokens` of the step record count what was trained, without samples dropped as too stale)."""
+    return record["samples"] * prompt_tokens + record["tokens"]
 
 
 def tokens_per_s(records: list[dict[str, Any]], warmup: int, prompt_tokens: float, scale: float) -> float:
@@ -347,6 +348,7 @@ def measure(data: RunData) -> dict[str, Any]:
         "latency_p50_s": round(p50, 3),
         "latency_p99_s": round(p99, 3),
         "groups_consumed_twice": final.groups_consumed_twice,
+        "samples_dropped_stale": sum(r.get("dropped_stale", 0) for r in data.records),
         "control_plane_share": round(control_plane_share(data.control_plane_s, data.records), 4),
         "ratio_to_laminar": None,
         "iterations": final.step,

@@ -57,10 +57,12 @@ def _traj(group: str, prompt: int, replica: str = "replica-0", version: int = 0,
 
 
 def _rec(step: int, time: float, lengths: list[int] | None = None, wait: float = 0.0, busy: float = 1.0,
-         stall: float = 0.0) -> dict:
-    """A step record as services/trainer.py writes it (the keys the benchmark reads)."""
-    return {"step": step, "time": time, "response_lengths": lengths or [], "wait_s": wait, "busy_s": busy,
-            "stall_s": stall}
+         stall: float = 0.0, dropped: int = 0) -> dict:
+    """A step record as services/trainer.py writes it (the keys the benchmark reads): `lengths` are the
+    response lengths of the trained samples; `dropped` more samples were read but dropped as too stale."""
+    lengths = lengths or []
+    return {"step": step, "time": time, "samples": len(lengths), "tokens": sum(lengths), "dropped_stale": dropped,
+            "response_lengths": lengths + [1000] * dropped, "wait_s": wait, "busy_s": busy, "stall_s": stall}
 
 
 # -- configuration -------------------------------------------------------------------------------------
@@ -122,8 +124,9 @@ def test_window_starts_at_the_end_of_the_last_warmup_step() -> None:
 def test_tokens_per_s_is_batch_tokens_over_modelled_window() -> None:
     # prompt 5 tokens. Step 2: 2 samples x 5 + (10 + 20) = 40; step 3: 1 x 5 + 30 = 35; step 1 is warm-up.
     # window 100 -> 130 = 30 wall s x scale 100 = 3000 modelled s; 75 / 3000 = 0.025 tokens per modelled s
-    records = [_rec(1, 100.0, [999, 999]), _rec(2, 110.0, [10, 20]), _rec(3, 130.0, [30])]
-    assert batch_tokens(records[1], 5) == 40
+    # step 3 also read 2 samples of 1000 tokens that it dropped as too stale: not trained, not counted
+    records = [_rec(1, 100.0, [999, 999]), _rec(2, 110.0, [10, 20]), _rec(3, 130.0, [30], dropped=2)]
+    assert batch_tokens(records[1], 5) == 40 and batch_tokens(records[2], 5) == 35
     assert tokens_per_s(records, 1, 5, 100.0) == pytest.approx(0.025)
     # the torch engine: scale 1, so 75 / 30 = 2.5 tokens per wall s
     assert tokens_per_s(records, 1, 5, 1.0) == pytest.approx(2.5)
@@ -310,6 +313,7 @@ def test_measure_one_run(tmp_path: Path) -> None:
     # trajectories ended in (100, 110]: group p sample s ends at 96 + 2p + s: p=2: 100 (out), 101 (in, 20);
     # p=3: 102 (10), 103 (20); p=4: 104, 105 (30); p=5: 106, 107 (30); p=6: 108, 109 (30): 140 / 100 = 1.4
     assert row["generation_tokens_per_s"] == 1.4
+    assert row["samples_dropped_stale"] == 0
     assert row["kv_utilisation"] == 0.5  # polls at 101 (0.25) and 109 (0.75); 120 is after the window
     assert row["trainer_idle_fraction"] == round(7 / 10, 4)  # waits 3 + 4 over (3 + 1) + (4 + 2)
     assert row["weight_sync_stall_s"] == 0.25  # (0.02 + 0.03) / 2 x 10
