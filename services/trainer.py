@@ -40,7 +40,7 @@ from storage import keys
 from storage.checkpoints import CheckpointStore, LoadedCheckpoint
 from storage.objects import ObjectStore
 from storage.trajectories import TrajectoryStore
-from workflows.policy import staleness_bound
+from workflows.policy import policy_for, publishes, staleness_bound, version_of
 
 log = get_logger(__name__)
 
@@ -58,6 +58,7 @@ class TrainerService:
         self.cfg: RunConfig | None = None
         self.trainer: Trainer | ModelledTrainer | None = None
         self.step = -1  # steps applied to the in-memory policy; -1: nothing loaded
+        self.policy = policy_for(RunConfig())  # the run mode's; set with the run by _restore
         self.consumed: set[str] = set()
         self.last_step_end: float | None = None
         self.profile = TimeBreakdown()  # where this process's time goes (laminar.timing)
@@ -68,8 +69,12 @@ class TrainerService:
     def init(self, inp: TrainerInitInput) -> TrainerInitResult:
         cfg = RunConfig.from_json(inp.config)
         self._restore(inp.run_id, cfg, self.checkpoints.load(inp.checkpoint) if inp.checkpoint else None)
-        size = len(self._publish(inp.relay_chain)[1])
-        return TrainerInitResult(step=self.step, policy_version=self.step, published_bytes=size)
+        size = len(self._publish(inp.relay_chain)[1]) if publishes(self.policy, self.step) else 0
+        return TrainerInitResult(step=self.step, policy_version=self._version(), published_bytes=size)
+
+    def _version(self) -> int:
+        """The policy version of the in-memory weights (stream: one per batch of minibatch steps)."""
+        return version_of(self.policy, self.step)
 
     def _restore(self, run_id: str, cfg: RunConfig, loaded: LoadedCheckpoint | None) -> None:
         """Load the base model, then the verified checkpoint (weights, optimizer, step, consumed groups) if any.
@@ -86,7 +91,9 @@ class TrainerService:
             model, tokenizer, _ = load_pretrained(model_dir)
             publish_model_files(self.store, run_id, model_dir)
             pad = tokenizer.token_to_id("<pad>")
-            section = cfg.trainer.model_copy(update={"max_staleness": bound})
+            # stream: each step is one minibatch already (workflows/policy.py), so one update per step
+            minibatches = 1 if cfg.run.mode == "stream" else cfg.trainer.minibatches
+            section = cfg.trainer.model_copy(update={"max_staleness": bound, "minibatches": minibatches})
             trainer = Trainer(model, section, group_size=cfg.rollout.group_size,
                               temperature=cfg.rollout.temperature, pad_id=0 if pad is None else pad)
         step, consumed = 0, set()
@@ -96,6 +103,7 @@ class TrainerService:
         if run_id != self.run_id:  # a worker that serves another run profiles it from scratch
             self.profile, self._profile_written = TimeBreakdown(), time.perf_counter()
         self.run_id, self.cfg, self.trainer, self.step, self.consumed = run_id, cfg, trainer, step, consumed
+        self.policy = policy_for(cfg)
         log.info("trainer_restored", run_id=run_id, step=step, checkpoint=loaded.ref.step if loaded else None)
 
     # -- one step ------------------------------------------------------------------------------
@@ -124,14 +132,16 @@ class TrainerService:
             prof.add("wait_groups", for_data)
             prof.add("wait_control_plane", wait_s - for_data)
         with prof.measure("compute"):
-            m = self.trainer.step(trajectories, trainer_version=self.step)
+            m = self.trainer.step(trajectories, trainer_version=self._version())
         self.step += 1
         self.consumed.update(g for part in inp.batch for g in part.group_ids)
         heartbeat()
         with prof.measure("checkpoint"):
             ckpt = self._maybe_checkpoint(keep_from_step=_replay_base(inp))
-        with prof.measure("publish"):
-            stall_s, _ = self._publish(inp.relay_chain)
+        stall_s = 0.0
+        if publishes(self.policy, self.step):  # stream: the version is complete after a batch's last minibatch
+            with prof.measure("publish"):
+                stall_s, _ = self._publish(inp.relay_chain)
         metrics = StepMetrics(
             reward_mean=m.reward_mean, loss=m.loss, grad_norm=m.grad_norm, samples=m.samples, tokens=m.tokens,
             response_len_mean=m.response_len_mean, staleness={str(k): v for k, v in m.staleness.items()},
@@ -147,7 +157,7 @@ class TrainerService:
         self.last_step_end = time.time()
         log.info("train_step_completed", step=self.step, reward=round(m.reward_mean, 4), tokens=m.tokens,
                  staleness=metrics.staleness, stall_s=round(stall_s, 4), checkpoint=ckpt is not None)
-        return TrainStepResult(step=self.step, policy_version=self.step, metrics=metrics, checkpoint=ckpt,
+        return TrainStepResult(step=self.step, policy_version=self._version(), metrics=metrics, checkpoint=ckpt,
                                steps_redone=redone, publish_stall_s=stall_s, restored=restored,
                                corrupt_checkpoints=corrupt)
 
@@ -171,7 +181,7 @@ class TrainerService:
         assert self.trainer is not None
         for batch in replay:
             trajectories, _ = self._read_batch(batch)
-            self.trainer.step(trajectories, trainer_version=self.step)
+            self.trainer.step(trajectories, trainer_version=self._version())
             self.step += 1
             self.consumed.update(g for part in batch for g in part.group_ids)
             heartbeat()
@@ -228,9 +238,9 @@ class TrainerService:
         tc = self.cfg.trainer
         if self.step % tc.checkpoint_every != 0 and self.step != self.cfg.run.steps:
             return None
-        meta = {"step": self.step, "policy_version": self.step, "consumed": sorted(self.consumed)}
+        meta = {"step": self.step, "policy_version": self._version(), "consumed": sorted(self.consumed)}
         ref = self.checkpoints.save(self.run_id, self.step, self.trainer.state_parts(), meta,
-                                    policy_version=self.step)
+                                    policy_version=self._version())
         self.checkpoints.retain(self.run_id, keep_from_step)
         return ref
 
@@ -240,18 +250,19 @@ class TrainerService:
         assert self.trainer is not None
         payload = state_dict_to_bytes(self.trainer.policy_state_dict())
         if not chain:
-            log.warning("publish_skipped", reason="no relays joined", policy_version=self.step)
+            log.warning("publish_skipped", reason="no relays joined", policy_version=self._version())
             return 0.0, payload
         for i, addr in enumerate(chain):  # a dead master is skipped: the next relay becomes master
             try:
-                stall = relay_client.push(addr, self.step, payload, chain[i + 1:], run=self.run_id or "",
+                stall = relay_client.push(addr, self._version(), payload, chain[i + 1:], run=self.run_id or "",
                                          token=self.relay_token)
                 if isinstance(self.trainer, ModelledTrainer):  # the modelled model's push, after the real one
                     assert self.cfg is not None
                     modelled = self.trainer.publish_stall_s(global_sync=self.cfg.run.mode != "laminar")
                     time.sleep(modelled)
                     stall += modelled
-                log.info("weights_published", policy_version=self.step, bytes=len(payload), stall_s=round(stall, 4))
+                log.info("weights_published", policy_version=self._version(), bytes=len(payload),
+                         stall_s=round(stall, 4))
                 return stall, payload
             except RelayError as e:
                 log.warning("relay_push_failed", address=addr, error=str(e))
@@ -259,7 +270,7 @@ class TrainerService:
         # and a retry would carry the same stale chain forever). Replicas keep generating on the version they
         # hold, and the next step publishes to the chain the workflow knows then.
         log.warning("publish_skipped", reason="no relay in the chain accepted", chain=chain,
-                    policy_version=self.step)
+                    policy_version=self._version())
         return 0.0, payload
 
     def _write_metrics(self, m: StepMetrics, trajectories: list[Trajectory], **timing: float | None) -> None:

@@ -4,6 +4,7 @@ interleaving of replicas (start, finish, load) and trainer steps, checking each 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -19,6 +20,7 @@ from workflows.policy import (
     policy_for,
     staleness_bound,
     trainer_batch,
+    version_of,
 )
 from workflows.state import RunState
 
@@ -60,6 +62,14 @@ def test_trainer_batch_and_versions() -> None:
     assert [min_version(sync, p) for p in (0, 3, 4, 9)] == [0, 0, 1, 2]
     assert [min_version(policy_for(_cfg("one_step")), p) for p in (0, 4, 9)] == [0, 0, 1]
     assert min_version(policy_for(_cfg("laminar")), 99) == 0
+    # stream, 2 minibatches of 2 groups: step 0 takes the first two complete groups of batch 0, step 1 the
+    # other two; steps 2 and 3 are batch 1 (version 1)
+    stream = policy_for(_cfg("stream", "trainer.minibatches=2"))
+    assert trainer_batch(stream, [("g1", 1), ("g5", 5)], step=0) is None
+    assert trainer_batch(stream, ready, step=0) == ["g1", "g0"]
+    assert trainer_batch(stream, [("g2", 2), ("g3", 3), ("g5", 5)], step=1) == ["g2", "g3"]
+    assert trainer_batch(stream, [("g5", 5), ("g4", 4)], step=2) == ["g5", "g4"]
+    assert [version_of(stream, s) for s in range(5)] == [0, 0, 1, 1, 2]
 
 
 def test_replica_decisions() -> None:
@@ -112,15 +122,16 @@ def _simulate(cfg: RunConfig, seed: int, steps: int = 12) -> list[int]:
                                           policy_version=started_on[g]), rid)
         ids = ledger.trainable(policy)
         if ids is not None:  # the trainer steps at once (its duration is not what this test is about)
-            staleness += [ledger.state.step - started_on[g] for g in ids]
+            staleness += [version_of(policy, ledger.state.step) - started_on[g] for g in ids]
             inp = _input(ledger, ledger.batch_parts(ids))
-            ledger.commit_step(inp, _result(ledger.state.step + 1), keep_last=3)
+            step = ledger.state.step + 1
+            ledger.commit_step(inp, replace(_result(step), policy_version=version_of(policy, step)), keep_last=3)
     return staleness
 
 
-@pytest.mark.parametrize("mode,bound", [("sync", 0), ("one_step", 1)])
+@pytest.mark.parametrize("mode,bound", [("sync", 0), ("one_step", 1), ("stream", 1)])
 def test_every_consumed_group_keeps_its_modes_staleness_promise(mode: str, bound: int) -> None:
-    cfg = _cfg(mode, "rollout.max_ready_groups=16")
+    cfg = _cfg(mode, "rollout.max_ready_groups=16", "trainer.minibatches=2")
     for seed in range(20):
         staleness = _simulate(cfg, seed)
         assert staleness and max(staleness) <= bound, (seed, staleness)

@@ -13,8 +13,13 @@ The modes differ in four decisions:
 | laminar | back-pressure only (max_ready_groups) | any (a replica drains, then loads the newest) | finish first | the oldest B ready groups |
 | sync | batch b-1 complete and trained (version b) | b (staleness 0) | finish first | batch b, once complete |
 | one_step | batch b-1 complete, version b-1 exists | >= b-1 (staleness <= 1) | finish first | batch b, once complete |
-| stream | as one_step | >= b-1 (staleness <= 1) | finish first | batch b, a minibatch as soon as complete |
+| stream | as one_step | >= b-1 (staleness <= 1) | finish first | batch b, each minibatch as soon as complete |
 | partial_rollout | b <= version + max_staleness | any | interrupt, load, continue (re-prefill) | the oldest B ready groups |
+
+Stream: a trainer step is one minibatch (B / trainer.minibatches groups of batch b, taken as soon as that
+many are complete), and the policy version advances once per batch, every `steps_per_version` steps: the
+trainer publishes version b+1 after the last minibatch of batch b. In every other mode a step is a batch and
+a version.
 
 "Finish first": a replica admits nothing new once a newer version is at its relay, lets its in-flight
 trajectories finish on the version they started with, then loads it (one version per trajectory). With the
@@ -45,22 +50,21 @@ class Policy:
     interrupts: bool  # a newer version interrupts in-flight trajectories (they continue under it)
     global_sync: bool  # a weight update is a global broadcast during which every replica stops
     whole_batches: bool  # the trainer trains exactly batch b (not the oldest ready groups)
-    minibatches: int  # stream: the trainer takes each of these minibatches as soon as its groups are complete
-    streams: bool
+    steps_per_version: int  # trainer steps per policy version: trainer.minibatches in stream, else 1
 
 
 def policy_for(cfg: RunConfig) -> Policy:
     mode, b = cfg.run.mode, cfg.trainer.groups_per_step
     if mode == "laminar":
-        return Policy(mode, b, None, False, None, False, False, False, 1, False)
+        return Policy(mode, b, None, False, None, False, False, False, 1)
     if mode == "sync":
-        return Policy(mode, b, 0, True, 0, False, True, True, 1, False)
+        return Policy(mode, b, 0, True, 0, False, True, True, 1)
     if mode == "one_step":
-        return Policy(mode, b, 1, True, 1, False, True, True, 1, False)
+        return Policy(mode, b, 1, True, 1, False, True, True, 1)
     if mode == "stream":
-        return Policy(mode, b, 1, True, 1, False, True, True, cfg.trainer.minibatches, True)
+        return Policy(mode, b, 1, True, 1, False, True, True, cfg.trainer.minibatches)
     if mode == "partial_rollout":
-        return Policy(mode, b, staleness_bound(cfg), False, None, True, True, False, 1, False)
+        return Policy(mode, b, staleness_bound(cfg), False, None, True, True, False, 1)
     raise ValueError(f"run.mode={mode!r} has no policy; one of laminar, sync, one_step, stream, partial_rollout")
 
 
@@ -69,6 +73,16 @@ def staleness_bound(cfg: RunConfig) -> int:
     if cfg.run.mode == "partial_rollout" and cfg.trainer.max_staleness < 0:
         return PARTIAL_ROLLOUT_STALENESS
     return cfg.trainer.max_staleness
+
+
+def version_of(policy: Policy, step: int) -> int:
+    """The policy version after `step` trainer steps (stream: a version per batch of minibatch steps)."""
+    return step // policy.steps_per_version
+
+
+def publishes(policy: Policy, step: int) -> bool:
+    """The trainer publishes a new version after reaching `step` (stream: only at the end of a batch)."""
+    return step % policy.steps_per_version == 0
 
 
 def batch_of(policy: Policy, prompt_id: int) -> int:
@@ -98,12 +112,14 @@ def fresh_lease_room(policy: Policy, prompt_cursor: int, version: int, groups_ge
 
 def trainer_batch(policy: Policy, ready: list[tuple[str, int]], step: int) -> list[str] | None:
     """Group ids the trainer's next step consumes from `ready` ((group id, prompt id), arrival order), or None
-    when it must wait. Barrier modes train exactly batch `step`, once all its groups are complete."""
+    when it must wait. Barrier modes train exactly batch `step` once all its groups are complete; stream trains
+    batch version_of(step) one minibatch at a time, each as soon as that many of its groups are complete."""
     b = policy.groups_per_step
     if not policy.whole_batches:
         return [g for g, _ in ready[:b]] if len(ready) >= b else None
-    mine = [g for g, p in ready if batch_of(policy, p) == step]
-    return mine if len(mine) >= b else None
+    size = b // policy.steps_per_version
+    mine = [g for g, p in ready if batch_of(policy, p) == version_of(policy, step)][:size]
+    return mine if len(mine) >= size else None
 
 
 def may_start(policy: Policy, lease_min_version: int, engine_version: int | None, newer_waiting: bool) -> bool:
