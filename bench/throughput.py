@@ -439,7 +439,7 @@ async def _run_all(spec: BenchSpec, settings, progress: Progress) -> list[dict[s
                 row["timeline"] = {r: [[round(s, 2), round(e, 2), v] for s, e, v in iv]
                                    for r, iv in version_intervals(data.trajectories, data.started_at,
                                                                   time_scale(cfg)).items()}
-            except (LaminarError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 - one failed run (or a Temporal outage) must not lose the others
                 progress(label, None, f"failed: {exc}")
                 row = {"mode": mode, "workload": workload, "run_id": cfg.run.run_id, "error": str(exc),
                        "tokens_per_s": None, "iterations": 0}
