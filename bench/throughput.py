@@ -412,8 +412,9 @@ def run_bench(spec: BenchSpec, progress: Progress) -> dict[str, Any]:
         "config": {
             "modes": list(spec.modes), "workloads": list(spec.workloads), "replicas": spec.replicas,
             "engine": spec.engine, "iterations": spec.iterations, "warmup_steps": warmup_steps(spec.iterations),
-            "overrides": scaled_overrides("laminar", spec.replicas, spec.engine, spec.workloads[0],
-                                          spec.iterations)[1:] + list(spec.extra_overrides),
+            "overrides": [o for o in scaled_overrides("laminar", spec.replicas, spec.engine, spec.workloads[0],
+                                                      spec.iterations)
+                          if not o.startswith(("run.mode=", "modelled.workload="))] + list(spec.extra_overrides),
             "groups_per_step": first.trainer.groups_per_step, "group_size": first.rollout.group_size,
             "relays": first.relay.relays, "seed": first.run.seed, "time_scale": time_scale(first),
             "modelled": first.modelled.model_dump(mode="json") if spec.engine == "modelled" else None,
