@@ -74,7 +74,10 @@ from workers.summary import percentile
 WORKLOADS = ("long_tail", "uniform")
 GROUPS_PER_REPLICA = 4  # rollout.max_inflight_groups: per-rollout concurrency (groups)
 GROUP_SIZE = 8  # rollout.group_size (samples per prompt)
-DEFAULT_ITERATIONS = 20  # trainer steps per run; the whole default command (both workloads) fits in 15 min
+# Trainer steps per run. Measured on this 2-core machine (other test suites running): all five modes on both
+# workloads, 8 replicas, modelled engine, took 10 min 46 s in all (long_tail: sync, one_step and stream about
+# 2 min each; uniform: 20-55 s a run), inside the 15 minutes the command should take.
+DEFAULT_ITERATIONS = 20
 POLL_S = 0.5  # status poll period for KV occupancy and progress (wall s)
 RUN_TIMEOUT_S = 900.0  # one run's wall-clock limit; past it the run is cancelled and reported as failed
 
