@@ -13,7 +13,8 @@ The scaled workload (fixed before any result was seen; never tuned to one). With
 | `rollout.group_size` | 8 | GRPO group size of the paper's setup |
 | `trainer.groups_per_step` | R x 4 (32 for 8 replicas) | global batch = replicas x per-rollout concurrency, as in the paper's section 8: 8 x 4 x 8 = 256 samples |
 | `rollout.max_ready_groups` | 2 x groups_per_step (64) | the least one_step/stream accept (2 batches in flight); laminar's back-pressure at the same bound |
-| `run.steps` | `--iterations` | |
+| `run.steps` | `--iterations` (x 4 for stream) | one step per global batch; stream's step is a minibatch |
+| `trainer.minibatches` | 4 in `stream` only | stream trains each quarter of a batch (8 groups, 64 samples for 8 replicas) as soon as it is complete; with 1 it would be one_step |
 | `rollout.engine`, `trainer.engine` | `--engine` | `modelled` (default): GPU time from the [modelled] section |
 | `modelled.workload` | `--workload` | `long_tail` (p99 = 10 x p50) or `uniform` (+-20 %) |
 
@@ -21,7 +22,7 @@ Extra `--section.key=value` arguments override on top (tests shrink the torch mo
 
 Metrics, per run (pure functions below, from records to numbers). Time is MODELLED time: wall seconds x
 `modelled.speedup` (1 for the torch engine), so a number reads as a GPU-cluster number. The first
-`warmup_steps(iterations)` steps are a warm-up; the measured window runs from the end of the last warm-up step
+`warmup_steps(run.steps)` trainer steps (the first fifth; whole batches in stream too) are a warm-up; the measured window runs from the end of the last warm-up step
 (its metric record's `time`) to the end of the last step.
 
 - `tokens_per_s`: the paper's throughput: prompt + response tokens of the global batches trained in the window
@@ -74,6 +75,7 @@ from workers.summary import percentile
 WORKLOADS = ("long_tail", "uniform")
 GROUPS_PER_REPLICA = 4  # rollout.max_inflight_groups: per-rollout concurrency (groups)
 GROUP_SIZE = 8  # rollout.group_size (samples per prompt)
+STREAM_MINIBATCHES = 4  # trainer.minibatches in stream mode: trainer steps per global batch
 # Trainer steps per run. Measured on this 2-core machine (other test suites running): all five modes on both
 # workloads, 8 replicas, modelled engine, took 10 min 46 s in all (long_tail: sync, one_step and stream about
 # 2 min each; uniform: 20-55 s a run), inside the 15 minutes the command should take.
@@ -101,9 +103,11 @@ def scaled_overrides(mode: str, replicas: int, engine: str, workload: str, itera
     if engine not in ("torch", "modelled"):
         raise ValueError(f"engine={engine!r} is not an engine; use torch or modelled")
     groups_per_step = replicas * GROUPS_PER_REPLICA
+    per_batch = STREAM_MINIBATCHES if mode == "stream" else 1  # trainer steps per global batch
     return [
         f"run.mode={mode}",
-        f"run.steps={iterations}",
+        f"run.steps={iterations * per_batch}",
+        f"trainer.minibatches={per_batch}",
         f"rollout.replicas={replicas}",
         f"rollout.engine={engine}",
         f"trainer.engine={engine}",
@@ -248,19 +252,25 @@ def staleness(histogram: dict[str, int]) -> tuple[dict[int, int], int]:
     return hist, max(hist, default=0)
 
 
-def consumed_group_ids(trajs: Iterable[TrajRow], whole_batches: bool, steps: int, groups_per_step: int,
+def consumed_group_ids(trajs: Iterable[TrajRow], whole_batches: bool, groups_per_step: int,
                        groups_consumed: int) -> set[str]:
-    """The groups the trainer consumed (see the module docstring). whole_batches: the group of prompt p was
-    consumed iff p // groups_per_step < steps; otherwise the first `groups_consumed` groups to complete (a
-    group completes when its last sample ends)."""
+    """The groups the trainer consumed (see the module docstring); a group completes when its last sample ends.
+    whole_batches: batches are consumed in order, so the n = groups_consumed // groups_per_step whole batches
+    (prompts below n x groups_per_step), plus, when the run ended inside batch n (stream trains a batch in
+    minibatches, each taking groups as they complete), its first groups_consumed % groups_per_step groups to
+    complete. Otherwise: the first `groups_consumed` groups to complete."""
     completed: dict[str, float] = {}
     prompt: dict[str, int] = {}
     for t in trajs:
         completed[t.group_id] = max(completed.get(t.group_id, t.ended_at), t.ended_at)
         prompt[t.group_id] = t.prompt_id
-    if whole_batches:
-        return {g for g, p in prompt.items() if p // groups_per_step < steps}
-    return set(sorted(completed, key=lambda g: (completed[g], g))[:groups_consumed])
+    by_completion = sorted(completed, key=lambda g: (completed[g], g))
+    if not whole_batches:
+        return set(by_completion[:groups_consumed])
+    batches, rest = divmod(groups_consumed, groups_per_step)
+    whole = {g for g, p in prompt.items() if p // groups_per_step < batches}
+    started = [g for g in by_completion if prompt[g] // groups_per_step == batches]
+    return whole | set(started[:rest])
 
 
 def latency_percentiles(trajs: Iterable[TrajRow], consumed: set[str], scale: float) -> tuple[float, float]:
@@ -332,8 +342,8 @@ def measure(data: RunData) -> dict[str, Any]:
     scale = time_scale(cfg)
     warm = warmup_steps(cfg.run.steps)
     _, t_from, t_to = window(data.records, warm)
-    consumed = consumed_group_ids(data.trajectories, policy_for(cfg).whole_batches, final.step,
-                                  cfg.trainer.groups_per_step, final.groups_consumed)
+    consumed = consumed_group_ids(data.trajectories, policy_for(cfg).whole_batches, cfg.trainer.groups_per_step,
+                                  final.groups_consumed)
     hist, gap_max = staleness(final.staleness_histogram)
     p50, p99 = latency_percentiles(data.trajectories, consumed, scale)
     kv = kv_utilisation(data.polls, t_from, t_to)
@@ -354,7 +364,8 @@ def measure(data: RunData) -> dict[str, Any]:
         "samples_dropped_stale": sum(r.get("dropped_stale", 0) for r in data.records),
         "control_plane_share": round(control_plane_share(data.control_plane_s, data.records), 4),
         "ratio_to_laminar": None,
-        "iterations": final.step,
+        "iterations": final.policy_version,  # global batches trained (= trainer steps except in stream)
+        "trainer_steps": final.step,
         "warmup_steps": warm,
         "window_s": round((t_to - t_from) * scale, 2),
         "wall_s": round(t_to - data.started_at, 2),
@@ -417,8 +428,9 @@ def run_bench(spec: BenchSpec, progress: Progress) -> dict[str, Any]:
             "engine": spec.engine, "iterations": spec.iterations, "warmup_steps": warmup_steps(spec.iterations),
             "overrides": [o for o in scaled_overrides("laminar", spec.replicas, spec.engine, spec.workloads[0],
                                                       spec.iterations)
-                          if not o.startswith(("run.mode=", "modelled.workload="))] + list(spec.extra_overrides),
+                          if not o.startswith(("run.mode=", "modelled.workload=", "run.steps=", "trainer.minibatches="))] + list(spec.extra_overrides),
             "groups_per_step": first.trainer.groups_per_step, "group_size": first.rollout.group_size,
+            "stream_minibatches": STREAM_MINIBATCHES,
             "relays": first.relay.relays, "seed": first.run.seed, "time_scale": time_scale(first),
             "modelled": first.modelled.model_dump(mode="json") if spec.engine == "modelled" else None,
             "cpus": os.cpu_count(), "config_file": str(spec.config_path) if spec.config_path else None,

@@ -85,10 +85,18 @@ def test_scaled_workload_is_one_global_batch_of_replicas_times_per_rollout_concu
     assert cfg.rollout.max_inflight_groups == 4 and cfg.rollout.max_ready_groups == 64
     assert (cfg.run.steps, cfg.rollout.replicas, cfg.run.mode) == (20, 8, "laminar")
     assert cfg.rollout.engine == cfg.trainer.engine == "modelled" and cfg.modelled.workload == "long_tail"
-    # every mode accepts the same numbers (one_step/stream need max_ready_groups >= 2 x groups_per_step)
+    assert cfg.trainer.minibatches == 1
+    # every mode accepts the same numbers (one_step/stream need max_ready_groups >= 2 x groups_per_step;
+    # stream needs groups_per_step = 4 x replicas to split into its 4 minibatches)
     for mode in MODES:
         for replicas in (1, 2, 8):
             assert RunConfig.load(None, scaled_overrides(mode, replicas, "torch", "uniform", 3)).run.mode == mode
+
+
+def test_stream_trains_each_batch_in_four_minibatch_steps() -> None:
+    cfg = RunConfig.load(None, scaled_overrides("stream", 8, "modelled", "long_tail", 20))
+    # 20 global batches of 32 groups = 80 trainer steps of 8 groups (64 samples) each
+    assert (cfg.trainer.minibatches, cfg.run.steps, cfg.trainer.groups_per_step) == (4, 80, 32)
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -183,7 +191,10 @@ def test_consumed_groups_whole_batches_by_prompt_batch() -> None:
     # B = 2 groups per step, 2 steps done: prompts 0..3 (batches 0 and 1) were consumed, 4 and 5 not,
     # whatever the order they completed in
     trajs = [_traj(f"g{p}", p, end=10.0 - p) for p in range(6)]
-    assert consumed_group_ids(trajs, True, 2, 2, groups_consumed=4) == {"g0", "g1", "g2", "g3"}
+    assert consumed_group_ids(trajs, True, 2, groups_consumed=4) == {"g0", "g1", "g2", "g3"}
+    # stream ended inside batch 2 (prompts 4, 5) after one minibatch of 1 group: the one that completed first
+    # of that batch, g5 (ends at 5) before g4 (ends at 6)
+    assert consumed_group_ids(trajs, True, 2, groups_consumed=5) == {"g0", "g1", "g2", "g3", "g5"}
 
 
 def test_consumed_groups_oldest_ready_by_group_completion() -> None:
@@ -191,8 +202,8 @@ def test_consumed_groups_oldest_ready_by_group_completion() -> None:
     # The first 3 to complete: gB and gC (tie at 3, broken by id), then gA.
     trajs = [_traj("gA", 0, end=1.0), _traj("gA", 0, end=5.0, sample=1), _traj("gB", 1, end=3.0),
              _traj("gC", 2, end=3.0), _traj("gD", 3, end=9.0)]
-    assert consumed_group_ids(trajs, False, 1, 3, groups_consumed=3) == {"gA", "gB", "gC"}
-    assert consumed_group_ids(trajs, False, 1, 3, groups_consumed=2) == {"gB", "gC"}
+    assert consumed_group_ids(trajs, False, 3, groups_consumed=3) == {"gA", "gB", "gC"}
+    assert consumed_group_ids(trajs, False, 3, groups_consumed=2) == {"gB", "gC"}
 
 
 def test_latency_percentiles_over_consumed_trajectories_in_modelled_seconds() -> None:
@@ -323,7 +334,8 @@ def test_measure_one_run(tmp_path: Path) -> None:
     # sorted: 10 20 20 30 30 40 40 50 50 60 60 70; p50 rank 6 -> 40; p99 rank ceil(11.88) = 12 -> 70
     assert (row["latency_p50_s"], row["latency_p99_s"]) == (40.0, 70.0)
     assert row["control_plane_share"] == round(0.5 / 10, 4)  # 0.5 s over steps 2..3: (3 + 1) + (4 + 2)
-    assert (row["iterations"], row["warmup_steps"], row["window_s"], row["wall_s"]) == (3, 1, 100.0, 20.0)
+    assert (row["iterations"], row["trainer_steps"], row["warmup_steps"]) == (3, 3, 1)
+    assert (row["window_s"], row["wall_s"]) == (100.0, 20.0)
     assert (row["mode"], row["workload"], row["groups_consumed_twice"], row["time_unit"]) == \
         ("laminar", "long_tail", 0, "modelled s")
 

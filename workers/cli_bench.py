@@ -202,7 +202,8 @@ def throughput_bench(
             new_step = st is not None and shown.get(label) != st.step
             if not err.is_terminal and label != "dev stack" and (note or new_step):
                 shown[label] = st.step if st is not None else shown.get(label, 0)
-                err.print(f"{label}: step {shown[label]}/{spec.iterations} {note}", highlight=False)
+                total = f"/{st.total_steps}" if st is not None else ""
+                err.print(f"{label}: step {shown[label]}{total} {note}", highlight=False)
             if label == "dev stack":
                 bar.console.print(f"[dim]{note}[/dim]")
                 return
@@ -212,7 +213,7 @@ def throughput_bench(
                 kv = [r.kv_used / r.kv_capacity for r in st.replicas if r.kv_capacity]
                 info = (f"{st.phase} ready={st.ready_groups} versions={st.versions_in_use} "
                         f"kv={sum(kv) / len(kv):.0%}" if kv else f"{st.phase} ready={st.ready_groups}")
-                bar.update(tasks[label], completed=st.step, info=note or info)
+                bar.update(tasks[label], total=st.total_steps, completed=st.step, info=note or info)
             elif note:
                 bar.update(tasks[label], info=note)
 
