@@ -33,7 +33,8 @@ Metrics, per run (pure functions below, from records to numbers). Time is MODELL
 - `kv_utilisation`: the workflow's `status` query is polled every POLL_S; each poll in the window gives the
   mean over replicas of kv_used / kv_capacity (the last report each replica sent); the mean over those polls.
 - `trainer_idle_fraction`: in the window, the trainer's wait between steps / (wait + step).
-- `weight_sync_stall_s`: the trainer's publish stall per step (its step records' `stall_s`), window mean.
+- `weight_sync_stall_s`: the trainer's publish stall per global batch (its step records' `stall_s` summed over
+  the window / the window's batches; stream publishes once per batch of 4 minibatch steps).
 - `staleness_histogram`, `staleness_max`: the final status's (whole run): trainer version - sample version.
 - `latency_p50_s`, `latency_p99_s`: ended_at - started_at of the consumed trajectories (nearest rank).
 - `groups_consumed_twice`: the final status's; must be 0.
@@ -240,10 +241,11 @@ def trainer_idle_fraction(records: list[dict[str, Any]], warmup: int) -> float:
     return wait / total if total > 0 else 0.0
 
 
-def weight_sync_stall_s(records: list[dict[str, Any]], warmup: int, scale: float) -> float:
-    """Mean trainer publish stall per step in the window (modelled s)."""
+def weight_sync_stall_s(records: list[dict[str, Any]], warmup: int, scale: float, steps_per_batch: int = 1) -> float:
+    """Trainer publish stall per global batch (= per version published) in the window, modelled s: the stalls
+    summed over the window's steps / its batches (stream publishes once per `steps_per_batch` minibatch steps)."""
     measured, _, _ = window(records, warmup)
-    return scale * sum(r.get("stall_s") or 0.0 for r in measured) / len(measured)
+    return scale * sum(r.get("stall_s") or 0.0 for r in measured) * steps_per_batch / len(measured)
 
 
 def staleness(histogram: dict[str, int]) -> tuple[dict[int, int], int]:
@@ -355,7 +357,8 @@ def measure(data: RunData) -> dict[str, Any]:
         "generation_tokens_per_s": round(generation_tokens_per_s(data.trajectories, t_from, t_to, scale), 1),
         "kv_utilisation": None if kv is None else round(kv, 4),
         "trainer_idle_fraction": round(trainer_idle_fraction(data.records, warm), 4),
-        "weight_sync_stall_s": round(weight_sync_stall_s(data.records, warm, scale), 4),
+        "weight_sync_stall_s": round(weight_sync_stall_s(data.records, warm, scale, cfg.trainer.minibatches
+                                                          if cfg.run.mode == "stream" else 1), 4),
         "staleness_max": gap_max,
         "staleness_histogram": {str(k): v for k, v in hist.items()},
         "latency_p50_s": round(p50, 3),

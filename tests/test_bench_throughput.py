@@ -176,6 +176,8 @@ def test_trainer_idle_fraction_and_sync_stall_over_the_window() -> None:
     assert trainer_idle_fraction(records, 1) == pytest.approx(0.4)
     # stall (0.01 + 0.03) / 2 = 0.02 wall s per step x scale 100 = 2.0 modelled s
     assert weight_sync_stall_s(records, 1, 100.0) == pytest.approx(2.0)
+    # stream: 4 minibatch steps per batch, one publish per batch: (0.01 + 0.03) x 4 / 2 steps = 0.08 per batch
+    assert weight_sync_stall_s(records, 1, 1.0, steps_per_batch=4) == pytest.approx(0.08)
     # a step whose publish was skipped records stall 0.0; an old record without the key counts as 0 too
     del records[2]["stall_s"]
     assert weight_sync_stall_s(records, 1, 1.0) == pytest.approx(0.005)  # (0.01 + 0) / 2
