@@ -32,6 +32,7 @@ from bench.throughput import (
     read_step_records,
     read_trajectories,
     scaled_overrides,
+    slot_utilisation,
     staleness,
     table_rows,
     tokens_per_s,
@@ -396,3 +397,11 @@ def test_end_to_end_two_modes_two_replicas_three_iterations(tmp_path: Path) -> N
     assert laminar["ratio_to_laminar"] == 1.0 and sync["ratio_to_laminar"] > 0
     assert report["config"]["groups_per_step"] == 8 and report["config"]["time_scale"] == 100.0
     assert "tokens/s" in proc.stdout and (tmp_path / "out.png").stat().st_size > 0
+
+
+def test_slot_utilisation_is_in_flight_over_slots_within_the_window() -> None:
+    polls = [KvPoll(0.0, [], (32, 32)), KvPoll(1.0, [(1, 10), (1, 10)], (32, 16)), KvPoll(2.0, [], (8, 0)),
+             KvPoll(3.0, [], ())]
+    # window [1, 2]: poll 1 -> (32 + 16) / 64 = 0.75; poll 2 -> (8 + 0) / 64 = 0.125; mean 0.4375
+    assert slot_utilisation(polls, 1.0, 2.0, slots=32) == pytest.approx(0.4375)
+    assert slot_utilisation(polls, 3.0, 4.0, slots=32) is None  # no replica reported
