@@ -63,7 +63,7 @@ def test_bare_string_override_that_looks_like_a_number() -> None:
     ("trainer.lr=2.5", "trainer.lr", "2.5", "less than or equal to 1"),
     ("run.steps=0", "run.steps", "0", "greater than or equal to 1"),
     ("rollout.replicas=2000", "rollout.replicas", "2000", "less than or equal to 1024"),
-    ("run.mode=sync", "run.mode", "'sync'", "'laminar'"),
+    ("run.mode=fast", "run.mode", "'fast'", "'laminar', 'sync', 'one_step', 'stream' or 'partial_rollout'"),
     ("rollout.replicas=many", "rollout.replicas", "'many'", "valid integer"),
 ])
 def test_invalid_value_names_field_value_and_range(override: str, field: str, value: str, allowed: str) -> None:
