@@ -79,10 +79,10 @@ WORKLOADS = ("long_tail", "uniform")
 GROUPS_PER_REPLICA = 4  # rollout.max_inflight_groups: per-rollout concurrency (groups)
 GROUP_SIZE = 8  # rollout.group_size (samples per prompt)
 STREAM_MINIBATCHES = 4  # trainer.minibatches in stream mode: trainer steps per global batch
-# Trainer steps per run. Measured on this 2-core machine (other test suites running): all five modes on both
-# workloads, 8 replicas, modelled engine, took 10 min 46 s in all (long_tail: sync, one_step and stream about
-# 2 min each; uniform: 20-55 s a run), inside the 15 minutes the command should take.
-DEFAULT_ITERATIONS = 20
+# Global batches per run. With modelled.speedup 25 (at 100 the control plane was 20-73 % of iteration time),
+# sync takes ~18 wall s a batch on the long tail, so 8 batches keep the whole default command (five modes, both
+# workloads) inside the 15 minutes it should take on this 2-core machine; the first batch is the warm-up.
+DEFAULT_ITERATIONS = 8
 POLL_S = 0.5  # status poll period for KV occupancy and progress (wall s)
 RUN_TIMEOUT_S = 900.0  # one run's wall-clock limit; past it the run is cancelled and reported as failed
 
@@ -355,7 +355,8 @@ def measure(data: RunData) -> dict[str, Any]:
 
     cfg, final = data.cfg, data.final
     scale = time_scale(cfg)
-    warm = warmup_steps(cfg.run.steps)
+    per_batch = policy_for(cfg).steps_per_version  # stream: minibatch steps per global batch
+    warm = warmup_steps(cfg.run.steps // per_batch) * per_batch  # whole batches
     _, t_from, t_to = window(data.records, warm)
     consumed = consumed_group_ids(data.trajectories, policy_for(cfg).whole_batches, cfg.trainer.groups_per_step,
                                   final.groups_consumed)

@@ -383,8 +383,8 @@ def test_end_to_end_two_modes_two_replicas_three_iterations(tmp_path: Path) -> N
     out = tmp_path / "out.json"
     proc = subprocess.run(
         [sys.executable, "-m", "workers.cli", "bench", "throughput", "--modes", "laminar,sync", "--replicas", "2",
-         "--iterations", "3", "--json", str(out), "--plot", str(tmp_path / "out.png"),
-         "--modelled.response_p50_tokens=64", "--modelled.max_response_tokens=512"],
+         "--iterations", "3", "--workload", "long_tail", "--json", str(out), "--plot", str(tmp_path / "out.png"),
+         "--modelled.response_p50_tokens=64", "--modelled.max_response_tokens=512", "--modelled.speedup=100"],
         env=env, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())

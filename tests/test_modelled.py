@@ -215,8 +215,8 @@ def test_slots_and_weights_gate_admission():
 ])
 def test_load_weights_charges_broadcast_or_relay_pull(global_sync, local_pull, modelled_s):
     clock = Clock()
-    e = ModelledEngine(cfg(), max_inflight_seqs=2, seed=0, global_sync=global_sync, sleep=clock,
-                       local_pull=local_pull)
+    e = ModelledEngine(cfg("modelled.speedup=100"), max_inflight_seqs=2, seed=0, global_sync=global_sync,
+                       sleep=clock, local_pull=local_pull)
     e.load_weights({"version": torch.tensor([1])}, 1)  # 7.6e9 params x 2 B = 15.2 GB, whatever the payload
     assert e.policy_version == 1
     assert e.load_seconds == pytest.approx(modelled_s) and clock.calls == pytest.approx([modelled_s / 100])
@@ -321,7 +321,7 @@ def test_modelled_trainer_sleeps_in_proportion_to_tokens_and_drops_stale_samples
 
 
 def test_modelled_trainer_publish_stall_and_checkpoint_parts():
-    t = ModelledTrainer(cfg(), max_staleness=-1, sleep=Clock())
+    t = ModelledTrainer(cfg("modelled.speedup=100"), max_staleness=-1, sleep=Clock())
     assert t.publish_stall_s(global_sync=False) == pytest.approx(15.2e9 / 100e9 / 100)  # 0.152 s modelled
     assert t.publish_stall_s(global_sync=True) == pytest.approx(15.2e9 / 31.5e9 / 100)  # 0.4825 s modelled
     t.step([trajectory(0, 0, 3, 0, 1.0)], 0)
