@@ -1,6 +1,6 @@
 """Trainer activities: thin adapters over services.trainer.TrainerService (one per trainer process).
 
-Both run as sync activities on the trainer's own queue with one slot, so the policy and optimizer stay
+All run as sync activities on the trainer's own queue with one slot, so the policy and optimizer stay
 in this process's memory between steps. Errors a retry cannot fix (a bad model directory, no committed
 checkpoint that verifies, an inconsistent replay) fail the activity for good (activities/errors.py).
 """
@@ -12,7 +12,13 @@ from temporalio import activity
 from activities.errors import permanent_errors
 from activities.heartbeat import background_heartbeat
 from laminar.errors import CorruptDataError
-from laminar.messages import TrainerInitInput, TrainerInitResult, TrainStepInput, TrainStepResult
+from laminar.messages import (
+    RepublishInput,
+    TrainerInitInput,
+    TrainerInitResult,
+    TrainStepInput,
+    TrainStepResult,
+)
 from services.trainer import TrainerService
 
 
@@ -33,3 +39,7 @@ class TrainerActivities:
             queued_s = (info.started_time - info.current_attempt_scheduled_time).total_seconds()
             return self.service.train_step(inp, heartbeat=progress.tick, schedule_to_start_s=queued_s,
                                            scheduled_at=info.scheduled_time.timestamp())
+
+    @activity.defn(name="republish")
+    def republish(self, inp: RepublishInput) -> int:
+        return self.service.republish(inp)

@@ -127,6 +127,17 @@ class TrainerInitResult:
 
 
 @dataclass(frozen=True)
+class RepublishInput:
+    """workflow -> trainer worker: push the version of `step` again to `relay_chain` (a relay joined or was
+    lost, and a version in flight may not have reached the chain). Only a trainer whose in-memory policy is at
+    `step` does it; any other skips (a restarted trainer publishes with its next step)."""
+
+    run_id: str
+    step: int
+    relay_chain: list[str]
+
+
+@dataclass(frozen=True)
 class TrainStepInput:
     """workflow -> trainer worker. `step` is the number of steps already applied to the policy the
     trainer must start from; a trainer whose in-memory state is elsewhere restores `checkpoint` and

@@ -305,8 +305,10 @@ class RolloutReplica:
         for addr in self._relay_order():
             try:
                 if addr in self._local_relays():
-                    with relay_client.pull_local(addr, run=self.run_id, token=self.relay_token) as pulled:
-                        if pulled is not None:
+                    # None: this host's relay holds no version (restarted empty): fetch from the next one
+                    pulled = relay_client.pull_local(addr, run=self.run_id, token=self.relay_token)
+                    if pulled is not None:
+                        with pulled:
                             self._load_tensors(pulled.policy_version, state_dict_from_buffer(pulled.buffer),
                                                pulled.buffer.nbytes, "shared_memory", interrupt)
                             return

@@ -22,6 +22,7 @@ from laminar.errors import CorruptDataError, InconsistentStateError, RelayError
 from laminar.logs import get_logger
 from laminar.messages import (
     BatchPart,
+    RepublishInput,
     StepMetrics,
     TrainerInitInput,
     TrainerInitResult,
@@ -71,6 +72,17 @@ class TrainerService:
         self._restore(inp.run_id, cfg, self.checkpoints.load(inp.checkpoint) if inp.checkpoint else None)
         size = len(self._publish(inp.relay_chain)[1]) if publishes(self.policy, self.step) else 0
         return TrainerInitResult(step=self.step, policy_version=self._version(), published_bytes=size)
+
+    def republish(self, inp: RepublishInput) -> int:
+        """Push the current version again to the chain the workflow knows now; the version pushed, or -1 when
+        this process's policy is not at inp.step (restarted, or another run: its next step publishes) or is
+        between versions (stream, mid-batch). A barrier mode needs this: it waits for a version the replicas
+        load, and a master relay that died with it would otherwise leave no one to publish it."""
+        if self.run_id != inp.run_id or self.step != inp.step or not publishes(self.policy, self.step):
+            log.info("republish_skipped", run_id=inp.run_id, step=inp.step, trainer_step=self.step)
+            return -1
+        self._publish(inp.relay_chain)
+        return self._version()
 
     def _version(self) -> int:
         """The policy version of the in-memory weights (stream: one per batch of minibatch steps)."""

@@ -190,6 +190,17 @@ async def test_rollout_drill_in_every_mode(drill_stack, tmp_path, mode):
     assert max(int(k) for k in final.staleness_histogram) <= bound, final.staleness_histogram
 
 
+@pytest.mark.parametrize("mode", ["sync", "stream"])
+async def test_master_relay_drill_in_a_barrier_mode(drill_stack, tmp_path, mode):
+    """The replicas wait for the version the trainer just published; the master relay dies before it reaches
+    the chain. The workflow has the trainer push it again to the chain it has then (it used to wedge: no step
+    came to publish a newer one, 300 s without a step)."""
+    handle = await _start_run(drill_stack, *MODE_OVERRIDES[mode])
+    report = await _drill(drill_stack, handle, "master-relay", tmp_path)
+    _assert_recovered(report, "master-relay")
+    await _finish(handle)
+
+
 async def test_trainer_drill_in_stream_mode(drill_stack, tmp_path):
     """A trainer killed mid-batch (a step is one minibatch there) restores and replays to the same step and
     version: no group consumed twice, staleness still <= 1."""

@@ -423,3 +423,28 @@ def test_load_run_model_refuses_a_modelled_run(tmp_path):
 def test_lognormal_sigma_puts_p99_at_ten_times_the_median():
     z99 = 2.326  # standard normal 99th percentile
     assert math.exp(z99 * math.log(10) / 2.326) == pytest.approx(10.0)
+
+
+def test_republish_pushes_the_current_version_to_the_chain_it_is_given(tmp_path):
+    # The workflow asks after a relay joined or left the chain. Only a trainer whose policy is at the step the
+    # workflow records pushes (again); a restarted one (nothing in memory) or one at another step skips (-1).
+    from laminar.messages import RepublishInput
+
+    store = LocalObjectStore(tmp_path / "store")
+    trajs = TrajectoryStore(store)
+    (tmp_path / "shm").mkdir()
+    old, new = RelayServer("host-0", shm_dir=str(tmp_path / "shm")), RelayServer("host-1", shm_dir=str(tmp_path / "shm"))
+    old_addr, new_addr = old.start(), new.start()
+    try:
+        svc = TrainerService(store, tmp_path / "home")
+        for i in range(2):
+            svc.train_step(_input(i, _batch(trajs, 10 * i), [old_addr]))
+        assert relay_client.fetch_latest(new_addr, run="r") == (None, None)  # joined after the pushes
+        assert svc.republish(RepublishInput(run_id="r", step=2, relay_chain=[new_addr])) == 2
+        assert relay_client.fetch_latest(new_addr, run="r")[0] == 2
+        assert svc.republish(RepublishInput(run_id="r", step=1, relay_chain=[new_addr])) == -1
+        assert TrainerService(store, tmp_path / "home").republish(
+            RepublishInput(run_id="r", step=2, relay_chain=[new_addr])) == -1
+    finally:
+        old.stop()
+        new.stop()

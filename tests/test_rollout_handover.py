@@ -124,3 +124,32 @@ def test_a_corrupt_partial_pool_is_dropped_not_retried_forever(tmp_path):
     # its own pool (attempt 2) replaced the corrupt one (attempt 1), which the sweep removed
     assert store.list(keys.partial_prefix(RUN, "replica-0")) == [keys.partial_manifest(RUN, "replica-0", (3, 2)),
                                                                  keys.partial_pool(RUN, "replica-0", (3, 2))]
+
+
+def test_an_empty_local_relay_falls_through_to_another_relay(tmp_path):
+    # This host's relay restarted empty (a master-relay drill) while the other host's relay holds version 0.
+    # The replica used to enter `with pull_local(...)` on the None it returns for "no version here" and die
+    # with a TypeError on every retry; now it fetches the version over TCP from the other relay.
+    from laminar.messages import RelayInfo
+    from relay import client as relay_client
+    from relay.server import RelayServer
+    from rl.model import state_dict_to_bytes
+
+    store = _store_with_model(tmp_path)
+    (tmp_path / "shm").mkdir()
+    local, remote = RelayServer("host-0", shm_dir=str(tmp_path / "shm")), RelayServer("host-1",
+                                                                                     shm_dir=str(tmp_path / "shm"))
+    local_addr, remote_addr = local.start(), remote.start()
+    try:
+        replica = RolloutReplica(run_id=RUN, replica_id="replica-0", host_id="host-0", segment_prefix="seg-a1",
+                                 cfg=CFG, store=store, control=HandoverPending(), clock=Ticks())
+        payload = state_dict_to_bytes(model_state_dict(replica.engine.model))
+        relay_client.push(remote_addr, 0, payload, [], run=RUN)
+        replica.relays = [RelayInfo("host-0", "host-0", local_addr), RelayInfo("host-1", "host-1", remote_addr)]
+        replica._poll_relay()  # own host's relay first: it holds nothing, the other one version 0
+        assert replica.newest_at_relay == 0
+        replica._load_newest()
+        assert replica.engine.policy_version == 0
+    finally:
+        local.stop()
+        remote.stop()

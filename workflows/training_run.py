@@ -30,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
         ClaimPromptsInput,
         ClaimPromptsResult,
         RelayInfo,
+        RepublishInput,
         RolloutReplicaInput,
         RunRelayInput,
         RunStatus,
@@ -64,6 +65,7 @@ class TrainingRunWorkflow:
         self._updates = 0  # updates handled in this history segment (the server caps them per run)
         self._rejoined_relays: set[str] = set()  # relays that joined in this segment
         self._training = False  # a train_step activity is in flight
+        self._republish_wanted = False  # the chain changed: push the current version again (see _republish)
         try:
             self._cfg, state = _parse_input(inp)
             run_id = self._cfg.run.run_id or workflow.info().workflow_id.removeprefix("run/")
@@ -91,6 +93,8 @@ class TrainingRunWorkflow:
                 await self._continue_as_new()
             if not await self._wait_for_batch():
                 break
+            if self._republish_wanted:
+                await self._republish()
             if self._has_batch():
                 await self._step()
         return await self._finish()
@@ -151,6 +155,7 @@ class TrainingRunWorkflow:
 
     def _lose_relay(self, relay_id: str) -> None:
         if self.state.relays.pop(relay_id, None) is not None:
+            self._republish_wanted = self.state.trainer_ready  # the master may have died mid-broadcast
             self.ledger.note_event("relay_lost", relay_id, workflow.time())
             workflow.logger.warning("relay_lost", extra={"relay_id": relay_id})
 
@@ -186,6 +191,8 @@ class TrainingRunWorkflow:
         if known is not None and known.address != info.address:
             # a new incarnation of the relay (its process restarted): the old one is gone
             self._lose_relay(info.relay_id)
+        if known is None or known.address != info.address:  # new to the chain (not a hand-over's rejoin)
+            self._republish_wanted = self.state.trainer_ready
         self.state.relays[info.relay_id] = info
         self._rejoined_relays.add(info.relay_id)
         self.ledger.note_event("relay_joined", info.relay_id, workflow.time())
@@ -214,6 +221,24 @@ class TrainingRunWorkflow:
             raise
         self.state.step, self.state.policy_version, self.state.trainer_ready = res.step, res.policy_version, True
 
+    async def _republish(self) -> None:
+        """A relay joined the chain or left it: have the trainer push its current version again. In a barrier
+        mode (sync, one_step, stream) the replicas wait for that version, and a master relay that died before
+        forwarding it (or a relay that came back empty) would otherwise wedge the run: no step comes to publish
+        a newer one. Best effort: a failure is logged, never fatal (a later chain change asks again)."""
+        self._republish_wanted = False
+        try:
+            await workflow.execute_activity(
+                "republish",
+                RepublishInput(run_id=self.state.run_id, step=self.state.step, relay_chain=self._chain()),
+                result_type=int,
+                task_queue=TRAINER_QUEUE,
+                start_to_close_timeout=timedelta(seconds=60),
+                retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3),
+            )
+        except ActivityError as e:
+            workflow.logger.warning("republish_failed", extra={"error": str(e)})
+
     def _has_batch(self) -> bool:
         """The run mode's policy has a batch for the trainer (workflows/policy.py trainer_batch)."""
         assert self._cfg is not None
@@ -224,7 +249,7 @@ class TrainingRunWorkflow:
         paused or starved run still continues as new); False when the run is stopping."""
         t0 = workflow.time()
         await workflow.wait_condition(lambda: self.state.stopping or self._has_batch() or self._segment_full()
-                                      or self._failed_replica() is not None)
+                                      or self._failed_replica() is not None or self._republish_wanted)
         self.state.trainer_wait_s += workflow.time() - t0
         self._fail_if_a_replica_failed()
         return not self.state.stopping
