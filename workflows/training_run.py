@@ -233,6 +233,8 @@ class TrainingRunWorkflow:
                 RepublishInput(run_id=self.state.run_id, step=self.state.step, relay_chain=self._chain()),
                 result_type=int,
                 task_queue=TRAINER_QUEUE,
+                # bounded even with no trainer polling (it is restarting): stop and continue-as-new wait on this
+                schedule_to_close_timeout=timedelta(seconds=120),
                 start_to_close_timeout=timedelta(seconds=60),
                 retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3),
             )
