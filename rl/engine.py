@@ -49,6 +49,29 @@ class _Seq:
         return self.prompt_ids + self.response_ids
 
 
+def check_resumable(request_id: str, prefix_ids: list[int], prefix_logprobs: list[float], limit: int,
+                    limit_text: str, eos_id: int) -> None:
+    """A resumed prefix must carry one log-prob per token, stay below the request's length `limit` (described
+    by `limit_text` in the error) and not be finished already. Shared by every engine's `add`."""
+    if len(prefix_ids) != len(prefix_logprobs) or len(prefix_ids) >= limit:
+        raise EngineError(
+            f"request {request_id}: prefix of {len(prefix_ids)} tokens with {len(prefix_logprobs)} "
+            f"log-probs must have equal lengths below {limit_text}"
+        )
+    if eos_id in prefix_ids:
+        raise EngineError(f"request {request_id}: prefix already contains <eos>; it is finished, not partial")
+
+
+def first_free_slot(slots: list, request_id: str) -> int:
+    """Index of the first free (None) slot; EngineError when every slot is busy."""
+    try:
+        return slots.index(None)
+    except ValueError:
+        raise EngineError(
+            f"request {request_id}: all {len(slots)} slots are busy; wait for free_slots() > 0"
+        ) from None
+
+
 class TorchEngine:
     """Continuous-batching generator for one policy version at a time."""
 
@@ -154,21 +177,9 @@ class TorchEngine:
                 f"request {request_id}: prompt of {len(prompt_ids)} tokens is outside 1..{self.max_prompt_len} "
                 "(max_prompt_len); shorten the prompt or build the engine with a larger max_prompt_len"
             )
-        if len(prefix_ids) != len(prefix_logprobs) or len(prefix_ids) >= self.max_new_tokens:
-            raise EngineError(
-                f"request {request_id}: prefix of {len(prefix_ids)} tokens with {len(prefix_logprobs)} "
-                f"log-probs must have equal lengths below max_new_tokens={self.max_new_tokens}"
-            )
-        if self.eos_id in prefix_ids:
-            raise EngineError(
-                f"request {request_id}: prefix already contains <eos>; it is finished, not partial"
-            )
-        try:
-            slot = self._slots.index(None)
-        except ValueError:
-            raise EngineError(
-                f"request {request_id}: all {len(self._slots)} slots are busy; wait for free_slots() > 0"
-            ) from None
+        check_resumable(request_id, prefix_ids, prefix_logprobs, self.max_new_tokens,
+                        f"max_new_tokens={self.max_new_tokens}", self.eos_id)
+        slot = first_free_slot(self._slots, request_id)
         self._slots[slot] = _Seq(request_id, list(prompt_ids), prefix_ids, prefix_logprobs)
 
     def snapshot_inflight(self) -> list[tuple[str, list[int], list[int], list[float]]]:

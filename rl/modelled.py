@@ -33,7 +33,7 @@ import torch
 from laminar.config import ModelledSection, RunConfig
 from laminar.errors import EngineError
 from laminar.records import Trajectory
-from rl.engine import Finished
+from rl.engine import Finished, check_resumable, first_free_slot
 from rl.grpo import split_stale
 from rl.tasks import Prompt
 from rl.trainer import UpdateMetrics
@@ -151,7 +151,6 @@ class ModelledEngine:
         cfg: RunConfig,
         *,
         max_inflight_seqs: int,
-        seed: int,
         global_sync: bool,
         sleep: Callable[[float], None] = time.sleep,
         local_pull: bool = True,
@@ -160,7 +159,6 @@ class ModelledEngine:
             raise EngineError(f"modelled engine needs max_inflight_seqs >= 1, got {max_inflight_seqs}")
         self.cfg = cfg
         self.m = cfg.modelled
-        self.seed = seed  # TorchEngine's sampling seed; unused: fake tokens involve no sampling
         self.run_seed = cfg.run.seed  # lengths depend on (run.seed, prompt, sample), never on the replica
         self.global_sync = global_sync
         self.local_pull = local_pull
@@ -265,20 +263,10 @@ class ModelledEngine:
             raise EngineError(f"request {request_id}: empty prompt; pass at least one prompt token")
         drawn = _drawn_length(self.m, self.run_seed, prompt_id, sample)
         target = min(drawn, self.m.max_response_tokens)
-        if len(prefix_ids) != len(prefix_logprobs) or len(prefix_ids) >= target:
-            raise EngineError(
-                f"request {request_id}: prefix of {len(prefix_ids)} tokens with {len(prefix_logprobs)} "
-                f"log-probs must have equal lengths below the request's modelled length {target} (run.seed="
-                f"{self.run_seed}, [modelled] section); a prefix from another config cannot be resumed"
-            )
-        if self.eos_id in prefix_ids:
-            raise EngineError(f"request {request_id}: prefix already contains <eos>; it is finished, not partial")
-        try:
-            slot = self._slots.index(None)
-        except ValueError:
-            raise EngineError(
-                f"request {request_id}: all {len(self._slots)} slots are busy; wait for free_slots() > 0"
-            ) from None
+        check_resumable(request_id, prefix_ids, prefix_logprobs, target,
+                        f"the request's modelled length {target} (run.seed={self.run_seed}, [modelled] section); a "
+                        f"prefix from another config cannot be resumed", self.eos_id)
+        slot = first_free_slot(self._slots, request_id)
         used, capacity = self.kv_usage()
         need = len(prompt_ids) + len(prefix_ids)
         if used + need > capacity:

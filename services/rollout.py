@@ -101,7 +101,8 @@ def _build_engine(cfg: RunConfig, store: ObjectStore, run_id: str, replica_id: s
     if r.engine == "modelled":
         from rl.modelled import ModelledEngine, ModelledTask
 
-        engine = ModelledEngine(cfg, max_inflight_seqs=r.max_inflight_groups * r.group_size, seed=seed,
+        # no sampling seed: fake tokens are not sampled, and lengths depend on run.seed alone (not the replica)
+        engine = ModelledEngine(cfg, max_inflight_seqs=r.max_inflight_groups * r.group_size,
                                 global_sync=policy.global_sync)
         return engine, ModelledTask(cfg)
     model, tokenizer, task = load_run_model(store, run_id, cfg)

@@ -105,7 +105,7 @@ SMALL = ("modelled.prompt_tokens=4", "modelled.prefill_s_per_token=0.001", "mode
 
 def engine(*overrides: str, slots: int = 8, global_sync: bool = False) -> tuple[ModelledEngine, Clock]:
     clock = Clock()
-    e = ModelledEngine(cfg(*SMALL, *overrides), max_inflight_seqs=slots, seed=123, global_sync=global_sync,
+    e = ModelledEngine(cfg(*SMALL, *overrides), max_inflight_seqs=slots, global_sync=global_sync,
                        sleep=clock)
     e.load_weights({}, policy_version=1)
     e.modelled_seconds, e.load_seconds, clock.calls = 0.0, 0.0, []  # count generation only
@@ -162,11 +162,9 @@ def test_a_drawn_length_below_the_cap_ends_with_eos():
     assert done[0].response_ids == [RESPONSE_TOKEN_ID] * (want - 1) + [EOS_ID]
 
 
-def test_lengths_follow_the_run_seed_not_the_engine_seed():
-    a = ModelledEngine(cfg("modelled.workload=uniform"), max_inflight_seqs=1, seed=1, global_sync=False,
-                       sleep=Clock())
-    b = ModelledEngine(cfg("modelled.workload=uniform"), max_inflight_seqs=1, seed=2, global_sync=False,
-                       sleep=Clock())
+def test_lengths_follow_the_run_seed_so_every_replica_sees_the_same_workload():
+    a = ModelledEngine(cfg("modelled.workload=uniform"), max_inflight_seqs=1, global_sync=False, sleep=Clock())
+    b = ModelledEngine(cfg("modelled.workload=uniform"), max_inflight_seqs=1, global_sync=False, sleep=Clock())
     lengths = []
     for e in (a, b):
         e.load_weights({}, 0)
@@ -198,7 +196,7 @@ def test_slots_and_weights_gate_admission():
     e.add("g00000000/0", [5] * 4)
     with pytest.raises(EngineError, match="all 1 slots are busy"):
         e.add("g00000000/1", [5] * 4)
-    fresh = ModelledEngine(cfg(), max_inflight_seqs=1, seed=0, global_sync=False, sleep=Clock())
+    fresh = ModelledEngine(cfg(), max_inflight_seqs=1, global_sync=False, sleep=Clock())
     with pytest.raises(EngineError, match="no weights loaded"):
         fresh.add("g00000000/0", [5])
     with pytest.raises(EngineError, match="modelled length 5"):  # the 5-token cap: nothing left to generate
@@ -215,7 +213,7 @@ def test_slots_and_weights_gate_admission():
 ])
 def test_load_weights_charges_broadcast_or_relay_pull(global_sync, local_pull, modelled_s):
     clock = Clock()
-    e = ModelledEngine(cfg("modelled.speedup=100"), max_inflight_seqs=2, seed=0, global_sync=global_sync,
+    e = ModelledEngine(cfg("modelled.speedup=100"), max_inflight_seqs=2, global_sync=global_sync,
                        sleep=clock, local_pull=local_pull)
     e.load_weights({"version": torch.tensor([1])}, 1)  # 7.6e9 params x 2 B = 15.2 GB, whatever the payload
     assert e.policy_version == 1
