@@ -355,10 +355,11 @@ def measure(data: RunData) -> dict[str, Any]:
 
     cfg, final = data.cfg, data.final
     scale = time_scale(cfg)
-    per_batch = policy_for(cfg).steps_per_version  # stream: minibatch steps per global batch
+    policy = policy_for(cfg)
+    per_batch = policy.steps_per_version  # stream: minibatch steps per global batch
     warm = warmup_steps(cfg.run.steps // per_batch) * per_batch  # whole batches
     _, t_from, t_to = window(data.records, warm)
-    consumed = consumed_group_ids(data.trajectories, policy_for(cfg).whole_batches, cfg.trainer.groups_per_step,
+    consumed = consumed_group_ids(data.trajectories, policy.whole_batches, cfg.trainer.groups_per_step,
                                   final.groups_consumed)
     hist, gap_max = staleness(final.staleness_histogram)
     p50, p99 = latency_percentiles(data.trajectories, consumed, scale)
@@ -373,8 +374,7 @@ def measure(data: RunData) -> dict[str, Any]:
         "kv_utilisation": None if kv is None else round(kv, 4),
         "slot_utilisation": None if slots is None else round(slots, 4),
         "trainer_idle_fraction": round(trainer_idle_fraction(data.records, warm), 4),
-        "weight_sync_stall_s": round(weight_sync_stall_s(data.records, warm, scale, cfg.trainer.minibatches
-                                                          if cfg.run.mode == "stream" else 1), 4),
+        "weight_sync_stall_s": round(weight_sync_stall_s(data.records, warm, scale, per_batch), 4),
         "staleness_max": gap_max,
         "staleness_histogram": {str(k): v for k, v in hist.items()},
         "latency_p50_s": round(p50, 3),

@@ -97,7 +97,6 @@ def _build_engine(cfg: RunConfig, store: ObjectStore, run_id: str, replica_id: s
                   policy: Policy):
     """(engine, task): the real torch engine on the run's model, or the modelled GPU engine (rl/modelled.py)."""
     r = cfg.rollout
-    seed = zlib.crc32(f"{cfg.run.seed}/{replica_id}/{segment_prefix}".encode())
     if r.engine == "modelled":
         from rl.modelled import ModelledEngine, ModelledTask
 
@@ -106,6 +105,7 @@ def _build_engine(cfg: RunConfig, store: ObjectStore, run_id: str, replica_id: s
                                 global_sync=policy.global_sync)
         return engine, ModelledTask(cfg)
     model, tokenizer, task = load_run_model(store, run_id, cfg)
+    seed = zlib.crc32(f"{cfg.run.seed}/{replica_id}/{segment_prefix}".encode())  # sampling differs per incarnation
     engine = TorchEngine(model, tokenizer, max_inflight_seqs=r.max_inflight_groups * r.group_size,
                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, seed=seed, eos_id=task.eos_id)
     return engine, task

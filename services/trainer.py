@@ -94,7 +94,7 @@ class TrainerService:
         trainer.engine = 'modelled': a ModelledTrainer instead (no model directory, no model files published;
         rollout replicas build the modelled engine). Samples staler than workflows.policy.staleness_bound(cfg)
         are dropped in either case (partial_rollout bounds staleness even when trainer.max_staleness is -1)."""
-        bound = staleness_bound(cfg)
+        bound, policy = staleness_bound(cfg), policy_for(cfg)
         trainer: Trainer | ModelledTrainer
         if cfg.trainer.engine == "modelled":
             trainer = ModelledTrainer(cfg, max_staleness=bound)
@@ -103,8 +103,8 @@ class TrainerService:
             model, tokenizer, _ = load_pretrained(model_dir)
             publish_model_files(self.store, run_id, model_dir)
             pad = tokenizer.token_to_id("<pad>")
-            # stream: each step is one minibatch already (workflows/policy.py), so one update per step
-            minibatches = 1 if cfg.run.mode == "stream" else cfg.trainer.minibatches
+            # optimizer updates per step: stream's step is one of its minibatches already
+            minibatches = cfg.trainer.minibatches // policy.steps_per_version
             section = cfg.trainer.model_copy(update={"max_staleness": bound, "minibatches": minibatches})
             trainer = Trainer(model, section, group_size=cfg.rollout.group_size,
                               temperature=cfg.rollout.temperature, pad_id=0 if pad is None else pad)
@@ -115,7 +115,7 @@ class TrainerService:
         if run_id != self.run_id:  # a worker that serves another run profiles it from scratch
             self.profile, self._profile_written = TimeBreakdown(), time.perf_counter()
         self.run_id, self.cfg, self.trainer, self.step, self.consumed = run_id, cfg, trainer, step, consumed
-        self.policy = policy_for(cfg)
+        self.policy = policy
         log.info("trainer_restored", run_id=run_id, step=step, checkpoint=loaded.ref.step if loaded else None)
 
     # -- one step ------------------------------------------------------------------------------
@@ -269,8 +269,7 @@ class TrainerService:
                 stall = relay_client.push(addr, self._version(), payload, chain[i + 1:], run=self.run_id or "",
                                          token=self.relay_token)
                 if isinstance(self.trainer, ModelledTrainer):  # the modelled model's push, after the real one
-                    assert self.cfg is not None
-                    modelled = self.trainer.publish_stall_s(global_sync=self.cfg.run.mode != "laminar")
+                    modelled = self.trainer.publish_stall_s(global_sync=self.policy.global_sync)
                     time.sleep(modelled)
                     stall += modelled
                 log.info("weights_published", policy_version=self._version(), bytes=len(payload),

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -72,15 +73,21 @@ def relay_bench(
     console.print(render_table(report))
     for what, value, bound, holds in done_when(report):
         console.print(f"{'ok  ' if holds else 'MISS'} {what} = {value:.2f} (want {bound})")
+    _write_outputs(report, json_path, plot_path, lambda r, p: p.write_text(json.dumps(r, indent=2) + "\n"), plot)
+
+
+def _write_outputs(report: dict, json_path: Path | None, plot_path: Path | None,
+                   write_json: Callable[[dict, Path], object], draw: Callable[[dict, Path], None]) -> None:
+    """A benchmark's --json and --plot files (a missing matplotlib skips the plot, with a hint)."""
     if json_path is not None:
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(report, json_path)
         console.print(f"wrote {json_path}")
     if plot_path is not None:
         try:
-            plot(report, plot_path)
+            draw(report, plot_path)
             console.print(f"wrote {plot_path}")
         except ImportError:
-            err.print("[yellow]matplotlib is not installed; no plot written[/yellow]")
+            err.print("[yellow]matplotlib is not installed (pip install -e '.[bench]'); no plot written[/yellow]")
 
 
 def render_table(report: dict) -> Table:
@@ -224,15 +231,7 @@ def throughput_bench(
             err.print(f"[red]throughput benchmark failed:[/red] {exc}")
             raise typer.Exit(1) from None
     Console(width=max(console.width, 180)).print(render_throughput_table(report))  # 14 columns: never squeezed
-    if json_path is not None:
-        dump_json(report, json_path)
-        console.print(f"wrote {json_path}")
-    if plot_path is not None:
-        try:
-            plot(report, plot_path)
-            console.print(f"wrote {plot_path}")
-        except ImportError:
-            err.print("[yellow]matplotlib is not installed (pip install -e '.[bench]'); no plot written[/yellow]")
+    _write_outputs(report, json_path, plot_path, dump_json, plot)
     if any(r.get("error") for r in report["results"]):
         raise typer.Exit(1)
 

@@ -43,7 +43,7 @@ PARTIAL_ROLLOUT_STALENESS = 4  # AReaL's recommended staleness bound, used when 
 @dataclass(frozen=True)
 class Policy:
     mode: str
-    groups_per_step: int  # B: groups in one batch (one trainer step)
+    groups_per_step: int  # B: groups in one global batch (one trainer step; stream: steps_per_version steps)
     lookahead: int | None  # batches generation may lease ahead of the trainer's version (None: no bound)
     barrier: bool  # batch b is leased only once batch b-1 is completely generated
     version_lag: int | None  # a group of batch b starts only on a version >= b - version_lag (None: any)

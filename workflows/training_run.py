@@ -40,7 +40,7 @@ with workflow.unsafe.imports_passed_through():
         relay_queue,
     )
     from workflows.ledger import Ledger
-    from workflows.policy import fresh_lease_room, policy_for
+    from workflows.policy import Policy, fresh_lease_room, policy_for
     from workflows.state import RunState, TrainingRunInput
 
 __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
@@ -57,6 +57,7 @@ class TrainingRunWorkflow:
     def __init__(self, inp: Any) -> None:
         self._error: str | None = None
         self._cfg: RunConfig | None = None
+        self._policy: Policy | None = None  # the run mode's decisions (workflows/policy.py), from the config
         self._replicas: dict[str, Any] = {}
         self._relay_tasks: dict[str, Any] = {}
         self._handover = False
@@ -68,6 +69,7 @@ class TrainingRunWorkflow:
         self._republish_wanted = False  # the chain changed: push the current version again (see _republish)
         try:
             self._cfg, state = _parse_input(inp)
+            self._policy = policy_for(self._cfg)
             run_id = self._cfg.run.run_id or workflow.info().workflow_id.removeprefix("run/")
             self.state = state or RunState(run_id=run_id, started_at=workflow.time())
             self._segment_first_step = self.state.step
@@ -243,8 +245,8 @@ class TrainingRunWorkflow:
 
     def _has_batch(self) -> bool:
         """The run mode's policy has a batch for the trainer (workflows/policy.py trainer_batch)."""
-        assert self._cfg is not None
-        return not self.state.paused and self.ledger.trainable(policy_for(self._cfg)) is not None
+        assert self._policy is not None
+        return not self.state.paused and self.ledger.trainable(self._policy) is not None
 
     async def _wait_for_batch(self) -> bool:
         """Wait until the trainer has a full batch of complete groups, or the history segment is full (a
@@ -316,7 +318,7 @@ class TrainingRunWorkflow:
 
     @workflow.update
     def claim_prompts(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
-        assert self._cfg is not None
+        assert self._cfg is not None and self._policy is not None
         self._updates += 1
         replica_id = inp.report.replica_id
         self.ledger.note_report(inp.report)
@@ -332,7 +334,7 @@ class TrainingRunWorkflow:
             leases = []
             if not (stop or handover or self.state.paused or not self.state.trainer_ready):
                 room = self._cfg.rollout.max_ready_groups - len(self.state.ready)
-                fresh = fresh_lease_room(policy_for(self._cfg), self.state.prompt_cursor, self.state.policy_version,
+                fresh = fresh_lease_room(self._policy, self.state.prompt_cursor, self.state.policy_version,
                                          self.state.groups_generated)
                 leases = self.ledger.lease(replica_id, max(0, min(inp.max_groups, room)), fresh)
             self.ledger.remember_claim(replica_id, inp.request_id, leases)
