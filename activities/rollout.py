@@ -25,6 +25,7 @@ from laminar.messages import (
     RolloutReplicaInput,
     RolloutReplicaResult,
 )
+from laminar.metrics import CONTROL_UPDATE_RETRIES
 from services.rollout import RolloutReplica
 from storage.objects import ObjectStore
 
@@ -60,6 +61,7 @@ class _TemporalControl:
                         raise InterruptedError(f"{name}: cancelled while waiting for the control plane") from None
                 except (RPCError, RPCTimeoutOrCancelledError) as e:  # server or control worker unreachable
                     log.warning("control_update_failed", update=name, error=str(e))
+                    CONTROL_UPDATE_RETRIES.labels(name).inc()
                     activity.heartbeat({"waiting_for": name})
                     if self.cancelled():
                         raise

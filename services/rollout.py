@@ -34,6 +34,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from laminar import metrics as prom
 from laminar.config import RunConfig
 from laminar.errors import CorruptDataError, RelayError
 from laminar.logs import get_logger
@@ -162,6 +163,7 @@ class RolloutReplica:
         # Where this incarnation's time goes; generate/drain count tokens (sequence-steps), the rest calls.
         self.profile = TimeBreakdown()
         self._profile_written = self.profile.started
+        self.metrics = prom.ReplicaMetrics.of(replica_id)  # Prometheus series (laminar/metrics.py)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -243,6 +245,7 @@ class RolloutReplica:
                 # draining: a newer version waits, so nothing is admitted until these finish
                 draining = self._newer_available() and not self.policy.interrupts
                 self.profile.add("drain" if draining else "generate", self.profile.clock() - t0, in_flight)
+                self.metrics.tokens.inc(in_flight)
                 self._record(finished)
             else:
                 # idle: waiting for weights, for a claim's answer, or for work (paused, back-pressure: empty
@@ -338,6 +341,7 @@ class RolloutReplica:
                      in_flight=self.engine.in_flight(), reprefill_tokens=tokens)
         else:
             self.engine.load_weights(tensors, version)
+        self.metrics.loaded(via, time.perf_counter() - t0)
         log.info("policy_loaded", replica_id=self.replica_id, policy_version=version, bytes=size, via=via,
                  load_s=round(time.perf_counter() - t0, 3))
 
@@ -411,6 +415,7 @@ class RolloutReplica:
             res, latency = future.result()
         self._call = None
         self.profile.latency(kind, latency)
+        self.metrics.update(kind, latency)
         if kind == "report":
             self._reported(self.reporting, res)
             self.reporting = []
@@ -559,6 +564,7 @@ class RolloutReplica:
 
     def _heartbeat_details(self) -> dict:
         r = self._report()
+        self.metrics.state(r.policy_version, r.in_flight, r.kv_used, r.kv_capacity)
         return {"policy_version": r.policy_version, "in_flight": r.in_flight, "kv_used": r.kv_used,
                 "kv_capacity": r.kv_capacity, "groups_completed": self.groups_completed,
                 "unsaved_tokens": self.unsaved_tokens}

@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from laminar import metrics as prom
 from laminar.config import RunConfig
 from laminar.errors import CorruptDataError, InconsistentStateError, RelayError
 from laminar.logs import get_logger
@@ -161,9 +162,13 @@ class TrainerService:
             is_weight_mean=m.is_weight_mean, is_weight_max=m.is_weight_max,
             is_capped_fraction=m.is_capped_fraction, kl_behaviour=m.kl_behaviour,
         )
+        busy_s = time.time() - t_start
         with prof.measure("write_metrics"):
-            self._write_metrics(metrics, trajectories, wait_s=wait_s, busy_s=time.time() - t_start, stall_s=stall_s,
+            self._write_metrics(metrics, trajectories, wait_s=wait_s, busy_s=busy_s, stall_s=stall_s,
                                 scheduled_at=scheduled_at)
+        prom.observe_train_step(self.step, self._version(), tokens=m.tokens, reward=m.reward_mean, loss=m.loss,
+                                clip_fraction=m.clip_fraction, staleness=metrics.staleness, consumed_twice=twice,
+                                wait_s=wait_s, busy_s=busy_s, stall_s=stall_s, published=publishes(self.policy, self.step))
         if self.step >= self.cfg.run.steps or prof.clock() - self._profile_written >= PROFILE_EVERY_S:
             self._write_profile()
         self.last_step_end = time.time()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -50,10 +51,11 @@ class ManagedProcess:
 
 
 def plan_processes(cfg: RunConfig, settings: Settings, log_dir: Path, spare_slots: int = 0,
-                   allow_faults: bool = False) -> list[ManagedProcess]:
+                   allow_faults: bool = False, metrics: bool = False) -> list[ManagedProcess]:
     """One process per role; each rollout worker gets its share of replicas plus `spare_slots`, so that a
     replica whose worker died is retried at once on a surviving worker. allow_faults: every process
-    accepts recovery-drill faults on its own fault queue."""
+    accepts recovery-drill faults on its own fault queue. metrics: each process serves Prometheus metrics
+    on a free port of its own (LAMINAR_METRICS_PORT; a restarted process keeps its port)."""
     base = [sys.executable, "-m", "workers.cli", "worker", *(["--allow-faults"] if allow_faults else [])]
     env = {**os.environ, **settings.to_env()}
     procs = [
@@ -69,7 +71,21 @@ def plan_processes(cfg: RunConfig, settings: Settings, log_dir: Path, spare_slot
             slots += spare_slots
             procs.append(ManagedProcess(f"rollout-host-{i}", [*base, "rollout", "--slots", str(slots)], host_env,
                                         log_dir / f"rollout-host-{i}.log"))
+    for p in procs:
+        p.env = {**p.env, "LAMINAR_METRICS_PORT": str(_free_port(settings.metrics_bind) if metrics else 0)}
     return procs
+
+
+def metrics_url(p: ManagedProcess) -> str | None:
+    """The process's Prometheus endpoint, None when it serves none."""
+    port = int(p.env.get("LAMINAR_METRICS_PORT", "0") or 0)
+    return f"http://{p.env.get('LAMINAR_METRICS_BIND', '127.0.0.1')}:{port}/metrics" if port else None
+
+
+def _free_port(bind: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((bind, 0))
+        return s.getsockname()[1]
 
 
 class LocalLauncher:

@@ -17,6 +17,8 @@ that depend on the state dir (dev.json).
 | LAMINAR_RELAY_TOKEN       | none: relays accept unauthenticated peers (`laminar run` sets one) |
 | LAMINAR_LOG_FORMAT        | `console` (or `json`)                                            |
 | LAMINAR_LOG_LEVEL         | `info` (debug, info, warning, error, critical)                   |
+| LAMINAR_METRICS_PORT      | `0`: no Prometheus endpoint (`laminar run` gives each process a free port) |
+| LAMINAR_METRICS_BIND      | `127.0.0.1`: the interface the metrics endpoint listens on       |
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ _FIXES = {
     "(e.g. `python -c 'import secrets; print(secrets.token_hex(16))'`)",
     "log_format": f"use one of {', '.join(LOG_FORMATS)}",
     "log_level": f"use one of {', '.join(LOG_LEVELS)}",
+    "metrics_port": "use a port number 1-65535, or 0 to turn the metrics endpoint off",
+    "metrics_bind": "use an IP address or host name, without a port",
 }
 
 
@@ -99,6 +103,8 @@ class _Variables(BaseSettings):
     relay_token: str | None = Field(None, min_length=16)
     log_format: Annotated[Literal[LOG_FORMATS], _Lower] = "console"  # type: ignore[valid-type]
     log_level: Annotated[Literal[LOG_LEVELS], _Lower] = "info"  # type: ignore[valid-type]
+    metrics_port: int = Field(0, ge=0, le=65535)
+    metrics_bind: Annotated[str, AfterValidator(_host)] = "127.0.0.1"
 
     @model_validator(mode="before")
     @classmethod
@@ -138,6 +144,8 @@ class Settings:
     relay_token: str | None  # shared run token relays demand (HMAC challenge); None: no authentication
     log_format: str  # console | json
     log_level: str  # debug | info | warning | error | critical
+    metrics_port: int = 0  # Prometheus endpoint of this process (laminar.metrics); 0: off
+    metrics_bind: str = "127.0.0.1"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, cwd: Path | None = None) -> Settings:
@@ -159,6 +167,8 @@ class Settings:
             relay_token=v.relay_token,
             log_format=v.log_format,
             log_level=v.log_level,
+            metrics_port=v.metrics_port,
+            metrics_bind=v.metrics_bind,
         )
 
     def to_env(self) -> dict[str, str]:
@@ -172,6 +182,8 @@ class Settings:
             "LAMINAR_RELAY_BIND": self.relay_bind,
             "LAMINAR_LOG_FORMAT": self.log_format,
             "LAMINAR_LOG_LEVEL": self.log_level,
+            "LAMINAR_METRICS_PORT": str(self.metrics_port),
+            "LAMINAR_METRICS_BIND": self.metrics_bind,
         }
         if self.s3_endpoint is not None:
             env["LAMINAR_S3_ENDPOINT"] = self.s3_endpoint

@@ -1,0 +1,159 @@
+"""Prometheus metrics of every worker process, served on `LAMINAR_METRICS_PORT` (0: off).
+
+One registry per process (prometheus_client's default, which also carries the process_* and python_*
+collectors); each process serves only what it measures, so a name appears on the endpoint of the
+process that owns it: `laminar_trainer_*` on the trainer, `laminar_rollout_*` and `laminar_control_*`
+on rollout workers, `laminar_relay_*` on relays. Every endpoint has `laminar_process_info` (process,
+role, host). Names follow the Prometheus conventions: counters end in `_total`, times are `_seconds`,
+sizes `_bytes`, shares `_ratio`. Values are updated where the code already computes them; nothing here
+reads a clock or the store.
+
+| metric | type | labels | what |
+| --- | --- | --- | --- |
+| laminar_trainer_steps_total | counter | | train steps completed by this process (replays not counted) |
+| laminar_trainer_step | gauge | | the policy's step after the last train step |
+| laminar_trainer_policy_version | gauge | | policy version of the trainer's weights |
+| laminar_trainer_step_seconds | histogram | | wall time of one train_step (read, compute, checkpoint, publish) |
+| laminar_trainer_wait_seconds | histogram | | trainer idle before a step (waiting for groups and the control plane) |
+| laminar_trainer_tokens_total | counter | | response tokens trained on |
+| laminar_trainer_tokens_per_second | gauge | | the last step's tokens / (its wait + its wall time) |
+| laminar_trainer_reward | gauge | | mean reward of the last step's batch |
+| laminar_trainer_loss | gauge | | the last step's loss |
+| laminar_trainer_clip_fraction_ratio | gauge | | share of the last step's tokens whose PPO clip was active |
+| laminar_trainer_sample_staleness_versions | histogram | | trainer version minus sample version, one observation per trained sample |
+| laminar_trainer_publish_stall_seconds | histogram | | trainer stall pushing a version to the master relay |
+| laminar_trainer_groups_consumed_twice_total | counter | | groups that reached the trainer twice (must stay 0) |
+| laminar_rollout_tokens_generated_total | counter | replica | tokens generated (one per sequence per engine step) |
+| laminar_rollout_kv_utilisation_ratio | gauge | replica | KV-cache tokens used / capacity |
+| laminar_rollout_in_flight_trajectories | gauge | replica | sequences in the engine's batch |
+| laminar_rollout_policy_version | gauge | replica | policy version of the replica's weights (-1: none yet) |
+| laminar_rollout_weight_load_seconds | histogram | replica, via | time to load a version (shared_memory or tcp) |
+| laminar_control_update_seconds | histogram | update | round trip of a claim_prompts or add_experience update, as the replica measured it (a report includes writing its segment) |
+| laminar_control_update_retries_total | counter | update | update attempts that failed (server or control worker unreachable) and were sent again |
+| laminar_relay_received_bytes_total | counter | relay | version bytes received (from the trainer or the previous relay) |
+| laminar_relay_forwarded_bytes_total | counter | relay | version bytes forwarded to the next relay |
+| laminar_relay_versions_held | gauge | relay | versions the relay holds in shared memory |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge, Histogram, Info, start_http_server
+
+from laminar.logs import get_logger
+
+log = get_logger(__name__)
+
+# Time buckets from 1 ms to 2 min: a control-plane update takes tens of ms, a CPU train step ~0.1 s,
+# a modelled or GPU step seconds, a weight push of a large model tens of seconds.
+SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+STALENESS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32)  # versions; le="0" counts the on-policy samples
+
+PROCESS = Info("laminar_process", "This worker process: its name, role and host id.")
+
+TRAINER_STEPS = Counter("laminar_trainer_steps", "Train steps completed by this trainer process.")
+TRAINER_STEP = Gauge("laminar_trainer_step", "The policy's step after the last train step.")
+TRAINER_VERSION = Gauge("laminar_trainer_policy_version", "Policy version of the trainer's weights.")
+TRAINER_STEP_SECONDS = Histogram("laminar_trainer_step_seconds", "Wall time of one train_step.", buckets=SECONDS)
+TRAINER_WAIT_SECONDS = Histogram("laminar_trainer_wait_seconds",
+                                 "Trainer idle before a step (groups, control plane).", buckets=SECONDS)
+TRAINER_TOKENS = Counter("laminar_trainer_tokens", "Response tokens trained on.")
+TRAINER_TOKENS_PER_S = Gauge("laminar_trainer_tokens_per_second",
+                             "The last step's tokens / (its wait + its wall time).")
+TRAINER_REWARD = Gauge("laminar_trainer_reward", "Mean reward of the last step's batch.")
+TRAINER_LOSS = Gauge("laminar_trainer_loss", "Loss of the last step.")
+TRAINER_CLIP = Gauge("laminar_trainer_clip_fraction_ratio", "Share of the last step's tokens whose PPO clip was active.")
+TRAINER_STALENESS = Histogram("laminar_trainer_sample_staleness_versions",
+                              "Trainer version minus sample version, per trained sample.", buckets=STALENESS)
+TRAINER_STALL = Histogram("laminar_trainer_publish_stall_seconds",
+                          "Trainer stall pushing a version to the master relay.", buckets=SECONDS)
+TRAINER_TWICE = Counter("laminar_trainer_groups_consumed_twice", "Groups that reached the trainer twice (must stay 0).")
+
+ROLLOUT_TOKENS = Counter("laminar_rollout_tokens_generated", "Tokens generated.", ["replica"])
+ROLLOUT_KV = Gauge("laminar_rollout_kv_utilisation_ratio", "KV-cache tokens used / capacity.", ["replica"])
+ROLLOUT_IN_FLIGHT = Gauge("laminar_rollout_in_flight_trajectories", "Sequences in the engine's batch.", ["replica"])
+ROLLOUT_VERSION = Gauge("laminar_rollout_policy_version", "Policy version of the replica's weights (-1: none).",
+                        ["replica"])
+ROLLOUT_LOAD_SECONDS = Histogram("laminar_rollout_weight_load_seconds", "Time to load a policy version.",
+                                 ["replica", "via"], buckets=SECONDS)
+CONTROL_UPDATE_SECONDS = Histogram("laminar_control_update_seconds", "Round trip of a claim or report update.",
+                                   ["update"], buckets=SECONDS)
+CONTROL_UPDATE_RETRIES = Counter("laminar_control_update_retries",
+                                 "Update attempts that failed and were sent again.", ["update"])
+
+UPDATES = {"claim": "claim_prompts", "report": "add_experience"}  # the replica's call kinds -> update names
+
+RELAY_RECEIVED = Counter("laminar_relay_received_bytes", "Version bytes received.", ["relay"])
+RELAY_FORWARDED = Counter("laminar_relay_forwarded_bytes", "Version bytes forwarded to the next relay.", ["relay"])
+RELAY_VERSIONS = Gauge("laminar_relay_versions_held", "Versions held in shared memory.", ["relay"])
+
+
+def serve(port: int, bind: str, process: str, role: str, host_id: str) -> str | None:
+    """Serve this process's metrics at http://<bind>:<port>/metrics (port 0: off); returns the URL or None.
+
+    A taken port is logged and skipped: metrics never stop a worker from starting."""
+    PROCESS.info({"process": process, "role": role, "host": host_id})
+    if port == 0:
+        return None
+    try:
+        start_http_server(port, addr=bind)
+    except OSError as e:
+        log.error("metrics_port_unavailable", port=port, bind=bind, error=str(e),
+                  fix="set LAMINAR_METRICS_PORT to a free port, or 0 to turn metrics off")
+        return None
+    url = f"http://{bind}:{port}/metrics"
+    log.info("metrics_serving", url=url, process=process)
+    return url
+
+
+def observe_train_step(step: int, version: int, *, tokens: int, reward: float, loss: float, clip_fraction: float,
+                       staleness: dict[str, int], consumed_twice: int, wait_s: float, busy_s: float,
+                       stall_s: float, published: bool) -> None:
+    """The trainer after one train_step (services/trainer.py); staleness: gap -> trained samples."""
+    TRAINER_STEPS.inc()
+    TRAINER_STEP.set(step)
+    TRAINER_VERSION.set(version)
+    TRAINER_STEP_SECONDS.observe(busy_s)
+    TRAINER_WAIT_SECONDS.observe(wait_s)
+    TRAINER_TOKENS.inc(tokens)
+    if wait_s + busy_s > 0:
+        TRAINER_TOKENS_PER_S.set(tokens / (wait_s + busy_s))
+    TRAINER_REWARD.set(reward)
+    TRAINER_LOSS.set(loss)
+    TRAINER_CLIP.set(clip_fraction)
+    for gap, n in staleness.items():
+        for _ in range(n):
+            TRAINER_STALENESS.observe(int(gap))
+    if consumed_twice:
+        TRAINER_TWICE.inc(consumed_twice)
+    if published:
+        TRAINER_STALL.observe(stall_s)
+
+
+@dataclass(frozen=True)
+class ReplicaMetrics:
+    """One rollout replica's series, bound once (the engine loop updates them every step)."""
+
+    tokens: Counter
+    kv: Gauge
+    in_flight: Gauge
+    version: Gauge
+    replica_id: str
+
+    @classmethod
+    def of(cls, replica_id: str) -> ReplicaMetrics:
+        return cls(ROLLOUT_TOKENS.labels(replica_id), ROLLOUT_KV.labels(replica_id),
+                   ROLLOUT_IN_FLIGHT.labels(replica_id), ROLLOUT_VERSION.labels(replica_id), replica_id)
+
+    def state(self, policy_version: int, in_flight: int, kv_used: int, kv_capacity: int) -> None:
+        self.version.set(policy_version)
+        self.in_flight.set(in_flight)
+        self.kv.set(kv_used / kv_capacity if kv_capacity > 0 else 0.0)
+
+    def loaded(self, via: str, seconds: float) -> None:
+        ROLLOUT_LOAD_SECONDS.labels(self.replica_id, via).observe(seconds)
+
+    def update(self, kind: str, seconds: float) -> None:
+        """A control call's round trip: kind claim or report (a report includes writing its segment)."""
+        CONTROL_UPDATE_SECONDS.labels(UPDATES.get(kind, kind)).observe(seconds)
