@@ -20,7 +20,6 @@ A SIGKILL (or a crash) loses the writes since the last graceful stop.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
+import typer
 from moto.s3.models import FakeKey, s3_backends
 from moto.server import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 from werkzeug.serving import make_server
@@ -162,12 +162,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-H", "--host", default="127.0.0.1")
-    parser.add_argument("-p", "--port", type=int, required=True)
-    parser.add_argument("--snapshot", type=Path, required=True, help="directory the S3 state is kept in")
-    args = parser.parse_args(argv)
+def main(
+    host: str = typer.Option("127.0.0.1", "-H", "--host"),
+    port: int = typer.Option(..., "-p", "--port"),
+    snapshot: Path = typer.Option(..., help="directory the S3 state is kept in"),
+) -> None:
+    """Serve moto's S3 from a snapshot directory until SIGTERM/SIGINT, then save the snapshot."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request: the log stays small
     log = logging.getLogger("s3_dev_server")
@@ -175,25 +175,25 @@ def main(argv: list[str] | None = None) -> None:
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # delivered to sigwait below, in any thread
     started = time.monotonic()
-    args.snapshot.mkdir(parents=True, exist_ok=True)
-    loaded = load(args.snapshot)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    loaded = load(snapshot)
     gate = _Gate(DomainDispatcherApplication(create_backend_app))
-    server = make_server(args.host, args.port, gate, threaded=True, request_handler=_Handler)
+    server = make_server(host, port, gate, threaded=True, request_handler=_Handler)
     serving = threading.Thread(target=server.serve_forever, args=(0.05,), name="serve", daemon=True)
     serving.start()
-    log.info("serving S3 at http://%s:%d with %d objects from %s (%.2fs)", args.host, args.port, loaded,
-             args.snapshot, time.monotonic() - started)
+    log.info("serving S3 at http://%s:%d with %d objects from %s (%.2fs)", host, port, loaded,
+             snapshot, time.monotonic() - started)
 
     sig = signal.sigwait(stop_signals)
     started = time.monotonic()
     server.shutdown()  # no new connections
     server.socket.close()
     gate.close()  # the admitted requests have finished; later ones wait unanswered
-    written = save(args.snapshot)
-    log.info("stopped by signal %d; saved %d changed objects to %s (%.2fs)", sig, written, args.snapshot,
+    written = save(snapshot)
+    log.info("stopped by signal %d; saved %d changed objects to %s (%.2fs)", sig, written, snapshot,
              time.monotonic() - started)
     # Returning ends the process: the request threads (daemons) held by the gate are not waited for.
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(main)

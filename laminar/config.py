@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from laminar.errors import ConfigError
 
@@ -334,8 +334,7 @@ class RunConfig(_Section):
                 raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
             except (OSError, UnicodeDecodeError) as e:
                 raise ConfigError(f"config file {p} cannot be read ({e}); pass a readable UTF-8 TOML file") from None
-        for item in overrides or []:
-            apply_override(data, item)
+        _merge(data, parse_overrides(overrides or []))
         return cls.from_json(data)
 
     def to_json(self) -> dict[str, Any]:
@@ -345,32 +344,31 @@ class RunConfig(_Section):
         return self.model_copy(update={"run": self.run.model_copy(update={"run_id": run_id})})
 
 
-def apply_override(data: dict[str, Any], item: str) -> None:
-    """Apply one `--section.key=value` override; the value is parsed as TOML (strings may be bare)."""
-    text = item[2:] if item.startswith("--") else item
-    if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise ConfigError(f"override {item!r} must look like --section.key=value, e.g. --trainer.lr=0.001")
-    dotted, raw = text.split("=", 1)
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`--section.key=value` arguments (dashes optional) as nested sections of raw strings, parsed by
+    pydantic-settings' CLI source over the config's own fields; the later of two wins. Pydantic validates the values."""
+    # CLI only (not imported by workflow code)
+    from pydantic_settings import BaseSettings, CliSettingsSource, SettingsError
+
+    fields = {name: (field.annotation, None) for name, field in RunConfig.model_fields.items()}
+    settings_cls = create_model("RunConfigOverrides", __base__=BaseSettings, **fields)  # type: ignore[call-overload]
+    args = [item if item.startswith("--") else f"--{item}" for item in items]
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    if _is_text_field(dotted) and not isinstance(value, str):
-        value = raw  # a bare string that looks like a number or a date stays the string it is
-    node = data
-    parts = dotted.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {item!r}: {part} is not a section")
-    node[parts[-1]] = value
+        return CliSettingsSource(settings_cls, cli_exit_on_error=False, cli_prog_name="laminar")(args=args)()
+    except SettingsError as e:
+        raise ConfigError(
+            f"bad override ({str(e).removeprefix('error parsing CLI: ')}): an override must name a field of "
+            "examples/tiny.toml (an unknown field? check the spelling) and look like --section.key=value, "
+            "e.g. --trainer.lr=0.001"
+        ) from None
 
 
-def _is_text_field(dotted: str) -> bool:
-    parts = dotted.split(".")
-    section = RunConfig.model_fields.get(parts[0]) if len(parts) == 2 else None
-    fields = getattr(section.annotation, "model_fields", {}) if section is not None else {}
-    return parts[-1] in fields and fields[parts[-1]].annotation is str
+def _merge(data: dict[str, Any], overrides: dict[str, Any]) -> None:
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            _merge(data[key], value)
+        else:
+            data[key] = value
 
 
 def describe_validation_error(e: ValidationError) -> str:
@@ -382,12 +380,13 @@ def describe_validation_error(e: ValidationError) -> str:
             continue
         loc = ".".join(str(x) for x in err["loc"])
         value = err.get("input")
+        shown = value if isinstance(value, str) else repr(value)  # as typed: overrides arrive as text
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown field; check the spelling against examples/tiny.toml"
         help_text = _field_description(loc)
         suffix = f" ({help_text})" if help_text else ""
-        lines.append(f"{loc}={value!r}: {msg}{suffix}")
+        lines.append(f"{loc}={shown}: {msg}{suffix}")
     return "invalid run config: " + "; ".join(lines)
 
 
