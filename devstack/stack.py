@@ -90,6 +90,7 @@ class DevStack:
                 info = self._start_temporal(port, ui)
                 started = True
                 self._write_record(info)  # recorded before S3 starts, so `down` finds it if S3 fails
+            _register_search_attributes(info.temporal_address, info.namespace)
             if s3 and (info.s3_pid is None or not _is_ours(info.s3_pid, "s3")):
                 info = self._start_s3(info)
             self._write_record(info)
@@ -357,6 +358,22 @@ def _temporal_serving(address: str) -> bool:
             return pool.submit(asyncio.run, check()).result()
         except (RuntimeError, RPCError):  # no connection yet, or the frontend is not serving yet
             return False
+
+
+def _register_search_attributes(address: str, namespace: str) -> None:
+    """Register the runs' search attributes (laminar/search.py) on the dev server; idempotent. Runs on its own
+    thread and event loop, as _temporal_serving does."""
+    from temporalio.client import Client
+
+    from laminar.search import register
+
+    async def go() -> list[str]:
+        return await register(await Client.connect(address, namespace=namespace), namespace)
+
+    with ThreadPoolExecutor(1) as pool:
+        added = pool.submit(asyncio.run, go()).result()
+    if added:
+        log.info("search_attributes_registered", names=added, namespace=namespace)
 
 
 def http_answers(url: str) -> bool:

@@ -16,6 +16,7 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from laminar import search
 from laminar.config import RunConfig
 from laminar.errors import LaminarError
 from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
@@ -44,6 +45,7 @@ async def start_workflow(client: Client, cfg: RunConfig) -> WorkflowHandle:
             result_type=RunStatus,
             id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,  # its store prefix holds the old run
+            search_attributes=await search.initial(client, client.namespace, cfg.run.mode),  # laminar/search.py
         )
     except WorkflowAlreadyStartedError:
         raise LaminarError(

@@ -19,6 +19,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from temporalio.converter import value_to_type
 
+    from laminar import search
     from laminar.config import RunConfig
     from laminar.errors import ConfigError
     from laminar.messages import (
@@ -48,6 +49,7 @@ __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
 RELAY_JOIN_TIMEOUT = timedelta(seconds=120)
 DRAIN_TIMEOUT = timedelta(seconds=120)
 HANDOVER_STALLS_KEPT = 64  # hand-over stalls kept for the summary's p50 (max and count cover the whole run)
+SEARCH_ATTRIBUTES_EVERY_S = 5.0  # step, version and reward are upserted at most this often (a phase change: at once)
 FAST_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 
 
@@ -67,6 +69,7 @@ class TrainingRunWorkflow:
         self._rejoined_relays: set[str] = set()  # relays that joined in this segment
         self._training = False  # a train_step activity is in flight
         self._republish_wanted = False  # the chain changed: push the current version again (see _republish)
+        self._search_upserted: tuple[str, float] = ("", 0.0)  # (phase, workflow time) of the last upsert
         try:
             self._cfg, state = _parse_input(inp)
             self._policy = policy_for(self._cfg)
@@ -90,6 +93,7 @@ class TrainingRunWorkflow:
         if not self.state.trainer_ready:
             await self._init_trainer()
         self._start_replicas()
+        self._upsert_search_attributes()
         while self.state.step < self._cfg.run.steps and not self.state.stopping:
             if self._should_continue_as_new():
                 await self._continue_as_new()
@@ -115,6 +119,22 @@ class TrainingRunWorkflow:
         finally:
             self._training = False
         self.state.last_step_at = workflow.time()
+        self._upsert_search_attributes()
+
+    def _upsert_search_attributes(self) -> None:
+        """Keep the run's search attributes (laminar/search.py) current: at once on a phase change, else at most
+        every SEARCH_ATTRIBUTES_EVERY_S. Only for a run started with them (the starter sets them where the
+        namespace has them registered; an unregistered one would fail the workflow task), behind a patch."""
+        phase, now = self._phase(), workflow.time()
+        last_phase, last_at = self._search_upserted
+        if (workflow.info().typed_search_attributes.get(search.PHASE) is None
+                or (phase == last_phase and now - last_at < SEARCH_ATTRIBUTES_EVERY_S)
+                or not workflow.patched("search-attributes")):
+            return
+        self._search_upserted = (phase, now)
+        reward = [search.REWARD.value_set(self.state.reward_recent[-1])] if self.state.reward_recent else []
+        workflow.upsert_search_attributes([search.PHASE.value_set(phase), search.STEP.value_set(self.state.step),
+                                           search.POLICY_VERSION.value_set(self.state.policy_version), *reward])
 
     # -- relays ------------------------------------------------------------------------------
 
@@ -144,6 +164,7 @@ class TrainingRunWorkflow:
                     heartbeat_timeout=timedelta(seconds=self._cfg.relay.heartbeat_timeout_s),
                     retry_policy=RetryPolicy(maximum_attempts=1),
                     activity_id=f"relay-{relay_id}-{generation}",
+                    summary=f"relay {relay_id} (incarnation {generation})",  # shown in the Web UI
                 )
             except ActivityError:
                 if self._closing:  # cancelled by _drain
@@ -217,6 +238,7 @@ class TrainingRunWorkflow:
                 start_to_close_timeout=timedelta(minutes=30),
                 heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
                 retry_policy=FAST_RETRY,
+                summary=f"init trainer at step {self.state.step}",
             )
         except ActivityError as e:
             _fail_run_if_permanent(e, "init_trainer")
@@ -239,6 +261,7 @@ class TrainingRunWorkflow:
                 schedule_to_close_timeout=timedelta(seconds=120),
                 start_to_close_timeout=timedelta(seconds=60),
                 retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3),
+                summary=f"republish the version of step {self.state.step}",
             )
         except ActivityError as e:
             workflow.logger.warning("republish_failed", extra={"error": str(e)})
@@ -286,6 +309,7 @@ class TrainingRunWorkflow:
                 heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
                 retry_policy=FAST_RETRY,
                 cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+                summary=f"train step {inp.step + 1}: {sum(len(p.group_ids) for p in inp.batch)} groups",
             )
         except ActivityError as e:
             _fail_run_if_permanent(e, f"train_step {inp.step}")
@@ -314,6 +338,7 @@ class TrainingRunWorkflow:
                 heartbeat_timeout=timedelta(seconds=self._cfg.rollout.heartbeat_timeout_s),
                 retry_policy=FAST_RETRY,
                 activity_id=f"rollout-{replica_id}",
+                summary=f"rollout {replica_id} (segment {self.state.continued_as_new})",
             )
 
     @workflow.update
@@ -377,18 +402,21 @@ class TrainingRunWorkflow:
     def pause(self) -> str:
         self._updates += 1
         self.state.paused = True
+        self._upsert_search_attributes()
         return self._phase()
 
     @workflow.update
     def resume(self) -> str:
         self._updates += 1
         self.state.paused = False
+        self._upsert_search_attributes()
         return self._phase()
 
     @workflow.update
     def stop(self) -> str:
         self._updates += 1
         self.state.stopping = True
+        self._upsert_search_attributes()
         return self._phase()
 
     @workflow.query
@@ -479,6 +507,7 @@ class TrainingRunWorkflow:
         await self._drain()
         self._note_history()
         self._finished = True
+        self._upsert_search_attributes()
         return self.ledger.status(
             phase="finished",
             total_steps=self._cfg.run.steps if self._cfg else 0,
