@@ -15,6 +15,7 @@ from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
 from temporalio.client import Client
 from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.service import RPCError
 
 MODE = SearchAttributeKey.for_keyword("LaminarMode")  # run.mode: laminar, sync, one_step, stream, partial_rollout
 PHASE = SearchAttributeKey.for_keyword("LaminarPhase")  # starting, running, paused, stopping, finished
@@ -46,8 +47,12 @@ async def register(client: Client, namespace: str) -> list[str]:
 
 async def initial(client: Client, namespace: str, mode: str) -> TypedSearchAttributes | None:
     """The attributes a new run starts with, or None when the namespace lacks any of them (the workflow then
-    upserts nothing: an unregistered attribute would fail its workflow tasks)."""
-    if await missing(client, namespace):
+    upserts nothing: an unregistered attribute would fail its workflow tasks), or when the server will not say
+    (the operator service may be closed to this client, as on hosted namespaces)."""
+    try:
+        if await missing(client, namespace):
+            return None
+    except RPCError:
         return None
     return TypedSearchAttributes([SearchAttributePair(MODE, mode), SearchAttributePair(PHASE, "starting"),
                                   SearchAttributePair(STEP, 0), SearchAttributePair(POLICY_VERSION, 0)])
