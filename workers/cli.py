@@ -67,6 +67,7 @@ def run(
     run_id: str | None = typer.Option(None, "--run-id", help="Run id (default: generated)."),
     summary: Path | None = typer.Option(None, help="Write the run summary JSON here."),
     log_format: str = typer.Option("console", "--log-format", help="console | json"),
+    report: Path | None = typer.Option(None, "--report", help="At the end, write `laminar report` (plots, HTML) here."),
 ) -> None:
     """Run the embedded default end to end: dev stack, workers, workflow, live progress, summary.
 
@@ -79,7 +80,11 @@ def run(
         cfg = _load_config(config, ctx.args, steps, run_id)
         check_model_path(cfg)  # this host runs the trainer: a bad model.path fails before anything starts
         configure_logging(log_format)
-        code = run_local(cfg, summary_path=summary, console=console)
+        if report is not None:
+            from workers.cli_report import check_matplotlib
+
+            check_matplotlib()  # fail before the run, not after it
+        code = run_local(cfg, summary_path=summary, console=console, report_dir=report)
     raise typer.Exit(code)
 
 
@@ -111,6 +116,30 @@ def status(run_id: str, as_json: bool = typer.Option(False, "--json", help="Prin
         console.print_json(json.dumps(asdict(st)))
     else:
         console.print(render_status(st))
+
+
+@app.command()
+def report(
+    run_id: str = typer.Argument(..., help="The run to report on (finished or running)."),
+    out: Path | None = typer.Option(None, "--out", help="Directory for the PNGs and report.html (default reports/<run>)."),
+) -> None:
+    """Plots and one self-contained HTML page of a run, from its records in the object store."""
+    from workers.cli_report import report as write
+
+    with _exit_codes():
+        write(run_id, out, console)
+
+
+@app.command(name="list")
+def list_runs(
+    query: str = typer.Option("", "--query", help="Extra visibility filter, e.g. \"LaminarPhase='running'\"."),
+    limit: int = typer.Option(20, help="Show at most this many runs, newest first."),
+) -> None:
+    """List runs (TrainingRunWorkflow executions) with their mode, phase, step, policy version and reward."""
+    from workers.cli_report import list_command
+
+    with _exit_codes():
+        list_command(query, limit, console)
 
 
 @app.command()
@@ -195,6 +224,10 @@ def worker(
         if slots < 1:
             raise ConfigError(f"--slots={slots} must be at least 1")
         configure_logging(settings.log_format, settings.log_level)
+        from laminar.metrics import serve
+
+        process = role if role in ("control", "trainer") else f"{role}-{settings.host_id}"
+        serve(settings.metrics_port, settings.metrics_bind, process, role, settings.host_id)
         main_fn = processes.ROLES[role]
         if role == "rollout":
             asyncio.run(main_fn(settings, allow_faults, slots))

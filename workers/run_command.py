@@ -11,6 +11,7 @@ import json
 import secrets
 import signal
 import time
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from laminar.config import RunConfig
 from laminar.messages import RunStatus
 from storage import keys
 from workers.connect import connect, store_for
-from workers.launcher import LocalLauncher, plan_processes, process_cpu_s
+from workers.launcher import LocalLauncher, metrics_url, plan_processes, process_cpu_s
 from workers.run_control import new_run_id, start_or_attach
 from workers.settings import Settings
 from workers.summary import build_profile, build_summary, format_profile, reward_rise
@@ -36,7 +37,7 @@ OUTAGE_CODES = (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCS
                 RPCStatusCode.UNKNOWN, RPCStatusCode.INTERNAL, RPCStatusCode.RESOURCE_EXHAUSTED)
 
 
-def run_local(cfg: RunConfig, summary_path: Path | None, console: Console) -> int:
+def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, report_dir: Path | None = None) -> int:
     if not cfg.run.run_id:
         cfg = cfg.with_run_id(new_run_id())
     console.print(f"run_id={cfg.run.run_id}", highlight=False)
@@ -51,9 +52,17 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console) -> in
     # SIGTERM / SIGHUP stop the run like Ctrl-C: nothing this command started may outlive it.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
-    launcher = LocalLauncher(plan_processes(cfg, settings, home / "logs" / cfg.run.run_id, spare_slots=1, allow_faults=True))
+    launcher = LocalLauncher(plan_processes(cfg, settings, home / "logs" / cfg.run.run_id, spare_slots=1, allow_faults=True,
+                                            metrics=True))
+    for p in launcher.processes.values():
+        console.print(f"metrics {p.name} {metrics_url(p)}", highlight=False, soft_wrap=True)
     try:
-        return asyncio.run(_drive(cfg, settings, launcher, summary_path, console, info.temporal_pid))
+        code = asyncio.run(_drive(cfg, settings, launcher, summary_path, console, info.temporal_pid))
+        if code == 0 and report_dir is not None:
+            from workers.cli_report import write_report
+
+            write_report(store_for(settings), cfg.run.run_id, report_dir, console)
+        return code
     except KeyboardInterrupt:
         console.print("interrupted: stopping the run and every process this command started")
         return 130
@@ -90,7 +99,8 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher, su
     if temporal_pid is not None and (temporal_cpu := process_cpu_s(temporal_pid)) is not None:
         cpu_s["temporal (since dev up)"] = temporal_cpu
     profile = build_profile(store, cfg.run.run_id, cpu_s)
-    summary = {"mode": cfg.run.mode, **build_summary(final, store, wall_s, started_at=t0, profile=profile)}
+    summary = {"mode": cfg.run.mode, **build_summary(final, store, wall_s, started_at=t0, profile=profile),
+               "events": [asdict(e) for e in final.events]}  # the run's last events, for `laminar report`
     store.put(keys.summary(cfg.run.run_id), json.dumps(summary, indent=2).encode())
     if summary_path is not None:
         summary_path.parent.mkdir(parents=True, exist_ok=True)

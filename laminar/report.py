@@ -1,0 +1,304 @@
+"""`laminar report RUN`: a finished (or running) run's plots and one self-contained HTML page.
+
+Everything comes from the object store, so a report can be written from any machine that reaches it, at
+any time after the run: the trainer's per-step records (`runs/<id>/metrics/`), the trajectories of the
+experience segments (which replica generated what, with which policy version, when), the drill reports
+(`runs/<id>/drills/`) and, when `laminar run` wrote one, the summary with the run's last events.
+
+The arithmetic (`ReportData.from_records` and the helpers under it) is pure and clock-free; `write` draws
+with matplotlib (Agg) and inlines each PNG into the HTML page as a data URI, so the page needs no other
+file. Times on the plots are wall seconds since the run's first recorded activity (the earliest trajectory
+start or trainer wait), which for the modelled engine is wall time, not modelled time.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from laminar.errors import ConfigError, ObjectNotFoundError
+from storage import keys
+from storage.objects import ObjectStore
+
+PLOTS = ("reward", "staleness", "versions", "trainer", "drills")  # file stems, in page order
+MATPLOTLIB_MISSING = ("`laminar report` draws with matplotlib, which is not installed; install it with "
+                      "`pip install 'laminar[bench]'` (or `pip install matplotlib==3.11.2`)")
+
+
+@dataclass
+class ReportData:
+    """What the plots need, in seconds since t0 (the run's first recorded activity)."""
+
+    run_id: str
+    t0: float
+    steps: list[int]
+    reward: list[float]
+    tokens_per_s: list[float]  # per step: its tokens / (its wait + its wall time)
+    staleness: dict[int, int]  # trainer version minus sample version -> trained samples, whole run
+    busy: list[tuple[float, float]]  # (start, duration) of each train_step
+    waiting: list[tuple[float, float]]  # (start, duration) of the trainer's wait before each step
+    versions: dict[str, list[tuple[float, float, int]]]  # replica -> (start, end, version), merged per version
+    drills: list[dict[str, Any]] = field(default_factory=list)  # drill reports, times relative to t0
+    events: list[dict[str, Any]] = field(default_factory=list)  # the summary's last events, times relative to t0
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_records(cls, run_id: str, steps: list[dict[str, Any]], trajectories: list[tuple[str, int, float, float]],
+                     drills: list[dict[str, Any]], summary: dict[str, Any]) -> ReportData:
+        """steps: the trainer's step records, any order; trajectories: (replica, version, started_at, ended_at)."""
+        steps = sorted(steps, key=lambda r: r["step"])
+        busy_abs = [(r["time"] - r.get("busy_s", 0.0), r.get("busy_s", 0.0)) for r in steps]
+        wait_abs = [(b - r.get("wait_s", 0.0), r.get("wait_s", 0.0)) for r, (b, _) in zip(steps, busy_abs, strict=True)]
+        starts = [s for s, _ in wait_abs] + [t[2] for t in trajectories]
+        t0 = min(starts) if starts else 0.0
+        return cls(
+            run_id=run_id, t0=t0,
+            steps=[r["step"] for r in steps],
+            reward=[r["reward_mean"] for r in steps],
+            tokens_per_s=[step_tokens_per_s(r) for r in steps],
+            staleness=staleness_total(steps),
+            busy=[(s - t0, d) for s, d in busy_abs],
+            waiting=[(s - t0, d) for s, d in wait_abs if d > 0],
+            versions=version_intervals(trajectories, t0),
+            drills=[{**d, **{k: (d[k] - t0 if d.get(k) is not None else None)
+                            for k in ("injected_at", "detected_at", "recovered_at")}} for d in drills],
+            events=[{**e, "at": e["at"] - t0} for e in summary.get("events", [])],
+            summary=summary,
+        )
+
+
+def step_tokens_per_s(record: dict[str, Any]) -> float:
+    """Response tokens of one step over the time it took from the end of the previous step (wait + busy)."""
+    span = record.get("wait_s", 0.0) + record.get("busy_s", 0.0)
+    return record["tokens"] / span if span > 0 else 0.0
+
+
+def staleness_total(steps: list[dict[str, Any]]) -> dict[int, int]:
+    """The per-step staleness histograms (gap as a string -> samples) summed, by gap."""
+    out: dict[int, int] = {}
+    for r in steps:
+        for gap, n in r.get("staleness", {}).items():
+            out[int(gap)] = out.get(int(gap), 0) + n
+    return dict(sorted(out.items()))
+
+
+def version_intervals(trajectories: list[tuple[str, int, float, float]], t0: float) -> dict[str, list[tuple[float, float, int]]]:
+    """Per replica, (start, end, version) in s since t0: each trajectory's [started_at, ended_at], overlapping
+    or touching intervals of the same version merged; replicas in natural order (replica-2 before replica-10)."""
+    by_key: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for replica, version, started, ended in trajectories:
+        by_key.setdefault((replica, version), []).append((started - t0, ended - t0))
+    out: dict[str, list[tuple[float, float, int]]] = {}
+    for (replica, version), spans in by_key.items():
+        spans.sort()
+        merged = [list(spans[0])]
+        for s, e in spans[1:]:
+            if s <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        out.setdefault(replica, []).extend((s, e, version) for s, e in merged)
+    return {r: sorted(v) for r, v in sorted(out.items(), key=lambda kv: _natural(kv[0]))}
+
+
+def _natural(name: str) -> tuple[str, int]:
+    head, _, tail = name.rpartition("-")
+    return (head, int(tail)) if tail.isdigit() else (name, -1)
+
+
+# -- reading the store ---------------------------------------------------------------------------------
+
+def read(store: ObjectStore, run_id: str) -> ReportData:
+    """The run's records from the store; ConfigError naming the run when it has no step record."""
+    step_keys = store.list(keys.step_metrics_prefix(run_id))
+    if not step_keys:
+        raise ConfigError(f"run {run_id!r} has no step records under {keys.step_metrics_prefix(run_id)} in this store; "
+                          "check the run id (`laminar list`) and LAMINAR_STORE, or wait for its first step")
+    steps = [json.loads(store.get(k)) for k in step_keys]
+    drills = [json.loads(store.get(k)) for k in store.list(f"{keys.run_prefix(run_id)}drills/") if k.endswith(".json")]
+    try:
+        summary = json.loads(store.get(keys.summary(run_id)))
+    except ObjectNotFoundError:
+        summary = {}  # started with `laminar start`, or still running: no summary yet
+    return ReportData.from_records(run_id, steps, read_trajectories(store, run_id), drills, summary)
+
+
+def read_trajectories(store: ObjectStore, run_id: str) -> list[tuple[str, int, float, float]]:
+    """(replica, version, started_at, ended_at) of every trajectory in the run's experience segments, each
+    (group, sample) once (a group reported twice after a retry was accepted once)."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    cols = ["group_id", "sample_index", "replica_id", "policy_version", "started_at", "ended_at"]
+    seen: set[tuple[str, int]] = set()
+    out: list[tuple[str, int, float, float]] = []
+    for key in store.list(keys.experience_prefix(run_id)):
+        if not key.endswith(".parquet"):
+            continue
+        d = pq.read_table(io.BytesIO(store.get(key)), columns=cols).to_pydict()
+        for g, i, r, v, s, e in zip(*(d[c] for c in cols), strict=True):
+            if (g, i) not in seen:
+                seen.add((g, i))
+                out.append((r, v, s, e))
+    return out
+
+
+# -- drawing -------------------------------------------------------------------------------------------
+
+def write(data: ReportData, out_dir: Path) -> list[Path]:
+    """The PNGs and `report.html` under out_dir (created); returns the files written, the page last."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError(MATPLOTLIB_MISSING) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drawn: list[tuple[str, str, Path]] = []
+    for stem, title, draw in _figures(data):
+        fig = draw(plt)
+        path = out_dir / f"{stem}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        drawn.append((stem, title, path))
+    page = out_dir / "report.html"
+    page.write_text(render_html(data, [(title, p.read_bytes()) for _, title, p in drawn]))
+    return [p for _, _, p in drawn] + [page]
+
+
+def _figures(data: ReportData):
+    yield "reward", "Reward and trainer tokens/s per step", lambda plt: _reward(plt, data)
+    yield "staleness", "Staleness of the trained samples", lambda plt: _staleness(plt, data)
+    yield "versions", "Policy version each replica generated with", lambda plt: _versions(plt, data)
+    yield "trainer", "Trainer busy and waiting", lambda plt: _trainer(plt, data)
+    if data.drills:
+        yield "drills", "Drills: injected, detected, recovered", lambda plt: _drills(plt, data)
+
+
+def _reward(plt, data: ReportData):
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+    ax.plot(data.steps, data.reward, lw=0.8, color="tab:blue", alpha=0.5, label="step")
+    window = max(1, len(data.reward) // 20)
+    if len(data.reward) >= window > 1:
+        smooth = [sum(data.reward[i - window + 1:i + 1]) / window for i in range(window - 1, len(data.reward))]
+        ax.plot(data.steps[window - 1:], smooth, lw=1.8, color="tab:blue", label=f"mean of {window}")
+    ax.set(ylabel="mean reward", title=f"run {data.run_id}: reward and tokens/s per step")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax2.plot(data.steps, data.tokens_per_s, lw=0.8, color="tab:green")
+    ax2.set(xlabel="trainer step", ylabel="tokens / s")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def _staleness(plt, data: ReportData):
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    gaps, counts = list(data.staleness), list(data.staleness.values())
+    bars = ax.bar(gaps, counts, color="tab:purple")
+    ax.bar_label(bars, fontsize=7)
+    ax.set(xlabel="staleness (trainer version - sample version)", ylabel="trained samples",
+           title=f"run {data.run_id}: staleness histogram", xticks=gaps)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def _versions(plt, data: ReportData):
+    from matplotlib import colormaps
+
+    cmap = colormaps["viridis"]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * max(1, len(data.versions))))
+    top = max((v for iv in data.versions.values() for _, _, v in iv), default=0)
+    span = max((e for iv in data.versions.values() for _, e, _ in iv), default=1.0)
+    for y, intervals in enumerate(data.versions.values()):
+        for s, e, v in intervals:
+            ax.broken_barh([(s, e - s)], (y - 0.4, 0.8), color=cmap(v / max(1, top)))
+            if e - s > span / 60:
+                ax.text((s + e) / 2, y, str(v), ha="center", va="center", fontsize=6, color="white")
+    ax.set(yticks=range(len(data.versions)), yticklabels=list(data.versions), xlabel="s since start",
+           title=f"run {data.run_id}: policy version per replica over time (each bar: trajectories of one version)")
+    ax.title.set_fontsize(9)
+    fig.tight_layout()
+    return fig
+
+
+def _trainer(plt, data: ReportData):
+    fig, ax = plt.subplots(figsize=(10, 2.0))
+    ax.broken_barh(data.busy, (0.6, 0.8), color="tab:blue")
+    ax.broken_barh(data.waiting, (-0.4, 0.8), color="tab:orange")
+    busy, wait = sum(d for _, d in data.busy), sum(d for _, d in data.waiting)
+    ax.set(yticks=[0, 1], yticklabels=[f"waiting {wait:.0f} s", f"busy {busy:.0f} s"], xlabel="s since start",
+           title=f"run {data.run_id}: trainer timeline ({len(data.busy)} steps)")
+    ax.title.set_fontsize(9)
+    fig.tight_layout()
+    return fig
+
+
+def _drills(plt, data: ReportData):
+    fig, ax = plt.subplots(figsize=(10, 1.4 + 0.5 * len(data.drills)))
+    for y, d in enumerate(data.drills):
+        inj, det, rec = d["injected_at"], d.get("detected_at"), d.get("recovered_at")
+        if rec is not None:
+            ax.broken_barh([(inj, rec - inj)], (y - 0.15, 0.3), color="tab:red", alpha=0.3)
+        ax.plot([inj], [y], "v", color="tab:red", label="injected" if y == 0 else None)
+        if det is not None:
+            ax.plot([det], [y], "o", color="tab:orange", label="detected" if y == 0 else None)
+        if rec is not None:
+            ax.plot([rec], [y], "^", color="tab:green", label="recovered" if y == 0 else None)
+    step_ends = [s + d for s, d in data.busy]
+    ax.plot(step_ends, [-0.6] * len(step_ends), "|", color="gray", ms=6, label="trainer step")
+    ax.set(yticks=range(len(data.drills)), yticklabels=[f"{d['fault']} {d['target']}" for d in data.drills],
+           xlabel="s since start", title=f"run {data.run_id}: drills")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7, loc="upper left", ncols=4)
+    fig.tight_layout()
+    return fig
+
+
+# -- the page --------------------------------------------------------------------------------------------
+
+SUMMARY_KEYS = ("mode", "steps", "wall_s", "tokens_per_s", "max_versions_in_use", "trainer_wait_fraction",
+                "groups_generated", "groups_consumed", "groups_consumed_twice", "continued_as_new")
+
+
+def render_html(data: ReportData, images: list[tuple[str, bytes]]) -> str:
+    """One page: the summary's headline numbers, each image inlined as a PNG data URI, drills and events."""
+    esc = html.escape
+    rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(str(data.summary[k]))}</td></tr>"
+                   for k in SUMMARY_KEYS if k in data.summary)
+    if data.reward:
+        rows += f"<tr><th>reward first / last step</th><td>{data.reward[0]:.3f} / {data.reward[-1]:.3f}</td></tr>"
+    figures = "".join(
+        f'<figure><img alt="{esc(title)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+        f"<figcaption>{esc(title)}</figcaption></figure>" for title, png in images)
+    drills = "".join(
+        f"<tr><td>{esc(d['drill_id'])}</td><td>{esc(d['fault'])}</td><td>{esc(d['target'])}</td>"
+        f"<td>{_s(d['injected_at'])}</td><td>{_s(d.get('detected_at'))}</td><td>{_s(d.get('recovered_at'))}</td>"
+        f"<td>{d['groups_lost']}</td><td>{d['groups_consumed_twice']}</td></tr>" for d in data.drills)
+    events = "".join(f"<tr><td>{_s(e['at'])}</td><td>{esc(e['kind'])}</td><td>{esc(str(e['subject']))}</td></tr>"
+                     for e in data.events)
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>laminar run {esc(data.run_id)}</title>
+<style>body{{font-family:sans-serif;max-width:1050px;margin:1em auto}}table{{border-collapse:collapse}}
+th,td{{border:1px solid #ccc;padding:2px 8px;text-align:left}}img{{max-width:100%}}</style></head>
+<body><h1>Run {esc(data.run_id)}</h1>
+<table>{rows}</table>
+{figures}
+<h2>Drills</h2>
+{f"<table><tr><th>drill</th><th>fault</th><th>target</th><th>injected s</th><th>detected s</th><th>recovered s</th><th>groups lost</th><th>consumed twice</th></tr>{drills}</table>" if drills else "<p>No drill ran against this run.</p>"}
+<h2>Events</h2>
+{f"<table><tr><th>s</th><th>kind</th><th>subject</th></tr>{events}</table>" if events else "<p>No events recorded (a summary carries the run's last events).</p>"}
+<p>Times are seconds since the run's first recorded activity.</p>
+</body></html>
+"""
+
+
+def _s(t: float | None) -> str:
+    return "-" if t is None else f"{t:.1f}"
