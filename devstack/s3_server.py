@@ -11,31 +11,30 @@ finish, and holds any later request on an open connection unanswered (its client
 restarted server); only then does it save the snapshot and exit. So every write acknowledged to a client
 is in the snapshot.
 
-The snapshot holds the live objects only, so it is as big as the buckets however often their keys were
-overwritten. `DIR/manifest.json` names each object's file under `DIR/objects/`; a save writes (and
-fsyncs) the files of new or changed objects, then replaces the manifest atomically, then deletes the
-files no manifest names any more. A save cut short leaves the previous manifest and all its files.
-A SIGKILL (or a crash) loses the writes since the last graceful stop.
+The snapshot (`DIR/buckets.pickle`, moto's bucket objects pickled with their live objects) is as big as
+the buckets however often their keys were overwritten. A save writes a new file, fsyncs it and replaces
+the old one atomically, so a save cut short leaves the previous snapshot. It is read only by the same
+moto version (pinned in pyproject.toml). A SIGKILL (or a crash) loses the writes since the last graceful
+stop.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import pickle
 import signal
 import threading
 import time
-import uuid
 from pathlib import Path
 
+import moto
 import typer
-from moto.s3.models import FakeKey, s3_backends
+from moto.s3.models import s3_backends
 from moto.server import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 from werkzeug.serving import make_server
 
-MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
+SNAPSHOT = "buckets.pickle"
 
 
 class _Gate:
@@ -73,93 +72,41 @@ class _Handler(MotoRequestHandler):
 
 
 def load(snapshot: Path) -> int:
-    """Put the snapshot's buckets and objects into moto's backend; returns the number of objects."""
-    _collect_garbage(snapshot)
-    manifest = _read_manifest(snapshot)
-    count = 0
-    for name, bucket in manifest["buckets"].items():
-        backend = s3_backends[bucket["account"]][bucket["partition"]]
-        backend.create_bucket(name, bucket["region"])
-        for key, entry in bucket["objects"].items():
-            value = (snapshot / "objects" / entry["file"]).read_bytes()
-            etag = entry["etag"].strip('"')  # kept as it was (a multipart upload's is not the bytes' MD5)
-            backend.put_object(name, key, value, etag=etag, disable_notification=True)
-            count += 1
-    return count
+    """Put the snapshot's buckets into moto's backend; returns the number of objects."""
+    path = snapshot / SNAPSHOT
+    if not path.exists():
+        return 0
+    try:
+        with open(path, "rb") as f:
+            saved = pickle.load(f)
+    except Exception as e:
+        raise SystemExit(f"S3 snapshot {path} cannot be read ({e}); move {snapshot} aside to start with empty S3") from e
+    if saved.get("moto") != moto.__version__:
+        raise SystemExit(f"S3 snapshot {path} was written by moto {saved.get('moto')}, this server runs moto "
+                         f"{moto.__version__}; move {snapshot} aside to start with empty S3")
+    for name, (partition, account, bucket) in saved["buckets"].items():
+        s3_backends[account][partition].buckets[name] = bucket
+        s3_backends.bucket_accounts[name] = (partition, account)
+    return sum(len(bucket.keys) for _, _, bucket in saved["buckets"].values())
 
 
 def save(snapshot: Path) -> int:
-    """Write moto's buckets and objects to the snapshot (no request may run meanwhile); returns the
-    number of object files written (unchanged objects keep their files)."""
-    objects = snapshot / "objects"
-    objects.mkdir(parents=True, exist_ok=True)
-    previous = _read_manifest(snapshot)["buckets"]
-    buckets: dict[str, dict] = {}
-    written = 0
-    for name, (partition, account) in sorted(s3_backends.bucket_accounts.items()):
-        bucket = s3_backends[account][partition].buckets[name]
-        entries: dict[str, dict] = {}
-        before = previous.get(name, {}).get("objects", {})
-        for key, obj in bucket.keys.items():
-            if not isinstance(obj, FakeKey):
-                continue  # a delete marker (versioned buckets)
-            old = before.get(key)
-            if old is not None and old["etag"] == obj.etag and old["size"] == obj.size:
-                entries[key] = old
-                continue
-            file = uuid.uuid4().hex
-            with open(objects / file, "wb") as f:
-                f.write(obj.value)
-                f.flush()
-                os.fsync(f.fileno())
-            entries[key] = {"file": file, "etag": obj.etag, "size": obj.size}
-            written += 1
-        buckets[name] = {"account": account, "partition": partition, "region": bucket.region_name,
-                         "objects": entries}
-    _fsync_dir(objects)
-    tmp = snapshot / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"version": MANIFEST_VERSION, "buckets": buckets}, f)
+    """Write moto's buckets (their live objects: FakeKey pickles its bytes) to the snapshot file, replaced
+    atomically (no request may run meanwhile); returns the number of objects."""
+    buckets = {name: (partition, account, s3_backends[account][partition].buckets[name])
+               for name, (partition, account) in s3_backends.bucket_accounts.items()}
+    tmp = snapshot / (SNAPSHOT + ".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump({"moto": moto.__version__, "buckets": buckets}, f, protocol=pickle.HIGHEST_PROTOCOL)
         f.flush()
         os.fsync(f.fileno())
-    tmp.replace(snapshot / MANIFEST)  # the commit point
-    _fsync_dir(snapshot)
-    _collect_garbage(snapshot)
-    return written
-
-
-def _read_manifest(snapshot: Path) -> dict:
-    path = snapshot / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {"version": MANIFEST_VERSION, "buckets": {}}
-    except ValueError as e:
-        raise SystemExit(f"S3 snapshot manifest {path} is not valid JSON ({e}); move {snapshot} aside to "
-                         f"start with empty S3") from e
-    if manifest.get("version") != MANIFEST_VERSION:
-        raise SystemExit(f"S3 snapshot manifest {path} has version {manifest.get('version')!r}, this server "
-                         f"reads version {MANIFEST_VERSION}; move {snapshot} aside to start with empty S3")
-    return manifest
-
-
-def _collect_garbage(snapshot: Path) -> None:
-    """Delete the object files the manifest does not name: left by a save cut short, or replaced."""
-    objects = snapshot / "objects"
-    if not objects.is_dir():
-        return
-    named = {e["file"] for b in _read_manifest(snapshot)["buckets"].values() for e in b["objects"].values()}
-    for path in objects.iterdir():
-        if path.name not in named:
-            path.unlink()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    tmp.replace(snapshot / SNAPSHOT)  # the commit point
+    fd = os.open(snapshot, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+    return sum(len(bucket.keys) for _, _, bucket in buckets.values())
 
 
 def main(
@@ -190,7 +137,7 @@ def main(
     server.socket.close()
     gate.close()  # the admitted requests have finished; later ones wait unanswered
     written = save(snapshot)
-    log.info("stopped by signal %d; saved %d changed objects to %s (%.2fs)", sig, written, snapshot,
+    log.info("stopped by signal %d; saved %d objects to %s (%.2fs)", sig, written, snapshot,
              time.monotonic() - started)
     # Returning ends the process: the request threads (daemons) held by the gate are not waited for.
 

@@ -4,7 +4,6 @@ the store API."""
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -50,18 +49,16 @@ def test_objects_survive_down_and_up_identical(stack: DevStack) -> None:
     store.delete("runs/r1/deleted")
 
     stack.down()
-    manifest = json.loads((stack.s3_snapshot / "manifest.json").read_text())
-    assert sorted(manifest["buckets"]["laminar"]["objects"]) == sorted(objects)
+    assert [p.name for p in stack.s3_snapshot.iterdir()] == ["buckets.pickle"]
     _, store = up(stack)
     assert store.list("runs/") == sorted(objects)  # the deleted key stays deleted
     for key, data in objects.items():
         assert store.get(key) == data, key
 
-    # A second stop with nothing changed rewrites no object file, and the state is still all there.
-    files = sorted(p.name for p in (stack.s3_snapshot / "objects").iterdir())
-    assert len(files) == len(objects)
+    # A second stop and start keeps the state, and the snapshot does not grow.
+    size = snapshot_bytes(stack)
     stack.down()
-    assert sorted(p.name for p in (stack.s3_snapshot / "objects").iterdir()) == files
+    assert abs(snapshot_bytes(stack) - size) < 4096  # moto's per-key metadata (read times) may change
     _, store = up(stack)
     assert {key: store.get(key) for key in objects} == objects
 
@@ -71,13 +68,13 @@ def test_snapshot_holds_live_objects_only(stack: DevStack) -> None:
     for i in range(50):
         store.put("runs/r1/weights", bytes([i]) * MiB)  # 50 MiB written, one 1 MiB object live
     stack.down()
-    # One 1 MiB object file plus a manifest of a few hundred bytes; a log of every write would hold 50 MiB.
+    # One 1 MiB object plus moto's bucket and key metadata (a few KiB); a log of every write would hold 50 MiB.
     size = snapshot_bytes(stack)
-    assert MiB <= size < MiB + 4096, size
+    assert MiB <= size < MiB + 64 * 1024, size
     _, store = up(stack)
     assert store.get("runs/r1/weights") == bytes([49]) * MiB
     stack.down()
-    assert snapshot_bytes(stack) == size  # and a restart does not add to it
+    assert abs(snapshot_bytes(stack) - size) < 4096  # and a restart does not add to it
 
 
 def test_every_acknowledged_write_survives_an_interrupt(stack: DevStack) -> None:
