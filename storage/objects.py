@@ -260,17 +260,9 @@ class S3ObjectStore(ObjectStore):
         self._call("delete", key, lambda: self._client.delete_object(Bucket=self.bucket, Key=full))
 
     def list(self, prefix: str = "") -> list[str]:
-        keys: list[str] = []
-        token: str | None = None
-        while True:
-            kwargs = {"Bucket": self.bucket, "Prefix": self.prefix + prefix}
-            if token:
-                kwargs["ContinuationToken"] = token
-            page = self._call("list", prefix or "<all>", lambda kw=kwargs: self._client.list_objects_v2(**kw))
-            keys.extend(obj["Key"][len(self.prefix):] for obj in page.get("Contents", []))
-            if not page.get("IsTruncated"):
-                return sorted(keys)
-            token = page["NextContinuationToken"]
+        pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + prefix)
+        contents = self._call("list", prefix or "<all>", lambda: [o for page in pages for o in page.get("Contents", [])])
+        return sorted(obj["Key"][len(self.prefix):] for obj in contents)
 
     def _head(self, key: str) -> dict:
         full = self._full(key)
