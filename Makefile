@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test lint clean browser
 
 setup: $(STAMP)
 
@@ -18,9 +18,16 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/laminar run examples/tiny.toml --summary .laminar/summary.json
 
-test: setup
+test: setup browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+# Headless Chromium for tests/test_report.py (Debian's package, through apt; needs root). Where apt is not
+# usable it says so, and that test skips with the same reason.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& apt-get install -y -q chromium >/dev/null; } \
+		|| echo "chromium not installed (apt-get install -y chromium needs root and a reachable Debian mirror): tests/test_report.py skips its browser test"
 
 lint: setup
 	$(BIN)/ruff check .
