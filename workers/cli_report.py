@@ -47,21 +47,24 @@ def report(run_id: str, out: Path | None, console: Console) -> Path:
 async def list_runs(settings: Settings, query: str, limit: int) -> list[dict]:
     """TrainingRunWorkflow executions, newest first, as dicts of what `laminar list` prints."""
     client = await connect(settings, core_logs=False)
-    where = "WorkflowType = 'TrainingRunWorkflow'" + (f" AND ({query})" if query else "")
+    # one row per run: a segment that continued as new is followed by the run's next one
+    where = ("WorkflowType = 'TrainingRunWorkflow' AND ExecutionStatus != 'ContinuedAsNew'"
+             + (f" AND ({query})" if query else ""))
     out = []
     async for wf in client.list_workflows(where, limit=limit):
         attrs = {key.name: wf.typed_search_attributes.get(key) for key in SEARCH_ATTRIBUTES}
-        out.append({"run_id": wf.id.removeprefix("run/"), "status": wf.status.name if wf.status else "-",
-                    "started": wf.start_time.strftime("%Y-%m-%d %H:%M:%S") if wf.start_time else "-",
-                    "segment": wf.run_id, **attrs})
+        out.append({"run_id": wf.id.removeprefix("run/"), "status": wf.status.name.lower() if wf.status else "-",
+                    "started": wf.start_time.strftime("%m-%d %H:%M") if wf.start_time else "-",
+                    **attrs})
     return out
 
 
 def print_runs(runs: list[dict], console: Console) -> None:
-    table = Table()
+    table = Table(box=None)
     columns = ["run_id", "status", "started", *(key.name for key in SEARCH_ATTRIBUTES)]
     for c in columns:
-        table.add_column(c.removeprefix("Laminar").lower() or c)
+        table.add_column({"LaminarPolicyVersion": "version"}.get(c, c.removeprefix("Laminar").lower()),
+                         no_wrap=c in ("run_id", "started", "status"))
     for r in runs:
         table.add_row(*("-" if r.get(c) is None else (f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]))
                         for c in columns))
