@@ -182,6 +182,10 @@ class TorchEngine:
         slot = first_free_slot(self._slots, request_id)
         self._slots[slot] = _Seq(request_id, list(prompt_ids), prefix_ids, prefix_logprobs)
 
+    def abort(self, request_ids: set[str]) -> None:
+        """Drop these in-flight requests (dynamic repack hands them to another replica); others are unknown."""
+        self._slots = [None if s is not None and s.request_id in request_ids else s for s in self._slots]
+
     def snapshot_inflight(self) -> list[tuple[str, list[int], list[int], list[float]]]:
         """(request_id, prompt_ids, response_ids so far, logprobs so far) of every in-flight sequence."""
         return [
