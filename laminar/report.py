@@ -183,19 +183,24 @@ def _figures(data: ReportData):
 
 def _reward(plt, data: ReportData):
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
-    ax.plot(data.steps, data.reward, lw=0.8, color="tab:blue", alpha=0.5, label="step")
     window = max(1, len(data.reward) // 20)
-    if len(data.reward) >= window > 1:
-        smooth = [sum(data.reward[i - window + 1:i + 1]) / window for i in range(window - 1, len(data.reward))]
-        ax.plot(data.steps[window - 1:], smooth, lw=1.8, color="tab:blue", label=f"mean of {window}")
+    for axis, values, colour in ((ax, data.reward, "tab:blue"), (ax2, data.tokens_per_s, "tab:green")):
+        axis.plot(data.steps, values, lw=0.8, color=colour, alpha=0.5, label="step")
+        if window > 1:
+            axis.plot(data.steps[window - 1:], moving_mean(values, window), lw=1.8, color=colour,
+                      label=f"mean of {window} steps")
+        axis.legend(fontsize=8)
     ax.set(ylabel="mean reward", title=f"run {data.run_id}: reward and tokens/s per step")
-    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    ax2.plot(data.steps, data.tokens_per_s, lw=0.8, color="tab:green")
-    ax2.set(xlabel="trainer step", ylabel="tokens / s")
+    ax2.set(xlabel="trainer step", ylabel="trained tokens / s")
     ax2.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def moving_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each run of `window` consecutive values (len(values) - window + 1 of them)."""
+    return [sum(values[i - window + 1:i + 1]) / window for i in range(window - 1, len(values))]
 
 
 def _staleness(plt, data: ReportData):
@@ -212,6 +217,8 @@ def _staleness(plt, data: ReportData):
 
 def _versions(plt, data: ReportData):
     from matplotlib import colormaps
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
 
     cmap = colormaps["viridis"]
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * max(1, len(data.versions))))
@@ -222,6 +229,7 @@ def _versions(plt, data: ReportData):
             ax.broken_barh([(s, e - s)], (y - 0.4, 0.8), color=cmap(v / max(1, top)))
             if e - s > span / 60:
                 ax.text((s + e) / 2, y, str(v), ha="center", va="center", fontsize=6, color="white")
+    fig.colorbar(ScalarMappable(Normalize(0, max(1, top)), cmap), ax=ax, label="policy version", pad=0.01)
     ax.set(yticks=range(len(data.versions)), yticklabels=list(data.versions), xlabel="s since start",
            title=f"run {data.run_id}: policy version per replica over time (each bar: trajectories of one version)")
     ax.title.set_fontsize(9)
