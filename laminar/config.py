@@ -115,6 +115,21 @@ class RolloutSection(_Section):
         "decode, prefill and weight-load times follow the [modelled] section (rl/modelled.py); needs "
         "trainer.engine = 'modelled' too.",
     )
+    repack: bool = Field(
+        True,
+        description="Dynamic repack (laminar mode only; workflows/repack.py): replicas in ramp-down hand their "
+        "unfinished trajectories to another replica of the same policy version, and load the newest version.",
+    )
+    repack_every_s: float = Field(
+        5.0, gt=0.0, le=3600.0,
+        description="Seconds between repack plans (the paper's example period), in the engine's time: modelled "
+        "seconds for the modelled engine. It also plans right after each trainer step.",
+    )
+    repack_c_max: float = Field(
+        0.9, gt=0.0, le=1.0,
+        description="Peak KV fraction a destination may be packed to, and below which a replica can be in "
+        "ramp-down (fraction of KV capacity; assumed, see workflows/repack.py C_MAX).",
+    )
 
 
 class TrainerSection(_Section):

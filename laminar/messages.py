@@ -39,6 +39,50 @@ class ReplicaReport:
     in_flight: int = 0
     kv_used: int = 0
     kv_capacity: int = 0
+    kv_prev: int = 0  # kv_used at the previous report (repack's idleness test: falling below the peak)
+    waiting: int = 0  # prompts leased to it and not started
+
+
+@dataclass(frozen=True)
+class MigrationOrder:
+    """workflow -> source replica (dynamic repack, workflows/repack.py): hand every unfinished trajectory of
+    `policy_version` to `destination`, then load the newest version."""
+
+    migration_id: str
+    destination: str
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """source replica -> workflow (on a claim): the groups it stopped, written as one segment (partial rows:
+    prefixes and log-probs; finished samples as they are). No segment: it declined (its version changed or
+    nothing was left in flight)."""
+
+    migration_id: str
+    segment: SegmentRef | None = None
+    overhead_s: float = 0.0  # the source's stop + write time
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """workflow -> destination replica, on every answer until it acknowledges: groups to continue under
+    `policy_version` from the segment (their leases are already the destination's)."""
+
+    migration_id: str
+    source: str
+    segment: SegmentRef
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class Taken:
+    """destination -> workflow (on a claim): it continued the groups of a migration (ok) or could not
+    (its version changed or no room; their leases go back to the pool and are generated again)."""
+
+    migration_id: str
+    ok: bool
+    overhead_s: float = 0.0  # the destination's read + re-prefill admission time
 
 
 @dataclass(frozen=True)
@@ -59,6 +103,8 @@ class ClaimPromptsInput:
     first_claim: bool = False  # set by a (re)started replica: its other open leases are returned to the pool
     attempt: int = 1  # the replica activity's attempt: > 1 means it was retried after a failure
     request_id: str = ""  # idempotency key: a retried claim with the same id gets the same leases back
+    handoff: Handoff | None = None  # repack: a source hands its stopped groups over
+    taken: list[Taken] = field(default_factory=list)  # repack: a destination acknowledges incoming groups
 
 
 @dataclass(frozen=True)
@@ -79,6 +125,8 @@ class ClaimPromptsResult:
     handover: bool = False  # continue-as-new pending: write in-flight to the partial pool and return
     paused: bool = False
     resume_ok: list[str] = field(default_factory=list)  # of `resuming`: still leased to this replica
+    migrate: MigrationOrder | None = None  # repack: this replica is a source
+    incoming: list[Incoming] = field(default_factory=list)  # repack: this replica is a destination
 
 
 @dataclass(frozen=True)
@@ -96,6 +144,8 @@ class AddExperienceResult:
     duplicates: list[str]  # already reported (a retried report): ignored
     stop: bool = False
     handover: bool = False
+    migrate: MigrationOrder | None = None
+    incoming: list[Incoming] = field(default_factory=list)
 
 
 # -- trainer activities -----------------------------------------------------------------------
@@ -234,7 +284,9 @@ class RunEvent:
 
     kinds: replica_rejoined (a retried replica claimed again), replica_recovered (its first complete
     group after rejoining), relay_lost, relay_joined, trainer_restored (a step replayed from a checkpoint),
-    checkpoint_fallback (subject: the corrupt checkpoint steps; count: the step restored from instead).
+    checkpoint_fallback (subject: the corrupt checkpoint steps; count: the step restored from instead),
+    repack_ordered / repack_moved / repack_declined (subject: "<source>-><destination>"; count: trajectories
+    ordered / groups moved / groups sent back to the pool).
     """
 
     kind: str
@@ -285,6 +337,10 @@ class RunStatus:
     # a train step is in flight; after `pause` the run is quiet (nothing commits) once this is False
     training: bool = False
     dropped_stale: int = 0  # samples dropped as staler than the run mode's bound (workflows/policy.py)
+    repacks: int = 0  # migrations carried out (groups handed over and continued by the destination)
+    repack_groups: int = 0  # groups moved by them
+    repack_overhead_s: float = 0.0  # summed over them: source stop + write, destination read + admit
+    migrations_pending: int = 0  # ordered or handed over, not yet acknowledged
 
 
 # -- recovery drills ----------------------------------------------------------------------------

@@ -43,10 +43,14 @@ from laminar.messages import (
     AddExperienceResult,
     ClaimPromptsInput,
     ClaimPromptsResult,
+    Handoff,
+    Incoming,
     Lease,
+    MigrationOrder,
     RelayInfo,
     ReplicaReport,
     RolloutReplicaResult,
+    Taken,
 )
 from laminar.records import Trajectory
 from laminar.timing import TimeBreakdown
@@ -164,6 +168,11 @@ class RolloutReplica:
         self.profile = TimeBreakdown()
         self._profile_written = self.profile.started
         self.metrics = prom.ReplicaMetrics.of(replica_id)  # Prometheus series (laminar/metrics.py)
+        # dynamic repack (workflows/migrations.py): what the next claim carries, and migrations already handled
+        self._handoff: Handoff | None = None
+        self._taken: list[Taken] = []
+        self._repack_seen: set[str] = set()
+        self._kv_reported = 0  # kv_used at the previous report (kv_prev)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -217,6 +226,7 @@ class RolloutReplica:
                     claim_every = _next_claim_interval(claim_every, asked, len(res.leases), res.paused)
                 elif res.stop or res.handover:
                     return self._hand_over(res.stop)
+                self._on_repack(res.migrate, res.incoming)
             if self.pending:
                 self._admit_startable()
             want = self._admissible_groups()
@@ -224,7 +234,8 @@ class RolloutReplica:
             waiting = busy or self.engine.policy_version is None  # no weights yet: learn relays that join later
             enough = 1 if not self.groups else min(CLAIM_MIN_GROUPS, self.cfg.rollout.max_inflight_groups)
             claim_due = (want >= enough and now - last_claim >= claim_every) or (
-                waiting and not self.completed and now - last_claim >= CONTACT_S)
+                waiting and not self.completed and now - last_claim >= CONTACT_S) or (
+                self._handoff is not None or bool(self._taken))  # repack: hand off / acknowledge at once
             report_due = len(self.completed) >= REPORT_MIN_GROUPS or bool(self.completed) and (
                 not self.groups or now - self._completed_since >= REPORT_MAX_WAIT_S)
             if self._call is not None:
@@ -234,8 +245,10 @@ class RolloutReplica:
                 last_claim = now  # a report is a contact
             elif claim_due:
                 asked = want
-                request = ClaimPromptsInput(report=self._report(), max_groups=want, attempt=self.attempt,
-                                            request_id=self._request_id())
+                request = ClaimPromptsInput(report=self._report(), max_groups=max(0, want), attempt=self.attempt,
+                                            request_id=self._request_id(), handoff=self._handoff,
+                                            taken=self._taken)
+                self._handoff, self._taken = None, []
                 self._start("claim", self.control.claim, request)
                 last_claim = now
             if in_flight := self.engine.in_flight():
@@ -493,7 +506,13 @@ class RolloutReplica:
             self._restart_fresh(resumed)
             return
         self._load(version, payload)
-        for group_id, rows in resumed.items():
+        self._continue(resumed, version)
+        log.info("partial_groups_resumed", replica_id=self.replica_id, groups=len(resumed), policy_version=version)
+
+    def _continue(self, groups: dict[str, list[Trajectory]], version: int) -> None:
+        """Continue these groups under `version` (the one loaded): partial samples from their prefixes (prefilled
+        again), missing samples from the prompt; finished samples are kept as they are."""
+        for group_id, rows in groups.items():
             first = rows[0]
             group = _Group(Lease(group_id, first.prompt_id), self.task.prompt(first.prompt_id), first.started_at,
                            version)
@@ -509,7 +528,76 @@ class RolloutReplica:
                 self.engine.add(f"{group_id}/{i}", first.prompt_ids)
             if len(group.done) == self.cfg.rollout.group_size:
                 self.completed.append(self.groups.pop(group_id))
-        log.info("partial_groups_resumed", replica_id=self.replica_id, groups=len(resumed), policy_version=version)
+
+    # -- dynamic repack (workflows/migrations.py) ---------------------------------------------------------
+
+    def _on_repack(self, order: MigrationOrder | None, incoming: list[Incoming]) -> None:
+        """An answer's repack part: an order makes this replica a source, each Incoming a destination. Each
+        migration is handled once (answers repeat it until acknowledged)."""
+        if order is not None and order.migration_id not in self._repack_seen:
+            self._repack_seen.add(order.migration_id)
+            self._hand_off(order)
+        for inc in incoming:
+            if inc.migration_id not in self._repack_seen:
+                self._repack_seen.add(inc.migration_id)
+                self._take(inc)
+
+    def _hand_off(self, order: MigrationOrder) -> None:
+        """Stop every unfinished group, write them (prefixes and log-probs) as one segment, and hand them over
+        on the next claim; declines when its version is no longer the order's or nothing is left in flight.
+        The leases stay this replica's until the workflow records the hand-off, so a death before that
+        recovers them as any other in-flight group."""
+        t0 = time.perf_counter()
+        if self.engine.policy_version != order.policy_version or not self.groups:
+            self._handoff = Handoff(order.migration_id)
+            log.info("repack_declined_as_source", replica_id=self.replica_id, migration=order.migration_id,
+                     policy_version=self.engine.policy_version, groups=len(self.groups))
+            return
+        now = self.clock()
+        moving = dict(self.groups)
+        rows = [t for g in moving.values() for t in g.done.values()]
+        request_ids = set()
+        for request_id, _prompt, response, logprobs in self.engine.snapshot_inflight():
+            group_id, index = request_id.rsplit("/", 1)
+            if group_id in moving:
+                request_ids.add(request_id)
+                rows.append(self._trajectory(moving[group_id], int(index), response, logprobs, 0.0, "partial", now))
+        with self.profile.measure("repack_out"):
+            ref = self.trajectories.write_migration(self.run_id, order.migration_id, rows)
+        self.engine.abort(request_ids)
+        self.groups = {g: grp for g, grp in self.groups.items() if g not in moving}
+        self._handoff = Handoff(order.migration_id, ref, overhead_s=time.perf_counter() - t0)
+        log.info("repack_handed_off", replica_id=self.replica_id, migration=order.migration_id,
+                 destination=order.destination, groups=len(moving), sequences=len(request_ids),
+                 policy_version=order.policy_version)
+
+    def _take(self, inc: Incoming) -> None:
+        """Continue a source's groups under their version if this replica still holds it and has the slots;
+        else decline (the workflow sends them back to the pool). Acknowledged on the next claim."""
+        t0 = time.perf_counter()
+        ok = self.engine.policy_version == inc.policy_version
+        by_group: dict[str, list[Trajectory]] = {}
+        if ok:
+            try:
+                with self.profile.measure("repack_in"):
+                    rows = self.trajectories.read_segment(inc.segment)
+            except CorruptDataError as e:
+                log.error("repack_segment_corrupt", replica_id=self.replica_id, migration=inc.migration_id,
+                          error=str(e))
+                rows = []
+            wanted = set(inc.segment.group_ids)
+            for t in rows:
+                if t.group_id in wanted:
+                    by_group.setdefault(t.group_id, []).append(t)
+            unfinished = sum(self.cfg.rollout.group_size - sum(1 for t in g if t.finish_reason != "partial")
+                             for g in by_group.values())
+            ok = set(by_group) == wanted and unfinished <= self.engine.free_slots()
+        if ok:
+            self._continue(by_group, inc.policy_version)
+        self._taken.append(Taken(inc.migration_id, ok, overhead_s=time.perf_counter() - t0))
+        log.info("repack_taken" if ok else "repack_declined_as_destination", replica_id=self.replica_id,
+                 migration=inc.migration_id, source=inc.source, groups=len(inc.segment.group_ids),
+                 policy_version=self.engine.policy_version, wanted_version=inc.policy_version)
 
     def _fetch_version(self, version: int) -> bytes | None:
         for addr in self._relay_order():
@@ -549,21 +637,26 @@ class RolloutReplica:
             self.store.put(key, json.dumps(self.profile.to_dict()).encode())
         self._profile_written = self.profile.clock()
 
-    def _report(self) -> ReplicaReport:
+    def _report(self, advance: bool = True) -> ReplicaReport:
+        """What this replica holds now; kv_prev is kv_used at the previous report (heartbeats do not advance it)."""
         used, capacity = self.engine.kv_usage()
         version = self.engine.policy_version
-        return ReplicaReport(
+        report = ReplicaReport(
             replica_id=self.replica_id, host_id=self.host_id,
             policy_version=-1 if version is None else int(version),
             in_flight=self.engine.in_flight(), kv_used=used, kv_capacity=capacity,
+            kv_prev=self._kv_reported, waiting=len(self.pending),
         )
+        if advance:
+            self._kv_reported = used
+        return report
 
     def _request_id(self) -> str:
         self.claims += 1
         return f"{self.segment_prefix}-c{self.claims}"
 
     def _heartbeat_details(self) -> dict:
-        r = self._report()
+        r = self._report(advance=False)
         self.metrics.state(r.policy_version, r.in_flight, r.kv_used, r.kv_capacity)
         return {"policy_version": r.policy_version, "in_flight": r.in_flight, "kv_used": r.kv_used,
                 "kv_capacity": r.kv_capacity, "groups_completed": self.groups_completed,

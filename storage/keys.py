@@ -110,6 +110,11 @@ def experience_segment(run_id: str, replica_id: str, seq: str) -> str:
     return f"{experience_prefix(run_id, replica_id)}{check_id('segment seq', seq)}.parquet"
 
 
+def migration(run_id: str, migration_id: str) -> str:
+    """The groups a repack source handed over (workflows/migrations.py); read by the destination."""
+    return f"{run_prefix(run_id)}migrations/{check_id('migration id', migration_id)}.parquet"
+
+
 Fence = tuple[int, int]  # (history segment, activity attempt) of the replica incarnation that wrote a pool
 
 

@@ -112,7 +112,16 @@ class TrajectoryStore:
         if not trajectories:
             raise ValueError(f"segment {seq} of replica {replica_id} (run {run_id}) has no trajectories; "
                              f"write a segment only when at least one group is complete")
-        key = keys.experience_segment(run_id, replica_id, seq)
+        return self._write(keys.experience_segment(run_id, replica_id, seq), trajectories)
+
+    def write_migration(self, run_id: str, migration_id: str, trajectories: list[Trajectory]) -> SegmentRef:
+        """Write the groups a repack source hands over (partial rows included); read with read_segment."""
+        if not trajectories:
+            raise ValueError(f"migration {migration_id} (run {run_id}) has no trajectories; a source with "
+                             "nothing in flight declines instead")
+        return self._write(keys.migration(run_id, migration_id), trajectories)
+
+    def _write(self, key: str, trajectories: list[Trajectory]) -> SegmentRef:
         data = _to_parquet(trajectories)
         self.store.put(key, data)
         return SegmentRef(

@@ -257,4 +257,8 @@ class Ledger:
             handover_stall_max=s.handover_stall_max,
             training=training,
             dropped_stale=s.dropped_stale,
+            repacks=s.repacks,
+            repack_groups=s.repack_groups,
+            repack_overhead_s=round(s.repack_overhead_s, 4),
+            migrations_pending=len(s.migrations) + sum(len(q) for q in s.inbox.values()),
         )

@@ -29,6 +29,10 @@ global sync point the baselines pay for (the modelled engine charges a global br
 Invariants (tests/test_policy.py): staleness of a consumed group is 0 in sync and <= 1 in one_step/stream
 (version at start >= b - lag, trained at step b); generation never runs more than `lookahead` batches ahead
 of the trainer; in partial_rollout a group is never leased more than max_staleness versions ahead.
+
+Dynamic repack (workflows/repack.py, workflows/migrations.py) runs in laminar mode only: it shortens the
+"finish first" drain by moving a ramp-down replica's trajectories to another replica of the same version.
+The barrier modes idle every replica at a batch boundary anyway, and partial rollout interrupts instead.
 """
 
 from __future__ import annotations
@@ -51,12 +55,13 @@ class Policy:
     global_sync: bool  # a weight update is a global broadcast during which every replica stops
     whole_batches: bool  # the trainer trains exactly batch b (not the oldest ready groups)
     steps_per_version: int  # trainer steps per policy version: trainer.minibatches in stream, else 1
+    repacks: bool = False  # dynamic repack (workflows/repack.py): laminar with rollout.repack
 
 
 def policy_for(cfg: RunConfig) -> Policy:
     mode, b = cfg.run.mode, cfg.trainer.groups_per_step
     if mode == "laminar":
-        return Policy(mode, b, None, False, None, False, False, False, 1)
+        return Policy(mode, b, None, False, None, False, False, False, 1, repacks=cfg.rollout.repack)
     if mode == "sync":
         return Policy(mode, b, 0, True, 0, False, True, True, 1)
     if mode == "one_step":

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from laminar.messages import BatchPart, Lease, RelayInfo, ReplicaReport, RunEvent
+from laminar.messages import BatchPart, Incoming, Lease, MigrationOrder, RelayInfo, ReplicaReport, RunEvent
 from laminar.refs import CheckpointRef, SegmentRef
 
 RECENT_REWARDS = 20  # steps of reward kept for the live status
@@ -79,6 +79,15 @@ class RunState:
     handover_stall_max: float = 0.0
     last_claims: dict[str, LastClaim] = field(default_factory=dict)  # replica_id -> its last claim
     rejoined: list[str] = field(default_factory=list)  # replicas retried and not yet recovered
+    # dynamic repack (workflows/repack.py): orders not yet handed off (by source), hand-offs not yet
+    # acknowledged (by destination), and what the carried-out ones moved and cost
+    migrations: dict[str, MigrationOrder] = field(default_factory=dict)
+    inbox: dict[str, list[Incoming]] = field(default_factory=dict)
+    migration_seq: int = 0
+    last_plan_at: float = 0.0
+    repacks: int = 0
+    repack_groups: int = 0
+    repack_overhead_s: float = 0.0
 
 
 @dataclass

@@ -41,6 +41,7 @@ with workflow.unsafe.imports_passed_through():
         relay_queue,
     )
     from workflows.ledger import Ledger
+    from workflows.migrations import Migrations
     from workflows.policy import Policy, fresh_lease_room, policy_for
     from workflows.state import RunState, TrainingRunInput
 
@@ -81,6 +82,7 @@ class TrainingRunWorkflow:
             self.state = RunState(run_id="invalid")
             self._segment_first_step = 0
         self.ledger = Ledger(self.state)
+        self.migrations = Migrations(self.ledger)  # dynamic repack's lease hand-overs (workflows/migrations.py)
 
     # -- the run, as a table of contents -----------------------------------------------------
 
@@ -317,6 +319,25 @@ class TrainingRunWorkflow:
         self.state.trainer_busy_s += workflow.time() - t0
         self.ledger.commit_step(inp, res, keep_last=self._cfg.trainer.keep_last, at=workflow.time())
         self._note_history()
+        self._maybe_repack(after_step=True)
+
+    def _maybe_repack(self, after_step: bool = False) -> None:
+        """Dynamic repack (laminar mode): plan every rollout.repack_every_s of the engine's time and right after
+        each trainer step; the orders reach the replicas in their next answers (workflows/migrations.py)."""
+        assert self._cfg is not None and self._policy is not None
+        if not self._policy.repacks or self._handover or self.state.stopping:
+            return
+        r = self._cfg.rollout
+        modelled = r.engine == "modelled"
+        every_s = r.repack_every_s / (self._cfg.modelled.speedup if modelled else 1.0)
+        now = workflow.time()
+        if not after_step and now - self.state.last_plan_at < every_s:
+            return
+        if not workflow.patched("repack"):
+            return
+        slots = r.max_inflight_groups * r.group_size
+        self.migrations.plan(c_max=r.repack_c_max, at=now,
+                             batch_limit=min(self._cfg.modelled.roofline_batch, slots) if modelled else slots)
 
     # -- rollout replicas --------------------------------------------------------------------
 
@@ -349,10 +370,16 @@ class TrainingRunWorkflow:
         self.ledger.note_report(inp.report)
         resume_ok: list[str] = []
         if inp.first_claim:
+            self.migrations.forget(replica_id)
             self.ledger.release_leases_of(replica_id, keep=set(inp.resuming))
             resume_ok = self.ledger.held_by(replica_id, inp.resuming)
             if inp.attempt > 1:
                 self.ledger.rejoin(replica_id, workflow.time())
+        if inp.handoff is not None:
+            self.migrations.hand_off(replica_id, inp.handoff, workflow.time())
+        if inp.taken:
+            self.migrations.take(replica_id, inp.taken, workflow.time())
+        self._maybe_repack()
         stop, handover = self.state.stopping, self._handover
         leases = self.ledger.replay_claim(replica_id, inp.request_id)
         if leases is None:
@@ -371,6 +398,8 @@ class TrainingRunWorkflow:
             handover=handover,
             paused=self.state.paused,
             resume_ok=resume_ok,
+            migrate=self.migrations.order_for(replica_id),
+            incoming=self.migrations.incoming_for(replica_id),
         )
 
     @claim_prompts.validator
@@ -387,8 +416,11 @@ class TrainingRunWorkflow:
         accepted, duplicates = self.ledger.add_segment(
             inp.segment, inp.report.replica_id, workflow.time(), inp.tokens_regenerated
         )
+        self._maybe_repack()
+        replica_id = inp.report.replica_id
         return AddExperienceResult(
-            accepted=accepted, duplicates=duplicates, stop=self.state.stopping, handover=self._handover
+            accepted=accepted, duplicates=duplicates, stop=self.state.stopping, handover=self._handover,
+            migrate=self.migrations.order_for(replica_id), incoming=self.migrations.incoming_for(replica_id),
         )
 
     @add_experience.validator

@@ -1,0 +1,120 @@
+"""Dynamic repack, the workflow's side: who owns a migrating group at each moment, so that a migration that
+fails anywhere loses no group and runs none twice.
+
+Pure and clock-free like workflows/ledger.py: it changes `RunState` only, the workflow calls it from its
+update handlers and after each trainer step, and tests drive it directly.
+
+A migration, end to end (the planner, workflows/repack.py, picks source S and destination D of one version v):
+1. order   - the workflow records `migrations[S]` and tells S in its next answer (claim or report).
+2. hand-off - S stops its unfinished groups, writes them as one segment (prefixes + log-probs), and sends the
+             segment on its next claim. The workflow moves the leases S still holds to D (one owner per
+             group, always) and queues an `Incoming` for D. S then loads the newest version.
+3. take    - D, on an answer carrying the `Incoming`, continues the groups under v if it still holds v and
+             has the slots (re-prefilling the prefixes), else declines; it acknowledges on its next claim.
+             A decline sends the groups' leases back to the pool (generated again from scratch, counted).
+
+Failures: the lease owner is what the workflow says, so every case reduces to the existing recovery.
+- S dies before its hand-off is recorded: its leases are still its own; its retry resumes them from its
+  partial pool (or they go back to the pool). Its order is forgotten at its first claim.
+- S dies after the hand-off: the groups are D's; S's retry finds them no longer leased to it (resume_ok).
+- D dies before or after taking: the groups are D's leases; its retry resumes those its partial pool holds
+  and the rest go back to the pool (release_leases_of), and its unacknowledged `Incoming`s are forgotten.
+- A retried claim carries the same hand-off or acknowledgement again: the second one finds nothing pending
+  under that id and changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from laminar.messages import Handoff, Incoming, MigrationOrder, Taken
+from workflows.ledger import Ledger
+from workflows.repack import Move, ReplicaLoad, plan_repack
+
+
+class Migrations:
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.state = ledger.state
+
+    def involved(self) -> set[str]:
+        """Replicas in a migration not yet acknowledged, as source or destination: not planned again meanwhile."""
+        busy = set(self.state.migrations) | {o.destination for o in self.state.migrations.values()}
+        return busy | {r for r, queue in self.state.inbox.items() if queue}
+
+    def pending(self) -> int:
+        return len(self.state.migrations) + sum(len(q) for q in self.state.inbox.values())
+
+    def plan(self, *, c_max: float, batch_limit: int, at: float) -> list[Move]:
+        """Run the planner over the replicas' latest reports (those with weights, not already migrating) and
+        order its moves."""
+        busy = self.involved()
+        loads = [
+            ReplicaLoad(replica_id=r.replica_id, policy_version=r.policy_version, kv_used=r.kv_used,
+                        kv_prev=r.kv_prev, kv_capacity=r.kv_capacity, in_flight=r.in_flight, waiting=r.waiting)
+            for r in self.state.replicas.values()
+            if r.policy_version >= 0 and r.kv_capacity > 0 and r.replica_id not in busy
+        ]
+        self.state.last_plan_at = at
+        moves = plan_repack(loads, c_max=c_max, roofline_batch=batch_limit)
+        for m in moves:
+            self.state.migration_seq += 1
+            self.state.migrations[m.source] = MigrationOrder(
+                migration_id=f"m{self.state.migration_seq:06d}", destination=m.destination,
+                policy_version=m.policy_version)
+            self.ledger.note_event("repack_ordered", f"{m.source}->{m.destination}", at, m.trajectories)
+        return moves
+
+    def order_for(self, replica_id: str) -> MigrationOrder | None:
+        return self.state.migrations.get(replica_id)
+
+    def incoming_for(self, replica_id: str) -> list[Incoming]:
+        return list(self.state.inbox.get(replica_id, []))
+
+    def hand_off(self, source: str, handoff: Handoff, at: float) -> list[str]:
+        """Record a source's hand-off: the groups it still holds become the destination's. Returns them."""
+        order = self.state.migrations.get(source)
+        if order is None or order.migration_id != handoff.migration_id:
+            return []  # a retried claim, or an order forgotten when the source restarted
+        del self.state.migrations[source]
+        subject = f"{source}->{order.destination}"
+        moved = [] if handoff.segment is None else self.ledger.held_by(source, handoff.segment.group_ids)
+        if not moved:
+            self.ledger.note_event("repack_declined", subject, at, 0)
+            return []
+        for g in moved:
+            self.state.open_leases[g].replica_id = order.destination
+        segment = replace(handoff.segment, group_ids=moved)
+        self.state.inbox.setdefault(order.destination, []).append(
+            Incoming(migration_id=order.migration_id, source=source, segment=segment,
+                     policy_version=order.policy_version))
+        self.state.repack_overhead_s += handoff.overhead_s
+        return moved
+
+    def take(self, destination: str, taken: list[Taken], at: float) -> None:
+        """A destination's acknowledgements: count the migrations it continued; send declined groups back."""
+        queue = self.state.inbox.get(destination, [])
+        for t in taken:
+            inc = next((i for i in queue if i.migration_id == t.migration_id), None)
+            if inc is None:
+                continue  # already acknowledged (a retried claim)
+            queue.remove(inc)
+            subject = f"{inc.source}->{destination}"
+            if t.ok:
+                self.state.repacks += 1
+                self.state.repack_groups += len(inc.segment.group_ids)
+                self.state.repack_overhead_s += t.overhead_s
+                self.ledger.note_event("repack_moved", subject, at, len(inc.segment.group_ids))
+            else:
+                back = self.ledger.held_by(destination, inc.segment.group_ids)
+                for g in back:
+                    self.state.returned.append(self.state.open_leases.pop(g))
+                self.ledger.note_event("repack_declined", subject, at, len(back))
+        if not queue:
+            self.state.inbox.pop(destination, None)
+
+    def forget(self, replica_id: str) -> None:
+        """A (re)started replica: its order is void and its unacknowledged incoming groups are leases it holds
+        like any other (kept if its partial pool has them, else back to the pool)."""
+        self.state.migrations.pop(replica_id, None)
+        self.state.inbox.pop(replica_id, None)
