@@ -1,6 +1,6 @@
 """One process of the relay benchmark, started by bench.relay inside a node's network namespace.
 
-    python -m bench.node relay --id r3 --host 10.77.0.4   serve a relay; print its address
+    python -m bench.node relay --id r3 --host 10.77.0.4   serve a relay; print {"addr", "pid"}
     python -m bench.node agent                            run JSON commands from stdin
 
 An agent reads one JSON command per line on stdin and answers one JSON line on stdout
@@ -31,7 +31,7 @@ app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
 @app.command("relay")
 def serve_relay(relay_id: str = typer.Option(..., "--id"), host: str = typer.Option(..., "--host"),
                 keep_versions: int = typer.Option(2, "--keep")) -> None:
-    """Serve a relay on host; print its address."""
+    """Serve a relay on host; print its address and pid as one JSON line."""
     from relay.server import RelayServer
 
     configure_logging(level="warning")
@@ -40,7 +40,7 @@ def serve_relay(relay_id: str = typer.Option(..., "--id"), host: str = typer.Opt
                          forward_timeout_s=60.0)
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-    print(server.start(), flush=True)
+    print(json.dumps({"addr": server.start(), "pid": os.getpid()}), flush=True)  # the pid: for its CPU time
     stopped.wait()
     server.stop()
 
@@ -65,7 +65,7 @@ class Agent:
         tensors = {f"layers.{i // step}.weight": raw[i:i + step] for i in range(0, size, step)}
         self.payload = save(tensors)
         self.params = None
-        return {"size": len(self.payload), "sha256": protocol.sha256_hex(self.payload)}
+        return {"size": len(self.payload), "digest": protocol.digest_hex(self.payload)}
 
     def push_cmd(self, addr: str, chain: list[str], version: int, run: str, chunk_bytes: int | None) -> dict:
         start = time.time()

@@ -16,6 +16,14 @@ Measured per relay count p:
     model_s         T = M/B + (p-2)*t_start + 2*sqrt((p-2)*M/B*t_start), p = relays + master,
                     B and t_start measured on the same link
     local_pull_gbps map the version from the master's shared memory and copy it into the engine
+    relay_cpu_s_per_gib   CPU seconds (user + system, /proc/<pid>/stat via psutil) each relay that
+                    received and forwarded spent per GiB it forwarded, over the chain reps: mean and
+                    max over those relays (None at p = 1, where the only relay forwards nothing);
+                    tail_cpu_s_per_gib is the last relay's (receive only), master_cpu_s_per_gib the
+                    master's (receive from the trainer and forward once)
+    forward_bytes_per_s   aggregate forwarding rate: p * size / all_relays_s (bytes that reached relays)
+and once per run loopback_tcp_bytes_per_s: one TCP stream over this machine's loopback, not pinned,
+in the same run, for scale.
 """
 
 from __future__ import annotations
@@ -30,12 +38,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+import psutil
 
 from bench.netns import Netns
 from laminar.errors import LaminarError
@@ -129,6 +140,43 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def loopback_tcp_bytes_per_s(size: int, reps: int = 3) -> float:
+    """Best of `reps`: one TCP stream of `size` bytes over 127.0.0.1 (sendall of one buffer, recv_into a
+    4 MiB one in another thread; both release the GIL in their syscalls), this process unpinned."""
+    payload = memoryview(bytearray(os.urandom(1 << 20)) * max(1, size >> 20))
+    best = 0.0
+    for _ in range(reps):
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            got: list[int] = []
+            reader = threading.Thread(target=lambda got=got, server=server: got.append(_receive_all(server)),
+                                      daemon=True)
+            reader.start()
+            with socket.create_connection(server.getsockname()[:2]) as sock:
+                start = time.perf_counter()
+                sock.sendall(payload)
+                sock.shutdown(socket.SHUT_WR)
+                reader.join(120)
+                elapsed = time.perf_counter() - start
+        if got != [len(payload)]:
+            raise BenchError(f"loopback TCP check received {got} of {len(payload)} bytes")
+        best = max(best, len(payload) / elapsed)
+    return best
+
+
+def _receive_all(server: socket.socket) -> int:
+    conn, _ = server.accept()
+    sink, total = memoryview(bytearray(4 << 20)), 0
+    with conn:
+        while (n := conn.recv_into(sink)) > 0:
+            total += n
+    return total
+
+
+def _cpu_s(procs: list[psutil.Process]) -> list[float]:
+    """User + system CPU seconds of each process so far (/proc/<pid>/stat)."""
+    return [sum(p.cpu_times()[:2]) for p in procs]
+
+
 def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Run every scenario for every relay count; returns the JSON-ready report."""
     max_p = max(cfg.relays)
@@ -163,8 +211,11 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
         relays = [spawn(f"relay-{n}", n, "relay", "--id", n, "--host", host(n)) for n in relay_nodes]
         trainer = spawn("agent-trainer", "m", "agent")
         readers = [spawn(f"agent-{n}", n, "agent") for n in relay_nodes] if cfg.storage else []
-        master_addr = master.readline(60)
-        relay_addrs = [r.readline(60) for r in relays]
+        master_info = json.loads(master.readline(60))
+        relay_infos = [json.loads(r.readline(60)) for r in relays]
+        master_addr, relay_addrs = master_info["addr"], [r["addr"] for r in relay_infos]
+        master_ps = psutil.Process(master_info["pid"])
+        relay_ps = [psutil.Process(r["pid"]) for r in relay_infos]
         store_port = STORE_PORT if cfg.rate_mbit else _free_port()
         endpoint = f"http://{host('s')}:{store_port}"
         if cfg.storage:
@@ -174,6 +225,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
 
         payload = trainer.call("payload", size=cfg.size)
         size = payload["size"]
+        progress("measuring one loopback TCP stream")
+        loopback = loopback_tcp_bytes_per_s(size)
         memcpy = trainer.call("memcpy", size=size)["memcpy_gbps"]
         progress(f"payload {size} bytes; memcpy {memcpy:.2f} GB/s; measuring the link")
         link = trainer.call("link", addr=relay_addrs[0], run="bench-link", reps=2)
@@ -189,12 +242,17 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
             chunk = cfg.chunk_bytes or protocol.chunk_bytes_for(size, p + 1, link["bytes_per_s"], link["t_start_s"])
             progress(f"{p} relay(s): chain broadcast, chunk {chunk} bytes")
             stalls, alls = [], []
+            cpu_before = _cpu_s([master_ps, *relay_ps[:p]])
             for v in range(1, cfg.reps + 1):
                 run = f"bench-chain-{p}"
                 pushed = trainer.call("push", addr=master_addr, chain=chain, version=v, run=run, chunk_bytes=chunk)
                 done = trainer.call("wait", addrs=[master_addr, *chain], version=v, run=run, wait_s=600.0)
                 stalls.append(pushed["stall_s"])
                 alls.append(max(done["completed_at"]) - pushed["start"])
+            gib = cfg.reps * size / 2**30  # what each relay received (and, but the tail, forwarded)
+            cpu = [(after - before) / gib for before, after in
+                   zip(cpu_before, _cpu_s([master_ps, *relay_ps[:p]]), strict=True)]
+            forwarding = cpu[1:-1]  # relays 1..p-1 received and forwarded; the tail only received
             pull = trainer.call("local_pull", addr=master_addr, run=f"bench-chain-{p}", reps=15)
 
             progress(f"{p} relay(s): master sends to each relay in turn")
@@ -220,6 +278,11 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
                 "model_s": protocol.chain_model_s(size, p + 1, link["bytes_per_s"], link["t_start_s"]),
                 "local_pull_gbps": pull["local_pull_gbps"],
                 "local_pull_fraction_of_memcpy": pull["local_pull_gbps"] / memcpy,
+                "relay_cpu_s_per_gib": statistics.mean(forwarding) if forwarding else None,
+                "relay_cpu_s_per_gib_max": max(forwarding) if forwarding else None,
+                "tail_cpu_s_per_gib": cpu[-1],
+                "master_cpu_s_per_gib": cpu[0],
+                "forward_bytes_per_s": p * size / statistics.median(alls),
             })
     shutil.rmtree(log_dir, ignore_errors=True)
     return {
@@ -229,6 +292,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
         "cpus": os.cpu_count(),
         "reps": cfg.reps,
         "memcpy_gbps": memcpy,
+        "loopback_tcp_bytes_per_s": loopback,
         "link": {"bytes_per_s": link["bytes_per_s"], "t_start_s": link["t_start_s"],
                  "single_hop_s": link["single_hop_s"]},
         "results": results,
@@ -243,8 +307,8 @@ def done_when(report: dict[str, Any]) -> list[tuple[str, float, str, bool]]:
     checks = [
         (f"all_relays / single_hop at {last['relays']} relays", last["all_relays_s"] / last["single_hop_s"], "<= 1.5"),
         (f"sequential / all_relays at {last['relays']} relays", last["sequential_s"] / last["all_relays_s"], ">= 4"),
-        (f"stall({last['relays']}) / stall({first['relays']})", last["stall_s"] / first["stall_s"], "<= 1.2"),
-        ("local pull / memcpy", min(r["local_pull_fraction_of_memcpy"] for r in rows), ">= 0.5"),
+        (f"stall({last['relays']}) / stall({first['relays']})", last["stall_s"] / first["stall_s"], "<= 1.1"),
+        ("local pull / memcpy", min(r["local_pull_fraction_of_memcpy"] for r in rows), ">= 0.8"),
     ]
     out = []
     for what, value, bound in checks:

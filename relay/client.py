@@ -8,7 +8,6 @@ require one), sends one request and reads one reply. Calls block; from an asynci
 
 from __future__ import annotations
 
-import hashlib
 import socket
 import time
 from collections.abc import Callable
@@ -83,40 +82,55 @@ def request(
         sock.close()
 
 
-ChunkSource = Callable[[int], tuple[memoryview, int]]
+ChunkSource = Callable[[int], tuple[memoryview, str]]
 
 
 def send_version(
     sock: socket.socket, addr: str, header: dict[str, Any], chunk: ChunkSource, n_chunks: int,
-    final_sha256: Callable[[], str],
+    final_digest: Callable[[], str], *, fd: int | None = None,
 ) -> dict[str, Any]:
-    """Stream one put: the put header, n_chunks chunk frames (chunk(i) -> (bytes, crc32)), the end frame.
+    """Stream one put: the put header, n_chunks chunk frames (chunk(i) -> (bytes, d_i)), the end frame.
 
     chunk(i) may block until chunk i exists (a relay forwarding what it is still receiving) and raise to
     abort; the connection is then closed without an end frame and the receiver discards the partial
-    version. Returns the relay's reply; RelayError if the relay refuses or the connection breaks.
+    version. With `fd` (a relay's segment file), chunk i's bytes go out with sendfile(2) from offset
+    i * chunk_bytes of that file instead of from the view: no copy through user space. Returns the
+    relay's reply; RelayError if the relay refuses or the connection breaks.
     """
+    chunk_bytes = header["chunk_bytes"]
     try:
         sock.sendall(protocol.encode_header({"proto": protocol.PROTOCOL_VERSION, **header}, 0))
         for i in range(n_chunks):
-            view, crc = chunk(i)
-            sock.sendall(protocol.encode_header({"op": protocol.OP_CHUNK, "index": i, "crc32": crc}, len(view)))
-            sock.sendall(view)
-        end = {"op": protocol.OP_END, "chunks": n_chunks, "sha256": final_sha256()}
+            view, digest = chunk(i)
+            frame = protocol.encode_header({"op": protocol.OP_CHUNK, "index": i, "digest": digest}, len(view))
+            sock.sendall(frame, socket.MSG_MORE)  # the frame header leaves with the chunk's first bytes
+            if fd is None:
+                sock.sendall(view)
+                continue
+            try:
+                protocol.sendfile_all(sock, fd, i * chunk_bytes, len(view), f"chunk {i}")
+            except RelayError as exc:  # a socket error inside sendfile (chunk(i)'s own errors pass through)
+                raise _put_failed(sock, addr, header, exc) from exc
+        end = {"op": protocol.OP_END, "chunks": n_chunks, "digest": final_digest()}
         sock.sendall(protocol.encode_header(end, 0))
     except OSError as exc:
-        # The relay may have refused part way (bad chunk) and closed: its error reply explains why.
-        try:
-            sock.settimeout(1.0)
-            frame = protocol.recv_frame(sock, allow_eof=True)
-        except RelayError:
-            frame = None
-        if frame is not None and not frame[0].get("ok"):
-            raise RelayError(f"relay {addr} refused op 'put': {frame[0].get('error')}") from exc
-        raise RelayError(f"relay {addr}: streaming policy_version {header.get('policy_version')} failed "
-                         f"({exc}); the relay may have died") from exc
+        raise _put_failed(sock, addr, header, exc) from exc
     reply, _ = _reply(sock, addr, protocol.OP_PUT)
     return reply
+
+
+def _put_failed(sock: socket.socket, addr: str, header: dict[str, Any], exc: Exception) -> RelayError:
+    """The error for a put whose stream broke: the relay's own error reply when it sent one."""
+    # The relay may have refused part way (bad chunk) and closed: its error reply explains why.
+    try:
+        sock.settimeout(1.0)
+        frame = protocol.recv_frame(sock, allow_eof=True)
+    except RelayError:
+        frame = None
+    if frame is not None and not frame[0].get("ok"):
+        return RelayError(f"relay {addr} refused op 'put': {frame[0].get('error')}")
+    return RelayError(f"relay {addr}: streaming policy_version {header.get('policy_version')} failed "
+                      f"({exc}); the relay may have died")
 
 
 def push(
@@ -126,7 +140,7 @@ def push(
     chain: list[str],
     timeout_s: float = 30.0,
     *,
-    sha256: str | None = None,
+    digest: str | None = None,
     run: str = "",
     token: str | None = None,
     chunk_bytes: int | None = None,
@@ -134,40 +148,40 @@ def push(
     """Hand `payload` as `policy_version` to the relay at addr, which forwards it down `chain`.
 
     Returns the seconds spent (the trainer's stall): the relay replies as soon as it holds and has
-    verified the whole version; forwarding down the chain overlaps with the upload and continues in the
-    background. A version older than the relay's newest is acknowledged but not stored. sha256, when
-    given, is trusted instead of hashing while sending. chunk_bytes defaults to the chain model's optimum
-    for len(chain) + 1 hops (protocol.chunk_bytes_for).
+    checked the whole version (its chunks are in its segment); forwarding down the chain runs behind, from
+    the master's segment, and continues after this returns. A version older than the relay's newest is
+    acknowledged but not stored. digest (protocol.digest_hex of the payload), when given, goes in the
+    put header and the relay refuses the version unless the bytes it received hash to it. chunk_bytes
+    defaults to the chain model's optimum for len(chain) + 1 hops (protocol.chunk_bytes_for).
     """
     start = time.perf_counter()
     view = memoryview(payload).cast("B")
     size = len(view)
     chunk_bytes = chunk_bytes or protocol.chunk_bytes_for(size, len(chain) + 1)
     n_chunks = -(-size // chunk_bytes)
-    hasher = None if sha256 else hashlib.sha256()
+    running = protocol.RunningDigest()
 
-    def chunk(i: int) -> tuple[memoryview, int]:
+    def chunk(i: int) -> tuple[memoryview, str]:
         piece = view[i * chunk_bytes:(i + 1) * chunk_bytes]
-        if hasher is not None:
-            hasher.update(piece)
-        return piece, protocol.crc32(piece)
+        running.update(piece)  # hashed just before it is sent: one pass, the chunk is in cache for the send
+        return piece, running.hexdigest()
 
     header = {"op": protocol.OP_PUT, "policy_version": policy_version, "run": run, "chain": list(chain),
-              "size": size, "chunk_bytes": chunk_bytes, "sha256": sha256}
+              "size": size, "chunk_bytes": chunk_bytes, "digest": digest}
     sock = open_connection(addr, timeout_s, token=token)
     try:
-        send_version(sock, addr, header, chunk, n_chunks, lambda: sha256 or hasher.hexdigest())
+        send_version(sock, addr, header, chunk, n_chunks, lambda: digest or running.hexdigest())
     finally:
         sock.close()
     return time.perf_counter() - start
 
 
 def _verified(addr: str, reply: dict[str, Any], body: bytes) -> bytes:
-    expected = reply.get("sha256")
-    got = protocol.sha256_hex(body)
+    expected = reply.get("digest")
+    got = protocol.digest_hex(body)
     if got != expected:
         raise RelayError(
-            f"relay {addr} sent policy_version {reply.get('policy_version')} with sha256 {got[:12]}.., "
+            f"relay {addr} sent policy_version {reply.get('policy_version')} with digest {got[:12]}.., "
             f"but its header says {str(expected)[:12]}..; the transfer was corrupted, fetch again"
         )
     return body
@@ -211,9 +225,9 @@ class LocalPull:
     pread, which skips setting up page tables for the mapping and is the fastest way in.
     """
 
-    def __init__(self, policy_version: int, sha256: str, mapped: segments.Mapped) -> None:
+    def __init__(self, policy_version: int, digest: str, mapped: segments.Mapped) -> None:
         self.policy_version = policy_version
-        self.sha256 = sha256
+        self.digest = digest
         self.path = str(mapped.path)
         self.size = mapped.size
         self.buffer = mapped.view
@@ -224,11 +238,11 @@ class LocalPull:
         self._mapped.readinto(dest, offset)
 
     def verify(self) -> None:
-        """Re-hash the mapped bytes against the relay's sha256 (the relay already verified them on receipt)."""
-        got = protocol.sha256_hex(self.buffer)
-        if got != self.sha256:
-            raise RelayError(f"shared-memory segment {self.path}: sha256 {got[:12]}.. differs from the "
-                             f"relay's {self.sha256[:12]}..; pull again")
+        """Re-hash the mapped bytes against the relay's digest (the relay already verified them on receipt)."""
+        got = protocol.digest_hex(self.buffer)
+        if got != self.digest:
+            raise RelayError(f"shared-memory segment {self.path}: digest {got[:12]}.. differs from the "
+                             f"relay's {self.digest[:12]}..; pull again")
 
     def close(self) -> None:
         """Unmap now, or, while tensors made from `buffer` are still alive, as soon as the last one dies."""
@@ -259,5 +273,5 @@ def pull_local(addr: str, *, run: str = "", token: str | None = None, policy_ver
             if attempt == 2:
                 raise
             continue  # evicted between the reply and the open: ask again
-        return LocalPull(reply["policy_version"], reply["sha256"], mapped)
+        return LocalPull(reply["policy_version"], reply["digest"], mapped)
     raise AssertionError("unreachable")

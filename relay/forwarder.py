@@ -1,7 +1,10 @@
 """Passing a version down the relay chain, chunk by chunk, skipping dead relays, from one background thread.
 
 The forwarder starts as soon as a put's header arrives: it sends chunk i downstream while chunk i+1 is
-still arriving (it waits on the Version for each chunk), so hops overlap. If the next relay fails part
+still arriving (it waits on the Version for each chunk), so hops overlap. It sends from the version's
+shared-memory segment with sendfile(2), so the relay copies no byte through user space on the way out,
+and it never holds up the receiving side: the upstream sender is acknowledged when the version is in
+the segment, however far behind the forwarder is. If the next relay fails part
 way (connection reset, timeout, refusal), the forwarder skips it and streams the version from chunk 0 to
 the one after it, which gets the rest of the chain. If the version itself fails upstream, the downstream
 connection is closed without an end frame and every relay below discards its partial copy.
@@ -124,10 +127,11 @@ class Forwarder:
     def _stream(self, version: Version, target: str, downstream: list[str]) -> None:
         header = {"op": protocol.OP_PUT, "policy_version": version.policy_version, "run": version.run,
                   "chain": downstream, "size": version.size, "chunk_bytes": version.chunk_bytes,
-                  "sha256": version.sha256}
+                  "digest": version.digest}
         sock = client.open_connection(target, self._timeout_s, token=self._token)
         try:
             client.send_version(sock, target, header, lambda i: version.wait_chunk(i, self._timeout_s),
-                                version.n_chunks, lambda: version.wait_complete(self._timeout_s))
+                                version.n_chunks, lambda: version.wait_complete(self._timeout_s),
+                                fd=version.segment.fd)
         finally:
             sock.close()

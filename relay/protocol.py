@@ -15,44 +15,53 @@ nonces with the run token) or {"ok": false, "error"} and closes. Then requests f
 answered by exactly one reply frame:
 
     client -> relay   {"op": "put", "policy_version", "run", "chain": ["host:port", ...], "size",
-                       "chunk_bytes", "sha256": str | null}                      (no payload)
-    client -> relay   {"op": "chunk", "index": i, "crc32": c} + chunk i      (ceil(size / chunk_bytes) times)
-    client -> relay   {"op": "end", "chunks": n, "sha256"}                    (sha256 of the whole version)
+                       "chunk_bytes", "digest": str | null}                      (no payload)
+    client -> relay   {"op": "chunk", "index": i, "digest": d_i} + chunk i   (ceil(size / chunk_bytes) times)
+    client -> relay   {"op": "end", "chunks": n, "digest"}                    (digest of the whole version)
     relay  -> client  {"ok": true, "stored": bool, "newest": int, "replaced": bool}
     client -> relay   {"op": "latest", "run"}
-    relay  -> client  {"ok": true, "policy_version": int | null, "sha256": str | null} + payload
+    relay  -> client  {"ok": true, "policy_version": int | null, "digest": str | null} + payload
     client -> relay   {"op": "get", "policy_version", "run"}
-    relay  -> client  {"ok": true, "policy_version", "sha256"} + payload    (or ok=false if not held)
+    relay  -> client  {"ok": true, "policy_version", "digest"} + payload    (or ok=false if not held)
     client -> relay   {"op": "version", "run"}
     relay  -> client  {"ok": true, "policy_version": int | null}
     client -> relay   {"op": "local", "policy_version": int | null, "run"}
-    relay  -> client  {"ok": true, "policy_version", "sha256", "path", "size"}   (a shared-memory file)
+    relay  -> client  {"ok": true, "policy_version", "digest", "path", "size"}   (a shared-memory file)
     client -> relay   {"op": "stats"}
     relay  -> client  {"ok": true, "relay_id", "run", "versions", "bytes_held", "completed_at": {version: unix s},
                        "receiving": [[version, chunks landed, chunks], ...], "forwards_done", ...}
 
-Any reply may be {"ok": false, "error": "..."}. A relay that rejects a put part way (bad chunk crc32,
-sha256 mismatch) replies the error at once and closes the connection.
+Any reply may be {"ok": false, "error": "..."}. A relay that rejects a put part way (bad chunk digest,
+whole-version digest mismatch) replies the error at once and closes the connection.
 
-A put streams: the relay checks each chunk's crc32 as it lands (straight into the version's
-shared-memory segment), forwards chunk i downstream while chunk i+1 is still arriving, verifies the
-whole version's sha256 after the last chunk, and only then serves the version.
+Digests are XXH3-128 (hex). One running hash covers the stream: d_i, carried by chunk i, is the digest
+of the version's bytes from 0 to the end of chunk i, so the last chunk's d_i is the whole version's
+digest (`digest_hex(payload)`, whatever the chunk size). Each byte is hashed once, as it lands: the
+per-chunk check (d_i) and the whole-version check (the end frame's digest, and the put header's when
+the sender knew it) come from the same pass.
+
+A put streams: the relay receives each chunk straight into the version's shared-memory segment,
+hashing each piece while it is still in cache, checks d_i, forwards chunk i downstream from the segment
+(sendfile, no user-space copy) while chunk i+1 is still arriving, checks the whole version's digest
+after the last chunk, and only then serves the version.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
+import os
+import select
 import socket
 import struct
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
+import xxhash
+
 from laminar.errors import RelayError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: XXH3-128 running digests (2: crc32 per chunk + sha256 of the whole version)
 HEADER_LEN = struct.Struct(">I")
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB: headers are small JSON objects; anything larger is a bad frame
 MAX_PAYLOAD_BYTES = 1 << 40  # 1 TiB: a sanity bound so a garbage header cannot ask for absurd memory
@@ -92,9 +101,36 @@ def chunk_bytes_for(size: int, hops: int, bytes_per_s: float = DEFAULT_LINK_BYTE
     return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, best))
 
 
-def crc32(data: bytes | bytearray | memoryview) -> int:
-    """crc32 of one chunk, carried in its chunk frame and checked by every relay it passes."""
-    return zlib.crc32(data)
+DIGEST_ALGORITHM = "xxh3-128"
+DIGEST_HEX_CHARS = 32  # 128 bits in hex
+
+
+class RunningDigest:
+    """The stream's running XXH3-128: update() with each piece as it lands, hexdigest() at any point.
+
+    hexdigest() does not end the stream, so after chunk i it is that chunk's d_i (the digest of bytes
+    0..end of chunk i) and after the last chunk it is the whole version's digest.
+    """
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_128()
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def chunk_digests(payload: bytes | bytearray | memoryview, chunk_bytes: int) -> list[str]:
+    """d_i of every chunk of `payload` (one pass): what a sender puts in its chunk frames."""
+    view = memoryview(payload).cast("B")
+    running = RunningDigest()
+    out = []
+    for start in range(0, len(view), chunk_bytes):
+        running.update(view[start:start + chunk_bytes])
+        out.append(running.hexdigest())
+    return out
 
 
 def chain_model_s(size: int, nodes: int, bytes_per_s: float, t_start_s: float) -> float:
@@ -104,9 +140,9 @@ def chain_model_s(size: int, nodes: int, bytes_per_s: float, t_start_s: float) -
     return m_over_b + extra * t_start_s + 2 * math.sqrt(extra * m_over_b * t_start_s)
 
 
-def sha256_hex(payload: bytes | bytearray | memoryview) -> str:
-    """Hex sha256 of a payload, the checksum every put carries and every relay verifies."""
-    return hashlib.sha256(payload).hexdigest()
+def digest_hex(payload: bytes | bytearray | memoryview) -> str:
+    """The whole version's digest (XXH3-128, hex): what every put ends with and every relay verifies."""
+    return xxhash.xxh3_128_hexdigest(payload)
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -147,8 +183,11 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes | mem
         raise RelayError(f"sending a {len(payload)}-byte frame failed: {exc}") from exc
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview, what: str) -> None:
-    """Fill `view` completely from the socket; EOF, timeout or socket error raise RelayError."""
+def recv_exact_into(sock: socket.socket, view: memoryview, what: str, digest: RunningDigest | None = None) -> None:
+    """Fill `view` completely from the socket; EOF, timeout or socket error raise RelayError.
+
+    With `digest`, each piece is hashed right after it lands, while it is still in cache (no second pass).
+    """
     got, total = 0, len(view)
     while got < total:
         try:
@@ -161,7 +200,41 @@ def recv_exact_into(sock: socket.socket, view: memoryview, what: str) -> None:
             raise RelayError(f"reading {what} failed after {got} of {total} bytes: {exc}") from exc
         if n == 0:
             raise RelayError(f"connection closed while reading {what}: got {got} of {total} bytes (truncated frame)")
+        if digest is not None:
+            digest.update(view[got:got + n])
         got += n
+
+
+def sendfile_all(sock: socket.socket, fd: int, offset: int, count: int, what: str) -> None:
+    """Send `count` bytes of file `fd` from `offset` with sendfile(2): the kernel reads the (shared-memory)
+    file's pages itself, so no byte is copied through user space; timeouts and errors raise RelayError."""
+    timeout = sock.gettimeout()
+    sent = 0
+    while sent < count:
+        try:
+            n = os.sendfile(sock.fileno(), fd, offset + sent, count - sent)
+        except BlockingIOError:  # a socket with a timeout is non-blocking underneath: wait until writable
+            _, writable, _ = select.select([], [sock], [], timeout)
+            if not writable:
+                raise RelayError(f"sending {what} timed out after {timeout} s ({sent} of {count} bytes sent)") from None
+            continue
+        except OSError as exc:
+            raise RelayError(f"sending {what} failed after {sent} of {count} bytes: {exc}") from exc
+        if n == 0:
+            raise RelayError(f"sending {what}: the file ended after {sent} of {count} bytes")
+        sent += n
+
+
+def send_frame_from_file(sock: socket.socket, header: dict[str, Any], fd: int, offset: int, count: int) -> None:
+    """Send one frame whose payload is `count` bytes of file `fd` from `offset` (sendfile, zero copy)."""
+    data = encode_header(header, count)
+    try:
+        sock.sendall(data, socket.MSG_MORE if count else 0)  # MSG_MORE: the header rides with the payload
+    except TimeoutError:
+        raise RelayError(f"sending a frame header timed out after {sock.gettimeout()} s") from None
+    except OSError as exc:
+        raise RelayError(f"sending a frame header failed: {exc}") from exc
+    sendfile_all(sock, fd, offset, count, f"a {count}-byte payload")
 
 
 def recv_header(sock: socket.socket, *, allow_eof: bool = False) -> dict[str, Any] | None:
@@ -203,13 +276,15 @@ def recv_header(sock: socket.socket, *, allow_eof: bool = False) -> dict[str, An
     return header
 
 
-def recv_payload_into(sock: socket.socket, header: dict[str, Any], view: memoryview) -> None:
-    """Read the payload announced by `header` straight into `view` (which must be exactly that long)."""
+def recv_payload_into(sock: socket.socket, header: dict[str, Any], view: memoryview,
+                      digest: RunningDigest | None = None) -> None:
+    """Read the payload announced by `header` straight into `view` (which must be exactly that long),
+    feeding `digest` piece by piece as it lands."""
     n = header["payload_bytes"]
     if n != len(view):
         raise RelayError(f"bad frame: payload_bytes={n}, expected {len(view)}")
     if n:
-        recv_exact_into(sock, view, f"{n}-byte payload")
+        recv_exact_into(sock, view, f"{n}-byte payload", digest)
 
 
 def recv_payload(sock: socket.socket, header: dict[str, Any]) -> bytes:

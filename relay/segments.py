@@ -19,6 +19,7 @@ import mmap
 import os
 import re
 import secrets
+import weakref
 from pathlib import Path
 
 import psutil
@@ -60,7 +61,11 @@ def sweep_orphans(directory: str | os.PathLike[str]) -> list[str]:
 
 
 class Segment:
-    """A writable shared-memory segment owned by a relay; `view` is a memoryview over its bytes."""
+    """A writable shared-memory segment owned by a relay; `view` is a memoryview over its bytes.
+
+    `fd` stays open for the segment's whole life (also after unlink), so the relay can send its bytes
+    with sendfile(2) straight from the page cache; it is closed when the Segment is collected.
+    """
 
     def __init__(self, directory: str | os.PathLike[str], name: str, size: int) -> None:
         self.path = Path(directory) / name
@@ -78,7 +83,8 @@ class Segment:
             self.unlink()
             raise RelayError(f"sizing shared-memory segment {self.path} to {size} bytes failed: {exc}; "
                              f"{directory} may be full") from exc
-        os.close(fd)
+        self.fd = fd
+        weakref.finalize(self, os.close, fd)
         self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
 
     def unlink(self) -> None:

@@ -1,9 +1,10 @@
 """A weight relay: holds the newest policy versions in shared memory and streams each one down a chain.
 
-One relay runs per rollout host. The trainer streams a version to the master relay in chunks; the
-master forwards each chunk to chain[0] (with chain[1:] as that relay's own downstream) while the next
-one is still arriving, and replies to the trainer as soon as it holds and has verified the whole
-version, so the trainer's stall does not grow with the chain. A dead relay is skipped: if chain[0]
+One relay runs per rollout host. The trainer streams a version to the master relay in chunks, which
+land straight in the version's shared-memory segment; the master forwards each chunk to chain[0] (with
+chain[1:] as that relay's own downstream) from the segment, behind the upload and at the chain's pace,
+and replies to the trainer as soon as the whole version is in its segment and checked, so the
+trainer's stall is the upload to the master alone, whatever the chain does. A dead relay is skipped: if chain[0]
 cannot take the version, chain[1] gets it with chain[2:], and so on. Rollouts on the relay's host map
 the newest version from shared memory (relay.segments); others fetch it over TCP.
 
@@ -15,7 +16,6 @@ still-pending older one (counted as superseded), so a slow chain never queues st
 
 from __future__ import annotations
 
-import hashlib
 import socket
 import socketserver
 import threading
@@ -76,7 +76,7 @@ class _Handler(socketserver.BaseRequestHandler):
             header = protocol.recv_header(sock, allow_eof=True)
             if header is None:
                 return False
-            body: bytes | memoryview = b""
+            body: bytes | memoryview | Version = b""
             if header.get("op") == protocol.OP_PUT:
                 reply = relay._receive_put(sock, header)
                 if not reply.get("ok"):  # the sender may still be streaming: answer, then stop reading
@@ -91,7 +91,10 @@ class _Handler(socketserver.BaseRequestHandler):
             self._reply_error(sock, str(exc))
             return False
         try:
-            protocol.send_frame(sock, reply, body)
+            if isinstance(body, Version):  # a held version's bytes: sendfile from its segment, no copy
+                protocol.send_frame_from_file(sock, reply, body.segment.fd, 0, body.size)
+            else:
+                protocol.send_frame(sock, reply, body)
         except RelayError as exc:
             log.warning("relay_reply_failed", relay_id=relay.relay_id, op=header.get("op"), error=str(exc))
             return False
@@ -230,7 +233,7 @@ class RelayServer:
         with self._receiving_lock:
             self._receiving.add(version)
         try:
-            sha = self._receive_chunks(sock, version, header.get("sha256"))
+            digest = self._receive_chunks(sock, version, header.get("digest"))
         except RelayError as exc:
             version.fail(str(exc))
             version.segment.unlink()
@@ -241,7 +244,7 @@ class RelayServer:
         finally:
             with self._receiving_lock:
                 self._receiving.discard(version)
-        version.complete(sha)
+        version.complete(digest)
         outcome = self._store.put(version)
         if outcome.stored:
             log.info("relay_version_stored", relay_id=self.relay_id, policy_version=version.policy_version,
@@ -253,14 +256,16 @@ class RelayServer:
 
     def _begin_put(self, header: dict[str, Any]) -> tuple[Version, list[str]]:
         number = _require_version(header)
-        run, chain, sha = header.get("run", ""), header.get("chain", []), header.get("sha256")
+        run, chain, digest = header.get("run", ""), header.get("chain", []), header.get("digest")
         size, chunk_bytes = header.get("size"), header.get("chunk_bytes")
         if not isinstance(run, str):
             raise RelayError(f"put policy_version {number}: run={run!r} is not a string")
         if not isinstance(chain, list) or not all(isinstance(a, str) for a in chain):
             raise RelayError(f"put policy_version {number}: chain={chain!r} is not a list of host:port strings")
-        if sha is not None and (not isinstance(sha, str) or len(sha) != 64):
-            raise RelayError(f"put policy_version {number}: sha256={sha!r} is not a 64-character hex digest")
+        if digest is not None and (not isinstance(digest, str) or len(digest) != protocol.DIGEST_HEX_CHARS):
+            raise RelayError(f"put policy_version {number}: digest={digest!r} is not a "
+                             f"{protocol.DIGEST_HEX_CHARS}-character hex {protocol.DIGEST_ALGORITHM} digest "
+                             "(protocol.digest_hex), or null")
         if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= protocol.MAX_PAYLOAD_BYTES:
             raise RelayError(f"put policy_version {number}: size={size!r} is not a byte count")
         if (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
@@ -268,12 +273,16 @@ class RelayServer:
             raise RelayError(f"put policy_version {number}: chunk_bytes={chunk_bytes!r} is not in "
                              f"1..{protocol.MAX_CHUNK_BYTES}")
         name = segments.segment_name(self.relay_id, run, number)
-        return Version(number, run, segments.Segment(self.shm_dir, name, size), chunk_bytes, sha), chain
+        return Version(number, run, segments.Segment(self.shm_dir, name, size), chunk_bytes, digest), chain
 
-    def _receive_chunks(self, sock: socket.socket, version: Version, expected_sha: str | None) -> str:
-        """Read every chunk into the segment, checking crc32s, then the end frame; returns the sha256."""
+    def _receive_chunks(self, sock: socket.socket, version: Version, expected: str | None) -> str:
+        """Read every chunk into the segment, checking each d_i, then the end frame; returns the digest.
+
+        One running digest: each piece is hashed as it lands (still in cache), d_i is read off it after
+        chunk i, and after the last chunk it is the whole version's digest.
+        """
         n = version.policy_version
-        hasher = hashlib.sha256()
+        running = protocol.RunningDigest()
         for i in range(version.n_chunks):
             frame = protocol.recv_header(sock)
             assert frame is not None
@@ -281,31 +290,31 @@ class RelayServer:
             if frame.get("op") != protocol.OP_CHUNK or frame.get("index") != i or frame["payload_bytes"] != len(view):
                 raise RelayError(f"put policy_version {n}: expected chunk {i} of {len(view)} bytes, got op "
                                  f"{frame.get('op')!r} index {frame.get('index')!r} of {frame['payload_bytes']} bytes")
-            protocol.recv_payload_into(sock, frame, view)
-            crc = protocol.crc32(view)
-            if crc != frame.get("crc32"):
-                raise RelayError(f"put policy_version {n}: chunk {i} crc32 mismatch (expected "
-                                 f"{frame.get('crc32')}, got {crc}); the chunk was corrupted in transit, push again")
-            hasher.update(view)
-            version.chunk_landed(i, crc)
+            protocol.recv_payload_into(sock, frame, view, running)
+            got = running.hexdigest()
+            if got != frame.get("digest"):
+                raise RelayError(f"put policy_version {n}: chunk {i} digest mismatch (expected "
+                                 f"{str(frame.get('digest'))[:12]}.., got {got[:12]}..); the chunk was corrupted in "
+                                 "transit, push again")
+            version.chunk_landed(i, got)
         end = protocol.recv_header(sock)
         assert end is not None
         protocol.recv_payload(sock, end)
         if end.get("op") != protocol.OP_END or end.get("chunks") != version.n_chunks:
             raise RelayError(f"put policy_version {n}: expected the end frame after {version.n_chunks} chunks, "
                              f"got op {end.get('op')!r} chunks={end.get('chunks')!r}")
-        sha = end.get("sha256")
-        got = hasher.hexdigest()
-        if not isinstance(sha, str) or (expected_sha is not None and sha != expected_sha) or got != sha:
+        claimed = end.get("digest")
+        got = running.hexdigest()
+        if not isinstance(claimed, str) or (expected is not None and claimed != expected) or got != claimed:
             raise RelayError(
-                f"put policy_version {n}: sha256 mismatch (expected {str(expected_sha or sha)[:12]}.., got "
-                f"{got[:12]}.. over {version.size} bytes); the payload was corrupted in transit, push it again"
+                f"put policy_version {n}: whole-version digest mismatch (expected {str(expected or claimed)[:12]}.., "
+                f"got {got[:12]}.. over {version.size} bytes); the payload was corrupted in transit, push it again"
             )
         return got
 
     # Other requests: each op returns (reply header, reply payload); never raises on bad input.
 
-    def _dispatch(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes | memoryview]:
+    def _dispatch(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes | Version]:
         op = header.get("op")
         handlers = {
             protocol.OP_LATEST: self._op_latest,
@@ -339,22 +348,22 @@ class RelayServer:
             )
         return held
 
-    def _op_latest(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes | memoryview]:
+    def _op_latest(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes | Version]:
         newest = self._store.newest(header.get("run", ""))
         if newest is None:
-            return {"ok": True, "policy_version": None, "sha256": None}, b""
-        return {"ok": True, "policy_version": newest.policy_version, "sha256": newest.sha256}, newest.payload
+            return {"ok": True, "policy_version": None, "digest": None}, b""
+        return {"ok": True, "policy_version": newest.policy_version, "digest": newest.digest}, newest
 
-    def _op_get(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes | memoryview]:
+    def _op_get(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes | Version]:
         held = self._held(header)
         assert held is not None
-        return {"ok": True, "policy_version": held.policy_version, "sha256": held.sha256}, held.payload
+        return {"ok": True, "policy_version": held.policy_version, "digest": held.digest}, held
 
     def _op_local(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         held = self._held(header)
         if held is None:
             return {"ok": True, "policy_version": None}, b""
-        return {"ok": True, "policy_version": held.policy_version, "sha256": held.sha256,
+        return {"ok": True, "policy_version": held.policy_version, "digest": held.digest,
                 "path": str(held.segment.path), "size": held.size}, b""
 
     def _op_version(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
@@ -369,7 +378,7 @@ class RelayServer:
                         "forwards_aborted": c.aborted, "forwards_pending": c.pending + int(c.in_flight)}
         completed = {str(n): t for n, t in self._store.completed_at().items()}
         with self._receiving_lock:
-            receiving = sorted([v.policy_version, len(v.crcs), v.n_chunks] for v in self._receiving)
+            receiving = sorted([v.policy_version, len(v.digests), v.n_chunks] for v in self._receiving)
         return {"ok": True, "relay_id": self.relay_id, "run": self._store.run, "versions": versions,
                 "bytes_held": bytes_held, "completed_at": completed, "puts_rejected": self._puts_rejected,
                 "receiving": receiving, **forwards}, b""
@@ -385,7 +394,7 @@ def _require_version(header: dict[str, Any]) -> int:
 def _no_version(op: str, run: str, held: str) -> dict[str, Any]:
     if op == protocol.OP_GET:
         return _error(f"relay holds versions of run {held!r}, not of run {run!r}")
-    return {"ok": True, "policy_version": None, "sha256": None}
+    return {"ok": True, "policy_version": None, "digest": None}
 
 
 def _error(message: str) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 A `Version` starts receiving when a put's header arrives; its chunks land in its segment in order and
 the forwarder may send chunk i downstream as soon as it is there. Only after the last chunk and the
-whole-version sha256 check does the store admit it, and only admitted versions are ever served.
+whole-version digest check does the store admit it, and only admitted versions are ever served.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class Version:
     """One policy version in a segment: receiving chunk by chunk, then complete (or failed)."""
 
     def __init__(self, policy_version: int, run: str, segment: Segment, chunk_bytes: int,
-                 sha256: str | None = None) -> None:
+                 digest: str | None = None) -> None:
         if chunk_bytes <= 0:
             raise RelayError(f"chunk_bytes={chunk_bytes} must be positive")
         self.policy_version = policy_version
@@ -34,9 +34,9 @@ class Version:
         self.segment = segment
         self.size = segment.size
         self.chunk_bytes = chunk_bytes
-        self.sha256 = sha256  # expected digest; known from the put header or the end frame
+        self.digest = digest  # expected digest (protocol.digest_hex); known from the put header or the end frame
         self.n_chunks = -(-self.size // chunk_bytes)
-        self.crcs: list[int] = []
+        self.digests: list[str] = []  # d_i of every chunk landed and checked so far (protocol.RunningDigest)
         self.state = RECEIVING
         self.error: str | None = None
         self.completed_at: float | None = None  # wall clock (time.time()) when it became servable
@@ -50,17 +50,20 @@ class Version:
         start = index * self.chunk_bytes
         return self.segment.view[start:min(start + self.chunk_bytes, self.size)]
 
-    def chunk_landed(self, index: int, crc: int) -> None:
+    def chunk_offset(self, index: int) -> int:
+        return index * self.chunk_bytes
+
+    def chunk_landed(self, index: int, digest: str) -> None:
         with self._cond:
-            if index != len(self.crcs):
+            if index != len(self.digests):
                 raise RelayError(f"policy_version {self.policy_version}: chunk {index} arrived out of order "
-                                 f"(expected {len(self.crcs)})")
-            self.crcs.append(crc)
+                                 f"(expected {len(self.digests)})")
+            self.digests.append(digest)
             self._cond.notify_all()
 
-    def complete(self, sha256: str) -> None:
+    def complete(self, digest: str) -> None:
         with self._cond:
-            self.sha256 = sha256
+            self.digest = digest
             self.state = COMPLETE
             self.completed_at = time.time()
             self._cond.notify_all()
@@ -71,27 +74,27 @@ class Version:
                 self.state, self.error = FAILED, reason
                 self._cond.notify_all()
 
-    def wait_chunk(self, index: int, timeout_s: float) -> tuple[memoryview, int]:
-        """Chunk `index` and its crc32 once it has landed; UpstreamFailedError if it never will."""
+    def wait_chunk(self, index: int, timeout_s: float) -> tuple[memoryview, str]:
+        """Chunk `index` and its d_i once it has landed; UpstreamFailedError if it never will."""
         with self._cond:
-            if not self._cond.wait_for(lambda: len(self.crcs) > index or self.state == FAILED, timeout_s):
+            if not self._cond.wait_for(lambda: len(self.digests) > index or self.state == FAILED, timeout_s):
                 raise UpstreamFailedError(f"policy_version {self.policy_version}: chunk {index} did not arrive "
                                           f"within {timeout_s} s")
-            if len(self.crcs) <= index:
+            if len(self.digests) <= index:
                 raise UpstreamFailedError(f"policy_version {self.policy_version} failed upstream: {self.error}")
-            crc = self.crcs[index]
-        return self.chunk_view(index), crc
+            digest = self.digests[index]
+        return self.chunk_view(index), digest
 
     def wait_complete(self, timeout_s: float) -> str:
-        """The verified sha256 once the version is complete; UpstreamFailedError if it fails."""
+        """The verified digest once the version is complete; UpstreamFailedError if it fails."""
         with self._cond:
             if not self._cond.wait_for(lambda: self.state != RECEIVING, timeout_s):
                 raise UpstreamFailedError(f"policy_version {self.policy_version} did not complete within "
                                           f"{timeout_s} s")
             if self.state == FAILED:
                 raise UpstreamFailedError(f"policy_version {self.policy_version} failed upstream: {self.error}")
-            assert self.sha256 is not None
-            return self.sha256
+            assert self.digest is not None
+            return self.digest
 
 
 @dataclass
@@ -128,7 +131,7 @@ class VersionStore:
                     return PutOutcome(stored=False, newest=newest, stale=True)
                 if newest is not None and version.policy_version == newest:
                     held = self._versions[newest]
-                    if held.sha256 != version.sha256:
+                    if held.digest != version.digest:
                         # A restarted trainer recomputed this version from its checkpoint (replay need not be
                         # bit-identical): the newest bytes win, so every relay converges.
                         self._versions[newest] = version

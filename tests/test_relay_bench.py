@@ -18,10 +18,15 @@ def test_bench_relay_smoke_over_loopback_writes_the_json_report(tmp_path):
     report = json.loads(out.read_text())
     assert report["transport"] == "loopback" and report["memcpy_gbps"] > 0
     assert [r["relays"] for r in report["results"]] == [1, 2]
+    assert report["loopback_tcp_bytes_per_s"] > 0
     for row in report["results"]:
         for key in ("relays", "stall_s", "all_relays_s", "single_hop_s", "sequential_s", "storage_s", "model_s",
-                    "local_pull_gbps"):
+                    "local_pull_gbps", "tail_cpu_s_per_gib", "master_cpu_s_per_gib", "forward_bytes_per_s"):
             assert row[key] is not None and row[key] > 0, key
+    one, two = report["results"]
+    # With 1 relay it is the tail and forwards nothing; with 2, relay 1 received and forwarded.
+    assert one["relay_cpu_s_per_gib"] is None and two["relay_cpu_s_per_gib"] > 0
+    assert two["relay_cpu_s_per_gib_max"] >= two["relay_cpu_s_per_gib"]
     assert "relay broadcast of 2 MiB" in result.output
 
 

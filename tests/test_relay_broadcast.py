@@ -30,22 +30,22 @@ class HeldStream:
         self.reply: dict | None = None
         view = memoryview(payload)
         n_chunks = -(-len(view) // chunk_bytes)
+        digests = protocol.chunk_digests(view, chunk_bytes)
 
-        def chunk(i: int) -> tuple[memoryview, int]:
+        def chunk(i: int) -> tuple[memoryview, str]:
             if i >= release_after:
                 self.gate.wait(30)
-            piece = view[i * chunk_bytes:(i + 1) * chunk_bytes]
-            return piece, protocol.crc32(piece)
+            return view[i * chunk_bytes:(i + 1) * chunk_bytes], digests[i]
 
         header = {"op": "put", "policy_version": policy_version, "run": "", "chain": chain,
-                  "size": len(view), "chunk_bytes": chunk_bytes, "sha256": None}
+                  "size": len(view), "chunk_bytes": chunk_bytes, "digest": None}
 
         def send() -> None:
             try:
                 sock = client.open_connection(addr, token=token)
                 try:
                     self.reply = client.send_version(sock, addr, header, chunk, n_chunks,
-                                                     lambda: protocol.sha256_hex(view))
+                                                     lambda: protocol.digest_hex(view))
                 finally:
                     sock.close()
             except BaseException as exc:  # reported by join()
@@ -149,17 +149,20 @@ def test_corrupted_chunk_is_rejected_and_nothing_is_served(relays):
     _, tail = relays("tail")
     payload = memoryview(os.urandom(256 * 1024))
     chunk_bytes = 64 * 1024
+    digests = protocol.chunk_digests(payload, chunk_bytes)
+    sent = bytearray(payload)
+    sent[2 * chunk_bytes + 7] ^= 0xFF  # one bit pattern flipped in transit, inside chunk 2 of 4
+    wire = memoryview(sent)
 
-    def corrupt_chunk(i: int) -> tuple[memoryview, int]:
-        piece = payload[i * chunk_bytes:(i + 1) * chunk_bytes]
-        return piece, protocol.crc32(piece) ^ (1 if i == 2 else 0)  # chunk 2 arrives with a wrong crc32
+    def corrupt_chunk(i: int) -> tuple[memoryview, str]:
+        return wire[i * chunk_bytes:(i + 1) * chunk_bytes], digests[i]  # the sender's digests, of good bytes
 
     header = {"op": "put", "policy_version": 1, "run": "", "chain": [tail], "size": len(payload),
-              "chunk_bytes": chunk_bytes, "sha256": None}
+              "chunk_bytes": chunk_bytes, "digest": None}
     sock = client.open_connection(master)
     try:
-        with pytest.raises(RelayError, match="chunk 2 crc32 mismatch"):
-            client.send_version(sock, master, header, corrupt_chunk, 4, lambda: protocol.sha256_hex(payload))
+        with pytest.raises(RelayError, match="chunk 2 digest mismatch"):
+            client.send_version(sock, master, header, corrupt_chunk, 4, lambda: protocol.digest_hex(payload))
     finally:
         sock.close()
     wait_until(lambda: client.stats(master)["forwards_pending"], lambda n: n == 0, 10, "master forwarder idle")

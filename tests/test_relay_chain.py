@@ -164,9 +164,10 @@ def test_versions_are_monotonic(relays):
     try:
         payload = memoryview(weights(3))
         header = {"op": "put", "policy_version": 3, "run": "", "chain": [], "size": len(payload),
-                  "chunk_bytes": len(payload), "sha256": None}
-        reply = client.send_version(sock, master, header, lambda i: (payload, protocol.crc32(payload)), 1,
-                                    lambda: protocol.sha256_hex(payload))
+                  "chunk_bytes": len(payload), "digest": None}
+        # One chunk: its d_i is the digest of bytes 0..end of chunk 0, the whole payload.
+        reply = client.send_version(sock, master, header, lambda i: (payload, protocol.digest_hex(payload)), 1,
+                                    lambda: protocol.digest_hex(payload))
     finally:
         sock.close()
     assert reply["stored"] is False and reply["newest"] == 5
@@ -200,8 +201,8 @@ def test_corrupted_payload_is_rejected(relays):
     _, master = relays("master")
     payload = weights(1)
     corrupted = payload[:-1] + bytes([payload[-1] ^ 0xFF])
-    with pytest.raises(RelayError, match="sha256 mismatch"):
-        client.push(master, 1, corrupted, chain=[], sha256=protocol.sha256_hex(payload))
+    with pytest.raises(RelayError, match="whole-version digest mismatch"):
+        client.push(master, 1, corrupted, chain=[], digest=protocol.digest_hex(payload))
     assert client.latest_version(master) is None
     assert client.stats(master)["puts_rejected"] == 1
 

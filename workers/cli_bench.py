@@ -95,9 +95,10 @@ def render_table(report: dict) -> Table:
     rate = f"{report['rate_mbit']:g} Mbit/s links" if report["rate_mbit"] else "loopback"
     table = Table(title=(f"relay broadcast of {report['size'] / 2**20:.0f} MiB, {rate} ({report['transport']}), "
                          f"{report['cpus']} CPUs; B = {link['bytes_per_s'] / 1e6:.1f} MB/s, "
-                         f"t_start = {link['t_start_s'] * 1e6:.0f} us, memcpy = {report['memcpy_gbps']:.2f} GB/s"))
+                         f"t_start = {link['t_start_s'] * 1e6:.0f} us, memcpy = {report['memcpy_gbps']:.2f} GB/s, "
+                         f"loopback TCP = {report['loopback_tcp_bytes_per_s'] / 1e6:.0f} MB/s"))
     for col in ("relays", "chunk", "stall s", "all relays s", "one hop s", "model s", "each in turn s",
-                "object store s", "local pull GB/s"):
+                "object store s", "local pull GB/s", "forwarded MB/s", "relay CPU s/GiB", "master CPU s/GiB"):
         table.add_column(col, justify="right")
     for r in report["results"]:
         table.add_row(
@@ -105,6 +106,10 @@ def render_table(report: dict) -> Table:
             f"{r['single_hop_s']:.3f}", f"{r['model_s']:.3f}", f"{r['sequential_s']:.3f}",
             "-" if r["storage_s"] is None else f"{r['storage_s']:.3f}",
             f"{r['local_pull_gbps']:.2f} ({r['local_pull_fraction_of_memcpy']:.0%})",
+            f"{r['forward_bytes_per_s'] / 1e6:.0f}",
+            (f"tail {r['tail_cpu_s_per_gib']:.2f}" if r["relay_cpu_s_per_gib"] is None
+             else f"{r['relay_cpu_s_per_gib']:.2f} (max {r['relay_cpu_s_per_gib_max']:.2f})"),
+            f"{r['master_cpu_s_per_gib']:.2f}",
         )
     return table
 
@@ -181,6 +186,8 @@ def throughput_bench(
     json_path: Path | None = typer.Option(None, "--json", help="Write {\"results\": [...], \"config\": {...}} here."),
     plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG: throughput bars and per-run "
                                           "per-replica policy-version timelines."),
+    repack: str = typer.Option("on", help="Dynamic repack in the laminar runs: on, off, or on,off (one laminar run "
+                               "each; the other modes never repack)."),
 ) -> None:
     """Every mode on the same workload and seed on the real stack: tokens/s (paper definition, modelled time),
     KV use, trainer idle, weight-sync stall, staleness, trajectory latency, control-plane share. Extra
@@ -197,9 +204,13 @@ def throughput_bench(
         raise typer.BadParameter(f"--engine {engine!r}: use modelled or torch")
     if workload not in (*WORKLOADS, "both"):
         raise typer.BadParameter(f"--workload {workload!r}: use long_tail, uniform or both")
+    settings_repack = [x.strip() for x in repack.split(",") if x.strip()]
+    if not settings_repack or any(x not in ("on", "off") for x in settings_repack) or len(set(settings_repack)) < len(
+            settings_repack):
+        raise typer.BadParameter(f"--repack {repack!r}: use on, off, or on,off")
     spec = BenchSpec(modes=chosen, workloads=WORKLOADS if workload == "both" else (workload,), replicas=replicas,
                      engine=engine, iterations=iterations or DEFAULT_ITERATIONS, config_path=config,
-                     extra_overrides=tuple(ctx.args))
+                     extra_overrides=tuple(ctx.args), repack=tuple(x == "on" for x in settings_repack))
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn()]
     with Progress(*columns, console=err, transient=False) as bar:
