@@ -327,8 +327,12 @@ def _natural(name: str) -> tuple[str, int]:
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:
-    """Set each result's ratio_to_laminar: its tokens_per_s / laminar's on the same workload (None without)."""
-    base = {r["workload"]: r["tokens_per_s"] for r in results if r["mode"] == "laminar" and r.get("tokens_per_s")}
+    """Set each result's ratio_to_laminar: its tokens_per_s / laminar's on the same workload (None without);
+    laminar with repack when both were run (the default config repacks)."""
+    base: dict[str, float] = {}
+    for r in sorted(results, key=lambda r: bool(r.get("repack"))):  # repack on last: it wins
+        if r["mode"] == "laminar" and r.get("tokens_per_s"):
+            base[r["workload"]] = r["tokens_per_s"]
     for r in results:
         b = base.get(r["workload"])
         r["ratio_to_laminar"] = round(r["tokens_per_s"] / b, 3) if b and r.get("tokens_per_s") is not None else None
@@ -347,6 +351,23 @@ class RunData:
     records: list[dict[str, Any]] = field(default_factory=list)
     trajectories: list[TrajRow] = field(default_factory=list)
     control_plane_s: float = 0.0
+    migrations: list[tuple[float, str, str, int]] = field(default_factory=list)  # (wall at, source, dest, groups)
+
+
+def repack_events(statuses: Iterable[RunStatus]) -> list[tuple[float, str, str, int]]:
+    """The carried-out migrations (`repack_moved` events) seen in any of these statuses, once each, in time order:
+    (workflow time, source, destination, groups moved; -1 when the bounded recent-events list had dropped it)."""
+    times: set[tuple[float, str]] = set()
+    counts: dict[tuple[float, str], int] = {}
+    for st in statuses:
+        for e in st.events:
+            if e.kind == "repack_moved":
+                counts[(e.at, e.subject)] = e.count
+        for key, at_times in st.event_times.items():
+            kind, _, subject = key.partition("/")
+            if kind == "repack_moved":
+                times.update((at, subject) for at in at_times)
+    return [(at, *subject.split("->", 1), counts.get((at, subject), -1)) for at, subject in sorted(times)]
 
 
 def measure(data: RunData) -> dict[str, Any]:
@@ -380,6 +401,12 @@ def measure(data: RunData) -> dict[str, Any]:
         "latency_p50_s": round(p50, 3),
         "latency_p99_s": round(p99, 3),
         "groups_consumed_twice": final.groups_consumed_twice,
+        "repack": policy.repacks,
+        "repacks": final.repacks,
+        "repack_groups": final.repack_groups,
+        # per migration, wall s: the source's stop + segment write and the destination's read + admission (the
+        # destination's re-prefill is modelled engine time, inside the throughput figures)
+        "repack_overhead_s": round(final.repack_overhead_s / final.repacks, 4) if final.repacks else None,
         "samples_dropped_stale": sum(r.get("dropped_stale", 0) for r in data.records),
         "control_plane_share": round(control_plane_share(data.control_plane_s, data.records), 4),
         "ratio_to_laminar": None,
@@ -409,12 +436,19 @@ class BenchSpec:
     config_path: Path | None = None
     extra_overrides: tuple[str, ...] = ()
     run_timeout_s: float = RUN_TIMEOUT_S
+    repack: tuple[bool, ...] = (True,)  # laminar runs with repack on, off or both (--repack on,off)
 
-    def run_config(self, mode: str, workload: str, stamp: str) -> RunConfig:
+    def runs(self) -> list[tuple[str, str, bool]]:
+        """(workload, mode, repack) of every run, in order: laminar once per repack setting, the others once."""
+        return [(w, m, r) for w in self.workloads for m in self.modes
+                for r in (self.repack if m == "laminar" else (False,))]
+
+    def run_config(self, mode: str, workload: str, stamp: str, repack: bool = True) -> RunConfig:
         overrides = [*scaled_overrides(mode, self.replicas, self.engine, workload, self.iterations),
-                     *self.extra_overrides]
+                     f"rollout.repack={str(repack and mode == 'laminar').lower()}", *self.extra_overrides]
         cfg = RunConfig.load(self.config_path, overrides)
-        return cfg.with_run_id(f"bench-{stamp}-{workload.replace('_', '')}-{mode.replace('_', '')}")
+        suffix = "-norepack" if mode == "laminar" and not repack else ""
+        return cfg.with_run_id(f"bench-{stamp}-{workload.replace('_', '')}-{mode.replace('_', '')}{suffix}")
 
 
 def run_bench(spec: BenchSpec, progress: Progress) -> dict[str, Any]:
@@ -422,9 +456,8 @@ def run_bench(spec: BenchSpec, progress: Progress) -> dict[str, Any]:
     from devstack.stack import DevStack
     from workers.settings import Settings
 
-    for mode in spec.modes:  # fail on a bad mode or override before anything starts
-        for workload in spec.workloads:
-            spec.run_config(mode, workload, "check")
+    for workload, mode, repack in spec.runs():  # fail on a bad mode or override before anything starts
+        spec.run_config(mode, workload, "check", repack)
     warmup_steps(spec.iterations)
     home = Settings.from_env().home
     stack = DevStack(home)
@@ -444,10 +477,12 @@ def run_bench(spec: BenchSpec, progress: Progress) -> dict[str, Any]:
         "results": results,
         "config": {
             "modes": list(spec.modes), "workloads": list(spec.workloads), "replicas": spec.replicas,
+            "repack": list(spec.repack),
             "engine": spec.engine, "iterations": spec.iterations, "warmup_steps": warmup_steps(spec.iterations),
             "overrides": [o for o in scaled_overrides("laminar", spec.replicas, spec.engine, spec.workloads[0],
                                                       spec.iterations)
-                          if not o.startswith(("run.mode=", "modelled.workload=", "run.steps=", "trainer.minibatches="))] + list(spec.extra_overrides),
+                          if not o.startswith(("run.mode=", "modelled.workload=", "run.steps=", "trainer.minibatches=",
+                                               "rollout.repack="))] + list(spec.extra_overrides),
             "groups_per_step": first.trainer.groups_per_step, "group_size": first.rollout.group_size,
             "stream_minibatches": STREAM_MINIBATCHES,
             "relays": first.relay.relays, "seed": first.run.seed, "time_scale": time_scale(first),
@@ -464,21 +499,22 @@ async def _run_all(spec: BenchSpec, settings, progress: Progress) -> list[dict[s
     store = store_for(settings)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     results = []
-    for workload in spec.workloads:
-        for mode in spec.modes:
-            cfg = spec.run_config(mode, workload, stamp)
-            label = f"{mode} ({workload})"
-            try:
-                data = await _run_one(client, store, settings, cfg, label, progress, spec.run_timeout_s)
-                row = measure(data)
-                row["timeline"] = {r: [[round(s, 2), round(e, 2), v] for s, e, v in iv]
-                                   for r, iv in version_intervals(data.trajectories, data.started_at,
-                                                                  time_scale(cfg)).items()}
-            except Exception as exc:  # noqa: BLE001 - one failed run (or a Temporal outage) must not lose the others
-                progress(label, None, f"failed: {exc}")
-                row = {"mode": mode, "workload": workload, "run_id": cfg.run.run_id, "error": str(exc),
-                       "tokens_per_s": None, "iterations": 0}
-            results.append(row)
+    for workload, mode, repack in spec.runs():
+        cfg = spec.run_config(mode, workload, stamp, repack)
+        label = f"{mode}{'' if mode != 'laminar' or len(spec.repack) < 2 else ' +repack' if repack else ' -repack'} ({workload})"
+        try:
+            data = await _run_one(client, store, settings, cfg, label, progress, spec.run_timeout_s)
+            row = measure(data)
+            scale = time_scale(cfg)
+            row["timeline"] = {r: [[round(s, 2), round(e, 2), v] for s, e, v in iv]
+                               for r, iv in version_intervals(data.trajectories, data.started_at, scale).items()}
+            row["migrations"] = [[round((at - data.started_at) * scale, 2), src, dst, n]
+                                 for at, src, dst, n in data.migrations]
+        except Exception as exc:  # noqa: BLE001 - one failed run (or a Temporal outage) must not lose the others
+            progress(label, None, f"failed: {exc}")
+            row = {"mode": mode, "workload": workload, "run_id": cfg.run.run_id, "error": str(exc),
+                   "tokens_per_s": None, "iterations": 0, "repack": repack and mode == "laminar"}
+        results.append(row)
     return results
 
 
@@ -495,6 +531,7 @@ async def _run_one(client, store: ObjectStore, settings, cfg: RunConfig, label: 
     launcher.start_all()
     launcher.start_supervision()
     polls: list[KvPoll] = []
+    statuses: list[RunStatus] = []  # for the repack events (bounded windows: polled often enough not to miss one)
     result: asyncio.Task | None = None
     handle = None
     try:
@@ -510,6 +547,7 @@ async def _run_one(client, store: ObjectStore, settings, cfg: RunConfig, label: 
                 st = await handle.query("status", result_type=RunStatus, rpc_timeout=timedelta(seconds=5))
                 polls.append(KvPoll(time.time(), [(r.kv_used, r.kv_capacity) for r in st.replicas],
                                     tuple(r.in_flight for r in st.replicas)))
+                statuses.append(st)
                 progress(label, st, "")
             except RPCError:
                 pass  # the control worker is (re)starting; the next poll tries again
@@ -531,7 +569,8 @@ async def _run_one(client, store: ObjectStore, settings, cfg: RunConfig, label: 
     return RunData(cfg=cfg, final=final, started_at=t0, polls=polls,
                    records=read_step_records(store, cfg.run.run_id),
                    trajectories=read_trajectories(store, cfg.run.run_id),
-                   control_plane_s=trainer_control_plane_s(store, cfg.run.run_id))
+                   control_plane_s=trainer_control_plane_s(store, cfg.run.run_id),
+                   migrations=repack_events([*statuses, final]))
 
 
 # -- output --------------------------------------------------------------------------------------------
@@ -551,8 +590,15 @@ COLUMNS = [  # (key, header, format: a format string or a function)
     ("weight_sync_stall_s", "sync stall s", fmt_num), ("staleness_max", "stale max", "{}"),
     ("latency_p50_s", "lat p50 s", fmt_num), ("latency_p99_s", "lat p99 s", fmt_num),
     ("groups_consumed_twice", "twice", "{}"), ("control_plane_share", "ctrl plane", "{:.1%}"),
-    ("iterations", "iters", "{}"),
+    ("repacks", "repacks", "{}"), ("iterations", "iters", "{}"),
 ]
+
+
+def run_label(r: dict[str, Any]) -> str:
+    """The mode, marked +repack / -repack for a laminar run when the report has both."""
+    if r["mode"] != "laminar" or "repack" not in r:
+        return r["mode"]
+    return "laminar +repack" if r["repack"] else "laminar -repack"
 
 
 def table_rows(report: dict[str, Any]) -> list[list[str]]:
@@ -561,7 +607,7 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
     for r in report["results"]:
         cells = []
         for key, _, fmt in COLUMNS:
-            v = r.get(key)
+            v = run_label(r) if key == "mode" and len(report["config"].get("repack", [])) > 1 else r.get(key)
             cells.append("-" if v is None else fmt(v) if callable(fmt) else fmt.format(v))
         if r.get("error"):
             cells[2] = f"failed: {r['error'][:60]}"
@@ -579,14 +625,16 @@ def plot(report: dict[str, Any], path: Path) -> None:
     from matplotlib import colormaps
 
     results = [r for r in report["results"] if r.get("tokens_per_s") is not None]
-    modes = list(dict.fromkeys(r["mode"] for r in report["results"]))
+    both = len(report["config"].get("repack", [])) > 1
+    label = run_label if both else (lambda r: r["mode"])
+    modes = list(dict.fromkeys(label(r) for r in report["results"]))
     workloads = list(dict.fromkeys(r["workload"] for r in report["results"]))
     fig = plt.figure(figsize=(7 * len(workloads), 3.2 + 2.4 * len(modes)))
     grid = fig.add_gridspec(1 + len(modes), len(workloads), height_ratios=[1.4] + [1] * len(modes))
     bars = fig.add_subplot(grid[0, :])
     width = 0.8 / max(1, len(workloads))
     for j, w in enumerate(workloads):
-        ys = [next((r["tokens_per_s"] for r in results if r["mode"] == m and r["workload"] == w), 0) for m in modes]
+        ys = [next((r["tokens_per_s"] for r in results if label(r) == m and r["workload"] == w), 0) for m in modes]
         xs = [i + (j - (len(workloads) - 1) / 2) * width for i in range(len(modes))]
         drawn = bars.bar(xs, ys, width, label=w)
         bars.bar_label(drawn, fmt="{:,.0f}", fontsize=7)
@@ -601,7 +649,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for i, m in enumerate(modes):
         for j, w in enumerate(workloads):
             ax = fig.add_subplot(grid[1 + i, j])
-            r = next((r for r in results if r["mode"] == m and r["workload"] == w), None)
+            r = next((r for r in results if label(r) == m and r["workload"] == w), None)
             ax.set_title(f"{m} ({w}): policy version per replica", fontsize=9)
             if r is None:
                 ax.text(0.5, 0.5, "no result", ha="center", va="center", transform=ax.transAxes)
@@ -616,6 +664,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
                     ax.broken_barh([(s, e - s)], (y - 0.4, 0.8), color=cmap(v / max(1, top)))
                     if e - s > span / 40:
                         ax.text((s + e) / 2, y, str(v), ha="center", va="center", fontsize=6, color="white")
+            rows = {replica: y for y, replica in enumerate(timeline)}
+            for at, src, dst, _ in r.get("migrations", []):  # repack: an arrow from source to destination
+                if src in rows and dst in rows:
+                    ax.annotate("", xy=(at, rows[dst]), xytext=(at, rows[src]),
+                                arrowprops={"arrowstyle": "->", "color": "red", "lw": 0.8})
+            if r.get("migrations"):
+                ax.set_title(f"{m} ({w}): policy version per replica; red arrows: repack migrations", fontsize=9)
             ax.set(yticks=range(len(timeline)), yticklabels=list(timeline), xlabel=unit)
             ax.tick_params(labelsize=7)
     fig.tight_layout()
