@@ -21,12 +21,14 @@ def test_bench_relay_smoke_over_loopback_writes_the_json_report(tmp_path):
     assert report["loopback_tcp_bytes_per_s"] > 0
     for row in report["results"]:
         for key in ("relays", "stall_s", "all_relays_s", "single_hop_s", "sequential_s", "storage_s", "model_s",
-                    "local_pull_gbps", "tail_cpu_s_per_gib", "master_cpu_s_per_gib", "forward_bytes_per_s"):
+                    "local_pull_gbps", "forward_bytes_per_s"):
             assert row[key] is not None and row[key] > 0, key
+        # CPU time counts in 10 ms clock ticks: 2 MiB may cost less than one, so 0 is a valid reading.
+        assert row["tail_cpu_s_per_gib"] >= 0 and row["master_cpu_s_per_gib"] >= 0
     one, two = report["results"]
     # With 1 relay it is the tail and forwards nothing; with 2, relay 1 received and forwarded.
-    assert one["relay_cpu_s_per_gib"] is None and two["relay_cpu_s_per_gib"] > 0
-    assert two["relay_cpu_s_per_gib_max"] >= two["relay_cpu_s_per_gib"]
+    assert one["relay_cpu_s_per_gib"] is None and two["relay_cpu_s_per_gib"] >= 0
+    assert two["relay_cpu_s_per_gib_max"] == two["relay_cpu_s_per_gib"]  # one forwarding relay: mean = max
     assert "relay broadcast of 2 MiB" in result.output
 
 
