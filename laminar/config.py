@@ -21,6 +21,9 @@ from laminar.errors import ConfigError
 MODES = ("laminar", "sync", "one_step", "stream", "partial_rollout")  # workflows/policy.py says what each does
 Mode = Literal["laminar", "sync", "one_step", "stream", "partial_rollout"]
 Engine = Literal["torch", "modelled"]
+RolloutEngine = Literal["torch", "modelled", "vllm"]
+Device = Literal["cpu", "cuda"]
+DType = Literal["float32", "bfloat16", "float16"]
 
 
 class _Section(BaseModel):
@@ -109,12 +112,16 @@ class RolloutSection(_Section):
         3.0, ge=1.0, le=3600.0,
         description="Replica heartbeat timeout: the failure detector of a dead rollout worker (s).",
     )
-    engine: Engine = Field(
+    engine: RolloutEngine = Field(
         "torch",
-        description="`torch`: the real continuous-batching engine (rl/engine.py). `modelled`: a GPU engine whose "
-        "decode, prefill and weight-load times follow the [modelled] section (rl/modelled.py); needs "
-        "trainer.engine = 'modelled' too.",
+        description="`torch`: the real continuous-batching engine (rl/engine.py). `vllm`: vLLM (rl/vllm_engine.py; "
+        "the `vllm` extra, a model whose head_dim vLLM's kernels support, e.g. examples/vllm.toml). `modelled`: a "
+        "GPU engine whose decode, prefill and weight-load times follow the [modelled] section (rl/modelled.py); "
+        "needs trainer.engine = 'modelled' too.",
     )
+    device: Device = Field("cpu", description="Where the torch engine runs (`cuda`: the worker's current GPU).")
+    dtype: DType = Field(
+        "float32", description="Engine weights and KV cache (`bfloat16` on GPU); vLLM computes in it too.")
     repack: bool = Field(
         True,
         description="Dynamic repack (laminar mode only; workflows/repack.py): replicas in ramp-down hand their "
@@ -173,6 +180,19 @@ class TrainerSection(_Section):
         "torch",
         description="`torch`: the real trainer (rl/trainer.py). `modelled`: step time proportional to the "
         "batch's tokens ([modelled] section); needs rollout.engine = 'modelled' too.",
+    )
+    backend: Literal["single", "fsdp"] = Field(
+        "single",
+        description="`single`: one process. `fsdp`: FSDP2 (torch.distributed.fsdp.fully_shard) over "
+        "trainer.fsdp_procs processes launched by the trainer worker (rl/fsdp.py); gloo on CPU, nccl on CUDA.",
+    )
+    fsdp_procs: int = Field(
+        2, ge=1, le=1024, description="Processes (ranks) of the fsdp backend: one per GPU on CUDA (count).")
+    device: Device = Field("cpu", description="Where the trainer runs (`cuda`: the worker's current GPU).")
+    dtype: DType = Field(
+        "float32",
+        description="Forward/backward compute dtype (`bfloat16` on GPU: autocast); weights and AdamW state stay "
+        "float32.",
     )
 
     @model_validator(mode="after")
@@ -294,10 +314,16 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _engines_and_modes_fit(self) -> RunConfig:
-        if self.rollout.engine != self.trainer.engine:
+        if (self.rollout.engine == "modelled") != (self.trainer.engine == "modelled"):
             raise ValueError(
                 f"rollout.engine={self.rollout.engine!r} and trainer.engine={self.trainer.engine!r} must match: a "
-                f"modelled engine's trajectories carry no real tokens to train on; set both to 'torch' or 'modelled'"
+                f"modelled engine's trajectories carry no real tokens to train on; set both to 'modelled', or "
+                f"trainer.engine='torch' with rollout.engine 'torch' or 'vllm'"
+            )
+        if self.trainer.backend == "fsdp" and self.trainer.engine != "torch":
+            raise ValueError(
+                f"trainer.backend='fsdp' needs trainer.engine='torch' (got {self.trainer.engine!r}); the modelled "
+                f"trainer has no weights to shard"
             )
         lookahead = {"sync": 0, "one_step": 1, "stream": 1}.get(self.run.mode)
         need = (lookahead + 1) * self.trainer.groups_per_step if lookahead is not None else 0

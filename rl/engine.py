@@ -12,28 +12,27 @@ that token, i.e. the log-probability under the distribution it actually sampled 
 temperature 1 this is the policy's own log-prob). The trainer evaluates its policy at the same
 temperature, so the importance ratio compares like with like.
 
-The engine runs under torch.no_grad; the number of torch threads is the caller's business.
+Device: the engine runs where the model's parameters are (CPU, or CUDA with bf16 weights), with the KV cache
+on that device in the parameters' dtype. Each sequence's last token and position live in device tensors, so a
+decode step sends nothing to the device and reads back one small tensor (the sampled ids and their log-probs
+together): the only host round trip per token is sampling's.
+
+The engine runs under torch.no_grad; the number of torch threads is the caller's business. It implements
+rl.engine_api.Engine (the contract in tests/test_engine_contract.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from laminar.errors import EngineError
+from rl.engine_api import Finished, InFlight
 from rl.model import CausalLM, KVCache, load_model_state
 
-
-@dataclass
-class Finished:
-    """A sequence that ended this step; response_ids include the final <eos> when finish_reason is stop."""
-
-    request_id: str
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
+__all__ = ["Finished", "TorchEngine", "check_resumable", "first_free_slot"]
 
 
 @dataclass
@@ -99,10 +98,15 @@ class TorchEngine:
         self.temperature = temperature
         self.eos_id = eos_id
         self.policy_version: int | None = None
-        self._gen = torch.Generator().manual_seed(seed)
-        dtype = next(model.parameters()).dtype
-        self._cache = KVCache(model.config, max_inflight_seqs, max_prompt_len + max_new_tokens, dtype)
+        first = next(model.parameters())
+        self.device = first.device
+        self._gen = torch.Generator(device=self.device).manual_seed(seed)
+        self._cache = KVCache(model.config, max_inflight_seqs, max_prompt_len + max_new_tokens, first.dtype,
+                              self.device)
         self._slots: list[_Seq | None] = [None] * max_inflight_seqs
+        # per slot, on the device: the token the next decode step feeds, and its position
+        self._last = torch.zeros(max_inflight_seqs, 1, dtype=torch.long, device=self.device)
+        self._pos = torch.zeros(max_inflight_seqs, 1, dtype=torch.long, device=self.device)
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -182,17 +186,24 @@ class TorchEngine:
         slot = first_free_slot(self._slots, request_id)
         self._slots[slot] = _Seq(request_id, list(prompt_ids), prefix_ids, prefix_logprobs)
 
-    def abort(self, request_ids: set[str]) -> None:
-        """Drop these in-flight requests (dynamic repack hands them to another replica); others are unknown."""
-        self._slots = [None if s is not None and s.request_id in request_ids else s for s in self._slots]
-
-    def snapshot_inflight(self) -> list[tuple[str, list[int], list[int], list[float]]]:
+    def snapshot_inflight(self) -> list[InFlight]:
         """(request_id, prompt_ids, response_ids so far, logprobs so far) of every in-flight sequence."""
         return [
             (s.request_id, list(s.prompt_ids), list(s.response_ids), list(s.logprobs))
             for s in self._slots
             if s is not None
         ]
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[InFlight]:
+        """Drop the named in-flight requests (None: all) and free their slots (dynamic repack hands them to
+        another replica); returns their state so far. Ids not in flight are ignored."""
+        wanted = None if request_ids is None else set(request_ids)
+        out = []
+        for slot, s in enumerate(self._slots):
+            if s is not None and (wanted is None or s.request_id in wanted):
+                out.append((s.request_id, list(s.prompt_ids), list(s.response_ids), list(s.logprobs)))
+                self._slots[slot] = None
+        return out
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -204,14 +215,17 @@ class TorchEngine:
         if not active:
             return []
         seqs = [self._slots[i] for i in active]
-        tokens = torch.tensor([[s.tokens()[-1]] for s in seqs])
-        positions = torch.tensor([[s.cached] for s in seqs])
-        kv_len = int(positions.max()) + 1
-        logits = self.model.forward_cached(tokens, positions, self._cache, torch.tensor(active), kv_len)
+        slots = torch.tensor(active, device=self.device)
+        kv_len = max(s.cached for s in seqs) + 1
+        logits = self.model.forward_cached(self._last[slots], self._pos[slots], self._cache, slots, kv_len)
         logp = torch.log_softmax(logits[:, -1] / self.temperature, dim=-1)
         sampled = torch.multinomial(logp.exp(), 1, generator=self._gen)
-        chosen = logp.gather(1, sampled)[:, 0].tolist()
-        sampled = sampled[:, 0].tolist()
+        self._last[slots] = sampled
+        self._pos[slots] += 1
+        # the one read-back per step: sampled ids and their log-probs in one transfer
+        both = torch.cat((sampled.to(logp.dtype), logp.gather(1, sampled)), dim=1).tolist()
+        sampled = [int(tok) for tok, _ in both]
+        chosen = [lp for _, lp in both]
         finished = []
         for slot, s, tok, lp in zip(active, seqs, sampled, chosen, strict=True):
             s.cached += 1
@@ -237,6 +251,9 @@ class TorchEngine:
         for _, s in new:
             s.prefilled = True
             s.cached = len(s.tokens()) - 1
+        idx = torch.tensor([i for i, _ in new], device=self.device)
+        self._last[idx] = torch.tensor([[s.tokens()[-1]] for _, s in new], device=self.device)
+        self._pos[idx] = torch.tensor([[s.cached] for _, s in new], device=self.device)
         new = [(i, s) for i, s in new if s.cached > 0]
         if not new:
             return
@@ -246,6 +263,6 @@ class TorchEngine:
             ids[row, : s.cached] = torch.tensor(s.tokens()[: s.cached])
         # Padding positions write garbage k/v beyond each slot's length; it is overwritten before
         # any query can see it (queries only attend to positions <= their own).
-        positions = torch.arange(width).expand(len(new), width)
-        slots = torch.tensor([i for i, _ in new])
-        self.model.forward_cached(ids, positions, self._cache, slots, width)
+        positions = torch.arange(width, device=self.device).expand(len(new), width)
+        slots = torch.tensor([i for i, _ in new], device=self.device)
+        self.model.forward_cached(ids.to(self.device), positions, self._cache, slots, width)

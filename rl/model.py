@@ -80,10 +80,11 @@ class ModelConfig:
 class KVCache:
     """Preallocated per-slot keys and values: k, v are [layers, slots, kv_heads, max_len, head_dim]."""
 
-    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
         shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.slots = slots
         self.max_len = max_len
 
@@ -202,15 +203,16 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Full-sequence logits [B, T, V] (float32). attention_mask [B, T]: 1 real token, 0 padding."""
         b, t = input_ids.shape
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        dev = input_ids.device
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
         if attention_mask is None:
-            positions = torch.arange(t).expand(b, t)
+            positions = torch.arange(t, device=dev).expand(b, t)
             mask = causal[None, None]
         else:
             am = attention_mask.bool()
             positions = (am.long().cumsum(-1) - 1).clamp(min=0)
             # A query always sees itself, so fully padded rows never produce NaN.
-            mask = (causal[None] & am[:, None, :]) | torch.eye(t, dtype=torch.bool)[None]
+            mask = (causal[None] & am[:, None, :]) | torch.eye(t, dtype=torch.bool, device=dev)[None]
             mask = mask[:, None]
         return self._run(input_ids, positions, mask)
 
@@ -219,7 +221,7 @@ class CausalLM(nn.Module):
 
         A query at position p sees cached keys at positions <= p of its own slot. Returns [B, T, V].
         """
-        key_pos = torch.arange(kv_len)
+        key_pos = torch.arange(kv_len, device=input_ids.device)
         mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, kv_len]
         return self._run(input_ids, positions, mask, cache=cache, slots=slots, kv_len=kv_len)
 
@@ -323,3 +325,16 @@ def load_pretrained(model_dir: str | Path, dtype: torch.dtype | None = torch.flo
     if not tok_path.exists():
         raise ConfigError(f"model directory {d} has no tokenizer.json")
     return model.eval(), Tokenizer.from_file(str(tok_path)), hf
+
+
+def placement(field: str, device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """(torch device, torch dtype) for `<field>.device` and `<field>.dtype` of the run config; ConfigError when
+    the device is not there (e.g. cuda on a machine without a GPU)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"{field}.device='cuda' but torch {torch.__version__} sees no CUDA device on this host; set "
+            f"{field}.device='cpu' (and {field}.dtype='float32'), or run this worker on a GPU host"
+        )
+    if dtype not in _DTYPES:
+        raise ConfigError(f"{field}.dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+    return torch.device(device), _DTYPES[dtype]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from hashlib import blake2b
 
@@ -277,9 +277,14 @@ class ModelledEngine:
         self._slots[slot] = _Seq(request_id, list(prompt_ids), target, drawn > self.m.max_response_tokens,
                                  prefix_ids, prefix_logprobs)
 
-    def abort(self, request_ids: set[str]) -> None:
-        """Drop these in-flight requests (dynamic repack hands them to another replica); others are unknown."""
-        self._slots = [None if s is not None and s.request_id in request_ids else s for s in self._slots]
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[tuple[str, list[int], list[int], list[float]]]:
+        """Drop the named in-flight requests (None: all; dynamic repack hands them to another replica); returns
+        their state so far (rl.engine_api.Engine.abort). Ids not in flight are ignored."""
+        wanted = None if request_ids is None else set(request_ids)
+        gone = {s.request_id for s in self._slots if s is not None and (wanted is None or s.request_id in wanted)}
+        out = [row for row in self.snapshot_inflight() if row[0] in gone]
+        self._slots = [None if s is not None and s.request_id in gone else s for s in self._slots]
+        return out
 
     def snapshot_inflight(self) -> list[tuple[str, list[int], list[int], list[float]]]:
         """(request_id, prompt_ids, response_ids so far, logprobs so far) of every in-flight sequence."""

@@ -58,8 +58,9 @@ class Batch:
     behaviour_logp: torch.Tensor  # [B, T-1] aligned with targets (0 off the response)
 
 
-def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
-    """Right-pad prompt + response; align response tokens and behaviour log-probs with next-token targets."""
+def collate(trajectories: list[Trajectory], pad_id: int, device: torch.device | str = "cpu") -> Batch:
+    """Right-pad prompt + response; align response tokens and behaviour log-probs with next-token targets
+    (built on the host, handed over on `device` in one copy per tensor)."""
     width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
     b = len(trajectories)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
@@ -77,6 +78,7 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
         am[i, : p + r] = 1
         rmask[i, p - 1 : p + r - 1] = 1  # logits at position j predict token j + 1
         blogp[i, p - 1 : p + r - 1] = torch.tensor(t.logprobs)
+    ids, am, rmask, blogp = (x.to(device) for x in (ids, am, rmask, blogp))
     return Batch(ids, am, ids[:, 1:], rmask, blogp)
 
 
@@ -91,8 +93,13 @@ class Trainer:
         group_size: int,
         temperature: float = 1.0,
         pad_id: int = 0,
+        compute_dtype: torch.dtype | None = None,
     ):
+        """The model's parameters stay where and as they are (the optimizer's master weights: float32 unless the
+        caller cast them); compute_dtype (e.g. torch.bfloat16 on CUDA) runs forward passes under autocast."""
         self.model = model
+        self.device = next(model.parameters()).device
+        self.compute_dtype = compute_dtype
         self.cfg = cfg
         self.group_size = group_size
         self.temperature = temperature
@@ -115,8 +122,8 @@ class Trainer:
                 trainer_version, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, dropped, hist, updated=False
             )
         rewards = [t.reward for t in kept]
-        advantages = group_advantages(rewards, [t.group_id for t in kept])
-        batch = collate(kept, self.pad_id)
+        advantages = group_advantages(rewards, [t.group_id for t in kept]).to(self.device)
+        batch = collate(kept, self.pad_id, self.device)
         mask = batch.response_mask
 
         chunks = torch.arange(len(kept)).tensor_split(min(cfg.minibatches, len(kept)))
@@ -176,8 +183,25 @@ class Trainer:
         )
 
     def _log_softmax(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[B, T-1, V] next-token log-probabilities at the sampling temperature."""
-        return torch.log_softmax(self.model(ids, attention_mask)[:, :-1] / self.temperature, dim=-1)
+        """[B, T-1, V] next-token log-probabilities at the sampling temperature (float32)."""
+        if self.compute_dtype is not None and self.compute_dtype != torch.float32:
+            with torch.autocast(self.device.type, dtype=self.compute_dtype):
+                logits = self.model(ids, attention_mask)
+        else:
+            logits = self.model(ids, attention_mask)
+        return torch.log_softmax(logits.float()[:, :-1] / self.temperature, dim=-1)
+
+    @torch.no_grad()
+    def response_logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
+        """The current policy's log-prob of each response token at the sampling temperature, per trajectory:
+        what the engine recorded as behaviour log-probs when it sampled them under the same weights."""
+        batch = collate(trajectories, self.pad_id, self.device)
+        logp = self._log_softmax(batch.ids, batch.attention_mask).gather(-1, batch.targets[..., None])[..., 0]
+        out = []
+        for i, t in enumerate(trajectories):
+            p, r = len(t.prompt_ids), len(t.response_ids)
+            out.append(logp[i, p - 1 : p + r - 1].tolist())
+        return out
 
     # -- weights and checkpoints ---------------------------------------------------------------
 
@@ -191,8 +215,8 @@ class Trainer:
         for name, p in self._named.items():
             for key, value in self.optim.state.get(p, {}).items():
                 t = value if torch.is_tensor(value) else torch.tensor(value)
-                optim[f"{name}/{key}"] = t.detach().clone().contiguous()
-        model = {k: v.clone().contiguous() for k, v in self.policy_state_dict().items()}
+                optim[f"{name}/{key}"] = t.detach().to("cpu", copy=True).contiguous()
+        model = {k: v.to("cpu", copy=True).contiguous() for k, v in self.policy_state_dict().items()}
         return {"model": model, "optim": optim}
 
     def load_state_parts(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
