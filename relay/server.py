@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from laminar import metrics as prom
 from laminar.errors import RelayError
 from laminar.logs import get_logger
 from relay import auth, protocol, segments
@@ -245,7 +246,9 @@ class RelayServer:
             with self._receiving_lock:
                 self._receiving.discard(version)
         version.complete(digest)
+        prom.RELAY_RECEIVED.labels(self.relay_id).inc(version.size)
         outcome = self._store.put(version)
+        prom.RELAY_VERSIONS.labels(self.relay_id).set(len(self._store.summary()[0]))
         if outcome.stored:
             log.info("relay_version_stored", relay_id=self.relay_id, policy_version=version.policy_version,
                      bytes=version.size, replaced=outcome.replaced)
