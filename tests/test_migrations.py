@@ -21,7 +21,7 @@ def _report(replica: str, version: int, kv_used: int, kv_prev: int, in_flight: i
 
 
 def _setup() -> tuple[Ledger, Migrations]:
-    ledger = Ledger(RunState(run_id=RUN))
+    ledger = Ledger(RunState(run_id=RUN, policy_version=4))  # the replicas below are on 3 or 2: draining
     ledger.lease("replica-0", 2)  # g00000000, g00000001
     ledger.lease("replica-1", 2)  # g00000002, g00000003
     ledger.lease("replica-2", 1)  # g00000004
@@ -58,6 +58,14 @@ def test_plan_orders_the_smaller_ramp_down_replica_onto_the_other_of_its_version
     # a second plan while the migration is pending leaves both replicas out
     assert mig.plan(c_max=0.9, batch_limit=8, at=11.0) == []
     assert ledger.state.migration_seq == 1
+
+
+def test_replicas_on_the_newest_version_are_not_planned() -> None:
+    ledger, mig = _setup()
+    ledger.state.policy_version = 3  # replica-0 and replica-1 hold the newest: they admit new prompts, not drain
+    ledger.note_report(_report("replica-0", 3, 100, 300, 2))
+    ledger.note_report(_report("replica-1", 3, 200, 400, 3))
+    assert mig.plan(c_max=0.9, batch_limit=8, at=1.0) == [] and mig.pending() == 0
 
 
 def test_hand_off_then_take_moves_the_leases_once_and_counts_the_repack() -> None:

@@ -46,14 +46,16 @@ class Migrations:
         return len(self.state.migrations) + sum(len(q) for q in self.state.inbox.values())
 
     def plan(self, *, c_max: float, batch_limit: int, at: float) -> list[Move]:
-        """Run the planner over the replicas' latest reports (those with weights, not already migrating) and
-        order its moves."""
+        """Run the planner over the replicas' latest reports and order its moves. Only replicas behind the newest
+        version take part: one on the newest version admits new prompts as its slots free up (it is not
+        draining), so releasing it would gain nothing. Replicas already in a migration wait for it to end."""
         busy = self.involved()
+        newest = self.state.policy_version
         loads = [
             ReplicaLoad(replica_id=r.replica_id, policy_version=r.policy_version, kv_used=r.kv_used,
                         kv_prev=r.kv_prev, kv_capacity=r.kv_capacity, in_flight=r.in_flight, waiting=r.waiting)
             for r in self.state.replicas.values()
-            if r.policy_version >= 0 and r.kv_capacity > 0 and r.replica_id not in busy
+            if 0 <= r.policy_version < newest and r.kv_capacity > 0 and r.replica_id not in busy
         ]
         self.state.last_plan_at = at
         moves = plan_repack(loads, c_max=c_max, roofline_batch=batch_limit)
