@@ -50,8 +50,9 @@ class DrillActivities:
     async def plan_drill(self, inp: DrillInput) -> DrillPlan:
         while True:
             st = await self._try_status(inp.run_id)
-            if st is not None and st.step >= inp.at_step and st.phase == "running" and st.replicas:
-                target, process = rules.resolve_target(inp.fault, inp.target, st)
+            if (st is not None and st.step >= inp.at_step and st.phase == "running" and st.replicas
+                    and (inp.during != "migration" or st.migrating)):
+                target, process = rules.resolve_target(inp.fault, inp.target, st, inp.during)
                 return DrillPlan(fault=inp.fault, target=target, process=process, baseline=st)
             activity.heartbeat(st.step if st else None)
             await asyncio.sleep(POLL_S)
@@ -92,6 +93,8 @@ class DrillActivities:
         observed_until = min(time.time(), deadline)
         times = await asyncio.to_thread(steps.times_until, final.step)
         notes = "" if recovered is not None else f"no recovery observed within {inp.drill.timeout_s:.0f}s"
+        if inp.drill.during == "migration":
+            notes = "; ".join(x for x in (f"during migration {', '.join(plan.baseline.migrating)}", notes) if x)
         report = rules.build_report(inp.drill.drill_id, plan.fault, plan.target, injected_at, plan.baseline,
                                     final, detected, recovered, times, observed_until, notes)
         self.store.put(keys.drill_report(inp.drill.run_id, inp.drill.drill_id),

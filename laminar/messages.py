@@ -341,6 +341,7 @@ class RunStatus:
     repack_groups: int = 0  # groups moved by them
     repack_overhead_s: float = 0.0  # summed over them: source stop + write, destination read + admit
     migrations_pending: int = 0  # ordered or handed over, not yet acknowledged
+    migrating: list[str] = field(default_factory=list)  # those migrations as "<source>-><destination>"
 
 
 # -- recovery drills ----------------------------------------------------------------------------
@@ -365,6 +366,7 @@ class DrillInput:
     runner_queue: str = ""  # queue of the `laminar drill` process that observes the run
     timeout_s: float = 300.0  # give up waiting for recovery after this long (s)
     outage_s: float = 3.0  # store fault: how long the S3 server stays down (s)
+    during: str = ""  # "migration": inject while a repack migration is pending (rollout: into its source)
 
 
 @dataclass(frozen=True)

@@ -38,15 +38,19 @@ class ActivityView:
     last_attempt_complete_time: float | None
 
 
-def resolve_target(fault: str, target: str, status: RunStatus) -> tuple[str, str]:
-    """(target, process name) for a fault against the live run; ConfigError naming what exists."""
+def resolve_target(fault: str, target: str, status: RunStatus, during: str = "") -> tuple[str, str]:
+    """(target, process name) for a fault against the live run; ConfigError naming what exists.
+    during="migration": a rollout fault goes to the source of the first pending repack migration."""
     if fault not in FAULTS:
         raise ConfigError(f"--fault {fault!r} is not one of {', '.join(FAULTS)}")
+    if during not in ("", "migration"):
+        raise ConfigError(f"--during {during!r}: use migration (or leave it out)")
     if fault == "rollout":
         replicas = {r.replica_id: r for r in status.replicas}
         if not replicas:
             raise ConfigError(f"run {status.run_id} has no rollout replica reporting yet; try --at-step 1")
-        chosen = target or max(replicas.values(), key=lambda r: (r.in_flight, r.replica_id)).replica_id
+        source = status.migrating[0].split("->", 1)[0] if during == "migration" and status.migrating else ""
+        chosen = target or source or max(replicas.values(), key=lambda r: (r.in_flight, r.replica_id)).replica_id
         if chosen not in replicas:
             raise ConfigError(f"--target {chosen!r}: run {status.run_id} has replicas {sorted(replicas)}")
         return chosen, f"rollout-{replicas[chosen].host_id}"

@@ -38,6 +38,15 @@ def test_resolve_target_per_fault():
         rules.resolve_target("master-relay", "host-1", st)
 
 
+def test_a_rollout_fault_during_a_migration_goes_to_its_source():
+    st = status(migrating=["replica-0->replica-1"])
+    # replica-1 has more in flight, but replica-0 is the source of the pending migration
+    assert rules.resolve_target("rollout", "", st, "migration") == ("replica-0", "rollout-host-0")
+    assert rules.resolve_target("rollout", "replica-1", st, "migration") == ("replica-1", "rollout-host-1")
+    with pytest.raises(ConfigError, match="--during 'repack'"):
+        rules.resolve_target("rollout", "", st, "repack")
+
+
 def test_groups_lost_is_issued_minus_accounted():
     # 46 issued = 40 consumed + 2 ready + 3 leased + 1 queued for re-lease -> 0 lost
     assert rules.groups_lost(status()) == 0

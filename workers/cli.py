@@ -190,6 +190,8 @@ def drill(
     report: Path | None = typer.Option(None, help="Also write the report here as JSON."),
     timeout_s: float = typer.Option(300.0, "--timeout-s", help="Give up waiting for recovery after (s)."),
     outage_s: float = typer.Option(3.0, "--outage-s", help="store: how long the S3 server stays down (s)."),
+    during: str = typer.Option("", help="migration: wait for a pending repack migration and inject then (a rollout "
+                               "fault goes to its source replica's process)."),
 ) -> None:
     """Inject a failure into a live run, watch it recover, report (also stored under runs/<id>/drills/)."""
     from laminar.messages import DrillInput
@@ -199,7 +201,7 @@ def drill(
         settings = Settings.from_env()
         configure_logging(settings.log_format, "warning")
         inp = DrillInput(run_id=run_id, drill_id="", fault=fault, target=target, at_step=at_step,
-                         timeout_s=timeout_s, outage_s=outage_s)
+                         timeout_s=timeout_s, outage_s=outage_s, during=during)
         result = asyncio.run(run_drill(settings, inp, report))
     console.print(render_report(result))
     if not result.recovered or result.groups_lost or result.groups_consumed_twice:

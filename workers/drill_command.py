@@ -27,6 +27,8 @@ from workers.settings import Settings
 async def run_drill(settings: Settings, inp: DrillInput, report_path: Path | None = None) -> DrillReport:
     if inp.fault not in FAULTS:
         raise ConfigError(f"--fault {inp.fault!r} is not one of {', '.join(FAULTS)}")
+    if inp.during not in ("", "migration"):
+        raise ConfigError(f"--during {inp.during!r}: use migration (or leave it out)")
     drill_id = inp.drill_id or f"{inp.fault}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
     inp = dataclasses.replace(inp, drill_id=drill_id, runner_queue=f"laminar-drill-{drill_id}-{os.getpid()}")
     client = await connect(settings)

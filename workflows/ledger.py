@@ -261,4 +261,6 @@ class Ledger:
             repack_groups=s.repack_groups,
             repack_overhead_s=round(s.repack_overhead_s, 4),
             migrations_pending=len(s.migrations) + sum(len(q) for q in s.inbox.values()),
+            migrating=[f"{src}->{o.destination}" for src, o in sorted(s.migrations.items())]
+            + [f"{i.source}->{dst}" for dst, q in sorted(s.inbox.items()) for i in q],
         )
