@@ -128,10 +128,15 @@ class Forwarder:
         header = {"op": protocol.OP_PUT, "policy_version": version.policy_version, "run": version.run,
                   "chain": downstream, "size": version.size, "chunk_bytes": version.chunk_bytes,
                   "digest": version.digest}
-        sock = client.open_connection(target, self._timeout_s, token=self._token)
+        if not version.segment.acquire(version.generation):  # pinned: its segment is not reused meanwhile
+            raise UpstreamFailedError(f"policy_version {version.policy_version} was dropped before it was forwarded")
         try:
-            client.send_version(sock, target, header, lambda i: version.wait_chunk(i, self._timeout_s),
-                                version.n_chunks, lambda: version.wait_complete(self._timeout_s),
-                                fd=version.segment.fd)
+            sock = client.open_connection(target, self._timeout_s, token=self._token)
+            try:
+                client.send_version(sock, target, header, lambda i: version.wait_chunk(i, self._timeout_s),
+                                    version.n_chunks, lambda: version.wait_complete(self._timeout_s),
+                                    fd=version.segment.fd)
+            finally:
+                sock.close()
         finally:
-            sock.close()
+            version.segment.release()

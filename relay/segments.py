@@ -14,11 +14,13 @@ registers (and double-unlinks) segments that belong to another process.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import mmap
 import os
 import re
 import secrets
+import threading
 import weakref
 from pathlib import Path
 
@@ -86,13 +88,103 @@ class Segment:
         self.fd = fd
         weakref.finalize(self, os.close, fd)
         self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+        self.generation = 0  # bumped each time the segment is reused for another version (SparePool)
+        self._lock = threading.Lock()
+        self._users = 0  # the relay's own readers (forwarder, TCP sends) of the current generation
+        self._retired = False
+
+    def acquire(self, generation: int) -> bool:
+        """Pin the bytes of `generation` for a relay-side reader; False if they are gone (retired or reused)."""
+        with self._lock:
+            if self._retired or generation != self.generation:
+                return False
+            self._users += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
 
     def unlink(self) -> None:
-        """Remove the name; mappings (ours, readers') stay valid until dropped."""
+        """Remove the name; mappings (ours, readers') and pins (acquire) stay valid until dropped."""
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+class SparePool:
+    """Segments of dropped versions, kept to be written again: a new version received into a spare takes
+    no page faults. A fresh tmpfs page is allocated and zeroed by the kernel on first touch, which costs
+    about as much CPU as the receive itself (docs/relay.md, "Copies per byte").
+
+    A segment is reused only when nobody can see its bytes change: `retire` first renames it away (its
+    version's name is gone, so no new reader can open it), then takes an exclusive flock(2) on it. Every
+    reader holds a shared flock for as long as it has the segment open or mapped (open_readonly; the
+    mapping's own dup of the fd keeps the lock until unmapped), so the exclusive lock fails while any
+    reader still maps it, and then the segment is simply unlinked and left to that reader, as before.
+    The relay's own readers (forwarder, TCP sends) pin it with Segment.acquire. `limit` bounds the spares.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], limit: int = 2) -> None:
+        self.directory = Path(directory)
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._spares: list[Segment] = []
+
+    def retire(self, segment: Segment) -> bool:
+        """Take a dropped version's segment as a spare (True) or unlink it (False)."""
+        with segment._lock:
+            reusable = self.limit > 0 and segment.size > 0 and segment._users == 0 and not segment._retired
+            segment._retired = True  # from now on no relay-side reader pins the old generation
+        spare = self.directory / f"{SEGMENT_PREFIX}{os.getpid()}-spare-{secrets.token_hex(4)}"
+        if reusable:
+            try:
+                os.rename(segment.path, spare)
+            except OSError:
+                reusable = False
+        if reusable:
+            segment.path = spare
+            try:
+                fcntl.flock(segment.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # a reader still has it mapped: its bytes must not change
+                reusable = False
+        if not reusable:
+            segment.unlink()
+            return False
+        with self._lock:
+            self._spares.append(segment)
+            dropped = self._spares[:-self.limit] if len(self._spares) > self.limit else []
+            del self._spares[:len(dropped)]
+        for old in dropped:
+            old.unlink()
+        return True
+
+    def take(self, name: str, size: int) -> Segment | None:
+        """A spare of exactly `size` bytes renamed to `name`, ready to be written; None if there is none."""
+        with self._lock:
+            found = next((seg for seg in self._spares if seg.size == size), None)
+            if found is None:
+                return None
+            self._spares.remove(found)
+        target = self.directory / name
+        try:
+            os.rename(found.path, target)
+        except OSError:
+            found.unlink()
+            return None
+        found.path = target
+        with found._lock:
+            found.generation += 1
+            found._retired = False
+        fcntl.flock(found.fd, fcntl.LOCK_UN)  # readers may lock it again once the version is served
+        return found
+
+    def clear(self) -> None:
+        with self._lock:
+            spares, self._spares = self._spares, []
+        for seg in spares:
+            seg.unlink()
 
 
 class Mapped:
@@ -140,9 +232,21 @@ def open_readonly(path: str, size: int) -> Mapped:
         raise RelayError(f"opening shared-memory segment {path} failed: {exc}; the reader must run on the "
                          "relay's host as the relay's user") from exc
     try:
-        actual = os.fstat(fd).st_size
-        if actual != size:
-            raise RelayError(f"shared-memory segment {path} holds {actual} bytes, the relay said {size}")
+        try:  # shared lock, held while the segment is open or mapped: the relay never reuses it meanwhile
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            raise RelayError(f"shared-memory segment {path} is being reused by the relay (that version was "
+                             "evicted); ask the relay again") from None
+        stat = os.fstat(fd)
+        try:
+            same = os.stat(path).st_ino == stat.st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # renamed away (evicted) between our open and our lock
+            raise RelayError(f"shared-memory segment {path} is gone (the relay evicted that version); "
+                             "ask the relay again")
+        if stat.st_size != size:
+            raise RelayError(f"shared-memory segment {path} holds {stat.st_size} bytes, the relay said {size}")
         return Mapped(path, fd, size)
     except BaseException:
         os.close(fd)

@@ -93,7 +93,14 @@ class _Handler(socketserver.BaseRequestHandler):
             return False
         try:
             if isinstance(body, Version):  # a held version's bytes: sendfile from its segment, no copy
-                protocol.send_frame_from_file(sock, reply, body.segment.fd, 0, body.size)
+                if not body.segment.acquire(body.generation):
+                    self._reply_error(sock, f"policy_version {body.policy_version} was evicted while being "
+                                            "sent; ask again")
+                    return True
+                try:
+                    protocol.send_frame_from_file(sock, reply, body.segment.fd, 0, body.size)
+                finally:
+                    body.segment.release()
             else:
                 protocol.send_frame(sock, reply, body)
         except RelayError as exc:
@@ -121,6 +128,8 @@ class RelayServer:
 
     token: the run token clients (and upstream relays) must prove (relay.auth); None disables auth.
     shm_dir: where version segments live (relay.segments); readers on this host map them from there.
+    spare_segments: dropped versions' segments kept to receive new versions into (segments.SparePool),
+    so a new version takes no page faults; 0 unlinks every dropped segment at once.
     """
 
     def __init__(
@@ -134,6 +143,7 @@ class RelayServer:
         io_timeout_s: float = 60.0,
         token: str | None = None,
         shm_dir: str = segments.DEFAULT_SHM_DIR,
+        spare_segments: int = 2,
     ) -> None:
         if keep_versions < 1:
             raise ValueError(f"keep_versions={keep_versions} must be at least 1 (the newest version)")
@@ -146,7 +156,8 @@ class RelayServer:
         self.io_timeout_s = io_timeout_s
         self.token = token
         self.shm_dir = shm_dir
-        self._store = VersionStore(keep_versions)
+        self._spares = segments.SparePool(shm_dir, limit=spare_segments)
+        self._store = VersionStore(keep_versions, retire=self._spares.retire)
         self._receiving: set[Version] = set()
         self._receiving_lock = threading.Lock()
         self._puts_rejected = 0
@@ -205,6 +216,7 @@ class RelayServer:
                 version.fail("relay stopped")
                 version.segment.unlink()
         self._store.clear()
+        self._spares.clear()
         log.info("relay_stopped", relay_id=self.relay_id, addr=self.addr)
 
     def __enter__(self) -> RelayServer:
@@ -276,7 +288,8 @@ class RelayServer:
             raise RelayError(f"put policy_version {number}: chunk_bytes={chunk_bytes!r} is not in "
                              f"1..{protocol.MAX_CHUNK_BYTES}")
         name = segments.segment_name(self.relay_id, run, number)
-        return Version(number, run, segments.Segment(self.shm_dir, name, size), chunk_bytes, digest), chain
+        segment = self._spares.take(name, size) or segments.Segment(self.shm_dir, name, size)
+        return Version(number, run, segment, chunk_bytes, digest), chain
 
     def _receive_chunks(self, sock: socket.socket, version: Version, expected: str | None) -> str:
         """Read every chunk into the segment, checking each d_i, then the end frame; returns the digest.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from laminar.errors import RelayError
@@ -32,6 +33,7 @@ class Version:
         self.policy_version = policy_version
         self.run = run
         self.segment = segment
+        self.generation = segment.generation  # a reused segment's bytes are this version's only in this one
         self.size = segment.size
         self.chunk_bytes = chunk_bytes
         self.digest = digest  # expected digest (protocol.digest_hex); known from the put header or the end frame
@@ -108,17 +110,24 @@ class PutOutcome:
 
 
 class VersionStore:
-    """The newest `keep_versions` complete versions, oldest first; thread-safe; unlinks what it drops."""
+    """The newest `keep_versions` complete versions, oldest first; thread-safe.
 
-    def __init__(self, keep_versions: int) -> None:
+    A held version it drops (evicted, replaced, or of another run) goes to `retire` (the relay's
+    SparePool, which reuses or unlinks its segment); a version it never stored (stale, or the same bytes
+    again, which the forwarder may still be sending) is unlinked.
+    """
+
+    def __init__(self, keep_versions: int, retire: Callable[[Segment], object] = Segment.unlink) -> None:
         self._keep = keep_versions
+        self._retire = retire
         self._lock = threading.Lock()
         self._versions: OrderedDict[int, Version] = OrderedDict()
         self.run = ""  # the run whose versions are held; version numbers are per run
 
     def put(self, version: Version) -> PutOutcome:
         """Admit a complete version; a version for another run first drops everything held."""
-        dropped: list[Version] = []
+        dropped: list[Version] = []  # held versions let go
+        unstored: list[Version] = []  # this version, when it is not stored
         with self._lock:
             try:
                 if version.run != self.run:
@@ -127,7 +136,7 @@ class VersionStore:
                     self.run = version.run
                 newest = next(reversed(self._versions), None)
                 if newest is not None and version.policy_version < newest:
-                    dropped.append(version)
+                    unstored.append(version)
                     return PutOutcome(stored=False, newest=newest, stale=True)
                 if newest is not None and version.policy_version == newest:
                     held = self._versions[newest]
@@ -137,15 +146,17 @@ class VersionStore:
                         self._versions[newest] = version
                         dropped.append(held)
                         return PutOutcome(stored=True, newest=newest, replaced=True)
-                    dropped.append(version)  # same bytes again: a re-broadcast
+                    unstored.append(version)  # same bytes again: a re-broadcast
                     return PutOutcome(stored=False, newest=newest)
                 self._versions[version.policy_version] = version
                 while len(self._versions) > self._keep:
                     dropped.append(self._versions.popitem(last=False)[1])
                 return PutOutcome(stored=True, newest=version.policy_version)
             finally:
-                for old in dropped:
+                for old in unstored:
                     old.segment.unlink()
+                for old in dropped:
+                    self._retire(old.segment)
 
     def clear(self) -> None:
         with self._lock:
