@@ -108,6 +108,12 @@ def build_summary(status: RunStatus, store: ObjectStore, wall_s: float, started_
         "groups_consumed": status.groups_consumed,
         "groups_consumed_twice": status.groups_consumed_twice,
         "dropped_stale": status.dropped_stale,
+        "staleness_max": max((int(k) for k in status.staleness_histogram), default=0),
+        # dynamic repack (laminar mode): migrations carried out, groups moved, mean wall s per migration (the
+        # source's stop + segment write and the destination's read + admission)
+        "repacks": status.repacks,
+        "repack_groups": status.repack_groups,
+        "repack_overhead_s_mean": round(status.repack_overhead_s / status.repacks, 4) if status.repacks else None,
         "checkpoints": [asdict(c) for c in status.checkpoints],
         "temporal_history_events_max": status.history_events_max,
         "continued_as_new": status.continued_as_new,
