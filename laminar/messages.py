@@ -127,6 +127,7 @@ class ClaimPromptsResult:
     resume_ok: list[str] = field(default_factory=list)  # of `resuming`: still leased to this replica
     migrate: MigrationOrder | None = None  # repack: this replica is a source
     incoming: list[Incoming] = field(default_factory=list)  # repack: this replica is a destination
+    hold_version: int = -1  # repack: a migration to this replica is on its way: keep this version loaded
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,7 @@ class AddExperienceResult:
     handover: bool = False
     migrate: MigrationOrder | None = None
     incoming: list[Incoming] = field(default_factory=list)
+    hold_version: int = -1
 
 
 # -- trainer activities -----------------------------------------------------------------------

@@ -173,6 +173,7 @@ class RolloutReplica:
         self._taken: list[Taken] = []
         self._repack_seen: set[str] = set()
         self._kv_reported = 0  # kv_used at the previous report (kv_prev)
+        self._hold_version = -1  # a migration to this replica is on its way: do not load past this version
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -211,6 +212,8 @@ class RolloutReplica:
                     self._poll_relay()
                 last_poll = now
             action = load_action(self.policy, self.engine.policy_version, self.newest_at_relay, self.engine.in_flight())
+            if action == "load" and self._hold_version == self.engine.policy_version:
+                action = None  # repack: the groups coming to this replica continue under this version
             if action:
                 with self.profile.measure("load_weights" if action == "load" else "interrupt"):
                     self._load_newest(interrupt=action == "interrupt")
@@ -226,15 +229,18 @@ class RolloutReplica:
                     claim_every = _next_claim_interval(claim_every, asked, len(res.leases), res.paused)
                 elif res.stop or res.handover:
                     return self._hand_over(res.stop)
+                self._hold_version = res.hold_version
                 self._on_repack(res.migrate, res.incoming)
             if self.pending:
                 self._admit_startable()
             want = self._admissible_groups()
             busy = self.engine.in_flight() > 0
-            waiting = busy or self.engine.policy_version is None  # no weights yet: learn relays that join later
+            # no weights yet: learn relays that join later; holding for a migration: learn when it arrives
+            waiting = busy or self.engine.policy_version is None or self._hold_version >= 0
             enough = 1 if not self.groups else min(CLAIM_MIN_GROUPS, self.cfg.rollout.max_inflight_groups)
             claim_due = (want >= enough and now - last_claim >= claim_every) or (
-                waiting and not self.completed and now - last_claim >= CONTACT_S) or (
+                waiting and not self.completed and now - last_claim >= (
+                    CLAIM_POLL_S if self._hold_version >= 0 else CONTACT_S)) or (
                 self._handoff is not None or bool(self._taken))  # repack: hand off / acknowledge at once
             report_due = len(self.completed) >= REPORT_MIN_GROUPS or bool(self.completed) and (
                 not self.groups or now - self._completed_since >= REPORT_MAX_WAIT_S)

@@ -73,6 +73,13 @@ class Migrations:
     def incoming_for(self, replica_id: str) -> list[Incoming]:
         return list(self.state.inbox.get(replica_id, []))
 
+    def hold_for(self, replica_id: str) -> int:
+        """The version a destination must keep loaded until its migrations arrive (-1: none). Without it a
+        destination whose own trajectories finish first would load the newest version and have to decline."""
+        versions = [o.policy_version for o in self.state.migrations.values() if o.destination == replica_id]
+        versions += [i.policy_version for i in self.state.inbox.get(replica_id, [])]
+        return max(versions, default=-1)
+
     def hand_off(self, source: str, handoff: Handoff, at: float) -> list[str]:
         """Record a source's hand-off: the groups it still holds become the destination's. Returns them."""
         order = self.state.migrations.get(source)

@@ -400,6 +400,7 @@ class TrainingRunWorkflow:
             resume_ok=resume_ok,
             migrate=self.migrations.order_for(replica_id),
             incoming=self.migrations.incoming_for(replica_id),
+            hold_version=self.migrations.hold_for(replica_id),
         )
 
     @claim_prompts.validator
@@ -421,6 +422,7 @@ class TrainingRunWorkflow:
         return AddExperienceResult(
             accepted=accepted, duplicates=duplicates, stop=self.state.stopping, handover=self._handover,
             migrate=self.migrations.order_for(replica_id), incoming=self.migrations.incoming_for(replica_id),
+            hold_version=self.migrations.hold_for(replica_id),
         )
 
     @add_experience.validator
