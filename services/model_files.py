@@ -68,7 +68,14 @@ def load_run_model(store: ObjectStore, run_id: str, cfg: RunConfig):
             f"rl.modelled.ModelledEngine and ModelledTask for it (services/rollout.py does), or set "
             f"rollout.engine='torch' and trainer.engine='torch'"
         )
+    hf, tokenizer, task = load_run_files(store, run_id, cfg)
+    return build_model(hf, seed=0), tokenizer, task
+
+
+def load_run_files(store: ObjectStore, run_id: str, cfg: RunConfig):
+    """(config.json as a dict, tokenizer, task) of the run: what an engine that builds the model itself needs
+    (rollout.engine = 'vllm')."""
     hf = json.loads(store.get(keys.model_file(run_id, "config.json")))
     tokenizer = Tokenizer.from_str(store.get(keys.model_file(run_id, "tokenizer.json")).decode())
     task = get_task(cfg.task.name, seed=cfg.run.seed, max_count=cfg.task.max_count, tokenizer=tokenizer)
-    return build_model(hf, seed=0), tokenizer, task
+    return hf, tokenizer, task

@@ -57,9 +57,9 @@ from laminar.timing import TimeBreakdown
 from relay import client as relay_client
 from relay.weights import state_dict_from_buffer
 from rl.engine import Finished, TorchEngine
-from rl.model import bytes_to_state_dict
+from rl.model import bytes_to_state_dict, placement
 from rl.tasks import Prompt
-from services.model_files import load_run_model
+from services.model_files import load_run_files, load_run_model
 from storage import keys
 from storage.objects import ObjectStore
 from storage.trajectories import TrajectoryStore
@@ -109,9 +109,16 @@ def _build_engine(cfg: RunConfig, store: ObjectStore, run_id: str, replica_id: s
         engine = ModelledEngine(cfg, max_inflight_seqs=r.max_inflight_groups * r.group_size,
                                 global_sync=policy.global_sync)
         return engine, ModelledTask(cfg)
-    model, tokenizer, task = load_run_model(store, run_id, cfg)
     seed = zlib.crc32(f"{cfg.run.seed}/{replica_id}/{segment_prefix}".encode())  # sampling differs per incarnation
-    engine = TorchEngine(model, tokenizer, max_inflight_seqs=r.max_inflight_groups * r.group_size,
+    if r.engine == "vllm":  # builds the architecture from config.json; nothing else imports vllm
+        from rl.vllm_engine import VllmEngine
+
+        hf, _, task = load_run_files(store, run_id, cfg)
+        return VllmEngine(hf, max_inflight_seqs=r.max_inflight_groups * r.group_size, max_new_tokens=r.max_new_tokens,
+                          temperature=r.temperature, seed=seed, eos_id=task.eos_id, device=r.device, dtype=r.dtype), task
+    model, tokenizer, task = load_run_model(store, run_id, cfg)
+    device, dtype = placement("rollout", r.device, r.dtype)
+    engine = TorchEngine(model.to(device, dtype), tokenizer, max_inflight_seqs=r.max_inflight_groups * r.group_size,
                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, seed=seed, eos_id=task.eos_id)
     return engine, task
 
