@@ -55,6 +55,7 @@ from relay import protocol
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STORE_PORT = 9077
 OTHER_HOST_NICE = 10
+WARMUP_VERSIONS = 3  # untimed chain broadcasts per relay count before the timed reps
 
 
 class BenchError(LaminarError):
@@ -242,9 +243,15 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
             chunk = cfg.chunk_bytes or protocol.chunk_bytes_for(size, p + 1, link["bytes_per_s"], link["t_start_s"])
             progress(f"{p} relay(s): chain broadcast, chunk {chunk} bytes")
             stalls, alls = [], []
+            run = f"bench-chain-{p}"
+            # Steady state for every relay count alike: WARMUP_VERSIONS untimed versions first, so each relay
+            # holds its keep-2 versions and a spare segment (a trainer publishes every step; only the first
+            # version of a run lands in fresh pages, whose faults would favour whichever count runs later).
+            for v in range(1, WARMUP_VERSIONS + 1):
+                trainer.call("push", addr=master_addr, chain=chain, version=v, run=run, chunk_bytes=chunk)
+                trainer.call("wait", addrs=[master_addr, *chain], version=v, run=run, wait_s=600.0)
             cpu_before = _cpu_s([master_ps, *relay_ps[:p]])
-            for v in range(1, cfg.reps + 1):
-                run = f"bench-chain-{p}"
+            for v in range(WARMUP_VERSIONS + 1, WARMUP_VERSIONS + cfg.reps + 1):
                 pushed = trainer.call("push", addr=master_addr, chain=chain, version=v, run=run, chunk_bytes=chunk)
                 done = trainer.call("wait", addrs=[master_addr, *chain], version=v, run=run, wait_s=600.0)
                 stalls.append(pushed["stall_s"])
