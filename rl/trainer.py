@@ -105,6 +105,9 @@ class Trainer:
         self.temperature = temperature
         self.pad_id = pad_id
         self._named = dict(model.named_parameters())  # tied weights appear once
+        # data parallel (rl/fsdp.py sets these on every rank): rank r trains on rows r, r + world, ... of each
+        # minibatch and the gradient reduction averages over the ranks
+        self.rank, self.world = 0, 1
         self.optim = torch.optim.AdamW(
             self._named.values(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8
         )
@@ -131,7 +134,8 @@ class Trainer:
         # forward pass is at those weights, so it serves (detached) and no extra pass is paid; with more, a
         # no-grad pass first. (The model has no dropout: train and eval modes compute the same.)
         self.model.train()
-        first = self._log_softmax(batch.ids, batch.attention_mask) if len(chunks) == 1 else None
+        dp = self.world > 1  # every rank holds the whole batch; the proximal pass below is not split
+        first = self._log_softmax(batch.ids, batch.attention_mask) if len(chunks) == 1 and not dp else None
         with torch.no_grad():
             logp_all = first.detach() if first is not None else self._log_softmax(batch.ids, batch.attention_mask)
             proximal_logp = logp_all.gather(-1, batch.targets[..., None])[..., 0]
@@ -141,7 +145,8 @@ class Trainer:
         drift = behaviour_drift(proximal_logp, batch.behaviour_logp, mask, cfg.tis_cap)
 
         loss_sum, clipped, grad_norms = 0.0, 0.0, []
-        for rows in chunks:
+        for minibatch in chunks:
+            rows = minibatch[self.rank :: self.world]  # this rank's share (all of it in one process)
             logp_all = first if first is not None else self._log_softmax(batch.ids[rows], batch.attention_mask[rows])
             logp = logp_all.gather(-1, batch.targets[rows][..., None])[..., 0]
             parts = clipped_token_loss(
@@ -155,12 +160,17 @@ class Trainer:
                 off_policy=cfg.off_policy,
                 tis_cap=cfg.tis_cap,
             )
+            # data parallel: the loss is the minibatch's token mean, so a rank weighs its own token mean by its
+            # share of the minibatch's tokens, times world because the gradient reduction averages over ranks
+            scale = parts.tokens / max(int(mask[minibatch].sum().item()), 1) * self.world if dp else 1.0
             self.optim.zero_grad(set_to_none=True)
-            parts.loss.backward()
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(list(self._named.values()), cfg.grad_clip)))
+            (parts.loss * scale).backward()
+            norm = torch.nn.utils.clip_grad_norm_(list(self._named.values()), cfg.grad_clip)
+            grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
             self.optim.step()
-            loss_sum += float(parts.loss.detach()) * parts.tokens
-            clipped += parts.clip_fraction * parts.tokens
+            summed = self._all_sum([float(parts.loss.detach()) * parts.tokens, parts.clip_fraction * parts.tokens])
+            loss_sum += summed[0]
+            clipped += summed[1]
         self.model.eval()
 
         tokens = int(mask.sum().item())
@@ -181,6 +191,16 @@ class Trainer:
             is_capped_fraction=drift.capped_fraction,
             kl_behaviour=drift.kl,
         )
+
+    def _all_sum(self, values: list[float]) -> list[float]:
+        """The sums over the data-parallel ranks (the values themselves in one process)."""
+        if self.world == 1:
+            return values
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
 
     def _log_softmax(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, T-1, V] next-token log-probabilities at the sampling temperature (float32)."""

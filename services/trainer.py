@@ -16,6 +16,7 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from laminar import metrics as prom
 from laminar.config import RunConfig
@@ -34,9 +35,12 @@ from laminar.records import Trajectory
 from laminar.refs import CheckpointRef
 from laminar.timing import TimeBreakdown
 from relay import client as relay_client
-from rl.model import load_pretrained, state_dict_to_bytes
+from rl.model import load_pretrained, placement, state_dict_to_bytes
 from rl.modelled import ModelledTrainer
 from rl.trainer import Trainer
+
+if TYPE_CHECKING:
+    from rl.fsdp import FsdpTrainer
 from services.model_files import publish_model_files, resolve_model_dir
 from storage import keys
 from storage.checkpoints import CheckpointStore, LoadedCheckpoint
@@ -58,7 +62,7 @@ class TrainerService:
         self.trajectories = TrajectoryStore(store)
         self.run_id: str | None = None
         self.cfg: RunConfig | None = None
-        self.trainer: Trainer | ModelledTrainer | None = None
+        self.trainer: Trainer | ModelledTrainer | FsdpTrainer | None = None
         self.step = -1  # steps applied to the in-memory policy; -1: nothing loaded
         self.policy = policy_for(RunConfig())  # the run mode's; set with the run by _restore
         self.consumed: set[str] = set()
@@ -96,7 +100,7 @@ class TrainerService:
         rollout replicas build the modelled engine). Samples staler than workflows.policy.staleness_bound(cfg)
         are dropped in either case (partial_rollout bounds staleness even when trainer.max_staleness is -1)."""
         bound, policy = staleness_bound(cfg), policy_for(cfg)
-        trainer: Trainer | ModelledTrainer
+        trainer: Trainer | ModelledTrainer | FsdpTrainer
         if cfg.trainer.engine == "modelled":
             trainer = ModelledTrainer(cfg, max_staleness=bound)
         else:
@@ -107,8 +111,18 @@ class TrainerService:
             # optimizer updates per step: stream's step is one of its minibatches already
             minibatches = cfg.trainer.minibatches // policy.steps_per_version
             section = cfg.trainer.model_copy(update={"max_staleness": bound, "minibatches": minibatches})
-            trainer = Trainer(model, section, group_size=cfg.rollout.group_size,
-                              temperature=cfg.rollout.temperature, pad_id=0 if pad is None else pad)
+            if hasattr(self.trainer, "close"):  # an FSDP trainer's helper ranks go before new ones start
+                self.trainer.close()
+            if cfg.trainer.backend == "fsdp":  # this process is rank 0 (rl/fsdp.py)
+                from rl.fsdp import FsdpTrainer
+
+                trainer = FsdpTrainer(model_dir, section, group_size=cfg.rollout.group_size,
+                                      temperature=cfg.rollout.temperature, pad_id=0 if pad is None else pad)
+            else:
+                device, dtype = placement("trainer", cfg.trainer.device, cfg.trainer.dtype)
+                trainer = Trainer(model.to(device), section, group_size=cfg.rollout.group_size,
+                                  temperature=cfg.rollout.temperature, pad_id=0 if pad is None else pad,
+                                  compute_dtype=dtype)
         step, consumed = 0, set()
         if loaded is not None:
             trainer.load_state_parts(loaded.parts)
