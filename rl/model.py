@@ -226,8 +226,18 @@ class CausalLM(nn.Module):
         return self._run(input_ids, positions, mask, cache=cache, slots=slots, kv_len=kv_len)
 
 
+def is_builtin(hf_config: dict[str, Any]) -> bool:
+    """Whether the built-in model covers this config.json (else transformers does)."""
+    return hf_config.get("model_type", "llama") in ("llama", "qwen2")
+
+
 def build_model(hf_config: dict[str, Any], seed: int | None = None) -> CausalLM:
-    """A freshly initialised model (normal(0, 0.02) linear/embedding weights, as Hugging Face does)."""
+    """A freshly initialised model (normal(0, 0.02) linear/embedding weights, as Hugging Face does). An
+    architecture other than Llama/Qwen2 is built by transformers (rl/hf_model.py)."""
+    if not is_builtin(hf_config):
+        from rl.hf_model import build_hf_model
+
+        return build_hf_model(hf_config, seed)  # type: ignore[return-value]
     cfg = ModelConfig.from_hf(hf_config)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     model = CausalLM(cfg)
@@ -309,6 +319,13 @@ def load_pretrained(model_dir: str | Path, dtype: torch.dtype | None = torch.flo
     if not (d / "config.json").exists():
         raise ConfigError(f"model directory {d} has no config.json; pass a Hugging Face model directory")
     hf = json.loads((d / "config.json").read_text())
+    if not is_builtin(hf):  # any other Hugging Face causal LM: through transformers (rl/hf_model.py)
+        from rl.hf_model import load_hf_pretrained
+
+        hf_model = load_hf_pretrained(d, hf, dtype)
+        if not (d / "tokenizer.json").exists():
+            raise ConfigError(f"model directory {d} has no tokenizer.json")
+        return hf_model, Tokenizer.from_file(str(d / "tokenizer.json")), hf
     model = CausalLM(ModelConfig.from_hf(hf))
     index = d / "model.safetensors.index.json"
     if index.exists():
