@@ -83,7 +83,13 @@ class HfCausalLM(nn.Module):
 def build_hf_model(hf_config: dict[str, Any], seed: int | None = None) -> HfCausalLM:
     """A freshly initialised transformers model of this config.json (float32 unless it says otherwise)."""
     transformers = _transformers()
-    config = transformers.AutoConfig.for_model(**hf_config)
+    try:
+        config = transformers.AutoConfig.for_model(**hf_config)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(
+            f"config.json model_type={hf_config.get('model_type')!r} is neither built in (llama, qwen2) nor known "
+            f"to transformers {transformers.__version__} ({e}); use a Hugging Face causal LM directory"
+        ) from None
     with torch.random.fork_rng():  # seeded without touching the caller's generator
         if seed is not None:
             torch.manual_seed(seed)

@@ -123,7 +123,7 @@ def test_state_dict_bytes_round_trip_is_exact_and_not_pickle():
 
 def test_unknown_model_type_and_mismatched_weights_raise_config_error(tmp_path):
     with pytest.raises(ConfigError, match="model_type"):
-        build_model(hf_config(model_type="gpt2"))
+        build_model(hf_config(model_type="no-such-model"))  # gpt2 & co. load through transformers (rl/hf_model.py)
     model = build_model(VARIANTS["llama_tied"], seed=0)
     save_pretrained(model, build_word_tokenizer(WORDS), tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(hf_config(num_hidden_layers=3)))
