@@ -85,6 +85,7 @@ CONTROL_UPDATE_RETRIES = Counter("laminar_control_update_retries",
 UPDATES = {"claim": "claim_prompts", "report": "add_experience"}  # the replica's call kinds -> update names
 
 RELAY_RECEIVED = Counter("laminar_relay_received_bytes", "Version bytes received.", ["relay"])
+RELAY_FORWARDED = Counter("laminar_relay_forwarded_bytes", "Version bytes forwarded down the chain.", ["relay"])
 RELAY_VERSIONS = Gauge("laminar_relay_versions_held", "Versions held in shared memory.", ["relay"])
 
 

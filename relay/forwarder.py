@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from laminar import metrics as prom
 from laminar.errors import RelayError
 from laminar.logs import get_logger
 from relay import client, protocol
@@ -117,6 +118,7 @@ class Forwarder:
                 continue
             with self.counters.lock:
                 self.counters.done += 1
+            prom.RELAY_FORWARDED.labels(self._relay_id).inc(version.size)
             log.info("relay_version_forwarded", relay_id=self._relay_id, target=target,
                      policy_version=version.policy_version, bytes=version.size, skipped=i,
                      spent_s=round(time.perf_counter() - start, 4))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from prometheus_client import REGISTRY
 
 from laminar.errors import RelayError
 from relay import client, protocol
@@ -66,6 +67,9 @@ def test_push_reaches_every_relay_of_a_three_relay_chain(relays):
     _, mid = relays("mid")
     _, tail = relays("tail")
     payload = weights(1, size=3 * 1024 * 1024 + 7)  # odd size: crosses several recv chunks
+    names = ("master", "mid", "tail")
+    before = {(kind, r): REGISTRY.get_sample_value(f"laminar_relay_{kind}_bytes_total", {"relay": r}) or 0.0
+              for kind in ("received", "forwarded") for r in names}  # the registry is per process
     spent_s = client.push(master, 1, payload, chain=[mid, tail])
     assert spent_s > 0
     wait_until(lambda: versions_of([master, mid, tail]), lambda v: v == [1, 1, 1], 10, "version 1 on all relays")
@@ -78,6 +82,12 @@ def test_push_reaches_every_relay_of_a_three_relay_chain(relays):
     assert [client.stats(a)["forwards_done"] for a in (master, mid, tail)] == [1, 1, 0]
     st = client.stats(tail)
     assert st["relay_id"] == "tail" and st["versions"] == [1] and st["bytes_held"] == len(payload)
+    # the Prometheus series (laminar/metrics.py): each relay received the payload once; the tail forwarded nothing
+    grew = {k: (REGISTRY.get_sample_value(f"laminar_relay_{k[0]}_bytes_total", {"relay": k[1]}) or 0.0) - v
+            for k, v in before.items()}
+    n = len(payload)
+    assert grew == {("received", "master"): n, ("received", "mid"): n, ("received", "tail"): n,
+                    ("forwarded", "master"): n, ("forwarded", "mid"): n, ("forwarded", "tail"): 0}
 
 
 def test_empty_relay_reports_no_version(relays):
