@@ -238,3 +238,23 @@ async def _step_at_least(handle, n: int) -> bool:
 async def _relays_at_least(handle, n: int) -> bool:
     st = await _status(handle)
     return st is not None and len(st.relays) >= n
+
+
+# The modelled engine with a long tail (p50 128 tokens, cap 2048: tails of ~2 wall s at speedup 25) and the
+# throughput benchmark's shape (4 groups of 8 in flight per replica, a global batch of replicas x 4 groups), so
+# several replicas drain the same version at once while newer ones exist and repack pairs them up (measured: 5
+# migrations in 22 s with 4 replicas).
+REPACK_OVERRIDES = ["rollout.engine=modelled", "trainer.engine=modelled", "modelled.response_p50_tokens=128",
+                    "modelled.max_response_tokens=2048", "rollout.group_size=8", "rollout.max_inflight_groups=4",
+                    "trainer.groups_per_step=16", "rollout.max_ready_groups=32", "rollout.repack=true"]
+
+
+async def test_rollout_drill_during_a_repack_migration(drill_stack, tmp_path):
+    """The rollout worker of a migration's source is killed while the migration is pending (ordered or handed
+    over, not yet acknowledged): its groups are recovered from whoever the workflow says holds them."""
+    handle = await _start_run(drill_stack, *REPACK_OVERRIDES)
+    report = await _drill(drill_stack, handle, "rollout", tmp_path, during="migration")
+    _assert_recovered(report, "rollout")
+    assert report.notes.startswith("during migration replica-"), report.notes
+    final = await _finish(handle)
+    assert final.repacks > 0 and final.repack_groups >= final.repacks, final
