@@ -184,7 +184,12 @@ class CausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32:  # model.to(bfloat16) cast the buffer; rounded, it shifts the angles
+            d = self.config.head_dim
+            inv_freq = 1.0 / (self.config.rope_theta ** (
+                torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d))
+        freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -9,10 +9,13 @@ initialised with std INIT_STD so that its next-token distributions are far from 
 weights A from weights B, and a temperature error shows.
 
 Log-prob agreement (the trainer's log-prob of each sampled token, recomputed with a full forward pass on the same
-weights, against what the engine recorded while sampling): max |difference| <= TOL[dtype]. float32: 1e-4
-(measured on CPU, see test_logprobs_match_the_trainer; the torch engine differs from the trainer only by
-attending over its KV cache instead of the full sequence). bfloat16 (GPU): 0.1 per token, 0.02 on average
-(bf16 keeps 8 bits of mantissa: logits of size ~10 are rounded by ~0.04; not measured here, no GPU was lent).
+weights, against what the engine recorded while sampling), TOL[dtype] = (max, mean) |difference| per token:
+- float32: 1e-4 and 1e-4. Measured on CPU: torch engine max 3.4e-5, mean 2.0e-6; vLLM max 1.1e-5, mean 1.9e-6 (the
+  engines differ from the trainer only in summation order: a KV cache instead of the full sequence);
+- bfloat16: 2.0 and 0.1. The engine holds bf16 weights, activations and KV cache; the trainer keeps float32 weights
+  and runs under bf16 autocast (matmuls in bf16, residual stream, norms and softmax in float32), the usual
+  training/inference mismatch. Measured on CPU (torch-cpu-bf16, this model's logits are large: INIT_STD 0.25):
+  max 1.16, mean 0.061. Not measured on a GPU here (none was lent); scripts/gpu-check.sh runs the cuda cases.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ HF = {
 }
 SLOTS, MAX_NEW, MAX_PROMPT, TEMPERATURE = 16, 24, 8, 0.8
 PROMPT = [1, 5, 9, 13]
-TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (0.1, 0.02)}  # (max, mean) |trainer - engine| per token
+TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2.0, 0.1)}  # (max, mean) |trainer - engine| per token
+MOVED = 0.5  # mean |log-prob| gap (nats) by which weights A must explain B's samples worse than B does
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed in this venv; tests/test_vllm_engine.py "
@@ -54,6 +58,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 ENGINES = [
     pytest.param("torch-cpu"),
+    pytest.param("torch-cpu-bf16"),
     pytest.param("torch-cuda", marks=[pytest.mark.gpu, needs_cuda]),
     pytest.param("vllm-cpu", marks=needs_vllm),
     pytest.param("vllm-cuda", marks=[pytest.mark.gpu, needs_cuda, needs_vllm]),
@@ -75,7 +80,7 @@ class Subject:
         self.kind = kind
         self.real = kind != "modelled"  # real tokens and log-probs
         self.device = "cuda" if kind.endswith("cuda") else "cpu"
-        self.dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        self.dtype = torch.bfloat16 if self.device == "cuda" or kind.endswith("bf16") else torch.float32
         self.engine: Engine = self._build()
         try:
             self.engine.add("g00000000/0", PROMPT)
@@ -295,7 +300,9 @@ def test_a_version_loads_in_place_from_a_shared_memory_segment(e: Subject) -> No
     finished = e.run(8)
     under_b, under_a = gaps(e, finished, B), gaps(e, finished, A)
     assert float(under_b.max()) <= TOL[e.dtype][0]
-    assert float(under_a.mean()) > 20 * TOL[e.dtype][1]  # the load took effect: A explains these tokens badly
+    print(f"{e.kind}: after loading B, mean |trainer - engine| {float(under_b.mean()):.2e} under B, "
+          f"{float(under_a.mean()):.2f} under A")
+    assert float(under_a.mean()) > MOVED + float(under_b.mean())  # the load took effect: A explains them badly
 
 
 def test_interrupt_continues_in_flight_sequences_under_the_new_version(e: Subject) -> None:
