@@ -401,6 +401,7 @@ def measure(data: RunData) -> dict[str, Any]:
         "latency_p50_s": round(p50, 3),
         "latency_p99_s": round(p99, 3),
         "groups_consumed_twice": final.groups_consumed_twice,
+        "reprefill_tokens": final.reprefill_tokens,  # partial rollout's interrupts, repack's migrations
         "repack": policy.repacks,
         "repacks": final.repacks,
         "repack_groups": final.repack_groups,

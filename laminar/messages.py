@@ -137,6 +137,7 @@ class AddExperienceInput:
     report: ReplicaReport
     segment: SegmentRef
     tokens_regenerated: int = 0  # tokens thrown away since the last report (restarted partial groups)
+    reprefill_tokens: int = 0  # since the last report: prefix tokens prefilled again (interrupts, repack)
 
 
 @dataclass(frozen=True)
@@ -339,6 +340,7 @@ class RunStatus:
     # a train step is in flight; after `pause` the run is quiet (nothing commits) once this is False
     training: bool = False
     dropped_stale: int = 0  # samples dropped as staler than the run mode's bound (workflows/policy.py)
+    reprefill_tokens: int = 0  # prompt + prefix tokens prefilled again: partial-rollout interrupts, repack takes
     repacks: int = 0  # migrations carried out (groups handed over and continued by the destination)
     repack_groups: int = 0  # groups moved by them
     repack_overhead_s: float = 0.0  # summed over them: source stop + write, destination read + admit

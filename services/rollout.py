@@ -165,7 +165,8 @@ class RolloutReplica:
         self.relays: list[RelayInfo] = []
         self.newest_at_relay: int | None = None
         self.newest_known = -1  # the newest version the workflow announced (claims answer with it)
-        self.reprefill_tokens = 0  # partial rollout: prefix tokens prefilled again after interrupts
+        self.reprefill_tokens = 0  # prefix tokens prefilled again (partial-rollout interrupts, repack takes)
+        self.reprefill_unreported = 0  # ... since the last report
         self.seq = 0
         self.groups_completed = self.tokens_generated = 0  # by this incarnation, reported
         self.tokens_regenerated = 0  # since the last report
@@ -363,6 +364,7 @@ class RolloutReplica:
         if interrupt and self.engine.in_flight():
             tokens = self.engine.interrupt_and_load(tensors, version)
             self.reprefill_tokens += tokens
+            self.reprefill_unreported += tokens
             log.info("policy_loaded_interrupting", replica_id=self.replica_id, policy_version=version,
                      in_flight=self.engine.in_flight(), reprefill_tokens=tokens)
         else:
@@ -454,11 +456,13 @@ class RolloutReplica:
         seq, regenerated, report = f"{self.segment_prefix}-{self.seq:06d}", self.tokens_regenerated, self._report()
         self.seq += 1
         self.tokens_regenerated = 0
+        reprefill, self.reprefill_unreported = self.reprefill_unreported, 0
 
         def send() -> AddExperienceResult:
             ref = self.trajectories.write_segment(self.run_id, self.replica_id, seq, rows)
             return self.control.add_experience(AddExperienceInput(report=report, segment=ref,
-                                                                  tokens_regenerated=regenerated))
+                                                                  tokens_regenerated=regenerated,
+                                                                  reprefill_tokens=reprefill))
 
         self._start("report", send)
 
@@ -607,6 +611,10 @@ class RolloutReplica:
             ok = set(by_group) == wanted and unfinished <= self.engine.free_slots()
         if ok:
             self._continue(by_group, inc.policy_version)
+            tokens = sum(len(t.prompt_ids) + len(t.response_ids) for g in by_group.values() for t in g
+                         if t.finish_reason == "partial")
+            self.reprefill_tokens += tokens
+            self.reprefill_unreported += tokens
         self._taken.append(Taken(inc.migration_id, ok, overhead_s=time.perf_counter() - t0))
         log.info("repack_taken" if ok else "repack_declined_as_destination", replica_id=self.replica_id,
                  migration=inc.migration_id, source=inc.source, groups=len(inc.segment.group_ids),

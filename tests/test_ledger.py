@@ -430,3 +430,13 @@ class LedgerMachine(RuleBasedStateMachine):
 
 TestLedgerInterleavings = LedgerMachine.TestCase
 TestLedgerInterleavings.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+def test_regenerated_and_reprefilled_tokens_count_once_per_accepted_report() -> None:
+    ledger = Ledger(RunState(run_id=RUN))
+    ledger.lease("replica-0", 1)
+    seg = _seg("s1", ["g00000000"])
+    ledger.add_segment(seg, "replica-0", tokens_regenerated=7, reprefill_tokens=300)
+    ledger.add_segment(seg, "replica-0", tokens_regenerated=7, reprefill_tokens=300)  # the same report retried
+    st = ledger.status("running", 10, 0)
+    assert (st.tokens_regenerated, st.reprefill_tokens, st.duplicate_reports) == (7, 300, 1)

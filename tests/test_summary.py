@@ -134,7 +134,7 @@ def test_build_summary_from_store(tmp_path: Path) -> None:
         "groups_consumed_twice": 0,
         "dropped_stale": 0,
         "staleness_max": 1,  # the histogram's largest gap
-        "repacks": 0, "repack_groups": 0, "repack_overhead_s_mean": None,  # no migration: no mean
+        "reprefill_tokens": 0, "repacks": 0, "repack_groups": 0, "repack_overhead_s_mean": None,  # no migration: no mean
         "checkpoints": [{"run_id": RUN, "step": 2, "manifest_key": keys.checkpoint_manifest(RUN, 2),
                          "manifest_sha256": "ab" * 32, "policy_version": 2}],
         "temporal_history_events_max": 1900,

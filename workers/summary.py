@@ -111,6 +111,7 @@ def build_summary(status: RunStatus, store: ObjectStore, wall_s: float, started_
         "staleness_max": max((int(k) for k in status.staleness_histogram), default=0),
         # dynamic repack (laminar mode): migrations carried out, groups moved, mean wall s per migration (the
         # source's stop + segment write and the destination's read + admission)
+        "reprefill_tokens": status.reprefill_tokens,  # prompt + prefix tokens prefilled again
         "repacks": status.repacks,
         "repack_groups": status.repack_groups,
         "repack_overhead_s_mean": round(status.repack_overhead_s / status.repacks, 4) if status.repacks else None,

@@ -102,7 +102,7 @@ class Ledger:
         return [g for g in group_ids if g in self.state.open_leases and self.state.open_leases[g].replica_id == replica_id]
 
     def add_segment(self, seg: SegmentRef, replica_id: str = "", at: float = 0.0,
-                    tokens_regenerated: int = 0) -> tuple[list[str], list[str]]:
+                    tokens_regenerated: int = 0, reprefill_tokens: int = 0) -> tuple[list[str], list[str]]:
         """Record complete groups; idempotent by group id (a retried report is a no-op, and its
         regenerated tokens are not counted again)."""
         accepted: list[str] = []
@@ -122,6 +122,7 @@ class Ledger:
             accepted.append(g)
         if accepted:
             self.state.tokens_regenerated += tokens_regenerated
+            self.state.reprefill_tokens += reprefill_tokens
             self.state.segments[seg.key] = seg
             self.state.groups_generated += len(accepted)
             if replica_id in self.state.rejoined:
@@ -249,6 +250,7 @@ class Ledger:
             returned_leases=len(s.returned),
             steps_redone=s.steps_redone,
             tokens_regenerated=s.tokens_regenerated,
+            reprefill_tokens=s.reprefill_tokens,
             duplicate_reports=s.duplicate_reports,
             step_times=list(s.step_times),
             events=list(s.events),

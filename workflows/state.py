@@ -70,6 +70,7 @@ class RunState:
     started_at: float = 0.0
     steps_redone: int = 0
     tokens_regenerated: int = 0
+    reprefill_tokens: int = 0
     step_times: list[float] = field(default_factory=list)
     events: list[RunEvent] = field(default_factory=list)
     event_times: dict[str, list[float]] = field(default_factory=dict)  # "<kind>/<subject>" -> recent times

@@ -415,7 +415,7 @@ class TrainingRunWorkflow:
         self._updates += 1
         self.ledger.note_report(inp.report)
         accepted, duplicates = self.ledger.add_segment(
-            inp.segment, inp.report.replica_id, workflow.time(), inp.tokens_regenerated
+            inp.segment, inp.report.replica_id, workflow.time(), inp.tokens_regenerated, inp.reprefill_tokens
         )
         self._maybe_repack()
         replica_id = inp.report.replica_id
