@@ -128,6 +128,7 @@ class ClaimPromptsResult:
     migrate: MigrationOrder | None = None  # repack: this replica is a source
     incoming: list[Incoming] = field(default_factory=list)  # repack: this replica is a destination
     hold_version: int = -1  # repack: a migration to this replica is on its way: keep this version loaded
+    trainer_starved: bool = False  # the trainer waits for groups: report each complete group at once
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ class AddExperienceResult:
     migrate: MigrationOrder | None = None
     incoming: list[Incoming] = field(default_factory=list)
     hold_version: int = -1
+    trainer_starved: bool = False
 
 
 # -- trainer activities -----------------------------------------------------------------------

@@ -75,7 +75,8 @@ IDLE_CLAIM_MAX_S = 2.0  # an empty claim doubles the interval up to this (back-p
 PAUSED_CLAIM_MAX_S = 10.0  # ... and up to this while the run is paused
 CLAIM_MIN_GROUPS = 2  # a replica with groups in flight claims once this many group slots are free ...
 REPORT_MIN_GROUPS = 2  # ... and reports once this many groups are complete or the oldest waited REPORT_MAX_WAIT_S:
-REPORT_MAX_WAIT_S = 0.25  # each update costs the workflow a task, which delays the trainer's next step
+REPORT_MAX_WAIT_S = 0.25  # each update costs the workflow a task, which delays the trainer's next step (no wait
+# at all while the last answer said the trainer is starved: then the wait would be the trainer's)
 HEARTBEAT_EVERY_S = 0.2  # the loop heartbeats at most this often (a beat costs ~1.6 ms: thread hop, payload)
 PROFILE_EVERY_S = 5.0  # how often the replica writes its time breakdown to the store (and at return)
 
@@ -182,6 +183,7 @@ class RolloutReplica:
         self._repack_seen: set[str] = set()
         self._kv_reported = 0  # kv_used at the previous report (kv_prev)
         self._hold_version = -1  # a migration to this replica is on its way: do not load past this version
+        self._trainer_starved = False  # the last answer said the trainer waits for groups: report at once
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -238,6 +240,7 @@ class RolloutReplica:
                 elif res.stop or res.handover:
                     return self._hand_over(res.stop)
                 self._hold_version = res.hold_version
+                self._trainer_starved = res.trainer_starved
                 self._on_repack(res.migrate, res.incoming)
             if self.pending:
                 self._admit_startable()
@@ -251,7 +254,7 @@ class RolloutReplica:
                     CLAIM_POLL_S if self._hold_version >= 0 else CONTACT_S)) or (
                 self._handoff is not None or bool(self._taken))  # repack: hand off / acknowledge at once
             report_due = len(self.completed) >= REPORT_MIN_GROUPS or bool(self.completed) and (
-                not self.groups or now - self._completed_since >= REPORT_MAX_WAIT_S)
+                not self.groups or self._trainer_starved or now - self._completed_since >= REPORT_MAX_WAIT_S)
             if self._call is not None:
                 pass  # one control call at a time: its answer comes first
             elif report_due and (not claim_due or self._last_call == "claim"):

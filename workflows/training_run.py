@@ -268,6 +268,11 @@ class TrainingRunWorkflow:
         except ActivityError as e:
             workflow.logger.warning("republish_failed", extra={"error": str(e)})
 
+    def _trainer_starved(self) -> bool:
+        """The trainer is idle for want of complete groups (so a replica should not hold one back to batch
+        its reports: that wait would be the trainer's)."""
+        return self.state.trainer_ready and not self._training and not self.state.paused and not self._has_batch()
+
     def _has_batch(self) -> bool:
         """The run mode's policy has a batch for the trainer (workflows/policy.py trainer_batch)."""
         assert self._policy is not None
@@ -401,6 +406,7 @@ class TrainingRunWorkflow:
             migrate=self.migrations.order_for(replica_id),
             incoming=self.migrations.incoming_for(replica_id),
             hold_version=self.migrations.hold_for(replica_id),
+            trainer_starved=self._trainer_starved(),
         )
 
     @claim_prompts.validator
@@ -422,7 +428,7 @@ class TrainingRunWorkflow:
         return AddExperienceResult(
             accepted=accepted, duplicates=duplicates, stop=self.state.stopping, handover=self._handover,
             migrate=self.migrations.order_for(replica_id), incoming=self.migrations.incoming_for(replica_id),
-            hold_version=self.migrations.hold_for(replica_id),
+            hold_version=self.migrations.hold_for(replica_id), trainer_starved=self._trainer_starved(),
         )
 
     @add_experience.validator
