@@ -93,6 +93,7 @@ class VllmEngine:
         self.temperature = temperature
         self.eos_id = eos_id
         self.policy_version: int | None = None
+        self._tied = bool(hf_config.get("tie_word_embeddings", False))
         self._slots: list[_Req | None] = [None] * max_inflight_seqs
         self._tmp = None
         if workdir is None:
@@ -127,7 +128,12 @@ class VllmEngine:
         self.policy_version = policy_version
 
     def _reload(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(state_dict.items())),
+        tensors = dict(state_dict)
+        if self._tied and "lm_head.weight" not in tensors:
+            # tied checkpoints omit lm_head (as Hugging Face saves them), but vLLM's layerwise reload fills each
+            # module from the tensors it is given: without this its lm_head keeps the dummy weights
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+        self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(tensors.items())),
                                                              "is_checkpoint_format": True})
         self._engine.reset_prefix_cache()  # cached keys/values belong to the old weights
 

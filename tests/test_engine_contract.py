@@ -4,8 +4,8 @@ Engines: the torch engine on CPU (always), on CUDA in bf16 (`gpu` marker), vLLM 
 run by tests/test_vllm_engine.py; skipped here when vllm is not importable) and on CUDA (`gpu`), and the modelled
 engine (the parts that do not need real tokens: it has no weights and fakes its log-probs).
 
-The model is a tiny Llama with head_dim 64 (vLLM's CPU attention has no kernel for the default tiny model's 16),
-initialised with std INIT_STD so that its next-token distributions are far from uniform: log-probs then tell
+The model is a tiny Llama with head_dim 64 (vLLM's CPU attention has no kernel for the default tiny model's 16)
+and tied embeddings, as the default (its published weights have no lm_head.weight), initialised with std INIT_STD so that its next-token distributions are far from uniform: log-probs then tell
 weights A from weights B, and a temperature error shows.
 
 Log-prob agreement (the trainer's log-prob of each sampled token, recomputed with a full forward pass on the same
@@ -43,7 +43,7 @@ HF = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 128,
     "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
     "head_dim": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 128,
-    "tie_word_embeddings": False, "initializer_range": INIT_STD, "bos_token_id": 1, "eos_token_id": EOS,
+    "tie_word_embeddings": True, "initializer_range": INIT_STD, "bos_token_id": 1, "eos_token_id": EOS,
     "pad_token_id": 0, "torch_dtype": "float32",
 }
 SLOTS, MAX_NEW, MAX_PROMPT, TEMPERATURE = 16, 24, 8, 0.8
