@@ -17,7 +17,10 @@ How the contract maps onto vLLM (0.32):
   (`logprobs=0`): log softmax(logits / temperature), as the torch engine records them;
 - `<eos>` is a stop token id; the stop token stays in the response, as in the torch engine;
 - abort: `abort_request`; what each request generated so far is tracked here from the step outputs (DELTA);
-- KV usage: the scheduler's block pool (blocks in use x block size, of all blocks but vLLM's null block).
+- KV usage: the scheduler's block pool (blocks in use x block size, of all blocks but vLLM's null block);
+- one engine per process (vLLM's forward context and parallel groups are process-wide; two engines in one
+  process crashed): a second concurrent VllmEngine is an EngineError, and `close()` keeps the engine for the
+  next incarnation of the replica in this process (same shape), which aborts nothing it did not own.
 
 vLLM's CPU attention supports head_dim 32, 64, 80, 96, 112, 128, 256 (not the tiny default's 16): see
 examples/vllm.toml for a tiny model it runs.
@@ -25,9 +28,11 @@ examples/vllm.toml for a tiny model it runs.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +43,10 @@ import torch
 from laminar.errors import EngineError
 from rl.engine import check_resumable, first_free_slot
 from rl.engine_api import Finished, InFlight
+
+_LOCK = threading.Lock()
+_POOL: dict[str, Any] = {}  # key -> vllm.LLM kept for the next incarnation in this process
+_IN_USE: set[str] = set()
 
 GPU_MEMORY_UTILIZATION = 0.45  # share of the GPU vLLM may take (weights + KV); the trainer may share the GPU
 CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when unset: KV cache of a CPU engine (GiB)
@@ -95,19 +104,34 @@ class VllmEngine:
         self.policy_version: int | None = None
         self._tied = bool(hf_config.get("tie_word_embeddings", False))
         self._slots: list[_Req | None] = [None] * max_inflight_seqs
-        self._tmp = None
-        if workdir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="laminar-vllm-")
-            workdir = self._tmp.name
-        model_dir = Path(workdir)
-        model_dir.mkdir(parents=True, exist_ok=True)
-        (model_dir / "config.json").write_text(json.dumps({**hf_config, "torch_dtype": dtype}))
         extra: dict[str, Any] = {} if device == "cpu" else {"gpu_memory_utilization": GPU_MEMORY_UTILIZATION}
-        self._llm = LLM(
-            model=str(model_dir), dtype=dtype, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-            seed=seed, max_num_seqs=max_inflight_seqs, max_model_len=max_prompt_len + max_new_tokens,
-            logprobs_mode="processed_logprobs", enable_prefix_caching=True, **extra,
-        )
+        key = json.dumps([hf_config, device, dtype, max_inflight_seqs, max_prompt_len + max_new_tokens],
+                         sort_keys=True)
+        with _LOCK:
+            if _IN_USE:
+                raise EngineError(
+                    "rollout.engine='vllm': this process already runs a vLLM engine (vLLM keeps process-wide state: "
+                    "one engine per process); give each rollout worker one slot (`laminar worker rollout --slots 1`)"
+                )
+            llm = _POOL.get(key)
+            if llm is None:
+                for old in _POOL.values():  # another shape: only one engine's memory at a time
+                    old.llm_engine.engine_core.shutdown()
+                _POOL.clear()
+                # vLLM reads the architecture from a directory: config.json only (the weights come from the relay)
+                model_dir = Path(workdir or tempfile.gettempdir()) / f"laminar-vllm-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+                model_dir.mkdir(parents=True, exist_ok=True)
+                (model_dir / "config.json").write_text(json.dumps({**hf_config, "torch_dtype": dtype}))
+                llm = LLM(
+                    model=str(model_dir), dtype=dtype, load_format="dummy", skip_tokenizer_init=True,
+                    enforce_eager=True, seed=seed, max_num_seqs=max_inflight_seqs,
+                    max_model_len=max_prompt_len + max_new_tokens, logprobs_mode="processed_logprobs",
+                    enable_prefix_caching=True, **extra,
+                )
+                _POOL[key] = llm
+            _IN_USE.add(key)
+        self._key = key
+        self._llm = llm
         self._engine = self._llm.llm_engine
         self._params = lambda max_tokens: SamplingParams(
             temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, logprobs=0,
@@ -229,7 +253,8 @@ class VllmEngine:
         return finished
 
     def close(self) -> None:
-        """Shut the engine down (tests build several in one process)."""
-        self._engine.engine_core.shutdown()
-        if self._tmp is not None:
-            self._tmp.cleanup()
+        """Abort what is in flight and hand the vLLM engine back to this process's pool: the replica's next
+        incarnation (a hand-over, a retry) reuses it instead of starting vLLM again (~15 s here)."""
+        self.abort()
+        with _LOCK:
+            _IN_USE.discard(self._key)

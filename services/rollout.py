@@ -192,6 +192,8 @@ class RolloutReplica:
             return self._run()
         finally:
             self._control_thread.shutdown(wait=False, cancel_futures=True)
+            if hasattr(self.engine, "close"):  # vLLM: one engine per process, kept for the next incarnation
+                self.engine.close()
 
     def _run(self) -> RolloutReplicaResult:
         resumed = self._read_partial_pool()

@@ -52,7 +52,8 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, repor
     # SIGTERM / SIGHUP stop the run like Ctrl-C: nothing this command started may outlive it.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
-    launcher = LocalLauncher(plan_processes(cfg, settings, home / "logs" / cfg.run.run_id, spare_slots=1, allow_faults=True,
+    spare = 0 if cfg.rollout.engine == "vllm" else 1  # vLLM: one engine per process (rl/vllm_engine.py)
+    launcher = LocalLauncher(plan_processes(cfg, settings, home / "logs" / cfg.run.run_id, spare_slots=spare, allow_faults=True,
                                             metrics=True))
     for p in launcher.processes.values():
         console.print(f"metrics {p.name} {metrics_url(p)}", highlight=False, soft_wrap=True)
