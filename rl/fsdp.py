@@ -223,7 +223,11 @@ def main() -> None:
     trainer = _build(spec["model_dir"], section, spec["group_size"], spec["temperature"], spec["pad_id"], rank, world)
     while True:
         box = [None]
-        dist.broadcast_object_list(box, src=0, group=commands)
+        try:
+            dist.broadcast_object_list(box, src=0, group=commands)
+        except RuntimeError as e:  # rank 0 is gone (its process stopped or was killed): so is this run
+            print(f"rl.fsdp rank {rank}: rank 0 closed the group ({str(e)[:120]}); exiting", file=sys.stderr)
+            os._exit(0)
         command = box[0]
         assert isinstance(command, dict)
         if command["op"] == "stop":
