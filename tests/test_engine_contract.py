@@ -320,3 +320,30 @@ def test_interrupt_continues_in_flight_sequences_under_the_new_version(e: Subjec
     if e.real:  # tokens sampled after the interrupt come from B
         for f in later:
             assert float(gaps(e, [f], B, skip=held[f.request_id]).max()) <= TOL[e.dtype][0]
+
+
+# -- choosing an engine and its device (laminar/config.py, rl.model.placement) --------------------------------
+
+
+def test_engine_and_backend_choices_are_validated_with_the_fix_named() -> None:
+    from laminar.errors import ConfigError
+
+    cfg = RunConfig.load(None, ["rollout.engine=vllm"])  # vLLM generates, the torch trainer learns
+    assert (cfg.rollout.engine, cfg.trainer.engine, cfg.rollout.device, cfg.rollout.dtype) == ("vllm", "torch", "cpu",
+                                                                                              "float32")
+    with pytest.raises(ConfigError, match="rollout.engine='vllm' and trainer.engine='modelled' must match"):
+        RunConfig.load(None, ["rollout.engine=vllm", "trainer.engine=modelled"])
+    with pytest.raises(ConfigError, match="trainer.backend='fsdp' needs trainer.engine='torch'"):
+        RunConfig.load(None, ["rollout.engine=modelled", "trainer.engine=modelled", "trainer.backend=fsdp"])
+    with pytest.raises(ConfigError, match="rollout.device"):
+        RunConfig.load(None, ["rollout.device=tpu"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a host without CUDA")
+def test_cuda_on_a_host_without_a_gpu_is_a_config_error_naming_the_field() -> None:
+    from laminar.errors import ConfigError
+    from rl.model import placement
+
+    assert placement("rollout", "cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"trainer.device='cuda' but .* no CUDA device .* set trainer.device='cpu'"):
+        placement("trainer", "cuda", "bfloat16")
