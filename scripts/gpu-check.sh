@@ -120,7 +120,7 @@ for batch in (1, 8, 64):
 
 # 4. one FSDP2 step on the GPU (one rank: this host has one GPU) beside the single-process trainer
 import random, tempfile
-from laminar.config import RunConfig
+from laminar.config import TrainerSection
 from laminar.records import Trajectory
 from rl.fsdp import FsdpTrainer
 from rl.model import save_pretrained
@@ -134,8 +134,8 @@ batch = [Trajectory(run_id="gpu", prompt_id=i // 8, group_id=f"g{i // 8}", sampl
                     prompt_ids=prompts[i].tolist(), response_ids=[rng.randrange(1000, 100000) for _ in range(NEW)],
                     logprobs=[-10.0] * NEW, reward=rng.random(), policy_version=0, replica_id="r", started_at=0.0,
                     ended_at=0.0, finish_reason="length") for i in range(16)]
-section = RunConfig.load(None, ["trainer.backend=fsdp", "trainer.fsdp_procs=1", "trainer.device=cuda",
-                                "trainer.dtype=bfloat16"]).trainer
+# (RunConfig.load's override parser needs pydantic-settings, which is not carried: the section is built directly)
+section = TrainerSection(backend="fsdp", fsdp_procs=1, device="cuda", dtype="bfloat16")
 with tempfile.TemporaryDirectory() as d:
     fp32 = build_model(QWEN, seed=0).float()
     model_dir = save_pretrained(fp32.to(torch.float32), build_word_tokenizer(["a"]), Path(d) / "qwen")
