@@ -15,7 +15,8 @@ temperature, so the importance ratio compares like with like.
 Device: the engine runs where the model's parameters are (CPU, or CUDA with bf16 weights), with the KV cache
 on that device in the parameters' dtype. Each sequence's last token and position live in device tensors, so a
 decode step sends nothing to the device and reads back one small tensor (the sampled ids and their log-probs
-together): the only host round trip per token is sampling's.
+together), and the active slots' index tensor is sent again only when the batch changes: the only host round
+trip per token is sampling's.
 
 The engine runs under torch.no_grad; the number of torch threads is the caller's business. It implements
 rl.engine_api.Engine (the contract in tests/test_engine_contract.py).
@@ -107,6 +108,7 @@ class TorchEngine:
         # per slot, on the device: the token the next decode step feeds, and its position
         self._last = torch.zeros(max_inflight_seqs, 1, dtype=torch.long, device=self.device)
         self._pos = torch.zeros(max_inflight_seqs, 1, dtype=torch.long, device=self.device)
+        self._active: tuple[list[int], torch.Tensor] | None = None  # the last step's active slots, on the device
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -215,7 +217,9 @@ class TorchEngine:
         if not active:
             return []
         seqs = [self._slots[i] for i in active]
-        slots = torch.tensor(active, device=self.device)
+        if self._active is None or self._active[0] != active:  # the batch changed: one small host-to-device copy
+            self._active = (active, torch.tensor(active, device=self.device))
+        slots = self._active[1]
         kv_len = max(s.cached for s in seqs) + 1
         logits = self.model.forward_cached(self._last[slots], self._pos[slots], self._cache, slots, kv_len)
         logp = torch.log_softmax(logits[:, -1] / self.temperature, dim=-1)
