@@ -14,9 +14,9 @@ temperature, so the importance ratio compares like with like.
 
 Device: the engine runs where the model's parameters are (CPU, or CUDA with bf16 weights), with the KV cache
 on that device in the parameters' dtype. Each sequence's last token and position live in device tensors, so a
-decode step sends nothing to the device and reads back one small tensor (the sampled ids and their log-probs
-together), and the active slots' index tensor is sent again only when the batch changes: the only host round
-trip per token is sampling's.
+decode step sends nothing to the device (but the active slots' indices when the batch changed) and reads back
+one small tensor, the sampled ids and their log-probs together: the only host round trip per token is
+sampling's.
 
 The engine runs under torch.no_grad; the number of torch threads is the caller's business. It implements
 rl.engine_api.Engine (the contract in tests/test_engine_contract.py).
