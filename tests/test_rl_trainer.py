@@ -153,9 +153,9 @@ def test_k3_over_the_behaviour_distribution_is_the_exact_kl() -> None:
 
 @pytest.mark.parametrize(("overrides", "error"), [
     (["trainer.tis_cap=2"], "trainer.tis_cap=2.0 has no effect with trainer.off_policy='ppo'"),
-    (['trainer.off_policy="tis"'], "trainer.tis_cap=0.0 with trainer.off_policy='tis' must be >= 1"),
-    (['trainer.off_policy="decoupled"', "trainer.tis_cap=0.5"], "must be 0 (no cap) or >= 1"),
-    (['trainer.off_policy="gspo"'], "trainer.off_policy='gspo'"),
+    (["trainer.off_policy=tis"], "trainer.tis_cap=0.0 with trainer.off_policy='tis' must be >= 1"),
+    (["trainer.off_policy=decoupled", "trainer.tis_cap=0.5"], "must be 0 (no cap) or >= 1"),
+    (["trainer.off_policy=gspo"], "trainer.off_policy=gspo: Input should be"),
     (["trainer.minibatches=0"], "trainer.minibatches=0"),
 ])
 def test_off_policy_config_is_unambiguous(overrides: list[str], error: str) -> None:
@@ -166,7 +166,7 @@ def test_off_policy_config_is_unambiguous(overrides: list[str], error: str) -> N
 def test_off_policy_config_defaults_to_plain_ppo() -> None:
     t = RunConfig.load(None, []).trainer
     assert (t.off_policy, t.tis_cap, t.minibatches) == ("ppo", 0.0, 1)
-    t = RunConfig.load(None, ['trainer.off_policy="decoupled"', "trainer.minibatches=4"]).trainer
+    t = RunConfig.load(None, ["trainer.off_policy=decoupled", "trainer.minibatches=4"]).trainer
     assert (t.off_policy, t.tis_cap, t.minibatches) == ("decoupled", 0.0, 4)
 
 
