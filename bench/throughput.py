@@ -303,27 +303,12 @@ def control_plane_share(wait_control_plane_s: float, records: list[dict[str, Any
 
 def version_intervals(trajs: Iterable[TrajRow], t0: float, scale: float) -> dict[str, list[tuple[float, float, int]]]:
     """Per replica, (start, end, version) intervals in modelled s since t0: each trajectory's [started_at,
-    ended_at], overlapping (or touching) intervals of the same version merged. Sorted by start."""
-    by_key: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    for t in trajs:
-        by_key.setdefault((t.replica_id, t.policy_version), []).append(
-            ((t.started_at - t0) * scale, (t.ended_at - t0) * scale))
-    out: dict[str, list[tuple[float, float, int]]] = {}
-    for (replica, version), spans in by_key.items():
-        spans.sort()
-        merged = [list(spans[0])]
-        for s, e in spans[1:]:
-            if s <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], e)
-            else:
-                merged.append([s, e])
-        out.setdefault(replica, []).extend((s, e, version) for s, e in merged)
-    return {r: sorted(v) for r, v in sorted(out.items(), key=lambda kv: _natural(kv[0]))}
+    ended_at], overlapping (or touching) intervals of the same version merged (laminar.report's merge, scaled
+    after: merging does not depend on the unit)."""
+    from laminar.report import version_intervals as merged
 
-
-def _natural(name: str) -> tuple[str, int]:
-    head, _, tail = name.rpartition("-")
-    return (head, int(tail)) if tail.isdigit() else (name, -1)
+    rows = [(t.replica_id, t.policy_version, t.started_at, t.ended_at) for t in trajs]
+    return {r: [(s * scale, e * scale, v) for s, e, v in iv] for r, iv in merged(rows, t0).items()}
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:
