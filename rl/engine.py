@@ -62,6 +62,34 @@ def check_resumable(request_id: str, prefix_ids: list[int], prefix_logprobs: lis
         raise EngineError(f"request {request_id}: prefix already contains <eos>; it is finished, not partial")
 
 
+def check_admission(request_id: str, prompt_ids: list[int], policy_version: int | None, max_prompt_len: int) -> None:
+    """Weights are loaded and the prompt fits: the checks of every engine's `add` before its own."""
+    if policy_version is None:
+        raise EngineError(f"request {request_id}: no weights loaded; call load_weights first")
+    if not prompt_ids or len(prompt_ids) > max_prompt_len:
+        raise EngineError(
+            f"request {request_id}: prompt of {len(prompt_ids)} tokens is outside 1..{max_prompt_len} "
+            "(max_prompt_len); shorten the prompt or build the engine with a larger max_prompt_len"
+        )
+
+
+def inflight_state(slots: list) -> list[InFlight]:
+    """(request_id, prompt_ids, response_ids so far, logprobs so far) of every occupied slot (a slot holds any
+    record with those four fields); shared by every engine's snapshot_inflight and abort."""
+    return [(s.request_id, list(s.prompt_ids), list(s.response_ids), list(s.logprobs)) for s in slots if s is not None]
+
+
+def abort_slots(slots: list, request_ids: Iterable[str] | None) -> list[InFlight]:
+    """Free the slots of the named requests (None: all) in place; returns their state so far. Unknown ids are
+    ignored."""
+    wanted = None if request_ids is None else set(request_ids)
+    gone = [i for i, s in enumerate(slots) if s is not None and (wanted is None or s.request_id in wanted)]
+    out = inflight_state([slots[i] for i in gone])
+    for i in gone:
+        slots[i] = None
+    return out
+
+
 def first_free_slot(slots: list, request_id: str) -> int:
     """Index of the first free (None) slot; EngineError when every slot is busy."""
     try:
@@ -176,13 +204,7 @@ class TorchEngine:
         continues after the prefix, which stays part of the returned response.
         """
         prefix_ids, prefix_logprobs = list(prefix_ids or []), list(prefix_logprobs or [])
-        if self.policy_version is None:
-            raise EngineError(f"request {request_id}: no weights loaded; call load_weights first")
-        if not prompt_ids or len(prompt_ids) > self.max_prompt_len:
-            raise EngineError(
-                f"request {request_id}: prompt of {len(prompt_ids)} tokens is outside 1..{self.max_prompt_len} "
-                "(max_prompt_len); shorten the prompt or build the engine with a larger max_prompt_len"
-            )
+        check_admission(request_id, prompt_ids, self.policy_version, self.max_prompt_len)
         check_resumable(request_id, prefix_ids, prefix_logprobs, self.max_new_tokens,
                         f"max_new_tokens={self.max_new_tokens}", self.eos_id)
         slot = first_free_slot(self._slots, request_id)
@@ -190,22 +212,12 @@ class TorchEngine:
 
     def snapshot_inflight(self) -> list[InFlight]:
         """(request_id, prompt_ids, response_ids so far, logprobs so far) of every in-flight sequence."""
-        return [
-            (s.request_id, list(s.prompt_ids), list(s.response_ids), list(s.logprobs))
-            for s in self._slots
-            if s is not None
-        ]
+        return inflight_state(self._slots)
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[InFlight]:
         """Drop the named in-flight requests (None: all) and free their slots (dynamic repack hands them to
         another replica); returns their state so far. Ids not in flight are ignored."""
-        wanted = None if request_ids is None else set(request_ids)
-        out = []
-        for slot, s in enumerate(self._slots):
-            if s is not None and (wanted is None or s.request_id in wanted):
-                out.append((s.request_id, list(s.prompt_ids), list(s.response_ids), list(s.logprobs)))
-                self._slots[slot] = None
-        return out
+        return abort_slots(self._slots, request_ids)
 
     # -- generation ----------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ import torch
 from laminar.config import ModelledSection, RunConfig
 from laminar.errors import EngineError
 from laminar.records import Trajectory
-from rl.engine import Finished, check_resumable, first_free_slot
+from rl.engine import Finished, abort_slots, check_resumable, first_free_slot, inflight_state
 from rl.grpo import split_stale
 from rl.tasks import Prompt
 from rl.trainer import UpdateMetrics
@@ -280,19 +280,11 @@ class ModelledEngine:
     def abort(self, request_ids: Iterable[str] | None = None) -> list[tuple[str, list[int], list[int], list[float]]]:
         """Drop the named in-flight requests (None: all; dynamic repack hands them to another replica); returns
         their state so far (rl.engine_api.Engine.abort). Ids not in flight are ignored."""
-        wanted = None if request_ids is None else set(request_ids)
-        gone = {s.request_id for s in self._slots if s is not None and (wanted is None or s.request_id in wanted)}
-        out = [row for row in self.snapshot_inflight() if row[0] in gone]
-        self._slots = [None if s is not None and s.request_id in gone else s for s in self._slots]
-        return out
+        return abort_slots(self._slots, request_ids)
 
     def snapshot_inflight(self) -> list[tuple[str, list[int], list[int], list[float]]]:
         """(request_id, prompt_ids, response_ids so far, logprobs so far) of every in-flight sequence."""
-        return [
-            (s.request_id, list(s.prompt_ids), list(s.response_ids), list(s.logprobs))
-            for s in self._slots
-            if s is not None
-        ]
+        return inflight_state(self._slots)
 
     # -- generation ----------------------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from laminar.errors import EngineError
-from rl.engine import check_resumable, first_free_slot
+from rl.engine import abort_slots, check_admission, check_resumable, first_free_slot, inflight_state
 from rl.engine_api import Finished, InFlight
 
 _LOCK = threading.Lock()
@@ -195,13 +195,7 @@ class VllmEngine:
     def add(self, request_id: str, prompt_ids: list[int], *, prefix_ids: list[int] | None = None,
             prefix_logprobs: list[float] | None = None) -> None:
         prefix_ids, prefix_logprobs = list(prefix_ids or []), list(prefix_logprobs or [])
-        if self.policy_version is None:
-            raise EngineError(f"request {request_id}: no weights loaded; call load_weights first")
-        if not prompt_ids or len(prompt_ids) > self.max_prompt_len:
-            raise EngineError(
-                f"request {request_id}: prompt of {len(prompt_ids)} tokens is outside 1..{self.max_prompt_len} "
-                "(max_prompt_len); shorten the prompt or build the engine with a larger max_prompt_len"
-            )
+        check_admission(request_id, prompt_ids, self.policy_version, self.max_prompt_len)
         check_resumable(request_id, prefix_ids, prefix_logprobs, self.max_new_tokens,
                         f"max_new_tokens={self.max_new_tokens}", self.eos_id)
         slot = first_free_slot(self._slots, request_id)
@@ -210,19 +204,12 @@ class VllmEngine:
         self._slots[slot] = _Req(request_id, list(prompt_ids), prefix_ids, prefix_logprobs)
 
     def snapshot_inflight(self) -> list[InFlight]:
-        return [(r.request_id, list(r.prompt_ids), list(r.response_ids), list(r.logprobs))
-                for r in self._slots if r is not None]
+        return inflight_state(self._slots)
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[InFlight]:
-        wanted = None if request_ids is None else set(request_ids)
-        out, gone = [], []
-        for slot, r in enumerate(self._slots):
-            if r is not None and (wanted is None or r.request_id in wanted):
-                out.append((r.request_id, list(r.prompt_ids), list(r.response_ids), list(r.logprobs)))
-                gone.append(r.request_id)
-                self._slots[slot] = None
-        if gone:
-            self._engine.abort_request(gone)
+        out = abort_slots(self._slots, request_ids)
+        if out:
+            self._engine.abort_request([row[0] for row in out])
         return out
 
     # -- generation ----------------------------------------------------------------------------

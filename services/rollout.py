@@ -576,21 +576,17 @@ class RolloutReplica:
                      policy_version=self.engine.policy_version, groups=len(self.groups))
             return
         now = self.clock()
-        moving = dict(self.groups)
+        moving, self.groups = self.groups, {}  # every in-flight request belongs to one of these groups
         rows = [t for g in moving.values() for t in g.done.values()]
-        request_ids = set()
-        for request_id, _prompt, response, logprobs in self.engine.snapshot_inflight():
+        stopped = self.engine.abort()
+        for request_id, _prompt, response, logprobs in stopped:
             group_id, index = request_id.rsplit("/", 1)
-            if group_id in moving:
-                request_ids.add(request_id)
-                rows.append(self._trajectory(moving[group_id], int(index), response, logprobs, 0.0, "partial", now))
+            rows.append(self._trajectory(moving[group_id], int(index), response, logprobs, 0.0, "partial", now))
         with self.profile.measure("repack_out"):
             ref = self.trajectories.write_migration(self.run_id, order.migration_id, rows)
-        self.engine.abort(request_ids)
-        self.groups = {g: grp for g, grp in self.groups.items() if g not in moving}
         self._handoff = Handoff(order.migration_id, ref, overhead_s=time.perf_counter() - t0)
         log.info("repack_handed_off", replica_id=self.replica_id, migration=order.migration_id,
-                 destination=order.destination, groups=len(moving), sequences=len(request_ids),
+                 destination=order.destination, groups=len(moving), sequences=len(stopped),
                  policy_version=order.policy_version)
 
     def _take(self, inc: Incoming) -> None:
