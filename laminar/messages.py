@@ -346,8 +346,8 @@ class RunStatus:
     repacks: int = 0  # migrations carried out (groups handed over and continued by the destination)
     repack_groups: int = 0  # groups moved by them
     repack_overhead_s: float = 0.0  # summed over them: source stop + write, destination read + admit
-    migrations_pending: int = 0  # ordered or handed over, not yet acknowledged
-    migrating: list[str] = field(default_factory=list)  # those migrations as "<source>-><destination>"
+    # repack migrations ordered or handed over, not yet acknowledged, as "<source>-><destination>"
+    migrating: list[str] = field(default_factory=list)
 
 
 # -- recovery drills ----------------------------------------------------------------------------

@@ -47,6 +47,12 @@ class Ledger:
         in_use = self.versions_in_use()
         self.state.max_versions_in_use = max(self.state.max_versions_in_use, len(in_use))
 
+    def migrating(self) -> list[str]:
+        """Repack migrations not yet acknowledged (workflows/migrations.py): ordered, then handed over."""
+        s = self.state
+        return ([f"{src}->{o.destination}" for src, o in sorted(s.migrations.items())]
+                + [f"{i.source}->{dst}" for dst, q in sorted(s.inbox.items()) for i in q])
+
     def versions_in_use(self) -> list[int]:
         return sorted({r.policy_version for r in self.state.replicas.values() if r.policy_version >= 0})
 
@@ -262,7 +268,5 @@ class Ledger:
             repacks=s.repacks,
             repack_groups=s.repack_groups,
             repack_overhead_s=round(s.repack_overhead_s, 4),
-            migrations_pending=len(s.migrations) + sum(len(q) for q in s.inbox.values()),
-            migrating=[f"{src}->{o.destination}" for src, o in sorted(s.migrations.items())]
-            + [f"{i.source}->{dst}" for dst, q in sorted(s.inbox.items()) for i in q],
+            migrating=self.migrating(),
         )

@@ -43,7 +43,7 @@ class Migrations:
         return busy | {r for r, queue in self.state.inbox.items() if queue}
 
     def pending(self) -> int:
-        return len(self.state.migrations) + sum(len(q) for q in self.state.inbox.values())
+        return len(self.ledger.migrating())
 
     def plan(self, *, c_max: float, batch_limit: int, at: float) -> list[Move]:
         """Run the planner over the replicas' latest reports and order its moves. Only replicas behind the newest
