@@ -268,6 +268,12 @@ class TrainingRunWorkflow:
         except ActivityError as e:
             workflow.logger.warning("republish_failed", extra={"error": str(e)})
 
+    def _hints(self, replica_id: str) -> dict[str, Any]:
+        """What every answer to a replica carries besides its own result: its repack part and whether the
+        trainer is starved."""
+        return {"migrate": self.migrations.order_for(replica_id), "incoming": self.migrations.incoming_for(replica_id),
+                "hold_version": self.migrations.hold_for(replica_id), "trainer_starved": self._trainer_starved()}
+
     def _trainer_starved(self) -> bool:
         """The trainer is idle for want of complete groups (so a replica should not hold one back to batch
         its reports: that wait would be the trainer's)."""
@@ -403,10 +409,7 @@ class TrainingRunWorkflow:
             handover=handover,
             paused=self.state.paused,
             resume_ok=resume_ok,
-            migrate=self.migrations.order_for(replica_id),
-            incoming=self.migrations.incoming_for(replica_id),
-            hold_version=self.migrations.hold_for(replica_id),
-            trainer_starved=self._trainer_starved(),
+            **self._hints(replica_id),
         )
 
     @claim_prompts.validator
@@ -424,11 +427,9 @@ class TrainingRunWorkflow:
             inp.segment, inp.report.replica_id, workflow.time(), inp.tokens_regenerated, inp.reprefill_tokens
         )
         self._maybe_repack()
-        replica_id = inp.report.replica_id
         return AddExperienceResult(
             accepted=accepted, duplicates=duplicates, stop=self.state.stopping, handover=self._handover,
-            migrate=self.migrations.order_for(replica_id), incoming=self.migrations.incoming_for(replica_id),
-            hold_version=self.migrations.hold_for(replica_id), trainer_starved=self._trainer_starved(),
+            **self._hints(inp.report.replica_id),
         )
 
     @add_experience.validator
