@@ -555,7 +555,8 @@ class RolloutReplica:
 
     def _on_repack(self, order: MigrationOrder | None, incoming: list[Incoming]) -> None:
         """An answer's repack part: an order makes this replica a source, each Incoming a destination. Each
-        migration is handled once (answers repeat it until acknowledged)."""
+        migration is handled once: answers repeat it until the workflow has this replica's hand-off or
+        acknowledgement, so an id is remembered only while answers still carry it."""
         if order is not None and order.migration_id not in self._repack_seen:
             self._repack_seen.add(order.migration_id)
             self._hand_off(order)
@@ -563,6 +564,7 @@ class RolloutReplica:
             if inc.migration_id not in self._repack_seen:
                 self._repack_seen.add(inc.migration_id)
                 self._take(inc)
+        self._repack_seen &= {inc.migration_id for inc in incoming} | ({order.migration_id} if order else set())
 
     def _hand_off(self, order: MigrationOrder) -> None:
         """Stop every unfinished group, write them (prefixes and log-probs) as one segment, and hand them over
