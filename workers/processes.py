@@ -19,8 +19,6 @@ from temporalio.worker import Worker
 
 from activities.faults import FaultActivities
 from activities.relay import RelayActivities
-from activities.rollout import RolloutActivities
-from activities.trainer import TrainerActivities
 from laminar.logs import get_logger
 from laminar.messages import CONTROL_QUEUE, ROLLOUT_QUEUE, TRAINER_QUEUE, fault_queue, relay_queue
 from workers.connect import connect, store_for
@@ -63,8 +61,9 @@ async def control(settings: Settings, allow_faults: bool = False) -> None:
 
 
 async def trainer(settings: Settings, allow_faults: bool = False) -> None:
-    import torch
+    import torch  # only the roles that compute import torch (a control or relay process starts in ~1 s)
 
+    from activities.trainer import TrainerActivities
     from services.trainer import TrainerService
 
     torch.set_num_threads(1)
@@ -83,6 +82,8 @@ async def trainer(settings: Settings, allow_faults: bool = False) -> None:
 
 async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1) -> None:
     import torch
+
+    from activities.rollout import RolloutActivities
 
     torch.set_num_threads(1)
     client = await connect(settings)
