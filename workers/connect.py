@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from temporalio.client import Client
 from temporalio.runtime import Runtime, TelemetryConfig
+from temporalio.service import TLSConfig
 
 from devstack.record import S3_CREDENTIALS, read_record
 from laminar.errors import LaminarError
@@ -14,16 +16,69 @@ from workers.settings import Settings
 
 
 async def connect(settings: Settings, core_logs: bool = True) -> Client:
-    """A client of the settings' Temporal. core_logs=False: the SDK core prints nothing to stderr (its retry
-    warnings would tear through `laminar run`'s progress bar, which shows an outage itself)."""
+    """A client of the settings' Temporal, over TLS (mTLS, API key) as the LAMINAR_TEMPORAL_* settings say.
+    core_logs=False: the SDK core prints nothing to stderr (its retry warnings would tear through `laminar run`'s
+    progress bar, which shows an outage itself)."""
     runtime = None if core_logs else Runtime(telemetry=TelemetryConfig(logging=None))
+    tls = tls_config(settings)
     try:
-        return await Client.connect(settings.temporal_address, namespace=settings.namespace, runtime=runtime)
+        return await Client.connect(settings.temporal_address, namespace=settings.namespace, runtime=runtime,
+                                    tls=tls, api_key=settings.temporal_api_key)
     except RuntimeError as e:
         raise LaminarError(
-            f"cannot reach Temporal at {settings.temporal_address} (namespace {settings.namespace}): {e}; "
-            "start the dev stack with `laminar dev up` or set LAMINAR_TEMPORAL_ADDRESS"
+            f"cannot reach Temporal at {settings.temporal_address} (namespace {settings.namespace}) "
+            f"{_how(settings)}: {e}; {_fix(settings)}"
         ) from None
+
+
+def tls_config(settings: Settings) -> TLSConfig | bool:
+    """What Client.connect takes as `tls`: False (plain), True (system roots, no client certificate) or a
+    TLSConfig with the files' contents (read now, so a renewed certificate is used from the next start)."""
+    if not settings.temporal_tls:
+        return False
+    if settings.temporal_tls_cert is None and settings.temporal_tls_ca is None \
+            and settings.temporal_tls_server_name is None:
+        return True
+    return TLSConfig(
+        server_root_ca_cert=_read(settings.temporal_tls_ca, "LAMINAR_TEMPORAL_TLS_CA"),
+        domain=settings.temporal_tls_server_name,
+        client_cert=_read(settings.temporal_tls_cert, "LAMINAR_TEMPORAL_TLS_CERT"),
+        client_private_key=_read(settings.temporal_tls_key, "LAMINAR_TEMPORAL_TLS_KEY"),
+    )
+
+
+def _read(path: Path | None, variable: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as e:  # checked by Settings.from_env; gone or unreadable since
+        raise LaminarError(f"{variable}={str(path)!r} cannot be read ({e.strerror}); point it at a PEM file "
+                           "this user can read") from None
+
+
+def _how(settings: Settings) -> str:
+    if not settings.temporal_tls:
+        return "without TLS"
+    auth = [f"client certificate {settings.temporal_tls_cert}"] if settings.temporal_tls_cert else []
+    auth += ["an API key"] if settings.temporal_api_key else []
+    return f"over TLS with {' and '.join(auth)}" if auth else "over TLS without a client certificate"
+
+
+def _fix(settings: Settings) -> str:
+    if not settings.temporal_tls:
+        return ("start the dev stack with `laminar dev up` or set LAMINAR_TEMPORAL_ADDRESS; if the server takes "
+                "only TLS, set LAMINAR_TEMPORAL_TLS=true, and LAMINAR_TEMPORAL_TLS_CERT and "
+                "LAMINAR_TEMPORAL_TLS_KEY when it demands a client certificate (infra/README.md)")
+    fix = "check LAMINAR_TEMPORAL_ADDRESS"
+    if settings.temporal_tls_cert is None and settings.temporal_api_key is None:
+        fix += ("; if the server demands a client certificate (mTLS), set LAMINAR_TEMPORAL_TLS_CERT and "
+                "LAMINAR_TEMPORAL_TLS_KEY, or LAMINAR_TEMPORAL_API_KEY for an API key")
+    elif settings.temporal_tls_cert is not None:
+        fix += "; check that the server trusts the CA that signed LAMINAR_TEMPORAL_TLS_CERT"
+    fix += ("; LAMINAR_TEMPORAL_TLS_CA must be the CA of the server's certificate (unset: the system's roots) and "
+            "LAMINAR_TEMPORAL_TLS_SERVER_NAME a name on it (unset: the address's host)")
+    return fix
 
 
 def store_for(settings: Settings) -> ObjectStore:

@@ -19,6 +19,15 @@ that depend on the state dir (dev.json).
 | LAMINAR_LOG_LEVEL         | `info` (debug, info, warning, error, critical)                   |
 | LAMINAR_METRICS_PORT      | `0`: no Prometheus endpoint (`laminar run` gives each process a free port) |
 | LAMINAR_METRICS_BIND      | `127.0.0.1`: the interface the metrics endpoint listens on       |
+| LAMINAR_TEMPORAL_TLS      | `false`; on by itself when any variable below is set             |
+| LAMINAR_TEMPORAL_TLS_CERT | none: the client certificate (PEM file) for mTLS; with _KEY      |
+| LAMINAR_TEMPORAL_TLS_KEY  | none: its private key (PEM file)                                 |
+| LAMINAR_TEMPORAL_TLS_CA   | none: the system's roots; else the CA (PEM) of the server's cert  |
+| LAMINAR_TEMPORAL_TLS_SERVER_NAME | none: the address's host; the name on the server's certificate |
+| LAMINAR_TEMPORAL_API_KEY  | none: an API key (Temporal Cloud), sent as `Authorization: Bearer` |
+
+TLS file paths are resolved against the current directory and checked here (exists, is PEM of the right kind),
+so that a wrong path fails every command and worker at once, naming the variable.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -83,6 +92,18 @@ _FIXES = {
     "log_level": f"use one of {', '.join(LOG_LEVELS)}",
     "metrics_port": "use a port number 1-65535, or 0 to turn the metrics endpoint off",
     "metrics_bind": "use an IP address or host name, without a port",
+    "temporal_tls": "use true or false (TLS turns on by itself when a LAMINAR_TEMPORAL_TLS_* variable or "
+    "LAMINAR_TEMPORAL_API_KEY is set)",
+    "temporal_tls_server_name": "use the host name on the server's certificate, without a port",
+    "temporal_api_key": "use the API key as issued (no 'Bearer ' prefix, no spaces)",
+}
+_SECRETS = ("relay_token", "temporal_api_key")  # never echoed in an error message
+
+# LAMINAR_TEMPORAL_TLS_* files: variable, what the file must hold, the PEM marker that shows it does.
+_TLS_FILES = {
+    "temporal_tls_cert": ("the client certificate (PEM)", "-----BEGIN CERTIFICATE-----"),
+    "temporal_tls_key": ("the client certificate's private key (PEM)", "PRIVATE KEY-----"),
+    "temporal_tls_ca": ("the CA certificate(s) of the server's certificate (PEM)", "-----BEGIN CERTIFICATE-----"),
 }
 
 
@@ -105,6 +126,12 @@ class _Variables(BaseSettings):
     log_level: Annotated[Literal[LOG_LEVELS], _Lower] = "info"  # type: ignore[valid-type]
     metrics_port: int = Field(0, ge=0, le=65535)
     metrics_bind: Annotated[str, AfterValidator(_host)] = "127.0.0.1"
+    temporal_tls: bool | None = None
+    temporal_tls_cert: str | None = None
+    temporal_tls_key: str | None = None
+    temporal_tls_ca: str | None = None
+    temporal_tls_server_name: Annotated[str, AfterValidator(_host)] | None = None
+    temporal_api_key: str | None = Field(None, pattern=r"^[^\s]+$")
 
     @model_validator(mode="before")
     @classmethod
@@ -125,7 +152,7 @@ class _Variables(BaseSettings):
             problems = []
             for err in e.errors():
                 field = str(err["loc"][0])
-                value = "<hidden>" if field == "relay_token" else err["input"]  # never echo secrets
+                value = "<hidden>" if field in _SECRETS else err["input"]  # never echo secrets
                 problems.append(_invalid(f"LAMINAR_{field.upper()}", value, _FIXES[field]))
             raise ConfigError("; ".join(str(p) for p in problems)) from None
 
@@ -146,13 +173,23 @@ class Settings:
     log_level: str  # debug | info | warning | error | critical
     metrics_port: int = 0  # Prometheus endpoint of this process (laminar.metrics); 0: off
     metrics_bind: str = "127.0.0.1"
+    # Temporal over TLS (workers/connect.py): on/off; mTLS client cert + key, the server's CA, the name on its
+    # certificate (absolute paths, checked to exist and hold PEM); or an API key (kept out of repr and errors).
+    temporal_tls: bool = False
+    temporal_tls_cert: Path | None = None
+    temporal_tls_key: Path | None = None
+    temporal_tls_ca: Path | None = None
+    temporal_tls_server_name: str | None = None
+    temporal_api_key: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, cwd: Path | None = None) -> Settings:
         """Read and validate the settings (os.environ when env is None); raise ConfigError naming the
         variable, the value and the fix. Unset values default to the dev stack's dev.json, if any."""
         v = _Variables.read(env)
-        home = _parse_home(v.home, cwd or Path.cwd())
+        cwd = cwd or Path.cwd()
+        home = _parse_home(v.home, cwd)
+        tls = _temporal_tls(v, cwd)
         dev = _dev_record(home)
         dev_s3 = dev is not None and dev.s3_endpoint is not None
         return cls(
@@ -169,6 +206,7 @@ class Settings:
             log_level=v.log_level,
             metrics_port=v.metrics_port,
             metrics_bind=v.metrics_bind,
+            **tls,
         )
 
     def to_env(self) -> dict[str, str]:
@@ -189,6 +227,11 @@ class Settings:
             env["LAMINAR_S3_ENDPOINT"] = self.s3_endpoint
         if self.relay_token is not None:
             env["LAMINAR_RELAY_TOKEN"] = self.relay_token
+        env["LAMINAR_TEMPORAL_TLS"] = "true" if self.temporal_tls else "false"
+        for name in ("temporal_tls_cert", "temporal_tls_key", "temporal_tls_ca", "temporal_tls_server_name",
+                     "temporal_api_key"):
+            if (value := getattr(self, name)) is not None:
+                env[f"LAMINAR_{name.upper()}"] = str(value)
         return env
 
     def with_relay_token(self, token: str) -> Settings:
@@ -197,6 +240,51 @@ class Settings:
 
 def _invalid(name: str, value: str, fix: str) -> ConfigError:
     return ConfigError(f"{name}={value!r} is invalid; {fix}")
+
+
+def _temporal_tls(v: _Variables, cwd: Path) -> dict[str, object]:
+    """The Temporal TLS fields of Settings: files resolved and checked, cert and key both or neither, TLS on
+    when anything asks for it and refused when LAMINAR_TEMPORAL_TLS=false contradicts that."""
+    files = {name: _tls_file(name, getattr(v, name), cwd) for name in _TLS_FILES}
+    cert, key = v.temporal_tls_cert, v.temporal_tls_key
+    if (cert is None) != (key is None):
+        have, missing = ("CERT", "KEY") if cert is not None else ("KEY", "CERT")
+        raise ConfigError(
+            f"LAMINAR_TEMPORAL_TLS_{missing} is unset while LAMINAR_TEMPORAL_TLS_{have}={cert or key!r} is set; "
+            "set both (the client certificate and its private key) or neither"
+        )
+    asked = [f"LAMINAR_{n.upper()}" for n in (*_TLS_FILES, "temporal_tls_server_name", "temporal_api_key")
+             if getattr(v, n) is not None]
+    if v.temporal_tls is False and asked:
+        raise ConfigError(
+            f"LAMINAR_TEMPORAL_TLS=false contradicts {', '.join(asked)}: those need TLS; "
+            "unset LAMINAR_TEMPORAL_TLS (or set it to true), or unset them"
+        )
+    return {
+        "temporal_tls": bool(v.temporal_tls) or bool(asked),
+        **files,
+        "temporal_tls_server_name": v.temporal_tls_server_name,
+        "temporal_api_key": v.temporal_api_key,
+    }
+
+
+def _tls_file(name: str, value: str | None, cwd: Path) -> Path | None:
+    if value is None:
+        return None
+    what, marker = _TLS_FILES[name]
+    variable = f"LAMINAR_{name.upper()}"
+    path = Path(value).expanduser()
+    path = (path if path.is_absolute() else cwd / path).resolve()
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        raise _invalid(variable, value, f"{path} does not exist; point it at {what}") from None
+    except OSError as e:
+        raise _invalid(variable, value, f"cannot read {path} ({e.strerror}); point it at {what} "
+                                         "that this user can read") from None
+    if marker not in text:
+        raise _invalid(variable, value, f"{path} has no '{marker}' block; point it at {what}")
+    return path
 
 
 def _parse_home(value: str | None, cwd: Path) -> Path:
