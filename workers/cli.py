@@ -68,15 +68,18 @@ def run(
     summary: Path | None = typer.Option(None, help="Write the run summary JSON here."),
     log_format: str = typer.Option("console", "--log-format", help="console | json"),
     report: Path | None = typer.Option(None, "--report", help="At the end, write `laminar report` (plots, HTML) here."),
+    launcher: str = typer.Option("local", "--launcher", help="local (child processes) | ray (Ray actors)."),
+    ray_address: str | None = typer.Option(None, "--ray-address", help="Ray cluster to use (default: a local Ray)."),
 ) -> None:
     """Run the embedded default end to end: dev stack, workers, workflow, live progress, summary.
 
     Extra `--section.key=value` arguments override config values.
     """
     from services.model_files import check_model_path
-    from workers.run_command import run_local
+    from workers.run_command import check_launcher, run_local
 
     with _exit_codes():
+        check_launcher(launcher, ray_address)
         cfg = _load_config(config, ctx.args, steps, run_id)
         check_model_path(cfg)  # this host runs the trainer: a bad model.path fails before anything starts
         configure_logging(log_format)
@@ -84,7 +87,8 @@ def run(
             from workers.cli_report import check_matplotlib
 
             check_matplotlib()  # fail before the run, not after it
-        code = run_local(cfg, summary_path=summary, console=console, report_dir=report)
+        code = run_local(cfg, summary_path=summary, console=console, report_dir=report, launcher_kind=launcher,
+                         ray_address=ray_address)
     raise typer.Exit(code)
 
 
@@ -206,6 +210,24 @@ def drill(
     console.print(render_report(result))
     if not result.recovered or result.groups_lost or result.groups_consumed_twice:
         raise typer.Exit(1)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def workers(
+    ctx: typer.Context,
+    config: Path = typer.Argument(Path("examples/tiny.toml"), help="Config that sizes the workers (hosts, replicas)."),
+    launcher: str = typer.Option("local", "--launcher", help="local (child processes) | ray (Ray actors)."),
+    ray_address: str | None = typer.Option(None, "--ray-address", help="Ray cluster to use (default: a local Ray)."),
+    allow_faults: bool = typer.Option(False, "--allow-faults", help="Every process accepts recovery-drill faults."),
+) -> None:
+    """Start every worker process a config needs and keep them until Ctrl-C (start runs with `laminar start`)."""
+    from workers.run_command import serve_workers
+
+    with _exit_codes():
+        cfg = _load_config(config, ctx.args, None, None)
+        configure_logging(Settings.from_env().log_format)
+        code = serve_workers(cfg, console, launcher, ray_address, allow_faults)
+    raise typer.Exit(code)
 
 
 @app.command()

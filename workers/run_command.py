@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import signal
 import time
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -22,13 +24,17 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from devstack.stack import DevStack
 from laminar.config import RunConfig
+from laminar.errors import ConfigError
 from laminar.messages import RunStatus
 from storage import keys
 from workers.connect import connect, store_for
-from workers.launcher import LocalLauncher, metrics_url, plan_processes, process_cpu_s
+from workers.launcher import LocalLauncher, ManagedProcess, metrics_url, plan_processes, process_cpu_s
 from workers.run_control import new_run_id, start_or_attach
 from workers.settings import Settings
 from workers.summary import build_profile, build_summary, format_profile, reward_rise
+
+if TYPE_CHECKING:
+    from workers.launcher_ray import RayLauncher
 
 POLL_S = 1.0
 QUERY_TIMEOUT_S = 5.0  # a status query the control worker has not answered by then shows as waiting
@@ -37,7 +43,33 @@ OUTAGE_CODES = (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCS
                 RPCStatusCode.UNKNOWN, RPCStatusCode.INTERNAL, RPCStatusCode.RESOURCE_EXHAUSTED)
 
 
-def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, report_dir: Path | None = None) -> int:
+def check_launcher(kind: str, ray_address: str | None) -> None:
+    """Fail before anything starts: an unknown launcher, an address without Ray, Ray not installed."""
+    if kind not in ("local", "ray"):
+        raise ConfigError(f"--launcher={kind!r} is not one of local, ray")
+    if kind == "local" and ray_address:
+        raise ConfigError(f"--ray-address={ray_address!r} needs --launcher ray")
+    if kind == "ray":
+        from workers.launcher_ray import import_ray
+
+        import_ray()
+
+
+def make_launcher(kind: str, cfg: RunConfig, procs: list[ManagedProcess], tag: str,
+                  ray_address: str | None = None) -> LocalLauncher | RayLauncher:
+    """`local` (the default: child processes under a supervisor) or `ray` (workers/launcher_ray.py; imports Ray)."""
+    check_launcher(kind, ray_address)
+    if kind == "local":
+        return LocalLauncher(procs)
+    from workers.launcher_ray import RayLauncher, plan_placements
+
+    # On a cluster, relays listen on their node's IP unless LAMINAR_RELAY_BIND says otherwise.
+    bind_node_ip = bool(ray_address) and not os.environ.get("LAMINAR_RELAY_BIND", "").strip()
+    return RayLauncher(procs, plan_placements(cfg, procs, bind_node_ip), tag, ray_address)
+
+
+def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, report_dir: Path | None = None,
+              launcher_kind: str = "local", ray_address: str | None = None) -> int:
     if not cfg.run.run_id:
         cfg = cfg.with_run_id(new_run_id())
     console.print(f"run_id={cfg.run.run_id}", highlight=False)
@@ -53,8 +85,9 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, repor
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
     spare = 0 if cfg.rollout.engine == "vllm" else 1  # vLLM: one engine per process (rl/vllm_engine.py)
-    launcher = LocalLauncher(plan_processes(cfg, settings, home / "logs" / cfg.run.run_id, spare_slots=spare, allow_faults=True,
-                                            metrics=True))
+    launcher = make_launcher(launcher_kind, cfg, plan_processes(cfg, settings, home / "logs" / cfg.run.run_id,
+                                                                spare_slots=spare, allow_faults=True, metrics=True),
+                             cfg.run.run_id, ray_address)
     for p in launcher.processes.values():
         console.print(f"metrics {p.name} {metrics_url(p)}", highlight=False, soft_wrap=True)
     try:
@@ -73,7 +106,37 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, repor
             stack.down()
 
 
-async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher, summary_path: Path | None,
+def serve_workers(cfg: RunConfig, console: Console, launcher_kind: str = "local", ray_address: str | None = None,
+                  allow_faults: bool = False) -> int:
+    """`laminar workers`: the worker processes `laminar run` would start for this config (relay.relays hosts,
+    rollout.replicas), against the LAMINAR_* settings, until Ctrl-C or SIGTERM. Runs are started separately
+    (`laminar start`, `temporal workflow start`); the processes' logs go to $LAMINAR_HOME/logs/workers/."""
+    check_launcher(launcher_kind, ray_address)
+    settings = Settings.from_env()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
+    spare = 0 if cfg.rollout.engine == "vllm" else 1
+    procs = plan_processes(cfg, settings, settings.home / "logs" / "workers", spare_slots=spare,
+                           allow_faults=allow_faults, metrics=True)
+    launcher = make_launcher(launcher_kind, cfg, procs, "workers", ray_address)
+    console.print(f"temporal={settings.temporal_address} store={settings.store_url} launcher={launcher_kind}",
+                  highlight=False)
+    try:
+        launcher.start_all()
+        launcher.start_supervision()
+        for p in launcher.processes.values():
+            console.print(f"worker {p.name} metrics {metrics_url(p)} log {p.log_path}", highlight=False,
+                          soft_wrap=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        console.print("stopping the workers")
+        return 0
+    finally:
+        launcher.stop_all()
+
+
+async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher | RayLauncher, summary_path: Path | None,
                  console: Console, temporal_pid: int | None = None) -> int:
     store = store_for(settings)
     client = await connect(settings, core_logs=False)
