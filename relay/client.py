@@ -221,8 +221,9 @@ class LocalPull:
 
     Close it (or use it as a context manager) once the weights are loaded into the engine; the bytes
     stay valid until then even if the relay evicts the version meanwhile (relay.segments). To load
-    into existing CPU parameters, `readinto` (or relay.weights.load_into) copies each byte once with
-    pread, which skips setting up page tables for the mapping and is the fastest way in.
+    into existing CPU parameters, `readinto` (or relay.weights.load_into) copies each byte once, with
+    memcpy from this process's kept mapping of the segment (segments.ReaderMappings: the relay reuses
+    the same few segments, so a new version arrives in pages this reader has mapped already).
     """
 
     def __init__(self, policy_version: int, digest: str, mapped: segments.Mapped) -> None:
@@ -261,6 +262,8 @@ def pull_local(addr: str, *, run: str = "", token: str | None = None, policy_ver
 
     No bytes cross the socket: the relay names its segment and this process maps it read-only. Returns
     None when the relay holds no version of `run`; RelayError when it does not hold policy_version.
+    The process keeps its mapping of the segment for later pulls (segments.reader_mappings; `clear()` it
+    when this process stops pulling, to unpin segments the relay dropped meanwhile).
     """
     header = {"op": protocol.OP_LOCAL, "run": run, "policy_version": policy_version}
     for attempt in range(3):

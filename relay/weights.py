@@ -37,7 +37,7 @@ MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own bound on the JSON 
 
 def load_into(params: dict[str, torch.Tensor], pulled: LocalPull) -> int:
     """Copy every tensor of a local pull straight into `params` (contiguous CPU tensors of the same
-    names, dtypes and shapes) with one pread each; returns the bytes copied."""
+    names, dtypes and shapes) with one copy each (LocalPull.readinto); returns the bytes copied."""
     copied = 0
     for name, dtype, shape, begin, end in _layout(pulled.buffer):
         dest = params.get(name)
@@ -45,7 +45,7 @@ def load_into(params: dict[str, torch.Tensor], pulled: LocalPull) -> int:
             raise RelayError(f"tensor {name!r} ({dtype}, {tuple(shape)}) has no matching parameter "
                              f"({None if dest is None else (dest.dtype, tuple(dest.shape))})")
         if dest.device.type != "cpu" or not dest.is_contiguous():
-            raise RelayError(f"parameter {name!r} must be a contiguous CPU tensor to load with pread")
+            raise RelayError(f"parameter {name!r} must be a contiguous CPU tensor to load from shared memory")
         if end > begin:
             target = (ctypes.c_ubyte * (end - begin)).from_address(dest.data_ptr())
             pulled.readinto(memoryview(target).cast("B"), begin)

@@ -221,7 +221,7 @@ def test_shared_memory_pull_round_trips_a_safetensors_file(relays):
         assert torch.equal(params[name], tensor)
     fresh = {name: torch.zeros_like(t) for name, t in tensors.items()}
     with client.pull_local(tail, run="run-a") as pulled:
-        # One pread per tensor straight into the parameters: the sizes of all six tensors' data.
+        # One copy per tensor straight into the parameters: the sizes of all six tensors' data.
         assert load_into(fresh, pulled) == sum(t.numel() * t.element_size() for t in tensors.values())
     for name, tensor in tensors.items():
         assert torch.equal(fresh[name], tensor), name

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from laminar.errors import RelayError
-from relay import auth, client, protocol
+from relay import auth, client, protocol, segments
 from tests.test_relay_chain import relays, versions_of, wait_until, weights
 
 __all__ = ["relays"]  # the fixture, imported for this module's tests
@@ -51,6 +51,9 @@ def test_dropped_segments_are_reused_and_a_mapped_one_never_changes(relays):
         assert landed[2] is landed[0]  # 6 lands in 4's segment (dropped by 5, nobody mapped it)
         assert pulled.policy_version == 3 and bytes(pulled.buffer) == weights(3)  # unchanged under the reader
         pulled.verify()
+        copied = bytearray(len(weights(3)))
+        pulled.readinto(memoryview(copied))  # and so is what a copy out of the reader's kept mapping reads
+        assert copied == weights(3)
     # Only the held version and at most 2 spares have names; no segment leaks.
     assert len(_segments_of("master")) + len([n for n in os.listdir("/dev/shm")
                                               if n.startswith(f"lmr-{os.getpid()}-spare-")]) <= 3
@@ -110,3 +113,52 @@ def test_the_trainer_push_returns_while_the_chain_has_not_moved(relays):
     # The stuck peer went away: the forward fails and the chain is exhausted, nothing else changes.
     wait_until(lambda: client.stats(master), lambda s: s["forwards_failed"] == 1, 20, "the forward to fail")
     assert versions_of([master]) == [1]
+
+
+def _pull_into(addr: str, size: int) -> tuple[bytes, str]:
+    """A local pull copied out with readinto, as load_into does: (the bytes, the segment's path)."""
+    dest = bytearray(size)
+    with client.pull_local(addr) as pulled:
+        pulled.readinto(memoryview(dest))
+        return bytes(dest), pulled.path
+
+
+def test_a_reader_keeps_its_mapping_and_reads_the_next_version_in_a_reused_segment_through_it(relays):
+    server, master = relays("master", keep_versions=1)
+    segments.reader_mappings.clear()
+    client.push(master, 1, weights(1), chain=[])
+    got, path = _pull_into(master, len(weights(1)))
+    assert got == weights(1) and path in segments.reader_mappings  # mapped once, kept after the pull
+    first = server._store.get(1).segment
+    client.push(master, 2, weights(2), chain=[])  # keep 1: version 1's segment becomes a spare...
+    client.push(master, 3, weights(3), chain=[])  # ...and version 3 lands in it: the kept mapping holds no lock
+    assert server._store.get(3).segment is first and first.generation == 1
+    got, path = _pull_into(master, len(weights(3)))
+    assert path == str(first.path) and path in segments.reader_mappings
+    assert got == weights(3)  # the relay's new bytes, read through the page tables mapped for version 1
+
+
+def test_a_kept_mapping_of_a_segment_the_relay_dropped_is_unmapped_at_the_next_pull(relays):
+    _, master = relays("master", keep_versions=1, spare_segments=0)
+    client.push(master, 1, weights(1), chain=[])
+    _, old = _pull_into(master, len(weights(1)))
+    client.push(master, 2, weights(2), chain=[])  # no spares: version 1's segment is unlinked, not reused
+    assert not os.path.exists(old)
+    assert any(old in line for line in open("/proc/self/maps"))  # still pinned by this reader's mapping
+    got, new = _pull_into(master, len(weights(2)))
+    assert got == weights(2) and new in segments.reader_mappings
+    assert not any(old in line for line in open("/proc/self/maps"))  # unmapped: its memory is free
+
+
+def test_a_reader_keeps_at_most_limit_mappings_least_recently_used_go_first(relays):
+    server, master = relays("master", keep_versions=3)
+    for v in (1, 2, 3):
+        client.push(master, v, weights(v), chain=[])
+    paths = {v: str(server._store.get(v).segment.path) for v in (1, 2, 3)}
+    kept = segments.ReaderMappings(limit=2)
+    for v in (1, 2, 1, 3):  # 1 used again after 2: 2 is the least recently used when 3 needs room
+        mapped = segments.open_readonly(paths[v], len(weights(v)), kept)
+        mapped.close()
+    assert len(kept) == 2 and paths[1] in kept and paths[3] in kept and paths[2] not in kept
+    kept.clear()
+    assert len(kept) == 0
