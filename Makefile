@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint clean browser
+.PHONY: setup run test lint clean browser proxy
 
 setup: $(STAMP)
 
@@ -36,7 +36,7 @@ $(VLLM_STAMP): pyproject.toml
 run: setup
 	$(BIN)/laminar run examples/tiny.toml --summary .laminar/summary.json
 
-test: setup browser vllm-venv
+test: setup browser proxy vllm-venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
@@ -46,6 +46,15 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 		&& apt-get install -y -q chromium >/dev/null; } \
 		|| echo "chromium not installed (apt-get install -y chromium needs root and a reachable Debian mirror): tests/test_report.py skips its browser test"
+
+# nginx with its stream module (Debian's packages, through apt; needs root) for tests/test_mtls.py: the TLS proxy
+# that demands client certificates in front of the Temporal dev server. Where apt is not usable it says so, and
+# that test skips with the same reason. apt starts no system nginx here (policy-rc.d denies it: no runlevel).
+proxy:
+	@{ command -v nginx >/dev/null 2>&1 && [ -e /usr/lib/nginx/modules/ngx_stream_module.so ]; } \
+		|| { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& apt-get install -y -q --no-install-recommends nginx libnginx-mod-stream >/dev/null; } \
+		|| echo "nginx + libnginx-mod-stream not installed (apt-get install needs root and a reachable Debian mirror): tests/test_mtls.py skips its proxy tests"
 
 lint: setup
 	$(BIN)/ruff check .
