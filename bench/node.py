@@ -52,6 +52,7 @@ class Agent:
         self.token = os.environ.get("LAMINAR_RELAY_TOKEN") or None
         self.payload = b""
         self.params: dict[str, Any] | None = None
+        self.memcpy_bufs: tuple[Any, Any] | None = None
         self.store = None
 
     def payload_cmd(self, size: int) -> dict[str, Any]:
@@ -112,38 +113,54 @@ class Agent:
         return {"single_hop_s": single, "bytes_per_s": len(self.payload) / single,
                 "t_start_s": statistics.median(rtts) / 2}
 
+    def _memcpy_s(self, size: int) -> float:
+        """Seconds of one copy_ of `size` bytes between two warm tensors (kept for later calls)."""
+        import torch
+
+        if self.memcpy_bufs is None or self.memcpy_bufs[0].numel() != size:
+            src = torch.randint(0, 255, (size,), dtype=torch.uint8)
+            self.memcpy_bufs = (src, torch.zeros_like(src))
+            self.memcpy_bufs[1].copy_(src)  # warm: the destination's pages exist before any timed copy
+        src, dst = self.memcpy_bufs
+        t = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t
+
     def memcpy_cmd(self, size: int) -> dict:
         """Best-of-5 bandwidth of one large in-memory copy (torch copy_, warm buffers), GB/s."""
-        import torch
-
         size = max(size, 256 << 20)  # larger than any cache
-        src = torch.randint(0, 255, (size,), dtype=torch.uint8)
-        dst = torch.zeros_like(src)
-        best = 0.0
-        for _ in range(5):
-            t = time.perf_counter()
-            dst.copy_(src)
-            best = max(best, size / (time.perf_counter() - t) / 1e9)
-        return {"memcpy_gbps": best}
+        return {"memcpy_gbps": size / min(self._memcpy_s(size) for _ in range(5)) / 1e9}
 
     def local_pull_cmd(self, addr: str, run: str, reps: int) -> dict:
-        """Map the relay's newest version from shared memory and copy it into the engine's parameters."""
-        import torch
+        """Map the relay's newest version from shared memory and copy it into the engine's parameters.
 
+        Each timed pull reads a version the relay has just received (pushed untimed before it, with no
+        chain), as a rollout pulls each new version once; a memcpy of the same size is timed right before
+        each pull, so both best-ofs see the same moments of a shared machine.
+        """
         from relay.weights import load_into, state_dict_from_buffer
 
         if self.params is None:
+            import torch
+
             self.params = {k: torch.zeros_like(v) for k, v in state_dict_from_buffer(self.payload).items()}
-        best, version = float("inf"), None
-        for _ in range(reps):
+        newest = client.latest_version(addr, run=run, token=self.token) or 0
+        size = max(len(self.payload), 256 << 20)
+        pulls, copies, version = [], [], None
+        for v in range(newest + 1, newest + reps + 1):
+            client.push(addr, v, self.payload, [], timeout_s=60.0, run=run, token=self.token)
+            copies.append(self._memcpy_s(size))
             t = time.perf_counter()
             pulled = client.pull_local(addr, run=run, token=self.token)
             assert pulled is not None, f"relay {addr} holds no version of {run}"
             with pulled:
                 version = pulled.policy_version
                 load_into(self.params, pulled)
-            best = min(best, time.perf_counter() - t)
-        return {"local_pull_s": best, "local_pull_gbps": len(self.payload) / best / 1e9, "policy_version": version}
+            pulls.append(time.perf_counter() - t)
+        assert version == newest + reps, f"pulled version {version}, expected {newest + reps}"
+        return {"local_pull_s": min(pulls), "local_pull_gbps": len(self.payload) / min(pulls) / 1e9,
+                "local_pull_median_gbps": len(self.payload) / statistics.median(pulls) / 1e9,
+                "memcpy_gbps": size / min(copies) / 1e9, "policy_version": version}
 
     def store_setup_cmd(self, endpoint: str, bucket: str, create: bool) -> dict:
         import boto3

@@ -21,8 +21,11 @@ def test_bench_relay_smoke_over_loopback_writes_the_json_report(tmp_path):
     assert report["loopback_tcp_bytes_per_s"] > 0
     for row in report["results"]:
         for key in ("relays", "stall_s", "all_relays_s", "single_hop_s", "sequential_s", "storage_s", "model_s",
-                    "local_pull_gbps", "forward_bytes_per_s"):
+                    "local_pull_gbps", "local_pull_median_gbps", "memcpy_gbps", "forward_bytes_per_s"):
             assert row[key] is not None and row[key] > 0, key
+        # The share of memcpy is taken against the best memcpy of the run, which the top line reports.
+        assert row["local_pull_fraction_of_memcpy"] == row["local_pull_gbps"] / row["memcpy_gbps"]
+        assert row["memcpy_gbps"] <= report["memcpy_gbps"] and row["local_pull_median_gbps"] <= row["local_pull_gbps"]
         # CPU time counts in 10 ms clock ticks: 2 MiB may cost less than one, so 0 is a valid reading.
         assert row["tail_cpu_s_per_gib"] >= 0 and row["master_cpu_s_per_gib"] >= 0
     one, two = report["results"]
