@@ -12,10 +12,10 @@ import asyncio
 from pathlib import Path
 
 import typer
-from temporalio.client import Client
 
 from laminar.config import RunConfig
 from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
+from workers.connect import connect
 from workers.run_control import new_run_id
 from workers.settings import Settings
 from workflows.state import TrainingRunInput
@@ -35,7 +35,7 @@ def main(
 
 async def watch(cfg: RunConfig) -> None:
     settings = Settings.from_env()
-    client = await Client.connect(settings.temporal_address, namespace=settings.namespace)
+    client = await connect(settings)  # TLS and API key from LAMINAR_TEMPORAL_* as every process
     handle = await client.start_workflow(
         "TrainingRunWorkflow",
         TrainingRunInput(config=cfg.to_json()),
