@@ -10,8 +10,10 @@ the third. The run itself is the real CLI in a child process, against a dev stac
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -89,6 +91,29 @@ def test_default_path_never_imports_ray():
     code = ("import sys, workers.cli, workers.run_command, workers.launcher, workers.processes; "
             "sys.exit(1 if 'ray' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
+
+
+def test_ray_cluster_config_passes_rays_schema():
+    """infra/ray/cluster.yaml through Ray's own `ray up` schema (after Ray fills in its provider defaults), and
+    it sets every LAMINAR_* variable but the three the launcher sets per worker."""
+    import yaml
+    from jsonschema import ValidationError
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    from workers.settings import _Variables
+
+    path = REPO / "infra/ray/cluster.yaml"
+    config = yaml.safe_load(path.read_text())
+    validate_config(prepare_config(copy.deepcopy(config)))
+    assert {"gpu_trainer", "gpu_rollout"} <= set(config["available_node_types"])
+    broken = copy.deepcopy(config)
+    broken["available_node_types"]["gpu_rollout"]["min_worker"] = 2  # a typo: the schema rejects it
+    with pytest.raises(ValidationError):
+        validate_config(prepare_config(broken))
+    env_file = "\n".join(config["head_setup_commands"])
+    set_here = set(re.findall(r"^\s*(LAMINAR_[A-Z0-9_]+)=", env_file, re.MULTILINE))
+    every = {f"LAMINAR_{name.upper()}" for name in _Variables.model_fields}
+    assert set_here == every - {"LAMINAR_HOST_ID", "LAMINAR_RELAY_BIND", "LAMINAR_METRICS_PORT"}
 
 
 @pytest.fixture(scope="module")

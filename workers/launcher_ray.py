@@ -196,12 +196,17 @@ class RayLauncher:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
+            # ray.init installs its own SIGTERM handler in the driver; the caller's (stop everything) stays.
+            handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
             if self.address:
                 ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
             else:
                 cpus = sum(p.num_cpus for p in self.placements)
                 ray.init(num_cpus=max(cpus, os.cpu_count() or 1), object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                          include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+            if threading.current_thread() is threading.main_thread():
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
         actor_cls = ray.remote(max_restarts=MAX_RESTARTS)(_WorkerActor)
         strategies: dict[str, Any] = {}
         for g in host_groups(self.placements):
