@@ -2,8 +2,8 @@
 client certificate signed by the test's CA (certificates made here with `cryptography`). A client and a worker
 without a certificate are refused with a message that names the settings to set; workers with one run a short
 run, started through the proxy with the `temporal` CLI as infra/README.md does. The same run checks that the S3
-credentials (standard AWS chain, distinctive values) and the Temporal API key appear in no log, no workflow history
-and no stored object. Also the LAMINAR_TEMPORAL_TLS_* settings' errors, without a server.
+credentials (standard AWS chain, distinctive values), the Temporal API key and the relay token appear in no log, no
+workflow history and no stored object. Also the LAMINAR_TEMPORAL_TLS_* settings' errors, without a server.
 
 nginx and its stream module come from Debian (`make proxy`); where they are missing the proxy tests skip, saying so.
 stunnel (Debian's stunnel4) was tried first: it negotiates no ALPN, and the SDK's gRPC client (tonic) refuses a
@@ -50,6 +50,7 @@ SECRETS = {
     "AWS_ACCESS_KEY_ID": "AKIALAMINARMTLS7Q3Z",
     "AWS_SECRET_ACCESS_KEY": f"laminar-s3-secret-{uuid.uuid4().hex}",
     "LAMINAR_TEMPORAL_API_KEY": f"laminar-api-key-{uuid.uuid4().hex}",
+    "LAMINAR_RELAY_TOKEN": f"laminar-relay-token-{uuid.uuid4().hex}",
 }
 STEPS = 2
 
@@ -273,6 +274,7 @@ def mtls(tmp_path_factory, moto_server) -> Iterator[MtlsStack]:
         "LAMINAR_TEMPORAL_TLS_CA": str(pki.ca),
         "LAMINAR_TEMPORAL_TLS_SERVER_NAME": SERVER_NAME,
         "LAMINAR_TEMPORAL_API_KEY": SECRETS["LAMINAR_TEMPORAL_API_KEY"],
+        "LAMINAR_RELAY_TOKEN": SECRETS["LAMINAR_RELAY_TOKEN"],
     }
     try:
         yield MtlsStack(home, pki, f"127.0.0.1:{proxy_port}", proxy_log, env, Settings.from_env(env))
@@ -333,6 +335,7 @@ class MtlsRun:
     log_dir: Path
     settings: Settings
     wall_s: float
+    environs: dict[str, str]  # process name -> its /proc environ, read while it ran
 
 
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
@@ -359,7 +362,11 @@ async def mtls_run(mtls) -> AsyncIterator[MtlsRun]:
         assert started.returncode == 0, started.stdout + started.stderr
         client = await connect(mtls.settings)
         final = await client.get_workflow_handle(wf_id, result_type=RunStatus).result()
-        yield MtlsRun(final, await history_chain(client, wf_id), log_dir, mtls.settings, time.monotonic() - t0)
+        wall_s = time.monotonic() - t0
+        # The workers really held the secrets (so finding none below means something): each process's environment.
+        environs = {name: Path(f"/proc/{p.pid}/environ").read_bytes().decode(errors="replace")
+                    for name, p in launcher.processes.items()}
+        yield MtlsRun(final, await history_chain(client, wf_id), log_dir, mtls.settings, wall_s, environs)
     finally:
         launcher.stop_all()
 
@@ -387,6 +394,8 @@ async def test_secrets_appear_in_no_log_history_or_stored_object(mtls_run):
         texts[f"object {k}"] = store.get(k).decode("latin-1")
     assert all(texts.values()), [k for k, v in texts.items() if not v]  # every log and history has content
     for name, secret in SECRETS.items():
+        holders = [p for p, environ in mtls_run.environs.items() if f"{name}={secret}" in environ]
+        assert len(holders) == 4, f"{name} reached only {holders}"  # control, trainer, relay and rollout
         leaks = [where for where, text in texts.items() if secret in text]
         assert not leaks, f"{name} appears in {leaks}"
     print(f"searched {len(logs)} logs, {len(mtls_run.histories)} histories, {len(keys)} objects")
