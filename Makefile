@@ -49,11 +49,13 @@ browser:
 
 # nginx with its stream module (Debian's packages, through apt; needs root) for tests/test_mtls.py: the TLS proxy
 # that demands client certificates in front of the Temporal dev server. Where apt is not usable it says so, and
-# that test skips with the same reason. apt starts no system nginx here (policy-rc.d denies it: no runlevel).
+# that test skips with the same reason; a fresh machine's empty package lists get one `apt-get update`. apt starts no
+# system nginx here (policy-rc.d denies it: no runlevel).
+PROXY_APT = apt-get install -y -q --no-install-recommends nginx libnginx-mod-stream >/dev/null 2>&1
 proxy:
 	@{ command -v nginx >/dev/null 2>&1 && [ -e /usr/lib/nginx/modules/ngx_stream_module.so ]; } \
 		|| { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-		&& apt-get install -y -q --no-install-recommends nginx libnginx-mod-stream >/dev/null; } \
+		&& { $(PROXY_APT) || { apt-get update -q >/dev/null && $(PROXY_APT); }; }; } \
 		|| echo "nginx + libnginx-mod-stream not installed (apt-get install needs root and a reachable Debian mirror): tests/test_mtls.py skips its proxy tests"
 
 lint: setup
