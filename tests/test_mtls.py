@@ -306,6 +306,18 @@ async def test_client_and_worker_without_a_client_certificate_are_refused(mtls):
         await connect(other)
     assert f"over TLS with client certificate {mtls.pki.other_client_cert}" in str(e.value)
     assert "trusts the CA that signed LAMINAR_TEMPORAL_TLS_CERT" in str(e.value)
+    # An API key instead of a certificate does not pass a proxy that demands one; the message still points at it.
+    key_only = Settings.from_env(mtls.without_certificate(LAMINAR_TEMPORAL_API_KEY="an-api-key"))
+    with pytest.raises(LaminarError) as e:
+        await connect(key_only)
+    assert "over TLS with an API key" in str(e.value) and "set LAMINAR_TEMPORAL_TLS_CERT" in str(e.value)
+    assert "an-api-key" not in str(e.value)
+    # The right certificate but a name the server's certificate does not carry: the client refuses the server.
+    wrong_name = Settings.from_env({**mtls.env, "LAMINAR_TEMPORAL_TLS_SERVER_NAME": "elsewhere.laminar.test"})
+    with pytest.raises(LaminarError) as e:
+        await connect(wrong_name)
+    assert "LAMINAR_TEMPORAL_TLS_SERVER_NAME a name on it" in str(e.value)
+    assert SECRETS["LAMINAR_TEMPORAL_API_KEY"] not in str(e.value)
     # Plain gRPC to a TLS port: refused, and the message says TLS may be what is missing.
     plain = Settings.from_env({k: v for k, v in mtls.without_certificate().items()
                                if not k.startswith("LAMINAR_TEMPORAL_TLS")})

@@ -71,10 +71,11 @@ def _fix(settings: Settings) -> str:
                 "only TLS, set LAMINAR_TEMPORAL_TLS=true, and LAMINAR_TEMPORAL_TLS_CERT and "
                 "LAMINAR_TEMPORAL_TLS_KEY when it demands a client certificate (infra/README.md)")
     fix = "check LAMINAR_TEMPORAL_ADDRESS"
-    if settings.temporal_tls_cert is None and settings.temporal_api_key is None:
+    if settings.temporal_tls_cert is None:
         fix += ("; if the server demands a client certificate (mTLS), set LAMINAR_TEMPORAL_TLS_CERT and "
-                "LAMINAR_TEMPORAL_TLS_KEY, or LAMINAR_TEMPORAL_API_KEY for an API key")
-    elif settings.temporal_tls_cert is not None:
+                "LAMINAR_TEMPORAL_TLS_KEY" + ("" if settings.temporal_api_key else
+                                             ", or LAMINAR_TEMPORAL_API_KEY if it takes an API key"))
+    else:
         fix += "; check that the server trusts the CA that signed LAMINAR_TEMPORAL_TLS_CERT"
     fix += ("; LAMINAR_TEMPORAL_TLS_CA must be the CA of the server's certificate (unset: the system's roots) and "
             "LAMINAR_TEMPORAL_TLS_SERVER_NAME a name on it (unset: the address's host)")
