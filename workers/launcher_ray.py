@@ -199,7 +199,13 @@ class RayLauncher:
             # ray.init installs its own SIGTERM handler in the driver; the caller's (stop everything) stays.
             handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
             if self.address:
-                ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
+                try:
+                    ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
+                except (ValueError, ConnectionError) as e:
+                    raise LaminarError(
+                        f"--ray-address={self.address!r}: cannot connect ({e}); use the head's host:port (what `ray "
+                        f"start --head` prints, port 6379 by default), `auto` on a cluster node, or leave it out "
+                        f"for a local Ray") from None
             else:
                 cpus = sum(p.num_cpus for p in self.placements)
                 ray.init(num_cpus=max(cpus, os.cpu_count() or 1), object_store_memory=LOCAL_OBJECT_STORE_BYTES,
@@ -207,6 +213,12 @@ class RayLauncher:
             if threading.current_thread() is threading.main_thread():
                 for sig, handler in handlers.items():
                     signal.signal(sig, handler)
+        if not self.address:  # a local Ray has what this machine has: no node will join, fail at once
+            need = {p.name: p.num_gpus for p in self.placements if p.num_gpus}
+            have = ray.cluster_resources().get("GPU", 0.0)
+            if sum(need.values()) > have:
+                raise LaminarError(f"the workers ask for GPUs {need} (trainer.device, rollout.device = 'cuda'); this "
+                                   f"machine's Ray has {have:g}: use a smaller config, or --ray-address of a cluster")
         actor_cls = ray.remote(max_restarts=MAX_RESTARTS)(_WorkerActor)
         strategies: dict[str, Any] = {}
         for g in host_groups(self.placements):

@@ -145,7 +145,12 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher | R
     if attached:
         console.print(f"run {cfg.run.run_id} is already running: attached to it (the run keeps the config it "
                       "started with; this one only sizes the worker processes)", highlight=False)
-    launcher.start_all()
+    try:
+        launcher.start_all()
+    except Exception:  # e.g. Ray cannot place the workers: a run started here must not wait for them forever
+        if not attached:
+            await handle.terminate(reason="its worker processes could not be started")
+        raise
     launcher.start_supervision()
     result_task = asyncio.create_task(_result(handle))
     try:
