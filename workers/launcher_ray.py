@@ -208,7 +208,8 @@ class RayLauncher:
                         f"for a local Ray") from None
             else:
                 cpus = sum(p.num_cpus for p in self.placements)
-                ray.init(num_cpus=max(cpus, os.cpu_count() or 1), object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                ray.init(address="local", num_cpus=max(cpus, os.cpu_count() or 1),  # never a running Ray
+                         object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                          include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
             if threading.current_thread() is threading.main_thread():
                 for sig, handler in handlers.items():
