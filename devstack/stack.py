@@ -40,6 +40,20 @@ STOP_TIMEOUT_S = 10.0
 S3_STOP_TIMEOUT_S = 120.0  # the S3 server saves its snapshot before it exits; a SIGKILL would lose it
 
 
+# The dev server's defaults are a cluster's: its history service reads new transfer tasks (an activity or workflow
+# task to dispatch) at most history.transferProcessorMaxPollRPS = 20 times a second, so every dispatch waited
+# ~45 ms (measured: scheduled -> started 43-45 ms for activities and workflow tasks alike; 2 ms with 1000), and
+# every step of a run pays two dispatches. SQLite in WAL mode with synchronous=NORMAL commits without an fsync per
+# transaction (an update's round trip 76 -> 15 ms at the median) and stays consistent when the process is killed
+# (an outage drill); only an OS crash may lose the last commits, which a dev stack can afford.
+DEV_SERVER_TUNING = (
+    "--dynamic-config-value", "history.transferProcessorMaxPollRPS=1000",
+    "--dynamic-config-value", "history.timerProcessorMaxPollRPS=1000",
+    "--sqlite-pragma", "journal_mode=wal",
+    "--sqlite-pragma", "synchronous=normal",
+)
+
+
 class DevStack:
     """Start, inspect and stop the dev stack whose state lives under `home`."""
 
@@ -133,7 +147,7 @@ class DevStack:
         db_file = self.home / "temporal.db"
         log_file = self.log_dir / "temporal.log"
         cmd = [binary, "server", "start-dev", "--ip", "127.0.0.1", "--port", str(port),
-               "--db-filename", str(db_file), "--log-level", "warn"]  # fmt: skip
+               "--db-filename", str(db_file), "--log-level", "warn", *DEV_SERVER_TUNING]  # fmt: skip
         ui_url = None
         if ui:
             ui_port = port + 1000 if port + 1000 < 65536 and _port_free(port + 1000) else free_port()
