@@ -17,6 +17,7 @@ The scaled workload (fixed before any result was seen; never tuned to one). With
 | `trainer.minibatches` | 4 in `stream` only | stream trains each quarter of a batch (8 groups, 64 samples for 8 replicas) as soon as it is complete; with 1 it would be one_step |
 | `rollout.engine`, `trainer.engine` | `--engine` | `modelled` (default): GPU time from the [modelled] section |
 | `modelled.workload` | `--workload` | `long_tail` (p99 = 10 x p50) or `uniform` (+-20 %) |
+| `modelled.speedup` | 25 (long_tail), 10 (uniform) | keeps the control plane a small share of the shorter uniform iterations (WORKLOAD_SPEEDUP) |
 
 Extra `--section.key=value` arguments override on top (tests shrink the torch model with them).
 
@@ -83,6 +84,13 @@ STREAM_MINIBATCHES = 4  # trainer.minibatches in stream mode: trainer steps per 
 # sync takes ~18 wall s a batch on the long tail, so 8 batches keep the whole default command (five modes, both
 # workloads) inside the 15 minutes it should take on this 2-core machine; the first batch is the warm-up.
 DEFAULT_ITERATIONS = 8
+# modelled.speedup per workload. The real machinery's wall-clock latency (a report, a workflow task, an activity
+# dispatch: tens of ms each) is multiplied by the speedup, so it weighs most where iterations are short. A
+# long-tailed iteration lasts ~300 modelled s (its longest trajectory) and 25 keeps the control plane under 5 %
+# of it; a uniform iteration lasts ~40 modelled s, and at 25 the share was 5-30 % (stream pays it once per
+# minibatch). 10 brings it down by 2.5x, for ~1.5 more wall minutes on the uniform runs. Chosen from the
+# control-plane share alone (a fidelity check), never from a throughput ratio; `--modelled.speedup=X` overrides.
+WORKLOAD_SPEEDUP = {"long_tail": 25.0, "uniform": 10.0}
 POLL_S = 0.5  # status poll period for KV occupancy and progress (wall s)
 RUN_TIMEOUT_S = 900.0  # one run's wall-clock limit; past it the run is cancelled and reported as failed
 
@@ -115,6 +123,7 @@ def scaled_overrides(mode: str, replicas: int, engine: str, workload: str, itera
         f"rollout.engine={engine}",
         f"trainer.engine={engine}",
         f"modelled.workload={workload}",
+        *([f"modelled.speedup={WORKLOAD_SPEEDUP[workload]:g}"] if engine == "modelled" else []),
         f"rollout.group_size={GROUP_SIZE}",
         f"rollout.max_inflight_groups={GROUPS_PER_REPLICA}",
         f"trainer.groups_per_step={groups_per_step}",
@@ -395,6 +404,7 @@ def measure(data: RunData) -> dict[str, Any]:
         "repack_overhead_s": round(final.repack_overhead_s / final.repacks, 4) if final.repacks else None,
         "samples_dropped_stale": sum(r.get("dropped_stale", 0) for r in data.records),
         "control_plane_share": round(control_plane_share(data.control_plane_s, data.records), 4),
+        "time_scale": scale,  # modelled s per wall s of this run (WORKLOAD_SPEEDUP; 1 for torch)
         "ratio_to_laminar": None,
         "iterations": final.policy_version,  # global batches trained (= trainer steps except in stream)
         "trainer_steps": final.step,
@@ -468,10 +478,11 @@ def run_bench(spec: BenchSpec, progress: Progress) -> dict[str, Any]:
             "overrides": [o for o in scaled_overrides("laminar", spec.replicas, spec.engine, spec.workloads[0],
                                                       spec.iterations)
                           if not o.startswith(("run.mode=", "modelled.workload=", "run.steps=", "trainer.minibatches=",
-                                               "rollout.repack="))] + list(spec.extra_overrides),
+                                               "rollout.repack=", "modelled.speedup="))] + list(spec.extra_overrides),
             "groups_per_step": first.trainer.groups_per_step, "group_size": first.rollout.group_size,
             "stream_minibatches": STREAM_MINIBATCHES,
             "relays": first.relay.relays, "seed": first.run.seed, "time_scale": time_scale(first),
+            "time_scale_by_workload": {w: time_scale(spec.run_config(spec.modes[0], w, "cfg")) for w in spec.workloads},
             "modelled": first.modelled.model_dump(mode="json") if spec.engine == "modelled" else None,
             "cpus": os.cpu_count(), "config_file": str(spec.config_path) if spec.config_path else None,
         },

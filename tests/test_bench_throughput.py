@@ -100,6 +100,17 @@ def test_stream_trains_each_batch_in_four_minibatch_steps() -> None:
     assert (cfg.trainer.minibatches, cfg.run.steps, cfg.trainer.groups_per_step) == (4, 80, 32)
 
 
+def test_uniform_runs_at_a_lower_speedup_and_an_explicit_speedup_wins() -> None:
+    # the long tail's iterations are ~300 modelled s, the uniform ones ~40: the same wall-clock control latency
+    # is a 7x larger share of the latter, so its runs go 2.5x slower (WORKLOAD_SPEEDUP)
+    assert RunConfig.load(None, scaled_overrides("laminar", 8, "modelled", "long_tail", 3)).modelled.speedup == 25.0
+    assert RunConfig.load(None, scaled_overrides("laminar", 8, "modelled", "uniform", 3)).modelled.speedup == 10.0
+    assert not any(o.startswith("modelled.speedup=") for o in scaled_overrides("sync", 8, "torch", "uniform", 3))
+    spec = BenchSpec(modes=("sync",), workloads=("uniform",), replicas=2, iterations=3,
+                     extra_overrides=("--modelled.speedup=50",))
+    assert spec.run_config("sync", "uniform", "20260101-000000").modelled.speedup == 50.0  # the command line's
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (("async", 8, "modelled", "long_tail", 3), "mode='async' is not a run mode"),
     (("sync", 8, "modelled", "bimodal", 3), "workload='bimodal' is not a modelled workload"),
