@@ -123,6 +123,8 @@ def ray_cluster(tmp_path_factory) -> Iterator[tuple[str, Path]]:
     from ray.cluster_utils import Cluster
 
     home = tmp_path_factory.mktemp("ray-home")
+    saved = os.environ.get("RAY_USAGE_STATS_ENABLED")
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no report to Ray's servers (nothing leaves this machine)
     node = {"num_cpus": NODE_CPUS, "object_store_memory": 100 * MIB}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     dev = DevStack(home)
@@ -137,6 +139,10 @@ def ray_cluster(tmp_path_factory) -> Iterator[tuple[str, Path]]:
         ray.shutdown()
         dev.down()
         cluster.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_USAGE_STATS_ENABLED", None)
+        else:
+            os.environ["RAY_USAGE_STATS_ENABLED"] = saved
 
 
 def _actor_info(run_id: str, process: str) -> dict:

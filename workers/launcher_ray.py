@@ -208,6 +208,7 @@ class RayLauncher:
                         f"for a local Ray") from None
             else:
                 cpus = sum(p.num_cpus for p in self.placements)
+                os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a local Ray sends no usage report
                 ray.init(address="local", num_cpus=max(cpus, os.cpu_count() or 1),  # never a running Ray
                          object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                          include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
