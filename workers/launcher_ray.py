@@ -103,6 +103,12 @@ def host_groups(placements: list[Placement]) -> list[HostGroup]:
     return list(groups.values())
 
 
+def _plain(resources: dict[str, float]) -> dict[str, float]:
+    """CPUs, GPUs and custom resources of a Ray resource map, without Ray's per-node and placement-group entries."""
+    return {k: v for k, v in resources.items()
+            if k not in ("memory", "object_store_memory") and "_group_" not in k and not k.startswith("node:")}
+
+
 def import_ray() -> Any:
     try:
         import ray
@@ -186,6 +192,7 @@ class RayLauncher:
         self.actors: dict[str, Any] = {}
         self._groups: list[Any] = []
         self._ray: Any = None
+        self._owns_ray = False
 
     def actor_name(self, process: str) -> str:
         return f"{self.tag}/{process}"
@@ -195,7 +202,8 @@ class RayLauncher:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if not ray.is_initialized():
+        self._owns_ray = not ray.is_initialized()  # a caller's own connection stays open at stop_all
+        if self._owns_ray:
             # ray.init installs its own SIGTERM handler in the driver; the caller's (stop everything) stays.
             handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
             if self.address:
@@ -231,8 +239,8 @@ class RayLauncher:
             except ray.exceptions.GetTimeoutError:
                 raise LaminarError(
                     f"Ray could not place host {g.host_id} (bundles {g.bundles()}, STRICT_PACK: one node) within "
-                    f"{PLACEMENT_TIMEOUT_S:.0f} s; cluster resources {ray.cluster_resources()}: add a node that fits "
-                    f"them, or lower rollout.replicas per host (relay.relays hosts)") from None
+                    f"{PLACEMENT_TIMEOUT_S:.0f} s; cluster resources {_plain(ray.cluster_resources())}: add a node "
+                    f"that fits them, or lower rollout.replicas per host (relay.relays hosts)") from None
             for i, p in enumerate(g.members):
                 strategies[p.name] = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
         for p in self.placements:
@@ -240,8 +248,14 @@ class RayLauncher:
             if p.name in strategies:
                 opts["scheduling_strategy"] = strategies[p.name]
             self.actors[p.name] = actor_cls.options(**opts).remote(p.name, p.args, p.env, p.log_path, p.bind_node_ip)
-        for name, info in self.info().items():
+        started = self.info(timeout_s=PLACEMENT_TIMEOUT_S)
+        for name, info in started.items():
             log.info("process_started", name=name, pid=info["pid"], node=info["node_ip"], launcher="ray")
+        if missing := [p for p in self.placements if p.name not in started]:
+            asks = {p.name: {"CPU": p.num_cpus, "GPU": p.num_gpus} for p in missing}
+            raise LaminarError(f"Ray did not start {asks} within {PLACEMENT_TIMEOUT_S:.0f} s; cluster resources "
+                               f"{_plain(ray.cluster_resources())}, free {_plain(ray.available_resources())}: add a "
+                               f"node that fits them (their logs: {', '.join(p.log_path for p in missing)})")
 
     def start_supervision(self, interval_s: float = 0.5) -> None:
         """Nothing to do: Ray restarts a dead worker's actor (MAX_RESTARTS)."""
@@ -249,11 +263,13 @@ class RayLauncher:
     def info(self, timeout_s: float = 60.0) -> dict[str, dict]:
         """Each live actor's process: pid, Ray node id and IP, CPU seconds (actors restarting are left out)."""
         ray = self._ray
+        refs = {actor.info.remote(): name for name, actor in self.actors.items()}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         out = {}
-        for name, actor in self.actors.items():
+        for ref in done:
             try:
-                out[name] = ray.get(actor.info.remote(), timeout=timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                out[refs[ref]] = ray.get(ref)
+            except ray.exceptions.RayActorError:
                 continue
         return out
 
@@ -265,7 +281,7 @@ class RayLauncher:
 
     def stop_all(self, timeout_s: float = 15.0) -> None:
         """Stop every worker (SIGTERM, then SIGKILL after timeout_s), then the actors and placement groups; leave
-        Ray (disconnect from a cluster, stop a local Ray)."""
+        Ray (disconnect from a cluster, stop a local Ray) unless the caller had connected before start_all."""
         ray = self._ray
         if ray is None:
             return
@@ -283,4 +299,5 @@ class RayLauncher:
         log.info("processes_stopped", count=len(self.actors), launcher="ray")
         self.actors.clear()
         self._groups.clear()
-        ray.shutdown()
+        if self._owns_ray:
+            ray.shutdown()
