@@ -25,7 +25,7 @@ from temporalio.client import WorkflowHandle
 
 from devstack.stack import DevStack
 from laminar.config import RunConfig
-from laminar.errors import ConfigError
+from laminar.errors import ConfigError, LaminarError
 from laminar.messages import DrillInput, DrillReport, RunStatus, workflow_id_for
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import TEST_OVERRIDES
@@ -232,3 +232,24 @@ def _all_info(run_id: str, processes) -> dict | None:
         return {p: _actor_info(run_id, p) for p in processes}
     except Exception:
         return None
+
+
+def test_a_host_ray_cannot_place_fails_with_its_bundles(ray_cluster, tmp_path, monkeypatch):
+    """rollout.device = cuda on this CPU-only cluster: host-0's group asks for a GPU no node has. start_all fails
+    and names the host, the bundles and the cluster's resources (3 nodes x 2 CPUs = 6 CPUs, no GPU)."""
+    import workers.launcher_ray as launcher_ray
+
+    address, home = ray_cluster
+    monkeypatch.setattr(launcher_ray, "PLACEMENT_TIMEOUT_S", 3.0)
+    cfg = RunConfig.load(None, ["rollout.device=cuda", "rollout.replicas=1", "relay.relays=1"])
+    settings = Settings.from_env({"LAMINAR_HOME": str(home)})
+    procs = plan_processes(cfg, settings, tmp_path / "logs", spare_slots=1)
+    launcher = launcher_ray.RayLauncher(procs, plan_placements(cfg, procs), f"t-{uuid.uuid4().hex[:8]}", address)
+    try:
+        with pytest.raises(LaminarError) as e:
+            launcher.start_all()
+    finally:
+        launcher.stop_all()
+    assert ("Ray could not place host host-0 (bundles [{'CPU': 1.0}, {'CPU': 1.0, 'GPU': 1.0}], STRICT_PACK: one "
+            "node) within 3 s; cluster resources {'CPU': 6.0}") in str(e.value)
+    assert launcher.actors == {}  # nothing was started
