@@ -196,6 +196,9 @@ async def test_run_and_drills_on_a_ray_cluster(ray_cluster, tmp_path):
             assert info[f"relay-{h}"]["node_id"] == info[f"rollout-{h}"]["node_id"], info
         assert info["relay-host-0"]["node_id"] != info["relay-host-1"]["node_id"], info
         assert len({i["node_id"] for i in info.values()}) == 3, info
+        relays = await async_wait_until(lambda: _relays(handle, 2), 60, "both relays in the chain")
+        for r in relays:
+            assert r.address.rpartition(":")[0] == info[f"relay-{r.relay_id}"]["node_ip"], (r, info)
 
         rollout = await _drill(settings, handle, run_id, "rollout")
         relay = await _drill(settings, handle, run_id, "relay")
@@ -224,6 +227,11 @@ async def test_run_and_drills_on_a_ray_cluster(ray_cluster, tmp_path):
 
     with pytest.raises(ValueError):  # `laminar run` removed its actors when it ended
         ray.get_actor(f"{run_id}/trainer")
+
+
+async def _relays(handle: WorkflowHandle, n: int) -> list | None:
+    relays = (await handle.query("status", result_type=RunStatus)).relays
+    return relays if len(relays) >= n else None
 
 
 def _all_info(run_id: str, processes) -> dict | None:
