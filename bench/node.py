@@ -160,7 +160,8 @@ class Agent:
         assert version == newest + reps, f"pulled version {version}, expected {newest + reps}"
         return {"local_pull_s": min(pulls), "local_pull_gbps": len(self.payload) / min(pulls) / 1e9,
                 "local_pull_median_gbps": len(self.payload) / statistics.median(pulls) / 1e9,
-                "memcpy_gbps": size / min(copies) / 1e9, "policy_version": version}
+                "memcpy_gbps": size / min(copies) / 1e9, "policy_version": version,
+                "pulls_s": pulls, "memcpys_s": copies}
 
     def store_setup_cmd(self, endpoint: str, bucket: str, create: bool) -> dict:
         import boto3

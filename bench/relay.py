@@ -19,7 +19,8 @@ Measured per relay count p:
                     parameters: best of 15 pulls, each of a version the master has just received;
                     local_pull_median_gbps their median; memcpy_gbps the best torch copy_ of the same
                     size seen in the run (at its start and right before each pull), which
-                    local_pull_fraction_of_memcpy divides by
+                    local_pull_fraction_of_memcpy divides by; local_pull_each_s and memcpy_each_s
+                    the timings, in order
     relay_cpu_s_per_gib   CPU seconds (user + system, /proc/<pid>/stat via psutil) each relay that
                     received and forwarded spent per GiB it forwarded, over the chain reps: mean and
                     max over those relays (None at p = 1, where the only relay forwards nothing);
@@ -289,6 +290,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
                 "model_s": protocol.chain_model_s(size, p + 1, link["bytes_per_s"], link["t_start_s"]),
                 "local_pull_gbps": pull["local_pull_gbps"],
                 "local_pull_median_gbps": pull["local_pull_median_gbps"],
+                "local_pull_each_s": pull["pulls_s"],  # in order, each right after a memcpy_each_s
+                "memcpy_each_s": pull["memcpys_s"],
                 "memcpy_gbps": max(memcpy, pull["memcpy_gbps"]),  # the best memcpy seen: the harder bound
                 "local_pull_fraction_of_memcpy": pull["local_pull_gbps"] / max(memcpy, pull["memcpy_gbps"]),
                 "relay_cpu_s_per_gib": statistics.mean(forwarding) if forwarding else None,
