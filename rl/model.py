@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -360,3 +361,33 @@ def placement(field: str, device: str, dtype: str) -> tuple[torch.device, torch.
     if dtype not in _DTYPES:
         raise ConfigError(f"{field}.dtype={dtype!r} is not one of {sorted(_DTYPES)}")
     return torch.device(device), _DTYPES[dtype]
+
+
+class DeviceSlots:
+    """Which of a process's CUDA devices each of its replicas uses: one each while there are enough (a rollout
+    worker placed by Ray sees exactly the GPUs it reserved, one per replica, through CUDA_VISIBLE_DEVICES), the
+    least used one once there are more replicas than devices. Thread-safe: replicas start in their own threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users: dict[int, int] = {}  # device index -> replicas on it
+
+    def acquire(self, devices: int) -> int:
+        if devices < 1:
+            raise ValueError(f"devices={devices}: a replica needs at least one CUDA device")
+        with self._lock:
+            index = min(range(devices), key=lambda i: (self._users.get(i, 0), i))
+            self._users[index] = self._users.get(index, 0) + 1
+            return index
+
+    def release(self, index: int) -> None:
+        with self._lock:
+            left = self._users.get(index, 0) - 1
+            if left > 0:
+                self._users[index] = left
+            else:
+                self._users.pop(index, None)
+
+
+ROLLOUT_DEVICES = DeviceSlots()  # this process's rollout replicas (services/rollout.py)
+

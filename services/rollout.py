@@ -57,7 +57,7 @@ from laminar.timing import TimeBreakdown
 from relay import client as relay_client
 from relay.weights import state_dict_from_buffer
 from rl.engine import Finished, TorchEngine
-from rl.model import bytes_to_state_dict, placement
+from rl.model import ROLLOUT_DEVICES, bytes_to_state_dict, placement
 from rl.tasks import Prompt
 from services.model_files import load_run_files, load_run_model
 from storage import keys
@@ -119,6 +119,10 @@ def _build_engine(cfg: RunConfig, store: ObjectStore, run_id: str, replica_id: s
                           temperature=r.temperature, seed=seed, eos_id=task.eos_id, device=r.device, dtype=r.dtype), task
     model, tokenizer, task = load_run_model(store, run_id, cfg)
     device, dtype = placement("rollout", r.device, r.dtype)
+    if device.type == "cuda":  # one GPU per replica where the process has them (released when the replica ends)
+        import torch
+
+        device = torch.device("cuda", ROLLOUT_DEVICES.acquire(torch.cuda.device_count()))
     engine = TorchEngine(model.to(device, dtype), tokenizer, max_inflight_seqs=r.max_inflight_groups * r.group_size,
                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, seed=seed, eos_id=task.eos_id)
     return engine, task
@@ -194,6 +198,8 @@ class RolloutReplica:
             self._control_thread.shutdown(wait=False, cancel_futures=True)
             if hasattr(self.engine, "close"):  # vLLM: one engine per process, kept for the next incarnation
                 self.engine.close()
+            if (device := getattr(self.engine, "device", None)) is not None and device.type == "cuda":
+                ROLLOUT_DEVICES.release(device.index)
 
     def _run(self) -> RolloutReplicaResult:
         resumed = self._read_partial_pool()
