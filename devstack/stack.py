@@ -46,12 +46,11 @@ S3_STOP_TIMEOUT_S = 120.0  # the S3 server saves its snapshot before it exits; a
 # every step of a run pays two dispatches. SQLite in WAL mode with synchronous=NORMAL commits without an fsync per
 # transaction (an update's round trip 76 -> 15 ms at the median) and stays consistent when the process is killed
 # (an outage drill); only an OS crash may lose the last commits, which a dev stack can afford.
-DEV_SERVER_TUNING = (
+DEV_SERVER_DISPATCH = (
     "--dynamic-config-value", "history.transferProcessorMaxPollRPS=1000",
     "--dynamic-config-value", "history.timerProcessorMaxPollRPS=1000",
-    "--sqlite-pragma", "journal_mode=wal",
-    "--sqlite-pragma", "synchronous=normal",
 )
+DEV_SERVER_TUNING = (*DEV_SERVER_DISPATCH, "--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=normal")
 
 
 class DevStack:

@@ -75,11 +75,16 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, repor
     console.print(f"run_id={cfg.run.run_id}", highlight=False)
     home = Settings.from_env().home
     stack = DevStack(home)
-    info, started_stack = stack.ensure_up()
+    temporal_pid, started_stack = None, False
+    if os.environ.get("LAMINAR_TEMPORAL_ADDRESS", "").strip():  # a Temporal of the user's own: no dev stack
+        ui_url = None
+    else:
+        info, started_stack = stack.ensure_up()
+        temporal_pid, ui_url = info.temporal_pid, info.ui_url
     settings = Settings.from_env()  # dev.json now names the endpoints
     if settings.relay_token is None:  # relays of this run accept only its own processes
         settings = settings.with_relay_token(secrets.token_hex(16))
-    console.print(f"temporal={info.temporal_address} ui={info.ui_url or '-'} store={settings.store_url}",
+    console.print(f"temporal={settings.temporal_address} ui={ui_url or '-'} store={settings.store_url}",
                   highlight=False)
     # SIGTERM / SIGHUP stop the run like Ctrl-C: nothing this command started may outlive it.
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -91,7 +96,7 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, repor
     for p in launcher.processes.values():
         console.print(f"metrics {p.name} {metrics_url(p)}", highlight=False, soft_wrap=True)
     try:
-        code = asyncio.run(_drive(cfg, settings, launcher, summary_path, console, info.temporal_pid))
+        code = asyncio.run(_drive(cfg, settings, launcher, summary_path, console, temporal_pid))
         if code == 0 and report_dir is not None:
             from workers.cli_report import write_report
 
