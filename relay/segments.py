@@ -291,15 +291,30 @@ reader_mappings = ReaderMappings()  # this process's; relay.client.pull_local us
 
 class Mapped:
     """A relay segment opened read-only by a reader, share-locked until closed: `view` maps it lazily,
-    `readinto` copies out of the reader's kept mapping of the segment (ReaderMappings), or with pread."""
+    `readinto` copies out of the reader's kept mapping of the segment (ReaderMappings, taken at the
+    first readinto, so a reader of `view` alone keeps nothing), or with pread."""
 
-    def __init__(self, path: str, fd: int, size: int, kept: _Kept | None = None,
+    def __init__(self, path: str, fd: int, size: int, stat: os.stat_result | None = None,
                  mappings: ReaderMappings | None = None) -> None:
         self.path, self.size, self._fd = path, size, fd
         self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None
         self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
-        self._kept, self._mappings = kept, mappings
-        self._source = memoryview(kept.map) if kept is not None else None
+        self._stat, self._mappings = stat, (mappings if size and stat is not None else None)
+        self._kept: _Kept | None = None
+        self._source: memoryview | None = None
+        self._lock = threading.Lock()
+
+    def _kept_source(self) -> memoryview | None:
+        with self._lock:
+            if self._fd < 0:
+                raise RelayError(f"shared-memory segment {self.path} was read after its LocalPull was closed")
+            if self._source is None and self._mappings is not None:
+                self._kept = self._mappings.acquire(self._fd, self._stat, self.size)
+                if self._kept is None:
+                    self._mappings = None  # could not map: pread from now on
+                else:
+                    self._source = memoryview(self._kept.map)
+            return self._source
 
     def readinto(self, dest: memoryview, offset: int) -> None:
         """Copy len(dest) bytes from `offset` straight into dest: one memcpy from the kept mapping (in
@@ -308,10 +323,11 @@ class Mapped:
             dest = dest.cast("B")
         if offset < 0 or offset + len(dest) > self.size:
             raise RelayError(f"reading {len(dest)} bytes of {self.path} at {offset}: past its {self.size} bytes")
-        if self._source is not None:
+        source = self._kept_source()
+        if source is not None:
             for done in range(0, len(dest), COPY_PIECE):
                 n = min(COPY_PIECE, len(dest) - done)
-                dest[done:done + n] = self._source[offset + done:offset + done + n]
+                dest[done:done + n] = source[offset + done:offset + done + n]
             return
         done = 0
         while done < len(dest):
@@ -324,20 +340,22 @@ class Mapped:
     def close(self) -> None:
         """Unmap and close; while views of `view` are still exported the unmap (and with it the shared
         flock) waits for the collector. The kept mapping stays with the reader's ReaderMappings."""
-        if self._source is not None:
-            self._source.release()
-            self._source = None
-            self._mappings.release(self._kept)
-            self._kept = None
+        with self._lock:
+            if self._source is not None:
+                self._source.release()
+                self._source = None
+                self._mappings.release(self._kept)
+                self._kept = None
         try:
             self.view.release()
             if self._map is not None:
                 self._map.close()
         except BufferError:
             pass
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 def open_readonly(path: str, size: int, mappings: ReaderMappings | None = reader_mappings) -> Mapped:
@@ -372,13 +390,7 @@ def open_readonly(path: str, size: int, mappings: ReaderMappings | None = reader
                              "ask the relay again")
         if stat.st_size != size:
             raise RelayError(f"shared-memory segment {path} holds {stat.st_size} bytes, the relay said {size}")
-        kept = mappings.acquire(fd, stat, size) if mappings is not None and size else None
-        try:
-            return Mapped(path, fd, size, kept, mappings)
-        except BaseException:
-            if kept is not None:
-                mappings.release(kept)
-            raise
+        return Mapped(path, fd, size, stat, mappings)
     except BaseException:
         os.close(fd)
         raise

@@ -138,6 +138,16 @@ def test_a_reader_keeps_its_mapping_and_reads_the_next_version_in_a_reused_segme
     assert got == weights(3)  # the relay's new bytes, read through the page tables mapped for version 1
 
 
+def test_a_reader_of_the_buffer_alone_keeps_no_mapping(relays):
+    _, master = relays("master")
+    segments.reader_mappings.clear()
+    client.push(master, 1, weights(1), chain=[])
+    with client.pull_local(master) as pulled:  # the zero-copy view only (state_dict_from_buffer's way)
+        assert bytes(pulled.buffer) == weights(1)
+        path = pulled.path
+    assert path not in segments.reader_mappings and len(segments.reader_mappings) == 0
+
+
 def test_a_kept_mapping_of_a_segment_the_relay_dropped_is_unmapped_at_the_next_pull(relays):
     _, master = relays("master", keep_versions=1, spare_segments=0)
     client.push(master, 1, weights(1), chain=[])
@@ -158,7 +168,19 @@ def test_a_reader_keeps_at_most_limit_mappings_least_recently_used_go_first(rela
     kept = segments.ReaderMappings(limit=2)
     for v in (1, 2, 1, 3):  # 1 used again after 2: 2 is the least recently used when 3 needs room
         mapped = segments.open_readonly(paths[v], len(weights(v)), kept)
+        first = bytearray(32)
+        mapped.readinto(memoryview(first), 0)  # the first copy out of a segment maps it and keeps it
+        assert first == weights(v)[:32]
         mapped.close()
     assert len(kept) == 2 and paths[1] in kept and paths[3] in kept and paths[2] not in kept
     kept.clear()
     assert len(kept) == 0
+
+
+def test_copying_out_of_a_closed_pull_is_refused(relays):
+    _, master = relays("master")
+    client.push(master, 1, weights(1), chain=[])
+    pulled = client.pull_local(master)
+    pulled.close()  # the shared lock is gone: the relay may reuse the segment, so nothing may be read
+    with pytest.raises(RelayError, match="after its LocalPull was closed"):
+        pulled.readinto(memoryview(bytearray(16)))
