@@ -214,7 +214,7 @@ class ReaderMappings:
     segment the relay reused (SparePool) touches no page it has not mapped already.
 
     A fresh mapping pays a page fault (or a page-table entry) per 4-KiB page: 65,536 per 256 MiB, which
-    took the local pull from ~memcpy speed to 45-60 % of it here. The relay rotates its versions through
+    took the local pull from ~memcpy speed to 40-60 % of it here. The relay rotates its versions through
     the same few segments, so a reader that keeps its mappings finds each new version in pages it has
     already mapped. The kept mapping is made through a second open file of the segment that holds no lock:
     it never stops the relay from reusing the segment. Its bytes are read only while a LocalPull holds
@@ -240,6 +240,8 @@ class ReaderMappings:
             kept = self._kept.pop(key, None)
             if kept is not None:
                 self._kept[key] = kept  # most recently used
+                if kept.size != size:  # in use at another size (a relay never resizes a segment): pread
+                    return None
                 kept.users += 1
                 return kept
         try:  # /proc/self/fd reopens the file: a new open file description, which holds no flock
@@ -256,6 +258,8 @@ class ReaderMappings:
                 kept.close()
                 kept = self._kept.pop(key)
             self._kept[key] = kept
+            if kept.size != size:
+                return None
             kept.users += 1
             spare = [k for k, other in self._kept.items() if other.users == 0]
             for k in spare[:max(0, len(self._kept) - self.limit)]:
