@@ -18,6 +18,7 @@ from laminar.messages import (
     TrainerInitResult,
     TrainStepInput,
     TrainStepResult,
+    TrainStepsInput,
 )
 from services.trainer import TrainerService
 
@@ -39,6 +40,17 @@ class TrainerActivities:
             queued_s = (info.started_time - info.current_attempt_scheduled_time).total_seconds()
             return self.service.train_step(inp, heartbeat=progress.tick, schedule_to_start_s=queued_s,
                                            scheduled_at=info.scheduled_time.timestamp())
+
+    @activity.defn(name="train_steps")
+    def train_steps(self, inp: TrainStepsInput) -> list[TrainStepResult]:
+        """Several steps back to back: after the first, each starts where the last ended (no rewind, no wait for
+        the workflow). A retry runs them all again from the first input, as train_step's retry does."""
+        with background_heartbeat() as progress, permanent_errors(CorruptDataError):
+            info = activity.info()
+            queued_s = (info.started_time - info.current_attempt_scheduled_time).total_seconds()
+            return [self.service.train_step(step, heartbeat=progress.tick, schedule_to_start_s=queued_s if i == 0 else None,
+                                            scheduled_at=info.scheduled_time.timestamp())
+                    for i, step in enumerate(inp.inputs())]
 
     @activity.defn(name="republish")
     def republish(self, inp: RepublishInput) -> int:

@@ -7,7 +7,7 @@ Deterministic and import-light: imported by workflow code through the sandbox pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from laminar.refs import CheckpointRef, SegmentRef
@@ -213,6 +213,30 @@ class TrainStepInput:
     relay_chain: list[str]
     fallbacks: list[CheckpointRef] = field(default_factory=list)
     fallback_replay: list[list[BatchPart]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TrainStepsInput:
+    """workflow -> trainer worker: consecutive steps whose batches are all complete, run back to back in one
+    activity (stream's minibatches up to the batch's publish; workflows/policy.py steps_to_publish): `first`,
+    then one step per batch of `then`. The result lists one TrainStepResult per step. Only the first input
+    travels whole (its replay and fallbacks are most of its size); `inputs()` rebuilds the others."""
+
+    first: TrainStepInput
+    then: list[list[BatchPart]]
+
+    def inputs(self) -> list[TrainStepInput]:
+        out = [self.first]
+        for batch in self.then:
+            out.append(next_step_input(out[-1], batch))
+        return out
+
+
+def next_step_input(prev: TrainStepInput, batch: list[BatchPart]) -> TrainStepInput:
+    """The input of the step after `prev`, had `prev` committed without a checkpoint: one step further, the
+    same restore point, prev's batch appended to the replay. Whole on its own: a trainer that restarts before it
+    rewinds exactly as for any step."""
+    return replace(prev, step=prev.step + 1, batch=batch, replay=[*prev.replay, prev.batch])
 
 
 @dataclass(frozen=True)

@@ -231,6 +231,53 @@ def test_consumed_twice_is_summed_from_the_trainer() -> None:
     assert ledger.state.groups_consumed_twice == 3  # 2 + 1
 
 
+def test_stream_minibatches_already_complete_go_to_the_trainer_together_up_to_the_publish() -> None:
+    from workflows.policy import policy_for, steps_to_publish
+
+    # stream, B = 4 groups per batch in 2 minibatches of 2; version 1 is published after step 2 (batch 0 done)
+    cfg = RunConfig.load(None, ["run.mode=stream", "trainer.groups_per_step=4", "trainer.minibatches=2",
+                                "rollout.max_ready_groups=8", "trainer.checkpoint_every=1"])
+    policy = policy_for(cfg)
+    assert [steps_to_publish(policy, s) for s in range(5)] == [2, 1, 2, 1, 2]
+    ledger = Ledger(RunState(run_id=RUN))
+    ledger.lease("replica-0", 8)  # prompts 0..7: batches 0 and 1
+    g = [f"g{i:08d}" for i in range(8)]
+    ledger.add_segment(_seg("0", [g[2], g[0], g[5]]))  # 3 of batch 0, 1 of batch 1
+    # only minibatch 0 of batch 0 is complete: one input, as next_train_input builds it
+    assert [i.step for i in ledger.next_train_inputs(cfg, ["relay-0"], steps_to_publish(policy, 0))] == [0]
+    ledger.add_segment(_seg("1", [g[3], g[4], g[1]]))  # batch 0 whole; 2 of batch 1 (its first minibatch)
+    first, second = ledger.next_train_inputs(cfg, ["relay-0"], steps_to_publish(policy, 0))
+    # steps 0 and 1 (the whole of batch 0, in arrival order), not step 2: batch 1 waits for version 1
+    assert (first.step, _ids(first.batch)) == (0, [g[2], g[0]])
+    assert (second.step, _ids(second.batch)) == (1, [g[3], g[1]])
+    # the second is whole on its own: the same restore point, the first's batch appended to its replay
+    assert second.checkpoint == first.checkpoint and second.replay == [*first.replay, first.batch]
+    assert second.config == first.config and second.fallbacks == first.fallbacks
+    assert first == ledger.next_train_input(cfg, ["relay-0"])  # nothing was consumed by asking
+    # what travels: the first input whole and the later batches alone; the trainer rebuilds the same inputs
+    from temporalio.converter import DataConverter
+
+    from laminar.messages import TrainStepsInput
+
+    msg = TrainStepsInput(first=first, then=[second.batch])
+    conv = DataConverter.default.payload_converter
+    back = conv.from_payloads(conv.to_payloads([msg]), [TrainStepsInput])[0]
+    assert back.inputs() == [first, second]
+    # both commit in order (a checkpoint after each, checkpoint_every=1): then batch 1's first minibatch is next
+    ledger.commit_step(first, _result(1, checkpoint=True), keep_last=3)
+    ledger.commit_step(second, _result(2, checkpoint=True), keep_last=3)
+    (nxt,) = ledger.next_train_inputs(cfg, ["relay-0"], steps_to_publish(policy, 2))
+    assert (nxt.step, _ids(nxt.batch), nxt.checkpoint.step, nxt.replay) == (2, [g[5], g[4]], 2, [])
+
+
+def test_other_modes_never_bundle_steps() -> None:
+    from workflows.policy import policy_for, steps_to_publish
+
+    for mode in ("laminar", "sync", "one_step", "partial_rollout"):
+        cfg = RunConfig.load(None, [f"run.mode={mode}", "trainer.groups_per_step=2", "rollout.max_ready_groups=8"])
+        assert all(steps_to_publish(policy_for(cfg), s) == 1 for s in range(6)), mode
+
+
 def test_train_input_replays_batches_since_the_checkpoint() -> None:
     cfg = RunConfig.load(None, ["trainer.groups_per_step=2", "trainer.checkpoint_every=2"])
     ledger = Ledger(RunState(run_id=RUN))

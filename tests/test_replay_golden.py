@@ -13,6 +13,7 @@ from pathlib import Path
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
+from laminar.converter import DATA_CONVERTER
 from workflows.training_run import TrainingRunWorkflow
 
 HISTORIES = Path(__file__).parent / "histories"
@@ -21,7 +22,7 @@ HISTORIES = Path(__file__).parent / "histories"
 async def test_golden_histories_replay():
     files = sorted(HISTORIES.glob("training_run_*.json"))
     assert files, f"no recorded histories under {HISTORIES}"
-    replayer = Replayer(workflows=[TrainingRunWorkflow])
+    replayer = Replayer(workflows=[TrainingRunWorkflow], data_converter=DATA_CONVERTER)
     for f in files:
         history = WorkflowHistory.from_json(f"run/{f.stem}", f.read_text())
         assert len(history.events) > 20, f"{f.name} is too short to exercise the workflow"

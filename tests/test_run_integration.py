@@ -14,6 +14,7 @@ import pytest
 from temporalio.client import WorkflowFailureError
 from temporalio.worker import Replayer
 
+from laminar.converter import DATA_CONVERTER
 from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import assert_payloads_small, history_chain, temporal_address, temporal_binary
@@ -116,7 +117,7 @@ async def test_continue_as_new_carries_state(stack):
     histories = await history_chain(stack.client, handle.id)
     assert len(histories) == final.continued_as_new + 1
     # Replay every segment against the current workflow code: nondeterminism would raise here.
-    replayer = Replayer(workflows=[TrainingRunWorkflow])
+    replayer = Replayer(workflows=[TrainingRunWorkflow], data_converter=DATA_CONVERTER)
     for h in histories:
         await replayer.replay_workflow(h)
     await assert_payloads_small(stack.client, handle)

@@ -10,6 +10,7 @@ from temporalio.runtime import Runtime, TelemetryConfig
 from temporalio.service import TLSConfig
 
 from devstack.record import S3_CREDENTIALS, read_record
+from laminar.converter import DATA_CONVERTER
 from laminar.errors import LaminarError
 from storage.objects import ObjectStore, open_store
 from workers.settings import Settings
@@ -23,7 +24,7 @@ async def connect(settings: Settings, core_logs: bool = True) -> Client:
     tls = tls_config(settings)
     try:
         return await Client.connect(settings.temporal_address, namespace=settings.namespace, runtime=runtime,
-                                    tls=tls, api_key=settings.temporal_api_key)
+                                    tls=tls, api_key=settings.temporal_api_key, data_converter=DATA_CONVERTER)
     except RuntimeError as e:
         raise LaminarError(
             f"cannot reach Temporal at {settings.temporal_address} (namespace {settings.namespace}) "

@@ -72,7 +72,7 @@ async def trainer(settings: Settings, allow_faults: bool = False) -> None:
     worker = Worker(
         client,
         task_queue=TRAINER_QUEUE,
-        activities=[acts.init_trainer, acts.train_step, acts.republish],
+        activities=[acts.init_trainer, acts.train_step, acts.train_steps, acts.republish],
         activity_executor=ThreadPoolExecutor(max_workers=2),
         max_concurrent_activities=1,
         max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,

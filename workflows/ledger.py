@@ -21,6 +21,7 @@ from laminar.messages import (
     RunStatus,
     TrainStepInput,
     TrainStepResult,
+    next_step_input,
 )
 from laminar.refs import SegmentRef
 from workflows.policy import Policy, policy_for, trainer_batch
@@ -175,6 +176,25 @@ class Ledger:
             fallbacks=[c for c in self.state.checkpoints[:-1] if c.step >= self._replay_base()],
             fallback_replay=list(self.state.committed_batches),
         )
+
+    def next_train_inputs(self, cfg: RunConfig, chain: list[str], limit: int) -> list[TrainStepInput]:
+        """The trainer's next steps whose batches are complete now, in order: the first as next_train_input
+        builds it, then up to `limit` in all, each as next_train_input would build it had the ones before it
+        committed without a checkpoint (one step further, the batch the mode's policy picks from the groups
+        left, the same restore point with the earlier batches appended to its replay). Each input is whole on its
+        own, so a trainer that restarts inside a multi-step activity rewinds exactly as for a single step."""
+        inputs = [self.next_train_input(cfg, chain)]
+        policy = policy_for(cfg)
+        taken = {g for part in inputs[0].batch for g in part.group_ids}
+        while len(inputs) < limit:
+            prev = inputs[-1]
+            group_ids = trainer_batch(policy, [(g.group_id, g.prompt_id) for g in self.state.ready
+                                               if g.group_id not in taken], prev.step + 1)
+            if group_ids is None:
+                break
+            inputs.append(next_step_input(prev, self.batch_parts(group_ids)))
+            taken.update(group_ids)
+        return inputs
 
     def _replay_base(self) -> int:
         """The step `committed_batches` start at: the oldest restore point the workflow retains."""

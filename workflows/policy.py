@@ -90,6 +90,13 @@ def publishes(policy: Policy, step: int) -> bool:
     return step % policy.steps_per_version == 0
 
 
+def steps_to_publish(policy: Policy, step: int) -> int:
+    """Trainer steps from `step` up to and including the next publish. They may run back to back in one trainer
+    activity once their batches are complete (stream's minibatches of one batch): no version becomes visible in
+    between, so nothing the workflow or a replica decides depends on their boundaries. 1 in every other mode."""
+    return policy.steps_per_version - step % policy.steps_per_version
+
+
 def batch_of(policy: Policy, prompt_id: int) -> int:
     return prompt_id // policy.groups_per_step
 

@@ -38,11 +38,12 @@ with workflow.unsafe.imports_passed_through():
         TrainerInitInput,
         TrainerInitResult,
         TrainStepResult,
+        TrainStepsInput,
         relay_queue,
     )
     from workflows.ledger import Ledger
     from workflows.migrations import Migrations
-    from workflows.policy import Policy, fresh_lease_room, policy_for
+    from workflows.policy import Policy, fresh_lease_room, policy_for, steps_to_publish
     from workflows.state import RunState, TrainingRunInput
 
 __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
@@ -309,26 +310,40 @@ class TrainingRunWorkflow:
             raise ApplicationError(f"rollout {replica_id} failed: {error}", type="ReplicaFailed", non_retryable=True)
 
     async def _train_one_step(self) -> None:
-        assert self._cfg is not None
-        inp = self.ledger.next_train_input(self._cfg, self._chain())
+        """One trainer activity: one step, or (stream) every minibatch step up to the batch's publish whose groups
+        are all complete, back to back: the trainer then waits for no workflow round trip between them."""
+        assert self._cfg is not None and self._policy is not None
+        limit = min(steps_to_publish(self._policy, self.state.step), self._cfg.run.steps - self.state.step)
+        inputs = self.ledger.next_train_inputs(self._cfg, self._chain(), limit)
+        if len(inputs) > 1 and not workflow.patched("train-steps"):
+            inputs = inputs[:1]
+        first = inputs[0]
         t0 = workflow.time()
+        options: dict[str, Any] = dict(
+            task_queue=TRAINER_QUEUE,
+            start_to_close_timeout=timedelta(minutes=30),
+            heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
+            retry_policy=FAST_RETRY,
+            cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+        )
         try:
-            res = await workflow.execute_activity(
-                "train_step",
-                inp,
-                result_type=TrainStepResult,
-                task_queue=TRAINER_QUEUE,
-                start_to_close_timeout=timedelta(minutes=30),
-                heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
-                retry_policy=FAST_RETRY,
-                cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-                summary=f"train step {inp.step + 1}: {sum(len(p.group_ids) for p in inp.batch)} groups",
-            )
+            if len(inputs) == 1:
+                results = [await workflow.execute_activity(
+                    "train_step", first, result_type=TrainStepResult,
+                    summary=f"train step {first.step + 1}: {sum(len(p.group_ids) for p in first.batch)} groups",
+                    **options)]
+            else:
+                results = await workflow.execute_activity(
+                    "train_steps", TrainStepsInput(first=first, then=[i.batch for i in inputs[1:]]),
+                    result_type=list[TrainStepResult],
+                    summary=f"train steps {first.step + 1}-{inputs[-1].step + 1}: "
+                            f"{sum(len(p.group_ids) for i in inputs for p in i.batch)} groups", **options)
         except ActivityError as e:
-            _fail_run_if_permanent(e, f"train_step {inp.step}")
+            _fail_run_if_permanent(e, f"train_step {first.step}")
             raise
         self.state.trainer_busy_s += workflow.time() - t0
-        self.ledger.commit_step(inp, res, keep_last=self._cfg.trainer.keep_last, at=workflow.time())
+        for inp, res in zip(inputs, results, strict=True):
+            self.ledger.commit_step(inp, res, keep_last=self._cfg.trainer.keep_last, at=workflow.time())
         self._note_history()
         self._maybe_repack(after_step=True)
 
