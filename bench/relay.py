@@ -8,8 +8,11 @@ With rate_mbit, nodes live in network namespaces whose uplinks are tc-rate-limit
 the link, not the CPU, is the bottleneck; without it everything runs over loopback.
 
 Measured per relay count p:
-    stall_s         trainer's push to the master until the master's ack (median of reps)
+    stall_s         trainer's push to the master until the master's ack (median of reps; stall_each_s
+                    the reps in order)
     all_relays_s    push start until the last relay holds the verified version (median of reps)
+The timed reps run in rounds after every relay count's warm-up: round k broadcasts one version to each
+relay count in turn, so the ratios between relay counts compare the same moments of the machine.
     single_hop_s    one relay receiving the whole version over one link (the same for every p)
     sequential_s    the master sending the whole version to each of the p relays in turn
     storage_s       trainer writes safetensors to the object store, then all p relays read it
@@ -75,7 +78,7 @@ class BenchConfig:
     relays: tuple[int, ...] = (1, 2, 4, 8)
     rate_mbit: float | None = None
     chunk_bytes: int | None = None  # None: the chain model's optimum for the measured link
-    reps: int = 3
+    reps: int = 5  # rounds of timed broadcasts (one per relay count each round); medians over them
     storage: bool = True
 
 
@@ -242,28 +245,42 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
             for r in readers:
                 r.call("store_setup", endpoint=endpoint, bucket=bucket, create=False)
 
-        results = []
+        # Every relay count is warmed up first, then the timed reps run in rounds, each round one broadcast per
+        # relay count in turn: stall(p)/stall(1) and the chain times compare moments of this shared machine
+        # side by side, instead of one relay count's minute against the next one's.
+        chunks, runs = {}, {}
         for p in cfg.relays:
-            chain = relay_addrs[:p]
-            chunk = cfg.chunk_bytes or protocol.chunk_bytes_for(size, p + 1, link["bytes_per_s"], link["t_start_s"])
-            progress(f"{p} relay(s): chain broadcast, chunk {chunk} bytes")
-            stalls, alls = [], []
-            run = f"bench-chain-{p}"
+            chunks[p] = cfg.chunk_bytes or protocol.chunk_bytes_for(size, p + 1, link["bytes_per_s"], link["t_start_s"])
+            runs[p] = f"bench-chain-{p}"
+            progress(f"{p} relay(s): warm-up, chunk {chunks[p]} bytes")
             # Steady state for every relay count alike: WARMUP_VERSIONS untimed versions first, so each relay
             # holds its keep-2 versions and a spare segment (a trainer publishes every step; only the first
             # version of a run lands in fresh pages, whose faults would favour whichever count runs later).
             for v in range(1, WARMUP_VERSIONS + 1):
-                trainer.call("push", addr=master_addr, chain=chain, version=v, run=run, chunk_bytes=chunk)
-                trainer.call("wait", addrs=[master_addr, *chain], version=v, run=run, wait_s=600.0)
-            cpu_before = _cpu_s([master_ps, *relay_ps[:p]])
-            for v in range(WARMUP_VERSIONS + 1, WARMUP_VERSIONS + cfg.reps + 1):
-                pushed = trainer.call("push", addr=master_addr, chain=chain, version=v, run=run, chunk_bytes=chunk)
-                done = trainer.call("wait", addrs=[master_addr, *chain], version=v, run=run, wait_s=600.0)
-                stalls.append(pushed["stall_s"])
-                alls.append(max(done["completed_at"]) - pushed["start"])
+                trainer.call("push", addr=master_addr, chain=relay_addrs[:p], version=v, run=runs[p],
+                             chunk_bytes=chunks[p])
+                trainer.call("wait", addrs=[master_addr, *relay_addrs[:p]], version=v, run=runs[p], wait_s=600.0)
+        stalls: dict[int, list[float]] = {p: [] for p in cfg.relays}
+        alls: dict[int, list[float]] = {p: [] for p in cfg.relays}
+        cpu_s: dict[int, list[float]] = {p: [0.0] * (p + 1) for p in cfg.relays}
+        for i, v in enumerate(range(WARMUP_VERSIONS + 1, WARMUP_VERSIONS + cfg.reps + 1)):
+            progress(f"round {i + 1}/{cfg.reps}: chain broadcast to {', '.join(map(str, cfg.relays))} relay(s) in turn")
+            for p in cfg.relays:
+                chain = relay_addrs[:p]
+                before = _cpu_s([master_ps, *relay_ps[:p]])
+                pushed = trainer.call("push", addr=master_addr, chain=chain, version=v, run=runs[p],
+                                      chunk_bytes=chunks[p])
+                done = trainer.call("wait", addrs=[master_addr, *chain], version=v, run=runs[p], wait_s=600.0)
+                after = _cpu_s([master_ps, *relay_ps[:p]])
+                cpu_s[p] = [acc + b - a for acc, a, b in zip(cpu_s[p], before, after, strict=True)]
+                stalls[p].append(pushed["stall_s"])
+                alls[p].append(max(done["completed_at"]) - pushed["start"])
+
+        results = []
+        for p in cfg.relays:
+            chain, chunk = relay_addrs[:p], chunks[p]
             gib = cfg.reps * size / 2**30  # what each relay received (and, but the tail, forwarded)
-            cpu = [(after - before) / gib for before, after in
-                   zip(cpu_before, _cpu_s([master_ps, *relay_ps[:p]]), strict=True)]
+            cpu = [s / gib for s in cpu_s[p]]
             forwarding = cpu[1:-1]  # relays 1..p-1 received and forwarded; the tail only received
             pull = trainer.call("local_pull", addr=master_addr, run=f"bench-chain-{p}", reps=15)
 
@@ -282,8 +299,9 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
             results.append({
                 "relays": p,
                 "chunk_bytes": chunk,
-                "stall_s": statistics.median(stalls),
-                "all_relays_s": statistics.median(alls),
+                "stall_s": statistics.median(stalls[p]),
+                "stall_each_s": stalls[p],  # in round order; round k of every relay count ran back to back
+                "all_relays_s": statistics.median(alls[p]),
                 "single_hop_s": link["single_hop_s"],
                 "sequential_s": seq["end"] - seq["start"],
                 "storage_s": storage_s,
@@ -298,7 +316,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
                 "relay_cpu_s_per_gib_max": max(forwarding) if forwarding else None,
                 "tail_cpu_s_per_gib": cpu[-1],
                 "master_cpu_s_per_gib": cpu[0],
-                "forward_bytes_per_s": p * size / statistics.median(alls),
+                "forward_bytes_per_s": p * size / statistics.median(alls[p]),
             })
     shutil.rmtree(log_dir, ignore_errors=True)
     return {

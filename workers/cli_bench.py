@@ -55,7 +55,7 @@ def relay_bench(
                                       "Without it: loopback."),
     chunk: str | None = typer.Option(None, help="Chunk size in bytes; default: the chain model's optimum "
                                      "for the measured link."),
-    reps: int = typer.Option(3, min=1, help="Repetitions of the chain broadcast per relay count (median)."),
+    reps: int = typer.Option(5, min=1, help="Rounds of timed chain broadcasts, one per relay count in turn each round (median)."),
     storage: bool = typer.Option(True, help="Also measure the object-store baseline (moto_server)."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the report as JSON here."),
     plot_path: Path | None = typer.Option(Path("relay-bench.png"), "--plot", help="Write a PNG plot here."),
