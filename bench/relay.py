@@ -42,6 +42,7 @@ import os
 import secrets
 import selectors
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -130,6 +131,20 @@ class _Proc:
         self.proc.wait(10)
 
 
+def _unwind_on_sigterm(stack: ExitStack) -> None:
+    """SIGTERM (a CI timeout, `timeout`, `kill`) stops the benchmark like Ctrl-C: the stack unwinds, so every node
+    process is stopped and the network namespaces are deleted instead of outliving the run. Main thread only
+    (where Python delivers signals); the previous handler comes back when the stack closes."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def _stop(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, _stop)
+    stack.callback(signal.signal, signal.SIGTERM, previous)
+
+
 def _other_host(node: str) -> list[str]:
     """argv prefix for a node: nodes other than the trainer's host ("m") stand for other machines.
 
@@ -200,6 +215,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
         env.pop(name, None)
     procs: list[_Proc] = []
     with ExitStack() as stack:
+        _unwind_on_sigterm(stack)
         if cfg.rate_mbit:
             net = stack.enter_context(Netns(nodes, cfg.rate_mbit))
             host = net.addresses.__getitem__

@@ -1,11 +1,17 @@
-"""Smoke run of `laminar bench relay` over loopback: tiny size, relays 1,2, every JSON key present.
+"""Smoke run of `laminar bench relay` over loopback: tiny size, relays 1,2, every JSON key present; and SIGTERM
+stops every process it started.
 Numbers are not asserted (benchmarks are measured, never timed tests)."""
 
 from __future__ import annotations
 
 import json
+import signal
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
+import psutil
 from typer.testing import CliRunner
 
 from workers.cli_bench import bench_app, parse_size
@@ -46,3 +52,29 @@ def test_sizes_parse():
     assert parse_size("256MiB") == 268435456
     assert parse_size("1GB") == 10**9
     assert parse_size("65536") == 65536
+
+
+def test_sigterm_stops_every_node_process_it_started(tmp_path):
+    """`timeout` or a CI runner ends a benchmark with SIGTERM: the relays, agents and the object store it started
+    (real processes) must go with it, as with Ctrl-C, instead of outliving it."""
+    repo = Path(__file__).resolve().parents[1]
+    bench = subprocess.Popen([sys.executable, "-m", "workers.cli", "bench", "relay", "--size", "2MiB", "--relays", "1,2",
+                              "--reps", "100000", "--plot", str(tmp_path / "p.png")],
+                             cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in bench.stderr:  # progress lines; the timed rounds start after every node answered
+            seen.append(line)
+            if "round 1/" in line:
+                break
+        assert any("round 1/" in s for s in seen), "".join(seen)
+        nodes = psutil.Process(bench.pid).children(recursive=True)
+        # master + 2 relays + trainer agent + 2 readers + moto_server
+        assert len(nodes) >= 7, [n.cmdline() for n in nodes]
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) != 0
+        _, alive = psutil.wait_procs(nodes, timeout=20)
+        assert not alive, [n.cmdline() for n in alive]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
