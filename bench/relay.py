@@ -11,8 +11,6 @@ Measured per relay count p:
     stall_s         trainer's push to the master until the master's ack (median of reps; stall_each_s
                     the reps in order)
     all_relays_s    push start until the last relay holds the verified version (median of reps)
-The timed reps run in rounds after every relay count's warm-up: round k broadcasts one version to each
-relay count in turn, so the ratios between relay counts compare the same moments of the machine.
     single_hop_s    one relay receiving the whole version over one link (the same for every p)
     sequential_s    the master sending the whole version to each of the p relays in turn
     storage_s       trainer writes safetensors to the object store, then all p relays read it
@@ -33,6 +31,8 @@ relay count in turn, so the ratios between relay counts compare the same moments
     forward_bytes_per_s   aggregate forwarding rate: p * size / all_relays_s (bytes that reached relays)
 and once per run loopback_tcp_bytes_per_s: one TCP stream over this machine's loopback, not pinned,
 in the same run, for scale.
+The timed reps run in rounds after every relay count's warm-up: round k broadcasts one version to each
+relay count in turn, so the ratios between relay counts compare the same moments of the machine.
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ def test_sigterm_stops_every_node_process_it_started(tmp_path):
     bench = subprocess.Popen([sys.executable, "-m", "workers.cli", "bench", "relay", "--size", "2MiB", "--relays", "1,2",
                               "--reps", "100000", "--plot", str(tmp_path / "p.png")],
                              cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    nodes: list[psutil.Process] = []
     try:
         seen = []
         for line in bench.stderr:  # progress lines; the timed rounds start after every node answered
@@ -75,6 +76,11 @@ def test_sigterm_stops_every_node_process_it_started(tmp_path):
         assert bench.wait(60) != 0
         _, alive = psutil.wait_procs(nodes, timeout=20)
         assert not alive, [n.cmdline() for n in alive]
-    finally:
+    finally:  # nothing outlives the test, whatever failed
         if bench.poll() is None:
             bench.kill()
+        for node in nodes:
+            try:
+                node.kill()
+            except psutil.NoSuchProcess:
+                pass
