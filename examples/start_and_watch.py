@@ -16,6 +16,7 @@ import typer
 from laminar.config import RunConfig
 from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
 from workers.connect import connect
+from workers.exit import run_then_exit
 from workers.run_control import new_run_id
 from workers.settings import Settings
 from workflows.state import TrainingRunInput
@@ -56,4 +57,6 @@ async def watch(cfg: RunConfig) -> None:
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    # A process that used a Temporal client can be aborted while the interpreter finalises (an SDK issue):
+    # run_then_exit keeps the exit status and skips finalisation, as the `laminar` CLI does.
+    run_then_exit(lambda: typer.run(main))

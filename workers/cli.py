@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -260,21 +259,11 @@ def worker(
 
 
 def main() -> None:
-    """Run the CLI, then leave without interpreter finalisation: the Temporal client's native runtime
-    can abort a finalising interpreter (PyGILState_Release), which would turn a finished command's exit
-    status into a crash."""
-    code: int = 0
-    try:
-        app()
-    except SystemExit as e:
-        if isinstance(e.code, int):
-            code = e.code
-        elif e.code is not None:
-            err.print(str(e.code), highlight=False)
-            code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """Run the CLI, then leave without interpreter finalisation (workers.exit.run_then_exit: the Temporal
+    client's native runtime can abort a finalising interpreter, turning a finished command's status into a crash)."""
+    from workers.exit import run_then_exit
+
+    run_then_exit(app)
 
 
 if __name__ == "__main__":
