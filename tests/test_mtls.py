@@ -32,11 +32,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from devstack.stack import DevStack, free_port
+from devstack.stack import DevStack, free_port, port_free
 from laminar.errors import ConfigError, LaminarError
 from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
 from storage.objects import open_store
-from tests.fixtures.s3 import create_bucket
+from tests.fixtures.s3 import create_bucket, stop_process
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import history_chain, temporal_binary
 from tests.fixtures.waiting import wait_until
@@ -227,28 +227,11 @@ stream {{
 """)
     proc = subprocess.Popen(["nginx", "-p", str(d), "-c", str(conf), "-e", str(log_path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    wait_until(lambda: proc.poll() is not None or not _port_free(listen), timeout_s=10,
+    wait_until(lambda: proc.poll() is not None or not port_free(listen), timeout_s=10,
                what=f"nginx (pid {proc.pid}) to listen on {listen}")
     if proc.poll() is not None:
         pytest.fail(f"nginx exited with {proc.returncode}; log {log_path}:\n{log_path.read_text(errors='replace')}")
     return proc, log_path
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +262,7 @@ def mtls(tmp_path_factory, moto_server) -> Iterator[MtlsStack]:
     try:
         yield MtlsStack(home, pki, f"127.0.0.1:{proxy_port}", proxy_log, env, Settings.from_env(env))
     finally:
-        _stop(proxy)
+        stop_process(proxy)
         dev.down()
 
 
@@ -332,7 +315,6 @@ async def test_client_and_worker_without_a_client_certificate_are_refused(mtls):
     said = " ".join(out.stderr.split())  # the console wraps long lines
     assert out.returncode == 1, out.stdout + out.stderr
     assert "over TLS without a client certificate" in said and "LAMINAR_TEMPORAL_TLS_CERT" in said
-    print(said)
     assert took < 30, f"the refused worker took {took:.1f} s to give up"
     # The proxy saw the refusals: handshakes without a peer certificate / with an untrusted one.
     log = mtls.proxy_log.read_text(errors="replace")
