@@ -255,12 +255,11 @@ def test_stream_minibatches_already_complete_go_to_the_trainer_together_up_to_th
     assert second.config == first.config and second.fallbacks == first.fallbacks
     assert first == ledger.next_train_input(cfg, ["relay-0"])  # nothing was consumed by asking
     # what travels: the first input whole and the later batches alone; the trainer rebuilds the same inputs
-    from temporalio.converter import DataConverter
-
+    from laminar.converter import DATA_CONVERTER  # what every laminar client and worker decodes with
     from laminar.messages import TrainStepsInput
 
     msg = TrainStepsInput(first=first, then=[second.batch])
-    conv = DataConverter.default.payload_converter
+    conv = DATA_CONVERTER.payload_converter
     back = conv.from_payloads(conv.to_payloads([msg]), [TrainStepsInput])[0]
     assert back.inputs() == [first, second]
     # both commit in order (a checkpoint after each, checkpoint_every=1): then batch 1's first minibatch is next
