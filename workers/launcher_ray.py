@@ -139,15 +139,22 @@ class _WorkerActor:
         self.stopping = False
         self.proc: subprocess.Popen | None = None
         started = threading.Event()
+        failed: list[BaseException] = []
 
         def watch() -> None:
             # Started from this thread, which lives as long as the child: PDEATHSIG fires when the thread that
             # forked dies, so the child dies with this actor's process, never before.
-            with open(log_path, "ab") as out:
-                self.proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", *args], env=child_env,
-                                             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             start_new_session=True, preexec_fn=_die_with_parent)
-            started.set()
+            try:
+                with open(log_path, "ab") as out:
+                    self.proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", *args],
+                                                 env=child_env, stdout=out, stderr=subprocess.STDOUT,
+                                                 stdin=subprocess.DEVNULL, start_new_session=True,
+                                                 preexec_fn=_die_with_parent)
+            except BaseException as e:  # the actor's constructor must fail, not wait for a child that never came
+                failed.append(e)
+                return
+            finally:
+                started.set()
             code = self.proc.wait()
             if not self.stopping:
                 with open(log_path, "a") as f:
@@ -156,6 +163,9 @@ class _WorkerActor:
 
         threading.Thread(target=watch, name=f"watch-{name}", daemon=True).start()
         started.wait()
+        if failed:
+            raise LaminarError(f"{name}: cannot start `laminar worker {' '.join(args)}` ({failed[0]}); "
+                               f"see {log_path}") from failed[0]
 
     def info(self) -> dict:
         assert self.proc is not None
