@@ -68,6 +68,18 @@ def make_launcher(kind: str, cfg: RunConfig, procs: list[ManagedProcess], tag: s
     return RayLauncher(procs, plan_placements(cfg, procs, bind_node_ip), tag, ray_address)
 
 
+def _stop_like_ctrl_c() -> None:
+    """SIGTERM / SIGHUP stop the command like Ctrl-C: nothing it started may outlive it."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
+
+
+def _spare_slots(cfg: RunConfig) -> int:
+    """Spare replica slots per rollout worker: 1 (takes over a dead worker's replica), 0 with vLLM (one engine
+    per process, rl/vllm_engine.py)."""
+    return 0 if cfg.rollout.engine == "vllm" else 1
+
+
 def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, report_dir: Path | None = None,
               launcher_kind: str = "local", ray_address: str | None = None) -> int:
     if not cfg.run.run_id:
@@ -86,12 +98,10 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, repor
         settings = settings.with_relay_token(secrets.token_hex(16))
     console.print(f"temporal={settings.temporal_address} ui={ui_url or '-'} store={settings.store_url}",
                   highlight=False)
-    # SIGTERM / SIGHUP stop the run like Ctrl-C: nothing this command started may outlive it.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler)
-    spare = 0 if cfg.rollout.engine == "vllm" else 1  # vLLM: one engine per process (rl/vllm_engine.py)
+    _stop_like_ctrl_c()
     launcher = make_launcher(launcher_kind, cfg, plan_processes(cfg, settings, home / "logs" / cfg.run.run_id,
-                                                                spare_slots=spare, allow_faults=True, metrics=True),
+                                                                spare_slots=_spare_slots(cfg), allow_faults=True,
+                                                                metrics=True),
                              cfg.run.run_id, ray_address)
     for p in launcher.processes.values():
         console.print(f"metrics {p.name} {metrics_url(p)}", highlight=False, soft_wrap=True)
@@ -118,10 +128,8 @@ def serve_workers(cfg: RunConfig, console: Console, launcher_kind: str = "local"
     (`laminar start`, `temporal workflow start`); the processes' logs go to $LAMINAR_HOME/logs/workers/."""
     check_launcher(launcher_kind, ray_address)
     settings = Settings.from_env()
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler)
-    spare = 0 if cfg.rollout.engine == "vllm" else 1
-    procs = plan_processes(cfg, settings, settings.home / "logs" / "workers", spare_slots=spare,
+    _stop_like_ctrl_c()
+    procs = plan_processes(cfg, settings, settings.home / "logs" / "workers", spare_slots=_spare_slots(cfg),
                            allow_faults=allow_faults, metrics=True)
     launcher = make_launcher(launcher_kind, cfg, procs, "workers", ray_address)
     console.print(f"temporal={settings.temporal_address} store={settings.store_url} launcher={launcher_kind}",
