@@ -366,7 +366,7 @@ def repack_events(statuses: Iterable[RunStatus]) -> list[tuple[float, str, str, 
 
 def measure(data: RunData) -> dict[str, Any]:
     """The result row of one run (see the module docstring for each metric)."""
-    from workflows.policy import policy_for
+    from laminar.policy import policy_for
 
     cfg, final = data.cfg, data.final
     scale = time_scale(cfg)

@@ -17,8 +17,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from laminar.errors import ConfigError
+from laminar.policy import lookahead_of  # the policy owns the mode rules; config asks it
 
-MODES = ("laminar", "sync", "one_step", "stream", "partial_rollout")  # workflows/policy.py says what each does
+MODES = ("laminar", "sync", "one_step", "stream", "partial_rollout")  # laminar/policy.py says what each does
 Mode = Literal["laminar", "sync", "one_step", "stream", "partial_rollout"]
 Engine = Literal["torch", "modelled"]
 RolloutEngine = Literal["torch", "modelled", "vllm"]
@@ -34,7 +35,7 @@ class RunSection(_Section):
     run_id: str = Field("", description="Run id; empty means generated at start (`run-<utc time>`).")
     mode: Mode = Field(
         "laminar",
-        description="Scheduling policy (workflows/policy.py). `laminar`: trajectory-level asynchrony, no global "
+        description="Scheduling policy (laminar/policy.py). `laminar`: trajectory-level asynchrony, no global "
         "barrier. Baselines: `sync` (verl-style, staleness 0), `one_step` (generate batch k+1 while training k, "
         "staleness <= 1), `stream` (one_step whose trainer consumes minibatches as they complete), "
         "`partial_rollout` (AReaL-style: interrupt in-flight trajectories at each new version, staleness <= "
@@ -325,7 +326,7 @@ class RunConfig(_Section):
                 f"trainer.backend='fsdp' needs trainer.engine='torch' (got {self.trainer.engine!r}); the modelled "
                 f"trainer has no weights to shard"
             )
-        lookahead = {"sync": 0, "one_step": 1, "stream": 1}.get(self.run.mode)
+        lookahead = lookahead_of(self.run.mode)
         need = (lookahead + 1) * self.trainer.groups_per_step if lookahead is not None else 0
         if self.rollout.max_ready_groups < need:
             raise ValueError(

@@ -218,7 +218,7 @@ class TrainStepInput:
 @dataclass(frozen=True)
 class TrainStepsInput:
     """workflow -> trainer worker: consecutive steps whose batches are all complete, run back to back in one
-    activity (stream's minibatches up to the batch's publish; workflows/policy.py steps_to_publish): `first`,
+    activity (stream's minibatches up to the batch's publish; laminar/policy.py steps_to_publish): `first`,
     then one step per batch of `then`. The result lists one TrainStepResult per step. Only the first input
     travels whole (its replay and fallbacks are most of its size); `inputs()` rebuilds the others."""
 
@@ -365,7 +365,7 @@ class RunStatus:
     handover_stall_max: float = 0.0  # the longest, over the whole run (s)
     # a train step is in flight; after `pause` the run is quiet (nothing commits) once this is False
     training: bool = False
-    dropped_stale: int = 0  # samples dropped as staler than the run mode's bound (workflows/policy.py)
+    dropped_stale: int = 0  # samples dropped as staler than the run mode's bound (laminar/policy.py)
     reprefill_tokens: int = 0  # prompt + prefix tokens prefilled again: partial-rollout interrupts, repack takes
     repacks: int = 0  # migrations carried out (groups handed over and continued by the destination)
     repack_groups: int = 0  # groups moved by them

@@ -324,7 +324,7 @@ class ModelledTrainer:
     `step` sleeps (prompt + response tokens of the kept samples) x trainer_s_per_token / speedup wall
     seconds and reports the batch's real reward mean, sample and token counts, response length and staleness;
     loss, grad_norm and the other optimisation statistics are 0. `max_staleness` is the bound the run
-    applies (workflows.policy.staleness_bound; rl does not import workflows): samples staler than it are
+    applies (laminar.policy.staleness_bound; rl does not import workflows): samples staler than it are
     dropped and counted, -1 keeps all. The "weights" are one tensor holding the step count.
     """
 

@@ -52,6 +52,7 @@ from laminar.messages import (
     RolloutReplicaResult,
     Taken,
 )
+from laminar.policy import Policy, load_action, may_start, min_version, policy_for
 from laminar.records import Trajectory
 from laminar.timing import TimeBreakdown
 from relay import client as relay_client
@@ -63,7 +64,6 @@ from services.model_files import load_run_files, load_run_model
 from storage import keys
 from storage.objects import ObjectStore
 from storage.trajectories import TrajectoryStore
-from workflows.policy import Policy, load_action, may_start, min_version, policy_for
 
 log = get_logger(__name__)
 
@@ -157,7 +157,7 @@ class RolloutReplica:
         self.relay_token = relay_token
         self.clock = clock
         self.claims = 0
-        self.policy = policy_for(cfg)  # what the run mode lets this replica do (workflows/policy.py)
+        self.policy = policy_for(cfg)  # what the run mode lets this replica do (laminar/policy.py)
         self.engine, self.task = _build_engine(cfg, store, run_id, replica_id, segment_prefix, self.policy)
         self.groups: dict[str, _Group] = {}
         self.completed: list[_Group] = []

@@ -41,12 +41,12 @@ from rl.trainer import Trainer
 
 if TYPE_CHECKING:
     from rl.fsdp import FsdpTrainer
+from laminar.policy import policy_for, publishes, staleness_bound, version_of
 from services.model_files import publish_model_files, resolve_model_dir
 from storage import keys
 from storage.checkpoints import CheckpointStore, LoadedCheckpoint
 from storage.objects import ObjectStore
 from storage.trajectories import TrajectoryStore
-from workflows.policy import policy_for, publishes, staleness_bound, version_of
 
 log = get_logger(__name__)
 
@@ -97,7 +97,7 @@ class TrainerService:
         """Load the base model, then the verified checkpoint (weights, optimizer, step, consumed groups) if any.
 
         trainer.engine = 'modelled': a ModelledTrainer instead (no model directory, no model files published;
-        rollout replicas build the modelled engine). Samples staler than workflows.policy.staleness_bound(cfg)
+        rollout replicas build the modelled engine). Samples staler than laminar.policy.staleness_bound(cfg)
         are dropped in either case (partial_rollout bounds staleness even when trainer.max_staleness is -1)."""
         bound, policy = staleness_bound(cfg), policy_for(cfg)
         trainer: Trainer | ModelledTrainer | FsdpTrainer

@@ -232,7 +232,7 @@ def test_consumed_twice_is_summed_from_the_trainer() -> None:
 
 
 def test_stream_minibatches_already_complete_go_to_the_trainer_together_up_to_the_publish() -> None:
-    from workflows.policy import policy_for, steps_to_publish
+    from laminar.policy import policy_for, steps_to_publish
 
     # stream, B = 4 groups per batch in 2 minibatches of 2; version 1 is published after step 2 (batch 0 done)
     cfg = RunConfig.load(None, ["run.mode=stream", "trainer.groups_per_step=4", "trainer.minibatches=2",
@@ -270,7 +270,7 @@ def test_stream_minibatches_already_complete_go_to_the_trainer_together_up_to_th
 
 
 def test_other_modes_never_bundle_steps() -> None:
-    from workflows.policy import policy_for, steps_to_publish
+    from laminar.policy import policy_for, steps_to_publish
 
     for mode in ("laminar", "sync", "one_step", "partial_rollout"):
         cfg = RunConfig.load(None, [f"run.mode={mode}", "trainer.groups_per_step=2", "rollout.max_ready_groups=8"])

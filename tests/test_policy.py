@@ -1,4 +1,4 @@
-"""workflows/policy.py: the per-mode decisions, alone and driven through the real Ledger by a randomised
+"""laminar/policy.py: the per-mode decisions, alone and driven through the real Ledger by a randomised
 interleaving of replicas (start, finish, load) and trainer steps, checking each mode's promise."""
 
 from __future__ import annotations
@@ -9,10 +9,7 @@ from dataclasses import replace
 import pytest
 
 from laminar.config import RunConfig
-from laminar.refs import SegmentRef
-from tests.test_ledger import _input, _result
-from workflows.ledger import Ledger
-from workflows.policy import (
+from laminar.policy import (
     fresh_lease_room,
     load_action,
     may_start,
@@ -22,6 +19,9 @@ from workflows.policy import (
     trainer_batch,
     version_of,
 )
+from laminar.refs import SegmentRef
+from tests.test_ledger import _input, _result
+from workflows.ledger import Ledger
 from workflows.state import RunState
 
 

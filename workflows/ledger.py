@@ -23,8 +23,8 @@ from laminar.messages import (
     TrainStepResult,
     next_step_input,
 )
+from laminar.policy import Policy, policy_for, trainer_batch
 from laminar.refs import SegmentRef
-from workflows.policy import Policy, policy_for, trainer_batch
 from workflows.state import (
     EVENTS_PER_KEY,
     RECENT_EVENTS,
@@ -82,7 +82,7 @@ class Ledger:
 
     def lease(self, replica_id: str, n: int, fresh_room: int | None = None) -> list[Lease]:
         """Hand out up to n groups: returned leases first (oldest first), then at most `fresh_room` fresh
-        prompts (None: no bound; the run mode's bound, workflows/policy.py fresh_lease_room)."""
+        prompts (None: no bound; the run mode's bound, laminar/policy.py fresh_lease_room)."""
         out: list[Lease] = []
         while len(out) < n and self.state.returned:
             old = self.state.returned.pop(0)

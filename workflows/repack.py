@@ -1,6 +1,6 @@
 """Dynamic repack planner: which rollout replicas hand their unfinished trajectories to which others.
 
-Pure and clock-free (no Temporal, no time, no I/O), like workflows/policy.py: the rollout manager calls
+Pure and clock-free (no Temporal, no time, no I/O), like laminar/policy.py: the rollout manager calls
 `plan_repack` with the replicas' latest load reports and carries out the moves it returns; a simulator or a
 test can call it the same way.
 

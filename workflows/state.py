@@ -29,7 +29,7 @@ class ReadyGroup:
     group_id: str
     segment_key: str
     policy_version: int
-    prompt_id: int = -1  # its batch is prompt_id // trainer.groups_per_step (workflows/policy.py)
+    prompt_id: int = -1  # its batch is prompt_id // trainer.groups_per_step (laminar/policy.py)
 
 
 @dataclass

@@ -41,9 +41,9 @@ with workflow.unsafe.imports_passed_through():
         TrainStepsInput,
         relay_queue,
     )
+    from laminar.policy import Policy, fresh_lease_room, policy_for, steps_to_publish
     from workflows.ledger import Ledger
     from workflows.migrations import Migrations
-    from workflows.policy import Policy, fresh_lease_room, policy_for, steps_to_publish
     from workflows.state import RunState, TrainingRunInput
 
 __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
@@ -61,7 +61,7 @@ class TrainingRunWorkflow:
     def __init__(self, inp: Any) -> None:
         self._error: str | None = None
         self._cfg: RunConfig | None = None
-        self._policy: Policy | None = None  # the run mode's decisions (workflows/policy.py), from the config
+        self._policy: Policy | None = None  # the run mode's decisions (laminar/policy.py), from the config
         self._replicas: dict[str, Any] = {}
         self._relay_tasks: dict[str, Any] = {}
         self._handover = False
@@ -281,7 +281,7 @@ class TrainingRunWorkflow:
         return self.state.trainer_ready and not self._training and not self.state.paused and not self._has_batch()
 
     def _has_batch(self) -> bool:
-        """The run mode's policy has a batch for the trainer (workflows/policy.py trainer_batch)."""
+        """The run mode's policy has a batch for the trainer (laminar/policy.py trainer_batch)."""
         assert self._policy is not None
         return not self.state.paused and self.ledger.trainable(self._policy) is not None
 

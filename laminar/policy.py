@@ -38,8 +38,10 @@ The barrier modes idle every replica at a batch boundary anyway, and partial rol
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from laminar.config import RunConfig
+if TYPE_CHECKING:  # laminar/config.py validates through lookahead_of below: a type-only import, no cycle
+    from laminar.config import RunConfig
 
 PARTIAL_ROLLOUT_STALENESS = 4  # AReaL's recommended staleness bound, used when trainer.max_staleness is -1
 
@@ -58,16 +60,27 @@ class Policy:
     repacks: bool = False  # dynamic repack (workflows/repack.py): laminar with rollout.repack
 
 
+# Batches generation may lease ahead of the trainer's version, per barrier mode (policy_for below; None: no bound
+# from the mode). Config validation asks lookahead_of for the groups a mode keeps in flight.
+_BARRIER_LOOKAHEAD = {"sync": 0, "one_step": 1, "stream": 1}
+
+
+def lookahead_of(mode: str) -> int | None:
+    """Batches a barrier mode leases ahead of the trainer's version; None for the modes without a barrier (their
+    bound, if any, is the staleness bound: partial_rollout; laminar has back-pressure only)."""
+    return _BARRIER_LOOKAHEAD.get(mode)
+
+
 def policy_for(cfg: RunConfig) -> Policy:
     mode, b = cfg.run.mode, cfg.trainer.groups_per_step
     if mode == "laminar":
         return Policy(mode, b, None, False, None, False, False, False, 1, repacks=cfg.rollout.repack)
     if mode == "sync":
-        return Policy(mode, b, 0, True, 0, False, True, True, 1)
+        return Policy(mode, b, lookahead_of(mode), True, 0, False, True, True, 1)
     if mode == "one_step":
-        return Policy(mode, b, 1, True, 1, False, True, True, 1)
+        return Policy(mode, b, lookahead_of(mode), True, 1, False, True, True, 1)
     if mode == "stream":
-        return Policy(mode, b, 1, True, 1, False, True, True, cfg.trainer.minibatches)
+        return Policy(mode, b, lookahead_of(mode), True, 1, False, True, True, cfg.trainer.minibatches)
     if mode == "partial_rollout":
         return Policy(mode, b, staleness_bound(cfg), False, None, True, True, False, 1)
     raise ValueError(f"run.mode={mode!r} has no policy; one of laminar, sync, one_step, stream, partial_rollout")
