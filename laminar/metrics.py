@@ -4,7 +4,7 @@ One registry per process (prometheus_client's default, which also carries the pr
 collectors); each process serves only what it measures, so a name appears on the endpoint of the
 process that owns it: `laminar_trainer_*` on the trainer, `laminar_rollout_*` and `laminar_control_*`
 on rollout workers, `laminar_relay_*` on relays. Every endpoint has `laminar_process_info` (process,
-role, host). Bytes a relay forwarded down the chain are not counted yet (relay/forwarder.py would count them
+role, host). A relay counts the bytes it received and the bytes it forwarded down the chain (relay/forwarder.py,
 where a forward completes). Names follow the Prometheus conventions: counters end in `_total`, times are `_seconds`,
 sizes `_bytes`, shares `_ratio`. Values are updated where the code already computes them; nothing here
 reads a clock or the store.
@@ -32,6 +32,7 @@ reads a clock or the store.
 | laminar_control_update_seconds | histogram | update | round trip of a claim_prompts or add_experience update, as the replica measured it (a report includes writing its segment) |
 | laminar_control_update_retries_total | counter | update | update attempts that failed (server or control worker unreachable) and were sent again |
 | laminar_relay_received_bytes_total | counter | relay | version bytes received (from the trainer or the previous relay) |
+| laminar_relay_forwarded_bytes_total | counter | relay | version bytes forwarded to the next relay of the chain |
 | laminar_relay_versions_held | gauge | relay | versions the relay holds in shared memory |
 """
 

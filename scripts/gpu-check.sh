@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 11, in one script for the `device` tool's machine (one CUDA GPU, no network, python3 with
-# CUDA torch, transformers, safetensors, tokenizers and pytest; no vLLM). At most 8 minutes. It:
-#   1. installs the carried wheels the project needs there (pydantic and its three dependencies) into /tmp/site;
+# The GPU checks, in one script for a GPU host (one CUDA GPU, possibly without network, python3 with CUDA torch,
+# transformers, safetensors, tokenizers and pytest; no vLLM). At most 8 minutes. It:
+#   1. installs the wheels the project needs there that the host may lack (pydantic and its three dependencies),
+#      from .whl/, into /tmp/site;
 #   2. runs the gpu-marked engine contract (tests/test_engine_contract.py: the torch engine on CUDA in bf16);
 #   3. builds a randomly initialised model of Qwen2.5-0.5B's shape and times the torch engine against
 #      transformers' generate on it (same GPU, bf16, sampling at temperature 1, batch 1, 8 and 64, 128 new tokens);
 #   4. runs one FSDP2 step on the GPU (trainer.backend = "fsdp", one rank) beside the single-process step;
-#   5. writes everything to $OUT/gpu-check.json (and the pytest output to $OUT/contract.txt).
+#   5. writes everything to $OUT/gpu-check.json (and the pytest output to $OUT/contract.txt; OUT defaults to
+#      /tmp/gpu-check-out).
 #
-# Here (a machine with pip), first:   scripts/gpu-check.sh --fetch-wheels     (downloads them to .whl/)
-# Then through the device tool:       run(command="bash scripts/gpu-check.sh", carry=[".whl"], timeout_s=540)
+# On a machine with pip, first:   scripts/gpu-check.sh --fetch-wheels     (downloads them to .whl/)
+# Then copy the checkout with .whl/ to the GPU host and run there:   OUT=/tmp/gpu-check bash scripts/gpu-check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
