@@ -9,13 +9,21 @@ delays it.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
+from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from temporalio.converter import value_to_type
+
+    from laminar.errors import ConfigError
     from laminar.messages import (
+        FAULTS,
         DrillInput,
         DrillPlan,
         DrillReport,
@@ -31,7 +39,11 @@ ONCE = RetryPolicy(maximum_attempts=1)
 @workflow.defn(name="RecoveryDrillWorkflow")
 class RecoveryDrillWorkflow:
     @workflow.run
-    async def run(self, inp: DrillInput) -> DrillReport:
+    async def run(self, raw: Any) -> DrillReport:
+        try:
+            inp = parse_drill_input(raw)
+        except ConfigError as e:  # a failed drill, never a workflow task retried forever
+            raise ApplicationError(str(e), type="InvalidConfig", non_retryable=True) from None
         plan: DrillPlan = await workflow.execute_activity(
             "plan_drill", inp, result_type=DrillPlan, task_queue=inp.runner_queue,
             start_to_close_timeout=timedelta(seconds=inp.timeout_s), heartbeat_timeout=timedelta(seconds=10),
@@ -55,3 +67,39 @@ class RecoveryDrillWorkflow:
             result_type=InjectFaultResult, task_queue=fault_queue(plan.process),
             schedule_to_close_timeout=timedelta(seconds=60), retry_policy=ONCE,
         )
+
+
+# value rules of the drill input's fields: (check, what is allowed)
+_ALLOWED: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "fault": (lambda v: v in FAULTS, f"one of {', '.join(FAULTS)}"),
+    "during": (lambda v: v in ("", "migration"), '"migration" or empty'),
+    "runner_queue": (bool, "the task queue of the `laminar drill` process that serves the observing activities"),
+    "at_step": (lambda v: v >= 0, ">= 0"),
+    "timeout_s": (lambda v: v > 0, "> 0"),
+    "outage_s": (lambda v: v >= 0, ">= 0"),
+}
+
+
+def parse_drill_input(raw: Any) -> DrillInput:
+    """Validate the workflow input (a JSON object of DrillInput's fields); ConfigError names the field, the value
+    and what is allowed. `laminar drill` always sends a valid one; this guards hand-written and stale starts."""
+    hints = typing.get_type_hints(DrillInput)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"drill input must be a JSON object with fields {sorted(hints)}, "
+                          f"got {type(raw).__name__}: {str(raw)[:80]}")
+    missing = [f.name for f in dataclasses.fields(DrillInput)
+               if f.name not in raw and f.default is dataclasses.MISSING]
+    if missing or set(raw) - set(hints):
+        raise ConfigError(f"drill input: missing field(s) {missing}, unknown field(s) {sorted(set(raw) - set(hints))}; "
+                          f"the fields are {sorted(hints)}")
+    values = {}
+    for name, value in raw.items():
+        try:
+            values[name] = value_to_type(hints[name], value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"drill input {name}={value!r:.80} must be a {hints[name].__name__}") from None
+    inp = DrillInput(**values)
+    for name, (check, allowed) in _ALLOWED.items():
+        if not check(getattr(inp, name)):
+            raise ConfigError(f"drill input {name}={getattr(inp, name)!r:.80} is not allowed: use {allowed}")
+    return inp
