@@ -33,6 +33,7 @@ import torch
 from laminar.config import ModelledSection, RunConfig
 from laminar.errors import EngineError
 from laminar.records import Trajectory
+from rl.costs import CostModel
 from rl.engine import Finished, abort_slots, check_resumable, first_free_slot, inflight_state
 from rl.grpo import split_stale
 from rl.tasks import Prompt
@@ -162,6 +163,7 @@ class ModelledEngine:
         self.run_seed = cfg.run.seed  # lengths depend on (run.seed, prompt, sample), never on the replica
         self.global_sync = global_sync
         self.local_pull = local_pull
+        self.costs = CostModel.from_modelled(cfg.modelled)  # rl/costs.py: the simulator's cost functions too
         self.eos_id = EOS_ID
         self._sleep = sleep
         self.policy_version: int | None = None
@@ -182,15 +184,11 @@ class ModelledEngine:
 
     def decode_step_s(self, batch: int) -> float:
         """Modelled seconds of one decode step over `batch` active sequences (flat up to the roofline)."""
-        return self.m.decode_step_s * max(1.0, batch / self.m.roofline_batch)
+        return self.costs.decode_step_s(batch)
 
     def load_cost_s(self) -> float:
         """Modelled seconds one weight load takes on this replica (see the class docstring)."""
-        wb = self.m.weight_bytes()
-        if self.global_sync:
-            return wb / (self.m.broadcast_gbytes_s * 1e9)
-        hops = 1 if self.local_pull else 2
-        return hops * wb / (self.m.relay_gbytes_s * 1e9) + wb / (self.m.pcie_gbytes_s * 1e9)
+        return self.costs.load_s(global_sync=self.global_sync, local_pull=self.local_pull)
 
     # -- weights -------------------------------------------------------------------------------------------
 
@@ -292,7 +290,7 @@ class ModelledEngine:
         """Prefill new requests, then advance all active sequences by k decode steps (class docstring);
         return the sequences that finished."""
         new = [s for s in self._slots if s is not None and not s.prefilled]
-        cost = sum(s.tokens() for s in new) * self.m.prefill_s_per_token
+        cost = self.costs.prefill_s(sum(s.tokens() for s in new))
         for s in new:
             s.prefilled = True
         active = [(i, s) for i, s in enumerate(self._slots) if s is not None]
@@ -342,7 +340,7 @@ class ModelledTrainer:
         if not kept:
             return UpdateMetrics(trainer_version, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, dropped, hist, updated=False)
         batch_tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in kept)
-        cost = batch_tokens * self.m.trainer_s_per_token
+        cost = CostModel.from_modelled(self.m).train_s(batch_tokens)
         self.modelled_seconds += cost
         self._sleep(cost / self.m.speedup)
         response_tokens = sum(len(t.response_ids) for t in kept)
@@ -364,8 +362,7 @@ class ModelledTrainer:
         """Wall seconds the trainer stalls pushing a version (already divided by speedup): the push to the
         master relay (weight_bytes / relay_gbytes_s) for laminar, a global broadcast (weight_bytes /
         broadcast_gbytes_s) for the global-sync modes."""
-        gbytes_s = self.m.broadcast_gbytes_s if global_sync else self.m.relay_gbytes_s
-        return self.m.weight_bytes() / (gbytes_s * 1e9) / self.m.speedup
+        return CostModel.from_modelled(self.m).publish_stall_s(global_sync) / self.m.speedup
 
     # -- weights and checkpoints -----------------------------------------------------------------------------
 
