@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from laminar.config import RunConfig
-from workers.summary import reward_rise
+from reporting.summary import reward_rise
 
 WINDOW = 30  # steps in the reward moving average
 THRESHOLDS = (0.6, 0.8)

@@ -55,7 +55,6 @@ other may swap places; their latencies are alike).
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import os
 import secrets
@@ -66,15 +65,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
-
 from laminar.config import MODES, RunConfig
 from laminar.errors import LaminarError
 from laminar.messages import RunStatus
-from storage import keys
+from reporting.summary import build_profile, percentile
 from storage.objects import ObjectStore
-from workers.summary import percentile
+from storage.records import TrajRow, step_records, trajectory_rows
 
 WORKLOADS = ("long_tail", "uniform")
 GROUPS_PER_REPLICA = 4  # rollout.max_inflight_groups: per-rollout concurrency (groups)
@@ -139,21 +135,6 @@ def time_scale(cfg: RunConfig) -> float:
 # -- records -------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class TrajRow:
-    """What the benchmark needs of one trajectory (a row of an experience segment). Times are unix wall s."""
-
-    group_id: str
-    prompt_id: int
-    sample_index: int
-    replica_id: str
-    policy_version: int
-    started_at: float
-    ended_at: float
-    prompt_tokens: int
-    response_tokens: int
-
-
-@dataclass(frozen=True)
 class KvPoll:
     """One status poll: wall time and each replica's last (kv_used, kv_capacity) report (tokens), and its
     sequences in flight."""
@@ -163,38 +144,8 @@ class KvPoll:
     in_flight: tuple[int, ...] = ()
 
 
-def read_trajectories(store: ObjectStore, run_id: str) -> list[TrajRow]:
-    """Every trajectory of the run's experience segments (consumed or not), each (group, sample) once: the first
-    segment in key order wins (a group reported twice after a retry is accepted once by the workflow)."""
-    cols = ["group_id", "prompt_id", "sample_index", "replica_id", "policy_version", "started_at", "ended_at"]
-    seen: set[tuple[str, int]] = set()
-    rows: list[TrajRow] = []
-    for key in store.list(keys.experience_prefix(run_id)):
-        if not key.endswith(".parquet"):
-            continue
-        table = pq.read_table(io.BytesIO(store.get(key)), columns=[*cols, "prompt_ids", "response_ids"])
-        data = table.select(cols).to_pydict()
-        plen = pc.list_value_length(table["prompt_ids"]).to_pylist()
-        rlen = pc.list_value_length(table["response_ids"]).to_pylist()
-        for i in range(table.num_rows):
-            ident = (data["group_id"][i], data["sample_index"][i])
-            if ident in seen:
-                continue
-            seen.add(ident)
-            rows.append(TrajRow(*(data[c][i] for c in cols), prompt_tokens=plen[i], response_tokens=rlen[i]))
-    return rows
-
-
-def read_step_records(store: ObjectStore, run_id: str) -> list[dict[str, Any]]:
-    """The trainer's per-step metric records (services/trainer.py `_write_metrics`), by step."""
-    records = [json.loads(store.get(k)) for k in store.list(keys.step_metrics_prefix(run_id))]
-    return sorted(records, key=lambda r: r["step"])
-
-
 def trainer_control_plane_s(store: ObjectStore, run_id: str) -> float:
     """Seconds the trainer's profile puts in `wait_control_plane` (summed over its processes)."""
-    from workers.summary import build_profile
-
     return float(build_profile(store, run_id, {})["trainer"]["buckets"].get("wait_control_plane", {"s": 0.0})["s"])
 
 
@@ -312,9 +263,9 @@ def control_plane_share(wait_control_plane_s: float, records: list[dict[str, Any
 
 def version_intervals(trajs: Iterable[TrajRow], t0: float, scale: float) -> dict[str, list[tuple[float, float, int]]]:
     """Per replica, (start, end, version) intervals in modelled s since t0: each trajectory's [started_at,
-    ended_at], overlapping (or touching) intervals of the same version merged (laminar.report's merge, scaled
+    ended_at], overlapping (or touching) intervals of the same version merged (reporting.report's merge, scaled
     after: merging does not depend on the unit)."""
-    from laminar.report import version_intervals as merged
+    from reporting.report import version_intervals as merged
 
     rows = [(t.replica_id, t.policy_version, t.started_at, t.ended_at) for t in trajs]
     return {r: [(s * scale, e * scale, v) for s, e, v in iv] for r, iv in merged(rows, t0).items()}
@@ -564,8 +515,8 @@ async def _run_one(client, store: ObjectStore, settings, cfg: RunConfig, label: 
                     pass
         launcher.stop_all()
     return RunData(cfg=cfg, final=final, started_at=t0, polls=polls,
-                   records=read_step_records(store, cfg.run.run_id),
-                   trajectories=read_trajectories(store, cfg.run.run_id),
+                   records=step_records(store, cfg.run.run_id),
+                   trajectories=trajectory_rows(store, cfg.run.run_id),
                    control_plane_s=trainer_control_plane_s(store, cfg.run.run_id),
                    migrations=repack_events([*statuses, final]))
 

@@ -149,8 +149,12 @@ def parse_partial_fence(run_id: str, replica_id: str, key: str) -> Fence | None:
 
 # -- reports -----------------------------------------------------------------------------------------
 
+def drill_reports_prefix(run_id: str) -> str:
+    return f"{run_prefix(run_id)}drills/"
+
+
 def drill_report(run_id: str, drill_id: str) -> str:
-    return f"{run_prefix(run_id)}drills/{check_id('drill_id', drill_id)}.json"
+    return f"{drill_reports_prefix(run_id)}{check_id('drill_id', drill_id)}.json"
 
 
 def step_metrics(run_id: str, step: int) -> str:
@@ -168,6 +172,13 @@ def profile_prefix(run_id: str) -> str:
 def profile(run_id: str, process: str) -> str:
     """One process's time breakdown (laminar.timing), e.g. `trainer-1234` or a rollout replica incarnation."""
     return f"{profile_prefix(run_id)}{check_id('profile process', process)}.json"
+
+
+def parse_profile_process(run_id: str, key: str) -> str | None:
+    """The process of a key runs/<run_id>/profile/<process>.json, or None if the key is not one."""
+    prefix = profile_prefix(run_id)
+    name = key[len(prefix):] if key.startswith(prefix) else ""
+    return name.removesuffix(".json") if name.endswith(".json") and "/" not in name else None
 
 
 # -- model -------------------------------------------------------------------------------------------

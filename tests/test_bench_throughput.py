@@ -1,5 +1,5 @@
 """`laminar bench throughput`: the metric arithmetic (records -> numbers, expected values worked out in the
-comments), reading trajectories from a real local store, the run configs it builds, the table, JSON and plot,
+comments), the run configs it builds, the table, JSON and plot (reading the store: tests/test_storage_records.py),
 and one end-to-end run of the real command on a tiny modelled setting."""
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ from bench.throughput import (
     mean_prompt_tokens,
     measure,
     plot,
-    read_step_records,
-    read_trajectories,
     scaled_overrides,
     slot_utilisation,
     staleness,
@@ -44,10 +42,9 @@ from bench.throughput import (
 )
 from laminar.config import MODES, RunConfig
 from laminar.messages import ReplicaReport, RunStatus
-from laminar.records import Trajectory
 from storage import keys
 from storage.objects import LocalObjectStore
-from storage.trajectories import TrajectoryStore
+from storage.records import step_records
 
 RUN = "run-bench"
 
@@ -268,34 +265,6 @@ def test_fmt_num() -> None:
 
 # -- records in a real store ---------------------------------------------------------------------------
 
-def _trajectory(group: str, sample: int, *, prompt: int, response: int, start: float, end: float,
-                version: int = 0, replica: str = "replica-0") -> Trajectory:
-    return Trajectory(run_id=RUN, prompt_id=int(group[1:]), group_id=group, sample_index=sample,
-                      prompt_ids=[5] * prompt, response_ids=[7] * response, logprobs=[-1.0] * response, reward=0.5,
-                      policy_version=version, replica_id=replica, started_at=start, ended_at=end,
-                      finish_reason="stop")
-
-
-def test_read_trajectories_from_segments_once_per_sample(tmp_path: Path) -> None:
-    store = LocalObjectStore(tmp_path / "store")
-    ts = TrajectoryStore(store)
-    ts.write_segment(RUN, "replica-0", "aaaa-a1-000001", [
-        _trajectory("g00000000", 0, prompt=3, response=10, start=1.0, end=2.0),
-        _trajectory("g00000000", 1, prompt=3, response=20, start=1.0, end=3.0),
-    ])
-    # a retried report wrote group g00000000 again (key order: after the first segment), plus a new group
-    ts.write_segment(RUN, "replica-1", "aaaa-a2-000001", [
-        _trajectory("g00000000", 0, prompt=3, response=99, start=5.0, end=6.0, replica="replica-1"),
-        _trajectory("g00000001", 0, prompt=4, response=5, start=1.5, end=2.5, version=1, replica="replica-1"),
-    ])
-    store.put(keys.experience_prefix(RUN) + "replica-0/notes.json", b"{}")  # not a segment: skipped
-    rows = read_trajectories(store, RUN)
-    assert sorted((r.group_id, r.sample_index, r.response_tokens, r.replica_id) for r in rows) == [
-        ("g00000000", 0, 10, "replica-0"), ("g00000000", 1, 20, "replica-0"), ("g00000001", 0, 5, "replica-1")]
-    assert {r.prompt_tokens for r in rows} == {3, 4}
-    assert read_trajectories(store, "other-run") == []
-
-
 def _status(**overrides: object) -> RunStatus:
     fields: dict[str, object] = dict(
         run_id=RUN, phase="finished", step=3, total_steps=3, policy_version=3, ready_groups=1, open_leases=0,
@@ -327,7 +296,7 @@ def _run_data(tmp_path: Path, mode: str = "laminar") -> RunData:
                                  6, 10 * (s + 1)))
     return RunData(cfg=cfg, final=_status(), started_at=90.0,
                    polls=[KvPoll(101.0, [(25, 100)]), KvPoll(109.0, [(75, 100)]), KvPoll(120.0, [(0, 100)])],
-                   records=read_step_records(store, RUN), trajectories=trajs, control_plane_s=0.5)
+                   records=step_records(store, RUN), trajectories=trajs, control_plane_s=0.5)
 
 
 def test_measure_one_run(tmp_path: Path) -> None:

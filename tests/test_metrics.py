@@ -17,11 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from laminar import metrics, search
 from laminar.messages import RunStatus
+from storage.records import step_records
 from tests.fixtures.stack import small_config
 from tests.fixtures.waiting import async_wait_until
 from workers.launcher import metrics_url
 from workers.run_control import start_workflow
-from workers.summary import step_metrics
 
 
 def _value(name: str, **labels: str) -> float:
@@ -118,7 +118,7 @@ async def test_live_run_metrics_and_search_attributes(stack):
     assert final.phase == "finished" and final.step == 6
 
     after = await asyncio.to_thread(_scrape, trainer_url)
-    records = step_metrics(stack.store, cfg.run.run_id)
+    records = step_records(stack.store, cfg.run.run_id)
     # this run's 6 steps on the session's one trainer, and exactly the tokens its step records hold
     assert _total(after, "laminar_trainer_steps_total") - _total(before, "laminar_trainer_steps_total") == 6
     assert (_total(after, "laminar_trainer_tokens_total") - _total(before, "laminar_trainer_tokens_total")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 
 from laminar.messages import RunStatus
+from reporting.summary import build_profile
 from services.rollout import HEARTBEAT_EVERY_S
 from tests.fixtures.stack import small_config
 from workers.run_control import start_workflow
-from workers.summary import build_profile
 
 RESULT_TIMEOUT_S = 240
 

@@ -10,9 +10,9 @@ import pytest
 from bench.overhead import ratios, side, time_to_reward
 from laminar.messages import RunStatus
 from laminar.timing import TimeBreakdown, merge
+from reporting.summary import build_profile, build_summary, format_profile
 from storage import keys
 from storage.objects import LocalObjectStore
-from workers.summary import build_profile, build_summary, format_profile
 
 
 class SteppedClock:

@@ -15,7 +15,7 @@ import pytest
 
 from laminar.errors import ConfigError
 from laminar.records import Trajectory
-from laminar.report import PLOTS, ReportData, read, write
+from reporting.report import PLOTS, ReportData, read, write
 from storage import keys
 from storage.objects import open_store
 from storage.trajectories import TrajectoryStore

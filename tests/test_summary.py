@@ -10,9 +10,10 @@ import pytest
 
 from laminar.messages import RunStatus
 from laminar.refs import CheckpointRef
+from reporting.summary import build_summary, percentile, reward_rise
 from storage import keys
 from storage.objects import LocalObjectStore
-from workers.summary import build_summary, percentile, reward_rise, step_metrics
+from storage.records import step_records
 
 RUN = "run-summary"
 
@@ -111,7 +112,7 @@ def test_build_summary_from_store(tmp_path: Path) -> None:
     # another run's metrics are not read
     store.put(keys.step_metrics("other-run", 1), json.dumps({"step": 1, "reward_mean": 9.0, "tokens": 10 ** 6,
                                                                "response_lengths": [1000]}).encode())
-    assert [r["step"] for r in step_metrics(store, RUN)] == [1, 2, 3, 4]
+    assert [r["step"] for r in step_records(store, RUN)] == [1, 2, 3, 4]
     summary = build_summary(_status(step=4), store, wall_s=12.3456)
     # lengths sorted: 1 2 3 4 5 6 7 8 9 (n = 9); p50 rank ceil(4.5) = 5 -> 5; p99 rank ceil(8.91) = 9 -> 9
     # tokens 100 + 200 + 300 = 600 over 12.3456 s = 48.600... -> 48.6

@@ -142,8 +142,8 @@ def overhead_bench(
     reward rise, ratios, and laminar's time breakdown. Extra `--section.key=value` arguments override both."""
     from bench.overhead import ratios, run_laminar, run_loop
     from laminar.config import RunConfig
+    from reporting.summary import format_profile
     from workers.settings import Settings
-    from workers.summary import format_profile
 
     overrides = [*ctx.args, *([f"--run.steps={steps}"] if steps is not None else [])]
     try:

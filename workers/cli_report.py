@@ -1,6 +1,6 @@
 """`laminar report RUN [--out DIR]` and `laminar list`: see a run after (or while) it goes.
 
-`report` reads the run's records from the object store (laminar/report.py) and writes PNG plots and one
+`report` reads the run's records from the object store (reporting/report.py) and writes PNG plots and one
 self-contained HTML page. `list` asks Temporal's visibility store for TrainingRunWorkflow executions and
 prints each run with the search attributes its workflow keeps up to date (mode, phase, step, policy
 version, reward), where the server has them registered (`laminar dev up` does; devstack/stack.py).
@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from laminar import report as run_report
+from reporting import report as run_report
 from laminar.errors import ConfigError
 from laminar.search import SEARCH_ATTRIBUTES
 from storage.objects import ObjectStore

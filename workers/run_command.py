@@ -26,12 +26,12 @@ from devstack.stack import DevStack
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 from laminar.messages import RunStatus
+from reporting.summary import build_profile, build_summary, format_profile, reward_rise
 from storage import keys
 from workers.connect import connect, store_for
 from workers.launcher import LocalLauncher, ManagedProcess, metrics_url, plan_processes, process_cpu_s
 from workers.run_control import new_run_id, start_or_attach
 from workers.settings import Settings
-from workers.summary import build_profile, build_summary, format_profile, reward_rise
 
 if TYPE_CHECKING:
     from workers.launcher_ray import RayLauncher

@@ -1,9 +1,8 @@
 """The run summary (`laminar run --summary PATH`): built from the final workflow status and the
-per-step trainer metrics in the store."""
+per-step trainer metrics in the store; the time breakdown; the percentile and reward rise the benchmarks share."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from typing import Any
 
@@ -11,7 +10,7 @@ import numpy as np
 
 from laminar.messages import RunStatus
 from laminar.timing import merge
-from storage import keys
+from storage import records
 from storage.objects import ObjectStore
 
 
@@ -47,16 +46,10 @@ def _max(values: list[float]) -> float:
     return round(max(values), 5) if values else 0.0
 
 
-def step_metrics(store: ObjectStore, run_id: str) -> list[dict[str, Any]]:
-    records = [json.loads(store.get(k)) for k in store.list(keys.step_metrics_prefix(run_id))]
-    return sorted(records, key=lambda r: r["step"])
-
-
 def build_profile(store: ObjectStore, run_id: str, cpu_s: dict[str, float]) -> dict[str, Any]:
     """Where the run's time went: the rollout replicas' breakdowns summed over every incarnation (replica x
     history segment x attempt), the trainer's (summed over its processes), and CPU seconds per process."""
-    prefix = keys.profile_prefix(run_id)
-    by_process = {k[len(prefix):].removesuffix(".json"): json.loads(store.get(k)) for k in store.list(prefix)}
+    by_process = records.profiles(store, run_id)
     return {
         "rollout": merge([v for k, v in by_process.items() if k.startswith("rollout-")]),
         "rollout_incarnations": sum(1 for k in by_process if k.startswith("rollout-")),
@@ -90,7 +83,7 @@ def format_profile(profile: dict[str, Any]) -> str:
 def build_summary(status: RunStatus, store: ObjectStore, wall_s: float, started_at: float | None = None,
                   profile: dict[str, Any] | None = None) -> dict[str, Any]:
     """started_at: the run's start (time.time()), for each step's completion time; profile: build_profile's."""
-    metrics = step_metrics(store, status.run_id)
+    metrics = records.step_records(store, status.run_id)
     lengths = sorted(n for r in metrics for n in r["response_lengths"])
     tokens = sum(r["tokens"] for r in metrics)
     return {

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from laminar.errors import ConfigError, ObjectNotFoundError
-from storage import keys
+from laminar.errors import ConfigError
+from storage import keys, records
 from storage.objects import ObjectStore
 
 PLOTS = ("reward", "staleness", "versions", "trainer", "drills")  # file stems, in page order
@@ -113,39 +112,16 @@ def _natural(name: str) -> tuple[str, int]:
 # -- reading the store ---------------------------------------------------------------------------------
 
 def read(store: ObjectStore, run_id: str) -> ReportData:
-    """The run's records from the store; ConfigError naming the run when it has no step record."""
-    step_keys = store.list(keys.step_metrics_prefix(run_id))
-    if not step_keys:
+    """The run's records from the store (storage/records.py); ConfigError naming the run when it has no step
+    record. A run started with `laminar start`, or still running, has no summary yet."""
+    steps = records.step_records(store, run_id)
+    if not steps:
         raise ConfigError(f"run {run_id!r} has no step records under {keys.step_metrics_prefix(run_id)} in this store; "
                           "check the run id (`laminar list`) and LAMINAR_STORE, or wait for its first step")
-    steps = [json.loads(store.get(k)) for k in step_keys]
-    drills = [json.loads(store.get(k)) for k in store.list(f"{keys.run_prefix(run_id)}drills/") if k.endswith(".json")]
-    try:
-        summary = json.loads(store.get(keys.summary(run_id)))
-    except ObjectNotFoundError:
-        summary = {}  # started with `laminar start`, or still running: no summary yet
-    return ReportData.from_records(run_id, steps, read_trajectories(store, run_id), drills, summary)
-
-
-def read_trajectories(store: ObjectStore, run_id: str) -> list[tuple[str, int, float, float]]:
-    """(replica, version, started_at, ended_at) of every trajectory in the run's experience segments, each
-    (group, sample) once (a group reported twice after a retry was accepted once)."""
-    import io
-
-    import pyarrow.parquet as pq
-
-    cols = ["group_id", "sample_index", "replica_id", "policy_version", "started_at", "ended_at"]
-    seen: set[tuple[str, int]] = set()
-    out: list[tuple[str, int, float, float]] = []
-    for key in store.list(keys.experience_prefix(run_id)):
-        if not key.endswith(".parquet"):
-            continue
-        d = pq.read_table(io.BytesIO(store.get(key)), columns=cols).to_pydict()
-        for g, i, r, v, s, e in zip(*(d[c] for c in cols), strict=True):
-            if (g, i) not in seen:
-                seen.add((g, i))
-                out.append((r, v, s, e))
-    return out
+    trajectories = [(t.replica_id, t.policy_version, t.started_at, t.ended_at)
+                    for t in records.trajectory_rows(store, run_id, token_counts=False)]
+    return ReportData.from_records(run_id, steps, trajectories, records.drill_reports(store, run_id),
+                                   records.summary(store, run_id) or {})
 
 
 # -- drawing -------------------------------------------------------------------------------------------

@@ -1,0 +1,3 @@
+"""What a run's records add up to, for people: the run summary (`laminar run --summary`), the time breakdown,
+and `laminar report`'s plots and page. Reads the store through storage/records.py; used by workers/ (the CLI)
+and bench/ alike."""
