@@ -13,8 +13,14 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 
 from temporalio import activity
+
+# Heartbeats reach the server at least this often (the SDK otherwise waits up to 80 % of the heartbeat
+# timeout), so a seconds-long heartbeat timeout detects a dead worker without false alarms. At 64 replicas
+# this is 64 heartbeat RPCs per second; heartbeats are not history events (docs/architecture.md).
+HEARTBEAT_THROTTLE = timedelta(seconds=1)
 
 
 class Progress:

@@ -22,8 +22,8 @@ from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
+from activities.heartbeat import HEARTBEAT_THROTTLE
 from devstack.stack import free_port
-from workers.processes import HEARTBEAT_THROTTLE
 
 SETTLE_S = 10.0  # every activity started and heartbeating before the window opens
 

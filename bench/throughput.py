@@ -61,10 +61,10 @@ import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from client.settings import Settings
 from laminar.config import MODES, RunConfig
 from laminar.errors import LaminarError
 from laminar.messages import RunStatus
@@ -369,6 +369,9 @@ def measure(data: RunData) -> dict[str, Any]:
 # -- driving the runs ----------------------------------------------------------------------------------
 
 Progress = Callable[[str, RunStatus | None, str], None]  # (label, latest status or None, note)
+# Starts one run's worker processes and returns what stops them: (config, settings, log dir) -> stop. The CLI
+# passes its launcher in (workers/cli_bench.py): bench/ imports nothing from workers/ (docs/decisions.md).
+LaunchWorkers = Callable[[RunConfig, Settings, Path], Callable[[], None]]
 
 
 @dataclass(frozen=True)
@@ -398,10 +401,9 @@ class BenchSpec:
         return cfg.with_run_id(f"bench-{stamp}-{workload.replace('_', '')}-{mode.replace('_', '')}{suffix}")
 
 
-def run_bench(spec: BenchSpec, progress: Progress) -> dict[str, Any]:
+def run_bench(spec: BenchSpec, progress: Progress, launch: LaunchWorkers) -> dict[str, Any]:
     """Start (or reuse) the dev stack, run every (workload, mode) one after another, return the report."""
     from devstack.stack import DevStack
-    from workers.settings import Settings
 
     for workload, mode, repack in spec.runs():  # fail on a bad mode or override before anything starts
         spec.run_config(mode, workload, "check", repack)
@@ -414,7 +416,7 @@ def run_bench(spec: BenchSpec, progress: Progress) -> dict[str, Any]:
         if settings.relay_token is None:
             settings = settings.with_relay_token(secrets.token_hex(16))
         progress("dev stack", None, f"temporal={info.temporal_address} store={settings.store_url}")
-        results = asyncio.run(_run_all(spec, settings, progress))
+        results = asyncio.run(_run_all(spec, settings, progress, launch))
     finally:
         if started_stack:
             stack.down()
@@ -440,8 +442,9 @@ def run_bench(spec: BenchSpec, progress: Progress) -> dict[str, Any]:
     }
 
 
-async def _run_all(spec: BenchSpec, settings, progress: Progress) -> list[dict[str, Any]]:
-    from workers.connect import connect, store_for
+async def _run_all(spec: BenchSpec, settings: Settings, progress: Progress,
+                   launch: LaunchWorkers) -> list[dict[str, Any]]:
+    from client.connect import connect, store_for
 
     client = await connect(settings, core_logs=False)
     store = store_for(settings)
@@ -451,7 +454,7 @@ async def _run_all(spec: BenchSpec, settings, progress: Progress) -> list[dict[s
         cfg = spec.run_config(mode, workload, stamp, repack)
         label = f"{mode}{'' if mode != 'laminar' or len(spec.repack) < 2 else ' +repack' if repack else ' -repack'} ({workload})"
         try:
-            data = await _run_one(client, store, settings, cfg, label, progress, spec.run_timeout_s)
+            data = await _run_one(client, store, settings, cfg, label, progress, spec.run_timeout_s, launch)
             row = measure(data)
             scale = time_scale(cfg)
             row["timeline"] = {r: [[round(s, 2), round(e, 2), v] for s, e, v in iv]
@@ -466,54 +469,39 @@ async def _run_all(spec: BenchSpec, settings, progress: Progress) -> list[dict[s
     return results
 
 
-async def _run_one(client, store: ObjectStore, settings, cfg: RunConfig, label: str, progress: Progress,
-                   timeout_s: float) -> RunData:
+async def _run_one(client, store: ObjectStore, settings: Settings, cfg: RunConfig, label: str, progress: Progress,
+                   timeout_s: float, launch: LaunchWorkers) -> RunData:
     from temporalio.client import WorkflowFailureError
-    from temporalio.service import RPCError
 
-    from workers.launcher import LocalLauncher, plan_processes
-    from workers.run_control import start_stored_run
+    from client.run_control import start_stored_run
+    from client.watch import watch_run
 
-    log_dir = settings.home / "logs" / cfg.run.run_id
-    launcher = LocalLauncher(plan_processes(cfg, settings, log_dir, spare_slots=1))
-    launcher.start_all()
-    launcher.start_supervision()
     polls: list[KvPoll] = []
     statuses: list[RunStatus] = []  # for the repack events (bounded windows: polled often enough not to miss one)
-    result: asyncio.Task | None = None
-    handle = None
+
+    def record(st: RunStatus | None, note: str) -> None:  # no status: the control worker is (re)starting
+        if st is not None:
+            polls.append(KvPoll(time.time(), [(r.kv_used, r.kv_capacity) for r in st.replicas],
+                                tuple(r.in_flight for r in st.replicas)))
+            statuses.append(st)
+            progress(label, st, "")
+
+    log_dir = settings.home / "logs" / cfg.run.run_id
+    stop_workers = launch(cfg, settings, log_dir)
     try:
         handle = await start_stored_run(client, store, cfg)
         t0 = time.time()
         progress(label, None, f"run {cfg.run.run_id} started; logs in {log_dir}")
-        result = asyncio.create_task(handle.result(rpc_timeout=None))
-        while not result.done():
-            if time.time() - t0 > timeout_s:
-                raise LaminarError(f"{label}: run {cfg.run.run_id} did not finish within {timeout_s:.0f} s; "
-                                   f"see the worker logs in {log_dir}")
-            try:
-                st = await handle.query("status", result_type=RunStatus, rpc_timeout=timedelta(seconds=5))
-                polls.append(KvPoll(time.time(), [(r.kv_used, r.kv_capacity) for r in st.replicas],
-                                    tuple(r.in_flight for r in st.replicas)))
-                statuses.append(st)
-                progress(label, st, "")
-            except RPCError:
-                pass  # the control worker is (re)starting; the next poll tries again
-            await asyncio.wait({result}, timeout=POLL_S)
-        try:
-            final: RunStatus = await result
-        except WorkflowFailureError as exc:
-            raise LaminarError(f"{label}: run {cfg.run.run_id} failed: {exc.cause or exc}") from None
+        async with asyncio.timeout(timeout_s):  # past it, watch_run cancels the run
+            final = await watch_run(handle, record, POLL_S)
         progress(label, final, "finished")
+    except TimeoutError:
+        raise LaminarError(f"{label}: run {cfg.run.run_id} did not finish within {timeout_s:.0f} s; "
+                           f"see the worker logs in {log_dir}") from None
+    except WorkflowFailureError as exc:
+        raise LaminarError(f"{label}: run {cfg.run.run_id} failed: {exc.cause or exc}") from None
     finally:
-        if result is not None and not result.done():
-            result.cancel()
-            if handle is not None:
-                try:
-                    await handle.cancel()
-                except RPCError:
-                    pass
-        launcher.stop_all()
+        stop_workers()
     return RunData(cfg=cfg, final=final, started_at=t0, polls=polls,
                    records=step_records(store, cfg.run.run_id),
                    trajectories=trajectory_rows(store, cfg.run.run_id),

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import typer
 
+from client.connect import connect
+from client.exit import run_then_exit
+from client.run_control import new_run_id
+from client.settings import Settings
+from client.watch import watch_run
 from laminar.config import RunConfig
 from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
-from workers.connect import connect
-from workers.exit import run_then_exit
-from workers.run_control import new_run_id
-from workers.settings import Settings
 from workflows.state import TrainingRunInput
 
 
@@ -45,13 +46,12 @@ async def watch(cfg: RunConfig) -> None:
         result_type=RunStatus,
     )
     print(f"run_id={cfg.run.run_id}")
-    result = asyncio.ensure_future(handle.result())
-    while not result.done():
-        st: RunStatus = await handle.query("status", result_type=RunStatus)
-        reward = f"{st.reward_recent[-1]:.3f}" if st.reward_recent else "-"
-        print(f"step {st.step}/{st.total_steps} phase={st.phase} reward={reward} versions={st.versions_in_use}")
-        await asyncio.wait({result}, timeout=2.0)
-    final = result.result()
+
+    def show(st: RunStatus | None, note: str) -> None:  # each status poll, or why there was no answer
+        reward = f"{st.reward_recent[-1]:.3f}" if st and st.reward_recent else "-"
+        print(note or f"step {st.step}/{st.total_steps} phase={st.phase} reward={reward} versions={st.versions_in_use}")
+
+    final = await watch_run(handle, show, poll_s=2.0)  # the final status; Ctrl-C cancels the run
     print(f"finished: steps={final.step} groups_consumed={final.groups_consumed} "
           f"consumed_twice={final.groups_consumed_twice} staleness={final.staleness_histogram}")
 

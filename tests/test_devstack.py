@@ -17,11 +17,11 @@ import pytest
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client, WorkflowExecutionStatus
 
+from client.settings import Settings
 from devstack.stack import S3_CREDENTIALS, DevStack
 from laminar.errors import DevStackError
 from tests.fixtures.s3 import free_port
 from tests.fixtures.waiting import wait_until
-from workers.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = "from workers.cli_dev import dev_app; dev_app()"

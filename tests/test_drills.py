@@ -13,17 +13,17 @@ import pytest
 import pytest_asyncio
 from temporalio.client import Client
 
+from client.connect import connect, store_for
+from client.run_control import start_workflow
+from client.settings import Settings
 from devstack.stack import DevStack
 from laminar.messages import DrillInput, DrillReport, RunStatus
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import assert_all_payloads_small, terminate_running
 from tests.fixtures.waiting import async_wait_until
-from workers.connect import connect, store_for
 from workers.drill_command import run_drill
 from workers.launcher import LocalLauncher, plan_processes
-from workers.run_control import start_workflow
-from workers.settings import Settings
 
 # 4 replicas on 2 hosts, each rollout worker 2 + 1 spare slots: whatever Temporal's placement, every
 # worker holds at least one replica (4 - 3), so killing one leaves replicas generating.

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+from client.run_control import start_workflow
 from laminar.messages import RunStatus
 from tests.fixtures.stack import quiet_status, small_config
 from tests.fixtures.temporal import history_chain
 from tests.fixtures.waiting import async_wait_until
-from workers.run_control import start_workflow
 
 RUN_TIMEOUT_S = 240
 PAUSE_S = 24.0

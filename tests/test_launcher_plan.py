@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from client.settings import Settings
 from laminar.config import RunConfig
 from workers.launcher import ManagedProcess, plan_processes
-from workers.settings import Settings
 
 BASE = [sys.executable, "-m", "workers.cli", "worker"]
 

@@ -15,13 +15,13 @@ import urllib.request
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
+from client.run_control import start_workflow
 from laminar import metrics, search
 from laminar.messages import RunStatus
 from storage.records import step_records
 from tests.fixtures.stack import small_config
 from tests.fixtures.waiting import async_wait_until
 from workers.launcher import metrics_url
-from workers.run_control import start_workflow
 
 
 def _value(name: str, **labels: str) -> float:

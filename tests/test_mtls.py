@@ -32,6 +32,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from client.connect import connect
+from client.settings import Settings
 from devstack.stack import DevStack, free_port, port_free
 from laminar.errors import ConfigError, LaminarError
 from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
@@ -40,9 +42,7 @@ from tests.fixtures.s3 import create_bucket, stop_process
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import history_chain, temporal_binary
 from tests.fixtures.waiting import wait_until
-from workers.connect import connect
 from workers.launcher import LocalLauncher, plan_processes
-from workers.settings import Settings
 
 SERVER_NAME = "temporal.laminar.test"  # on the server certificate (with 127.0.0.1); the clients verify this name
 # Distinctive secrets: a leak of any of them into a log, a history or an object is found by a plain search.

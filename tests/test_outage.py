@@ -20,15 +20,15 @@ import pytest
 import pytest_asyncio
 from temporalio.client import Client, WorkflowExecutionStatus
 
+from client.connect import connect
+from client.run_control import CONTROL_ANSWER_S
+from client.settings import Settings
 from devstack.stack import DevStack
 from laminar.messages import RunStatus, workflow_id_for
 from services.drill import groups_lost
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until
-from workers.connect import connect
-from workers.run_control import CONTROL_ANSWER_S
-from workers.settings import Settings
 
 LAMINAR = [sys.executable, "-m", "workers.cli"]
 OVERRIDES = [f"--{o}" for o in TEST_OVERRIDES if not o.startswith("run.steps")]

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+from client.run_control import start_workflow
 from laminar.messages import RunStatus
 from reporting.summary import build_profile
 from services.rollout import HEARTBEAT_EVERY_S
 from tests.fixtures.stack import small_config
-from workers.run_control import start_workflow
 
 RESULT_TIMEOUT_S = 240
 

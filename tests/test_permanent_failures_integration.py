@@ -13,11 +13,11 @@ import pytest
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
+from client.run_control import start_workflow
 from laminar.messages import RunStatus
 from storage import keys
 from tests.fixtures.stack import quiet_status, small_config
 from tests.fixtures.waiting import async_wait_until, wait_until
-from workers.run_control import start_workflow
 
 
 async def _status(handle) -> RunStatus:

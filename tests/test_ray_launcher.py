@@ -23,6 +23,9 @@ from pathlib import Path
 import pytest
 from temporalio.client import WorkflowHandle
 
+from client.connect import connect
+from client.run_control import stop_run
+from client.settings import Settings
 from devstack.stack import DevStack
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, LaminarError
@@ -30,13 +33,10 @@ from laminar.messages import DrillInput, DrillReport, RunStatus, workflow_id_for
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until, wait_until
-from workers.connect import connect
 from workers.drill_command import run_drill
 from workers.launcher import plan_processes
 from workers.launcher_ray import NAMESPACE, ROLE_CPUS, host_groups, plan_placements
 from workers.run_command import check_launcher
-from workers.run_control import stop_run
-from workers.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_CPUS = 2  # per Ray node: one host's relay + rollout (1 + 1), or control + trainer
@@ -100,7 +100,7 @@ def test_ray_cluster_config_passes_rays_schema():
     from jsonschema import ValidationError
     from ray.autoscaler._private.util import prepare_config, validate_config
 
-    from workers.settings import _Variables
+    from client.settings import _Variables
 
     path = REPO / "infra/ray/cluster.yaml"
     config = yaml.safe_load(path.read_text())

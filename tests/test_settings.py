@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from client.settings import Settings
 from devstack.record import DevStackInfo
 from laminar.errors import ConfigError
-from workers.settings import Settings
 
 
 def _write_dev_record(home: Path, s3: bool) -> None:

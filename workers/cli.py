@@ -16,12 +16,12 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from client.settings import Settings
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, LaminarError
 from laminar.logs import configure_logging
 from workers.cli_bench import bench_app
 from workers.cli_dev import dev_app
-from workers.settings import Settings
 
 app = typer.Typer(
     help="Laminar on Temporal: fault-tolerant asynchronous RL post-training.",
@@ -99,7 +99,7 @@ def start(
     run_id: str | None = typer.Option(None, "--run-id", help="Run id (default: generated)."),
 ) -> None:
     """Start a run on running workers (Python client); prints the run id."""
-    from workers.run_control import start_run
+    from client.run_control import start_run
 
     with _exit_codes():
         cfg = _load_config(config, ctx.args, steps, run_id)
@@ -111,7 +111,7 @@ def start(
 @app.command()
 def status(run_id: str, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Show a run's status (the workflow's `status` query)."""
-    from workers.run_control import query_status, render_status
+    from client.run_control import query_status, render_status
 
     with _exit_codes():
         st = asyncio.run(query_status(Settings.from_env(), run_id))
@@ -153,7 +153,7 @@ def stop(
     ),
 ) -> None:
     """Ask a run to stop: replicas finish, the trainer stops, the workflow completes."""
-    from workers.run_control import stop_run, terminate_run
+    from client.run_control import stop_run, terminate_run
 
     with _exit_codes():
         if force:
@@ -167,7 +167,7 @@ def stop(
 @app.command()
 def pause(run_id: str) -> None:
     """Pause a run: no new prompts are leased and the trainer waits."""
-    from workers.run_control import send_control
+    from client.run_control import send_control
 
     with _exit_codes():
         phase = asyncio.run(send_control(Settings.from_env(), run_id, "pause"))
@@ -177,7 +177,7 @@ def pause(run_id: str) -> None:
 @app.command()
 def resume(run_id: str) -> None:
     """Resume a paused run."""
-    from workers.run_control import send_control
+    from client.run_control import send_control
 
     with _exit_codes():
         phase = asyncio.run(send_control(Settings.from_env(), run_id, "resume"))
@@ -259,9 +259,9 @@ def worker(
 
 
 def main() -> None:
-    """Run the CLI, then leave without interpreter finalisation (workers.exit.run_then_exit: the Temporal
+    """Run the CLI, then leave without interpreter finalisation (client.exit.run_then_exit: the Temporal
     client's native runtime can abort a finalising interpreter, turning a finished command's status into a crash)."""
-    from workers.exit import run_then_exit
+    from client.exit import run_then_exit
 
     run_then_exit(app)
 

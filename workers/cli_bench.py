@@ -141,9 +141,9 @@ def overhead_bench(
     """The single-process loop, then `laminar run`, on the same config: wall time, tokens/s, time to reward,
     reward rise, ratios, and laminar's time breakdown. Extra `--section.key=value` arguments override both."""
     from bench.overhead import ratios, run_laminar, run_loop
+    from client.settings import Settings
     from laminar.config import RunConfig
     from reporting.summary import format_profile
-    from workers.settings import Settings
 
     overrides = [*ctx.args, *([f"--run.steps={steps}"] if steps is not None else [])]
     try:
@@ -237,7 +237,7 @@ def throughput_bench(
                 bar.update(tasks[label], info=note)
 
         try:
-            report = run_bench(spec, progress)
+            report = run_bench(spec, progress, launch_bench_workers)
         except (LaminarError, ValueError) as exc:
             err.print(f"[red]throughput benchmark failed:[/red] {exc}")
             raise typer.Exit(1) from None
@@ -245,6 +245,17 @@ def throughput_bench(
     _write_outputs(report, json_path, plot_path, dump_json, plot)
     if any(r.get("error") for r in report["results"]):
         raise typer.Exit(1)
+
+
+def launch_bench_workers(cfg, settings, log_dir: Path) -> Callable[[], None]:
+    """One throughput run's worker processes (one per role, a spare rollout slot, supervised); returns what stops
+    them. The bench gets it from here: bench/ imports nothing from workers/."""
+    from workers.launcher import LocalLauncher, plan_processes
+
+    launcher = LocalLauncher(plan_processes(cfg, settings, log_dir, spare_slots=1))
+    launcher.start_all()
+    launcher.start_supervision()
+    return launcher.stop_all
 
 
 def render_throughput_table(report: dict) -> Table:

@@ -7,10 +7,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from client.settings import Settings
 from devstack.stack import DevStack, DevStackInfo
 from laminar.errors import ConfigError, DevStackError
 from laminar.logs import configure_logging
-from workers.settings import Settings
 
 dev_app = typer.Typer(help="Run a local dev stack: Temporal dev server (SQLite) and optionally an S3 server.",
                       no_args_is_help=True)  # fmt: skip

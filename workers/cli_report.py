@@ -14,12 +14,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from reporting import report as run_report
+from client.connect import connect, store_for
+from client.settings import Settings
 from laminar.errors import ConfigError
 from laminar.search import SEARCH_ATTRIBUTES
+from reporting import report as run_report
 from storage.objects import ObjectStore
-from workers.connect import connect, store_for
-from workers.settings import Settings
 
 
 def check_matplotlib() -> None:

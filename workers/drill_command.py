@@ -17,11 +17,11 @@ from rich.table import Table
 from temporalio.worker import Worker
 
 from activities.drill import DrillActivities
+from client.connect import connect, store_for
+from client.settings import Settings
 from devstack.stack import DevStack
 from laminar.errors import ConfigError
 from laminar.messages import CONTROL_QUEUE, FAULTS, DrillInput, DrillReport
-from workers.connect import connect, store_for
-from workers.settings import Settings
 
 
 async def run_drill(settings: Settings, inp: DrillInput, report_path: Path | None = None) -> DrillReport:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import psutil
 
+from client.settings import Settings
 from laminar.config import RunConfig
 from laminar.logs import get_logger
-from workers.settings import Settings
 
 log = get_logger(__name__)
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None

@@ -13,26 +13,20 @@ import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
-from datetime import timedelta
 
 from temporalio.worker import Worker
 
 from activities.faults import FaultActivities
+from activities.heartbeat import HEARTBEAT_THROTTLE
 from activities.relay import RelayActivities
+from client.connect import connect, store_for
+from client.settings import Settings
 from laminar.logs import get_logger
 from laminar.messages import CONTROL_QUEUE, ROLLOUT_QUEUE, TRAINER_QUEUE, fault_queue, relay_queue
-from workers.connect import connect, store_for
-from workers.settings import Settings
 from workflows.recovery_drill import RecoveryDrillWorkflow
 from workflows.training_run import TrainingRunWorkflow
 
 log = get_logger(__name__)
-
-# Heartbeats reach the server at least this often (the SDK otherwise waits up to 80 % of the heartbeat
-# timeout), so a seconds-long heartbeat timeout detects a dead worker without false alarms. At 64 replicas
-# this is 64 heartbeat RPCs per second; heartbeats are not history events (docs/architecture.md).
-HEARTBEAT_THROTTLE = timedelta(seconds=1)
-
 
 async def _serve(worker: Worker, role: str, process: str, allow_faults: bool, **context) -> None:
     """Run until SIGTERM/SIGINT, then shut the worker down gracefully. With allow_faults the process also

@@ -13,34 +13,28 @@ import secrets
 import signal
 import time
 from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from temporalio.client import WorkflowFailureError, WorkflowHandle
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError
 
+from client.connect import connect, store_for
+from client.run_control import new_run_id, start_or_attach
+from client.settings import Settings
+from client.watch import watch_run
 from devstack.stack import DevStack
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 from laminar.messages import RunStatus
 from reporting.summary import build_profile, build_summary, format_profile, reward_rise
 from storage import keys
-from workers.connect import connect, store_for
 from workers.launcher import LocalLauncher, ManagedProcess, metrics_url, plan_processes, process_cpu_s
-from workers.run_control import new_run_id, start_or_attach
-from workers.settings import Settings
 
 if TYPE_CHECKING:
     from workers.launcher_ray import RayLauncher
-
-POLL_S = 1.0
-QUERY_TIMEOUT_S = 5.0  # a status query the control worker has not answered by then shows as waiting
-# What a Temporal outage looks like to a client call once the SDK's own retries (about 10 s) give up.
-OUTAGE_CODES = (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED,
-                RPCStatusCode.UNKNOWN, RPCStatusCode.INTERNAL, RPCStatusCode.RESOURCE_EXHAUSTED)
 
 
 def check_launcher(kind: str, ray_address: str | None) -> None:
@@ -165,17 +159,11 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher | R
             await handle.terminate(reason="its worker processes could not be started")
         raise
     launcher.start_supervision()
-    result_task = asyncio.create_task(_result(handle))
     try:
-        await _watch(handle, result_task, cfg, console, t0)
-        final = await result_task
+        final = await _watch(handle, cfg, console, t0)  # interrupted: the run is cancelled, never left behind
     except WorkflowFailureError as e:
         console.print(f"[red]run failed:[/red] {e.cause or e}")
         return 1
-    finally:
-        if not result_task.done():  # interrupted: never leave a run behind to resume on the next start
-            result_task.cancel()
-            await _cancel(handle, console)
     wall_s = time.time() - t0
     cpu_s = launcher.cpu_seconds()  # before stop_all: the processes are still alive
     if temporal_pid is not None and (temporal_cpu := process_cpu_s(temporal_pid)) is not None:
@@ -192,50 +180,25 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher | R
     return 0
 
 
-async def _result(handle: WorkflowHandle) -> RunStatus:
-    """The run's result, through Temporal outages of any length: each call retries for as long as the SDK's
-    retry window lasts (about 10 s), then it is asked again; the workflow's state is on the server."""
-    while True:
-        try:
-            return await handle.result()
-        except RPCError as e:
-            if e.status not in OUTAGE_CODES:
-                raise
-            await asyncio.sleep(POLL_S)
+def _cancel_failed(handle: WorkflowHandle, e: RPCError, console: Console) -> None:
+    run_id = handle.id.removeprefix("run/")
+    console.print(f"could not cancel run {run_id} ({e}); it is still running: `laminar run --run-id {run_id}` "
+                  f"attaches to it again, `laminar stop --force {run_id}` ends it", highlight=False)
 
 
-async def _cancel(handle: WorkflowHandle, console: Console) -> None:
-    try:
-        await handle.cancel()
-    except RPCError as e:
-        run_id = handle.id.removeprefix("run/")
-        console.print(f"could not cancel run {run_id} ({e}); it is still running: `laminar run --run-id {run_id}` "
-                      f"attaches to it again, `laminar stop --force {run_id}` ends it", highlight=False)
-
-
-async def _watch(handle, result_task, cfg: RunConfig, console: Console, t0: float) -> None:
+async def _watch(handle: WorkflowHandle, cfg: RunConfig, console: Console, t0: float) -> RunStatus:
     columns = [TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn()]
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("train", total=cfg.run.steps, info="starting workers")
-        down_since: float | None = None  # when the first status query of a Temporal outage was sent
-        while not result_task.done():
-            asked = time.time()
-            try:
-                st: RunStatus = await handle.query("status", result_type=RunStatus,
-                                                   rpc_timeout=timedelta(seconds=QUERY_TIMEOUT_S))
-                down_since = None
+
+        def show(st: RunStatus | None, note: str) -> None:
+            if st is None:
+                bar.update(task, info=note)
+            else:
                 bar.update(task, total=st.total_steps, completed=st.step, info=_progress_line(st, time.time() - t0))
-            except RPCError as e:
-                if e.status == RPCStatusCode.UNAVAILABLE:
-                    down_since = down_since or asked
-                    info = f"Temporal unreachable for {time.time() - down_since:.0f} s; retrying"
-                else:  # the control worker may be (re)starting; keep polling
-                    info = f"waiting for control worker ({e.status.name if e.status else e})"
-                bar.update(task, info=info)
-            except Exception as e:
-                bar.update(task, info=f"waiting for control worker ({type(e).__name__})")
-            await asyncio.wait({result_task}, timeout=POLL_S)
+
+        return await watch_run(handle, show, on_cancel_failed=lambda e: _cancel_failed(handle, e, console))
 
 
 def _progress_line(st: RunStatus, elapsed: float) -> str:

@@ -16,14 +16,14 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from client.connect import connect, store_for
+from client.settings import Settings
 from laminar import search
 from laminar.config import RunConfig
 from laminar.errors import LaminarError
 from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
 from storage import keys
 from storage.objects import ObjectStore
-from workers.connect import connect, store_for
-from workers.settings import Settings
 from workflows.state import TrainingRunInput
 
 

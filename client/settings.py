@@ -173,7 +173,7 @@ class Settings:
     log_level: str  # debug | info | warning | error | critical
     metrics_port: int = 0  # Prometheus endpoint of this process (laminar.metrics); 0: off
     metrics_bind: str = "127.0.0.1"
-    # Temporal over TLS (workers/connect.py): on/off; mTLS client cert + key, the server's CA, the name on its
+    # Temporal over TLS (client/connect.py): on/off; mTLS client cert + key, the server's CA, the name on its
     # certificate (absolute paths, checked to exist and hold PEM); or an API key (kept out of repr and errors).
     temporal_tls: bool = False
     temporal_tls_cert: Path | None = None

@@ -1,0 +1,73 @@
+"""Watching a run from a client: its `status` query every few seconds while waiting for its result, through
+Temporal outages and control-worker restarts, until the run ends. `laminar run`, `laminar bench throughput` and
+examples/start_and_watch.py watch their runs with it. Imports only temporalio and laminar/, so any layer may."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from temporalio.client import WorkflowHandle
+from temporalio.service import RPCError, RPCStatusCode
+
+from laminar.messages import RunStatus
+
+POLL_S = 1.0
+QUERY_TIMEOUT_S = 5.0  # a status query the control worker has not answered by then shows as waiting
+# What a Temporal outage looks like to a client call once the SDK's own retries (about 10 s) give up.
+OUTAGE_CODES = (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED,
+                RPCStatusCode.UNKNOWN, RPCStatusCode.INTERNAL, RPCStatusCode.RESOURCE_EXHAUSTED)
+
+# After each poll: (the run's status, "") or (None, why there is none: an outage, no control worker answering).
+OnStatus = Callable[[RunStatus | None, str], None]
+
+
+async def watch_run(handle: WorkflowHandle, on_status: OnStatus, poll_s: float = POLL_S,
+                    on_cancel_failed: Callable[[RPCError], None] | None = None) -> RunStatus:
+    """Poll the run's status every poll_s, handing each answer to on_status, until the run ends; return its
+    final status (a failed run raises WorkflowFailureError). When the watching ends first (an error, Ctrl-C, a
+    timeout around this call) the run is cancelled, so none is left behind to resume on its next start; a cancel
+    the server refuses goes to on_cancel_failed."""
+    result = asyncio.create_task(_result(handle))
+    try:
+        down_since: float | None = None  # when the first status query of a Temporal outage was sent
+        while not result.done():
+            asked = time.time()
+            try:
+                st = await handle.query("status", result_type=RunStatus,
+                                        rpc_timeout=timedelta(seconds=QUERY_TIMEOUT_S))
+            except RPCError as e:
+                if e.status == RPCStatusCode.UNAVAILABLE:
+                    down_since = down_since or asked
+                    on_status(None, f"Temporal unreachable for {time.time() - down_since:.0f} s; retrying")
+                else:  # the control worker may be (re)starting; keep polling
+                    on_status(None, f"waiting for control worker ({e.status.name if e.status else e})")
+            except Exception as e:
+                on_status(None, f"waiting for control worker ({type(e).__name__})")
+            else:
+                down_since = None
+                on_status(st, "")
+            await asyncio.wait({result}, timeout=poll_s)
+        return await result
+    finally:
+        if not result.done():
+            result.cancel()
+            try:
+                await handle.cancel()
+            except RPCError as e:
+                if on_cancel_failed is not None:
+                    on_cancel_failed(e)
+
+
+async def _result(handle: WorkflowHandle) -> RunStatus:
+    """The run's result, through Temporal outages of any length: each call retries for as long as the SDK's
+    retry window lasts (about 10 s), then it is asked again; the workflow's state is on the server."""
+    while True:
+        try:
+            return await handle.result()
+        except RPCError as e:
+            if e.status not in OUTAGE_CODES:
+                raise
+            await asyncio.sleep(POLL_S)

@@ -1,0 +1,125 @@
+"""Import layering: no module imports upward. Every module of the repository (tests excepted) is parsed with `ast`,
+so imports inside functions, under `if TYPE_CHECKING:` and `importlib.import_module("...")` calls count too.
+
+- `laminar/` imports only itself; `storage/`, `rl/`, `relay/` and `workflows/` import only `laminar/` and
+  themselves; `client/watch.py` (the run-watching helper every caller shares) only `laminar/`.
+- Nothing imports `workers/` (the top: CLI, launchers, worker processes); `bench/` gets the launcher passed in.
+
+Third-party imports are not checked; first-party packages are the repository's top-level folders.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOP = "workers"  # nothing imports it
+# Module or package -> the first-party packages it may import besides itself (the longest matching name rules).
+ONLY = {
+    "laminar": set(),
+    "storage": {"laminar"},
+    "rl": {"laminar"},
+    "relay": {"laminar"},
+    "workflows": {"laminar"},
+    "client.watch": {"laminar"},
+}
+
+
+def first_party() -> set[str]:
+    return {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "tests"
+            and not p.name.endswith(".egg-info") and not (p / "pyvenv.cfg").exists() and any(p.rglob("*.py"))}
+
+
+def modules() -> dict[str, Path]:
+    """Dotted name -> file, for every .py file in a first-party folder (examples/ counts as `examples`)."""
+    out = {}
+    for package in sorted(first_party()):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imported(module: str, source: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import in the source, relative ones resolved against `module`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                name = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                name = node.module or ""
+            found.append((node.lineno, name))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute | ast.Name)
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def violations(module: str, source: str, packages: set[str], is_package: bool = False) -> list[str]:
+    """Each upward import of the module, as 'module:line imports name: rule and fix'."""
+    own = module.split(".")[0]
+    rule = max((k for k in ONLY if module == k or module.startswith(k + ".")), key=len, default=None)
+    out = []
+    for line, name in imported(module, source, is_package):
+        target = name.split(".")[0]
+        if target not in packages:  # the standard library or a third-party package
+            continue
+        if target == TOP:
+            if own != TOP:
+                out.append(f"{module}:{line} imports {name}: nothing may import {TOP}/ (the top: CLI, launchers); "
+                           "move the piece it needs to a lower package (client/) or have the caller pass it in")
+        elif rule is not None and target not in ONLY[rule] and not (name == rule or name.startswith(rule + ".")):
+            allowed = " and ".join(f"{p}/" for p in sorted(ONLY[rule])) or "nothing else"
+            out.append(f"{module}:{line} imports {name}: {rule} may import only itself and {allowed}")
+    return out
+
+
+def test_no_module_imports_upward() -> None:
+    packages = first_party()
+    found = [v for module, path in modules().items()
+             for v in violations(module, path.read_text(), packages, path.name == "__init__.py")]
+    assert not found, "upward imports:\n" + "\n".join(found)
+
+
+def test_the_scan_covers_every_ruled_package() -> None:
+    names = modules()
+    for package in [*ONLY, TOP, "bench", "examples.start_and_watch"]:
+        assert package in names, f"{package} not found under {ROOT}: the layering test would check nothing there"
+    assert len(names) > 50  # every module of the repository (107 on 2026-12-01), not a handful
+
+
+def test_the_checker_reports_each_kind_of_upward_import() -> None:
+    packages = {"laminar", "storage", "rl", "workers", "bench", "client"}
+    text = """
+from typing import TYPE_CHECKING
+import torch
+from laminar.config import RunConfig
+from . import sibling
+if TYPE_CHECKING:
+    from workers.settings import Settings
+def f():
+    import rl.engine
+    importlib.import_module("storage.keys")
+"""
+    # laminar: typing and torch are not first-party, laminar.config and `.sibling` are itself; 7, 9, 10 go upward
+    found = violations("laminar.fake", text, packages)
+    assert sorted(int(v.split(":")[1].split(" ")[0]) for v in found) == [7, 9, 10]
+    assert any("imports workers.settings: nothing may import workers/" in v for v in found)
+    # storage may import laminar, not rl
+    assert violations("storage.fake", "from laminar.refs import Ref\nfrom storage import keys\n", packages) == []
+    assert "storage may import only itself and laminar/" in violations("storage.fake", "import rl.engine", packages)[0]
+    # bench may import the launcher from nowhere, even lazily; workers may import workers
+    assert violations("bench.fake", "def g():\n    from workers.launcher import LocalLauncher\n", packages)
+    assert violations("workers.cli", "from workers.launcher import LocalLauncher\n", packages) == []
+    # the watching helper: laminar only, not even the rest of client/
+    assert violations("client.watch", "from laminar.messages import RunStatus\nimport temporalio\n", packages) == []
+    assert violations("client.watch", "from client.settings import Settings\n", packages)
+    assert violations("client.run_control", "from client.settings import Settings\n", packages) == []
+    # a relative import resolves against the module: `from .. import x` in storage.a.b is storage
+    assert violations("storage.a.b", "from .. import keys\nfrom ..c import d\n", packages) == []
