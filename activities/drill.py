@@ -12,6 +12,7 @@ from dataclasses import asdict
 from temporalio import activity
 from temporalio.client import Client
 
+from laminar import names
 from laminar.errors import StoreError
 from laminar.messages import (
     DrillInput,
@@ -38,7 +39,7 @@ class DrillActivities:
 
     async def _status(self, run_id: str) -> RunStatus:
         handle = self.client.get_workflow_handle(workflow_id_for(run_id))
-        return await handle.query("status", result_type=RunStatus)
+        return await handle.query(names.STATUS, result_type=RunStatus)
 
     async def _try_status(self, run_id: str) -> RunStatus | None:
         try:
@@ -46,7 +47,7 @@ class DrillActivities:
         except Exception:  # the control worker may be down: that is what some drills do
             return None
 
-    @activity.defn(name="plan_drill")
+    @activity.defn(name=names.PLAN_DRILL)
     async def plan_drill(self, inp: DrillInput) -> DrillPlan:
         while True:
             st = await self._try_status(inp.run_id)
@@ -57,7 +58,7 @@ class DrillActivities:
             activity.heartbeat(st.step if st else None)
             await asyncio.sleep(POLL_S)
 
-    @activity.defn(name="interrupt_store")
+    @activity.defn(name=names.INTERRUPT_STORE)
     async def interrupt_store(self, inp: DrillInput) -> InjectFaultResult:
         if self._interrupt is None:
             raise RuntimeError("this drill runner cannot interrupt the store: run it where `laminar dev up --s3` runs")
@@ -68,7 +69,7 @@ class DrillActivities:
         stopped_at, _back_at = task.result()
         return InjectFaultResult(process="s3", pid=0, injected_at=stopped_at)
 
-    @activity.defn(name="observe_recovery")
+    @activity.defn(name=names.OBSERVE_RECOVERY)
     async def observe_recovery(self, inp: ObserveInput) -> DrillReport:
         plan, injected_at, run_id = inp.plan, inp.injected.injected_at, inp.drill.run_id
         deadline = time.time() + inp.drill.timeout_s

@@ -11,6 +11,7 @@ import time
 
 from temporalio import activity
 
+from laminar import names
 from laminar.logs import get_logger
 from laminar.messages import InjectFaultInput, InjectFaultResult
 
@@ -21,7 +22,7 @@ class FaultActivities:
     def __init__(self, process: str) -> None:
         self.process = process
 
-    @activity.defn(name="inject_fault")
+    @activity.defn(name=names.INJECT_FAULT)
     async def inject_fault(self, inp: InjectFaultInput) -> InjectFaultResult:
         """Acknowledge, then SIGKILL this process after delay_s (no cleanup: a real crash)."""
         pid = os.getpid()

@@ -11,6 +11,7 @@ import asyncio
 
 from temporalio import activity
 
+from laminar import names
 from laminar.logs import get_logger
 from laminar.messages import RelayInfo, RunRelayInput
 
@@ -25,7 +26,7 @@ class RelayActivities:
         self.host_id = host_id
         self.address = address
 
-    @activity.defn(name="run_relay")
+    @activity.defn(name=names.RUN_RELAY)
     async def run_relay(self, inp: RunRelayInput) -> str:
         if inp.relay_id != self.relay_id:
             raise RuntimeError(
@@ -34,7 +35,7 @@ class RelayActivities:
             )
         handle = activity.client().get_workflow_handle(inp.workflow_id)
         info = RelayInfo(relay_id=self.relay_id, host_id=self.host_id, address=self.address)
-        await handle.signal("relay_joined", info)
+        await handle.signal(names.RELAY_JOINED, info)
         log.info("relay_joined", relay_id=self.relay_id, address=self.address, run_id=inp.run_id)
         try:
             while True:

@@ -15,6 +15,7 @@ from temporalio.client import Client, RPCTimeoutOrCancelledError
 from temporalio.service import RPCError
 
 from activities.errors import permanent_errors
+from laminar import names
 from laminar.config import RunConfig
 from laminar.logs import get_logger
 from laminar.messages import (
@@ -69,10 +70,10 @@ class _TemporalControl:
                     break
 
     def claim(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
-        return self._update("claim_prompts", inp, ClaimPromptsResult)
+        return self._update(names.CLAIM_PROMPTS, inp, ClaimPromptsResult)
 
     def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
-        return self._update("add_experience", inp, AddExperienceResult)
+        return self._update(names.ADD_EXPERIENCE, inp, AddExperienceResult)
 
     def heartbeat(self, details: dict) -> None:
         activity.heartbeat(details)
@@ -90,7 +91,7 @@ class RolloutActivities:
         self.store = store
         self.host_id = host_id
 
-    @activity.defn(name="run_rollout_replica", no_thread_cancel_exception=True)
+    @activity.defn(name=names.RUN_ROLLOUT_REPLICA, no_thread_cancel_exception=True)
     @permanent_errors()  # a ConfigError (bad run config) fails the replica for good, not retried forever
     def run_rollout_replica(self, inp: RolloutReplicaInput) -> RolloutReplicaResult:
         info = activity.info()

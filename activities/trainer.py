@@ -11,6 +11,7 @@ from temporalio import activity
 
 from activities.errors import permanent_errors
 from activities.heartbeat import background_heartbeat
+from laminar import names
 from laminar.errors import CorruptDataError
 from laminar.messages import (
     RepublishInput,
@@ -27,13 +28,13 @@ class TrainerActivities:
     def __init__(self, service: TrainerService) -> None:
         self.service = service
 
-    @activity.defn(name="init_trainer")
+    @activity.defn(name=names.INIT_TRAINER)
     def init_trainer(self, inp: TrainerInitInput) -> TrainerInitResult:
         # Loading (or first building) the model reports no progress: beat until it returns.
         with background_heartbeat(stall_s=None), permanent_errors(CorruptDataError):
             return self.service.init(inp)
 
-    @activity.defn(name="train_step")
+    @activity.defn(name=names.TRAIN_STEP)
     def train_step(self, inp: TrainStepInput) -> TrainStepResult:
         with background_heartbeat() as progress, permanent_errors(CorruptDataError):
             info = activity.info()
@@ -41,7 +42,7 @@ class TrainerActivities:
             return self.service.train_step(inp, heartbeat=progress.tick, schedule_to_start_s=queued_s,
                                            scheduled_at=info.scheduled_time.timestamp())
 
-    @activity.defn(name="train_steps")
+    @activity.defn(name=names.TRAIN_STEPS)
     def train_steps(self, inp: TrainStepsInput) -> list[TrainStepResult]:
         """Several steps back to back: after the first, each starts where the last ended (no rewind, no wait for
         the workflow). A retry runs them all again from the first input, as train_step's retry does."""
@@ -52,6 +53,6 @@ class TrainerActivities:
                                             scheduled_at=info.scheduled_time.timestamp())
                     for i, step in enumerate(inp.inputs())]
 
-    @activity.defn(name="republish")
+    @activity.defn(name=names.REPUBLISH)
     def republish(self, inp: RepublishInput) -> int:
         return self.service.republish(inp)

@@ -15,12 +15,12 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from temporalio.converter import value_to_type
 
+    from laminar import names
     from laminar.errors import ConfigError
     from laminar.messages import (
         FAULTS,
@@ -32,11 +32,16 @@ with workflow.unsafe.imports_passed_through():
         ObserveInput,
         fault_queue,
     )
+    from workflows.timeouts import (
+        DRILL_ONE_ATTEMPT,
+        DRILL_RUNNER_HEARTBEAT,
+        FAULT_DELIVERY,
+        OBSERVE_REPORT_MARGIN_S,
+        STORE_RESTART_MARGIN_S,
+    )
 
-ONCE = RetryPolicy(maximum_attempts=1)
 
-
-@workflow.defn(name="RecoveryDrillWorkflow")
+@workflow.defn(name=names.RECOVERY_DRILL_WORKFLOW)
 class RecoveryDrillWorkflow:
     @workflow.run
     async def run(self, raw: Any) -> DrillReport:
@@ -45,27 +50,27 @@ class RecoveryDrillWorkflow:
         except ConfigError as e:  # a failed drill, never a workflow task retried forever
             raise ApplicationError(str(e), type="InvalidConfig", non_retryable=True) from None
         plan: DrillPlan = await workflow.execute_activity(
-            "plan_drill", inp, result_type=DrillPlan, task_queue=inp.runner_queue,
-            start_to_close_timeout=timedelta(seconds=inp.timeout_s), heartbeat_timeout=timedelta(seconds=10),
+            names.PLAN_DRILL, inp, result_type=DrillPlan, task_queue=inp.runner_queue,
+            start_to_close_timeout=timedelta(seconds=inp.timeout_s), heartbeat_timeout=DRILL_RUNNER_HEARTBEAT,
         )
         injected = await self._inject(inp, plan)
         return await workflow.execute_activity(
-            "observe_recovery", ObserveInput(drill=inp, plan=plan, injected=injected), result_type=DrillReport,
-            task_queue=inp.runner_queue, start_to_close_timeout=timedelta(seconds=inp.timeout_s + 60),
-            heartbeat_timeout=timedelta(seconds=10),
+            names.OBSERVE_RECOVERY, ObserveInput(drill=inp, plan=plan, injected=injected), result_type=DrillReport,
+            task_queue=inp.runner_queue, heartbeat_timeout=DRILL_RUNNER_HEARTBEAT,
+            start_to_close_timeout=timedelta(seconds=inp.timeout_s + OBSERVE_REPORT_MARGIN_S),
         )
 
     async def _inject(self, inp: DrillInput, plan: DrillPlan) -> InjectFaultResult:
         if plan.fault == "store":
             return await workflow.execute_activity(
-                "interrupt_store", inp, result_type=InjectFaultResult, task_queue=inp.runner_queue,
-                start_to_close_timeout=timedelta(seconds=inp.outage_s + 120), heartbeat_timeout=timedelta(seconds=10),
-                retry_policy=ONCE,
+                names.INTERRUPT_STORE, inp, result_type=InjectFaultResult, task_queue=inp.runner_queue,
+                start_to_close_timeout=timedelta(seconds=inp.outage_s + STORE_RESTART_MARGIN_S),
+                heartbeat_timeout=DRILL_RUNNER_HEARTBEAT, retry_policy=DRILL_ONE_ATTEMPT,
             )
         return await workflow.execute_activity(
-            "inject_fault", InjectFaultInput(drill_id=inp.drill_id, fault=plan.fault, target=plan.target),
+            names.INJECT_FAULT, InjectFaultInput(drill_id=inp.drill_id, fault=plan.fault, target=plan.target),
             result_type=InjectFaultResult, task_queue=fault_queue(plan.process),
-            schedule_to_close_timeout=timedelta(seconds=60), retry_policy=ONCE,
+            schedule_to_close_timeout=FAULT_DELIVERY, retry_policy=DRILL_ONE_ATTEMPT,
         )
 
 

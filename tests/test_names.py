@@ -1,0 +1,78 @@
+"""laminar/names.py against the handlers: every activity the workers can register (each `@activity.defn` under
+activities/) and every workflow type, update, signal and query of the two workflows is declared there under its
+kind, and every name declared there is handled. A name declared but never handled, or handled under a name that
+is not declared, fails here; callers spell names only through the module, so they cannot drift apart."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+from temporalio import activity, workflow
+
+import activities
+from laminar import names
+from workflows.recovery_drill import RecoveryDrillWorkflow
+from workflows.training_run import TrainingRunWorkflow
+
+WORKFLOWS = (TrainingRunWorkflow, RecoveryDrillWorkflow)
+
+
+def _activity_names() -> dict[str, str]:
+    """Each `@activity.defn` under activities/ (methods of the classes the workers instantiate, and functions):
+    its registered name -> where it is defined."""
+    found: dict[str, str] = {}
+    for info in pkgutil.iter_modules(activities.__path__):
+        module = importlib.import_module(f"activities.{info.name}")
+        for owner_name, owner in vars(module).items():
+            if getattr(owner, "__module__", None) != module.__name__:
+                continue  # imported from elsewhere
+            members = vars(owner).values() if inspect.isclass(owner) else [owner]
+            for member in members:
+                defn = activity._Definition.from_callable(member) if callable(member) else None
+                if defn is not None:
+                    assert defn.name not in found, f"activity name {defn.name!r} defined twice"
+                    found[defn.name] = f"{module.__name__}.{owner_name}"
+    return found
+
+
+def _handled() -> dict[str, set[str]]:
+    """What the handlers register, by kind."""
+    defs = [workflow._Definition.from_class(w) for w in WORKFLOWS]
+    return {
+        "WORKFLOWS": {d.name for d in defs if d.name},
+        "ACTIVITIES": set(_activity_names()),
+        "UPDATES": {n for d in defs for n in d.updates},
+        "SIGNALS": {n for d in defs for n in d.signals if n},
+        "QUERIES": {n for d in defs for n in d.queries if n},
+    }
+
+
+def _declared() -> dict[str, str]:
+    """Every name constant of laminar/names.py: value -> constant."""
+    return {v: k for k, v in vars(names).items() if k.isupper() and isinstance(v, str)}
+
+
+def test_every_handled_name_is_declared_under_its_kind():
+    for kind, handled in _handled().items():
+        declared = set(getattr(names, kind))
+        assert handled - declared == set(), f"handled but not in names.{kind}: {sorted(handled - declared)}"
+        assert declared - handled == set(), f"in names.{kind} but never handled: {sorted(declared - handled)}"
+
+
+def test_every_declared_name_is_handled():
+    handled = set().union(*_handled().values())
+    unhandled = {const: value for value, const in _declared().items() if value not in handled}
+    assert unhandled == {}, f"declared in laminar/names.py but no handler registers them: {unhandled}"
+
+
+def test_the_recorded_names_keep_their_values():
+    """Running workflows and tests/histories hold these strings: a rename needs a new name, never a new value.
+    (10 activities, 2 workflows, 5 updates, 1 signal, 1 query: 19 names.)"""
+    assert sorted(_declared()) == sorted([
+        "TrainingRunWorkflow", "RecoveryDrillWorkflow",
+        "init_trainer", "train_step", "train_steps", "republish", "run_rollout_replica", "run_relay",
+        "plan_drill", "interrupt_store", "observe_recovery", "inject_fault",
+        "claim_prompts", "add_experience", "pause", "resume", "stop", "relay_joined", "status",
+    ])
