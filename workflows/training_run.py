@@ -13,13 +13,12 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from temporalio.converter import value_to_type
 
-    from laminar import search
+    from laminar import names, search
     from laminar.config import RunConfig
     from laminar.errors import ConfigError
     from laminar.messages import (
@@ -45,17 +44,28 @@ with workflow.unsafe.imports_passed_through():
     from workflows.ledger import Ledger
     from workflows.migrations import Migrations
     from workflows.state import RunState, TrainingRunInput
+    from workflows.timeouts import (
+        DRAIN,
+        RELAY_BACKOFF_MAX_S,
+        RELAY_FAILING_FAST_S,
+        RELAY_JOIN,
+        RELAY_ONE_ATTEMPT,
+        RELAY_REJOIN_HEARTBEATS,
+        REPUBLISH_ATTEMPT,
+        REPUBLISH_IN_ALL,
+        REPUBLISH_RETRY,
+        RETRY_UNTIL_REPLACED,
+        SEGMENT_ACTIVITY,
+        TRAINER_ATTEMPT,
+    )
 
 __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
 
-RELAY_JOIN_TIMEOUT = timedelta(seconds=120)
-DRAIN_TIMEOUT = timedelta(seconds=120)
 HANDOVER_STALLS_KEPT = 64  # hand-over stalls kept for the summary's p50 (max and count cover the whole run)
 SEARCH_ATTRIBUTES_EVERY_S = 5.0  # step, version and reward are upserted at most this often (a phase change: at once)
-FAST_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 
 
-@workflow.defn(name="TrainingRunWorkflow")
+@workflow.defn(name=names.TRAINING_RUN_WORKFLOW)
 class TrainingRunWorkflow:
     @workflow.init
     def __init__(self, inp: Any) -> None:
@@ -160,12 +170,12 @@ class TrainingRunWorkflow:
             started = workflow.time()
             try:
                 await workflow.execute_activity(
-                    "run_relay",
+                    names.RUN_RELAY,
                     RunRelayInput(run_id=self.state.run_id, workflow_id=workflow.info().workflow_id, relay_id=relay_id),
                     task_queue=relay_queue(relay_id),
-                    start_to_close_timeout=timedelta(days=30),
+                    start_to_close_timeout=SEGMENT_ACTIVITY,
                     heartbeat_timeout=timedelta(seconds=self._cfg.relay.heartbeat_timeout_s),
-                    retry_policy=RetryPolicy(maximum_attempts=1),
+                    retry_policy=RELAY_ONE_ATTEMPT,
                     activity_id=f"relay-{relay_id}-{generation}",
                     summary=f"relay {relay_id} (incarnation {generation})",  # shown in the Web UI
                 )
@@ -176,8 +186,8 @@ class TrainingRunWorkflow:
                 return
             self._lose_relay(relay_id)
             # back off while the relay keeps failing fast (history grows with failures, never spins)
-            failures = failures + 1 if workflow.time() - started < 30 else 0
-            await workflow.sleep(timedelta(seconds=min(30, 2**failures)))
+            failures = failures + 1 if workflow.time() - started < RELAY_FAILING_FAST_S else 0
+            await workflow.sleep(timedelta(seconds=min(RELAY_BACKOFF_MAX_S, 2**failures)))
 
     def _lose_relay(self, relay_id: str) -> None:
         if self.state.relays.pop(relay_id, None) is not None:
@@ -190,9 +200,10 @@ class TrainingRunWorkflow:
         watch them), so publishing never waits for relays to re-announce themselves. A relay that does not
         re-join within two heartbeat timeouts is gone: it leaves the chain."""
         assert self._cfg is not None
+        wait_s = RELAY_REJOIN_HEARTBEATS * self._cfg.relay.heartbeat_timeout_s
         try:
             await workflow.wait_condition(lambda: relay_id in self._rejoined_relays or self._closing,
-                                          timeout=timedelta(seconds=2 * self._cfg.relay.heartbeat_timeout_s))
+                                          timeout=timedelta(seconds=wait_s))
         except TimeoutError:
             self._lose_relay(relay_id)
 
@@ -203,7 +214,7 @@ class TrainingRunWorkflow:
         assert self._cfg is not None
         want = self._cfg.relay.relays if not self.state.trainer_ready else 1
         try:
-            await workflow.wait_condition(lambda: len(self.state.relays) >= want, timeout=RELAY_JOIN_TIMEOUT)
+            await workflow.wait_condition(lambda: len(self.state.relays) >= want, timeout=RELAY_JOIN)
         except TimeoutError:
             workflow.logger.warning("relays_missing", extra={"joined": sorted(self.state.relays), "wanted": want})
             await workflow.wait_condition(lambda: len(self.state.relays) >= 1)
@@ -211,7 +222,7 @@ class TrainingRunWorkflow:
     def _chain(self) -> list[str]:
         return [r.address for _, r in sorted(self.state.relays.items())]
 
-    @workflow.signal
+    @workflow.signal(name=names.RELAY_JOINED)
     def relay_joined(self, info: RelayInfo) -> None:
         known = self.state.relays.get(info.relay_id)
         if known is not None and known.address != info.address:
@@ -229,7 +240,7 @@ class TrainingRunWorkflow:
         assert self._cfg is not None
         try:
             res: TrainerInitResult = await workflow.execute_activity(
-                "init_trainer",
+                names.INIT_TRAINER,
                 TrainerInitInput(
                     run_id=self.state.run_id,
                     config=self._cfg.to_json(),
@@ -238,13 +249,13 @@ class TrainingRunWorkflow:
                 ),
                 result_type=TrainerInitResult,
                 task_queue=TRAINER_QUEUE,
-                start_to_close_timeout=timedelta(minutes=30),
+                start_to_close_timeout=TRAINER_ATTEMPT,
                 heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
-                retry_policy=FAST_RETRY,
+                retry_policy=RETRY_UNTIL_REPLACED,
                 summary=f"init trainer at step {self.state.step}",
             )
         except ActivityError as e:
-            _fail_run_if_permanent(e, "init_trainer")
+            _fail_run_if_permanent(e, names.INIT_TRAINER)
             raise
         self.state.step, self.state.policy_version, self.state.trainer_ready = res.step, res.policy_version, True
 
@@ -256,14 +267,14 @@ class TrainingRunWorkflow:
         self._republish_wanted = False
         try:
             await workflow.execute_activity(
-                "republish",
+                names.REPUBLISH,
                 RepublishInput(run_id=self.state.run_id, step=self.state.step, relay_chain=self._chain()),
                 result_type=int,
                 task_queue=TRAINER_QUEUE,
                 # bounded even with no trainer polling (it is restarting): stop and continue-as-new wait on this
-                schedule_to_close_timeout=timedelta(seconds=120),
-                start_to_close_timeout=timedelta(seconds=60),
-                retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3),
+                schedule_to_close_timeout=REPUBLISH_IN_ALL,
+                start_to_close_timeout=REPUBLISH_ATTEMPT,
+                retry_policy=REPUBLISH_RETRY,
                 summary=f"republish the version of step {self.state.step}",
             )
         except ActivityError as e:
@@ -321,20 +332,20 @@ class TrainingRunWorkflow:
         t0 = workflow.time()
         options: dict[str, Any] = dict(
             task_queue=TRAINER_QUEUE,
-            start_to_close_timeout=timedelta(minutes=30),
+            start_to_close_timeout=TRAINER_ATTEMPT,
             heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
-            retry_policy=FAST_RETRY,
+            retry_policy=RETRY_UNTIL_REPLACED,
             cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
         )
         try:
             if len(inputs) == 1:
                 results = [await workflow.execute_activity(
-                    "train_step", first, result_type=TrainStepResult,
+                    names.TRAIN_STEP, first, result_type=TrainStepResult,
                     summary=f"train step {first.step + 1}: {sum(len(p.group_ids) for p in first.batch)} groups",
                     **options)]
             else:
                 results = await workflow.execute_activity(
-                    "train_steps", TrainStepsInput(first=first, then=[i.batch for i in inputs[1:]]),
+                    names.TRAIN_STEPS, TrainStepsInput(first=first, then=[i.batch for i in inputs[1:]]),
                     result_type=list[TrainStepResult],
                     summary=f"train steps {first.step + 1}-{inputs[-1].step + 1}: "
                             f"{sum(len(p.group_ids) for i in inputs for p in i.batch)} groups", **options)
@@ -372,7 +383,7 @@ class TrainingRunWorkflow:
         for i in range(self._cfg.rollout.replicas):
             replica_id = f"replica-{i}"
             self._replicas[replica_id] = workflow.start_activity(
-                "run_rollout_replica",
+                names.RUN_ROLLOUT_REPLICA,
                 RolloutReplicaInput(
                     run_id=self.state.run_id,
                     workflow_id=workflow.info().workflow_id,
@@ -381,14 +392,14 @@ class TrainingRunWorkflow:
                     generation=self.state.continued_as_new,
                 ),
                 task_queue=ROLLOUT_QUEUE,
-                start_to_close_timeout=timedelta(days=30),
+                start_to_close_timeout=SEGMENT_ACTIVITY,
                 heartbeat_timeout=timedelta(seconds=self._cfg.rollout.heartbeat_timeout_s),
-                retry_policy=FAST_RETRY,
+                retry_policy=RETRY_UNTIL_REPLACED,
                 activity_id=f"rollout-{replica_id}",
                 summary=f"rollout {replica_id} (segment {self.state.continued_as_new})",
             )
 
-    @workflow.update
+    @workflow.update(name=names.CLAIM_PROMPTS)
     def claim_prompts(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
         assert self._cfg is not None and self._policy is not None
         self._updates += 1
@@ -434,7 +445,7 @@ class TrainingRunWorkflow:
         if self._error is not None:
             raise ValueError(f"run failed validation: {self._error}")
 
-    @workflow.update
+    @workflow.update(name=names.ADD_EXPERIENCE)
     def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
         self._updates += 1
         self.ledger.note_report(inp.report)
@@ -454,28 +465,28 @@ class TrainingRunWorkflow:
 
     # -- operator controls -------------------------------------------------------------------
 
-    @workflow.update
+    @workflow.update(name=names.PAUSE)
     def pause(self) -> str:
         self._updates += 1
         self.state.paused = True
         self._upsert_search_attributes()
         return self._phase()
 
-    @workflow.update
+    @workflow.update(name=names.RESUME)
     def resume(self) -> str:
         self._updates += 1
         self.state.paused = False
         self._upsert_search_attributes()
         return self._phase()
 
-    @workflow.update
+    @workflow.update(name=names.STOP)
     def stop(self) -> str:
         self._updates += 1
         self.state.stopping = True
         self._upsert_search_attributes()
         return self._phase()
 
-    @workflow.query
+    @workflow.query(name=names.STATUS)
     def status(self) -> RunStatus:
         return self.ledger.status(
             phase=self._phase(),
@@ -517,7 +528,7 @@ class TrainingRunWorkflow:
         """Let replicas write their in-flight groups to the partial pool and return, then stop relays."""
         try:
             await workflow.wait_condition(
-                lambda: all(t.done() for t in self._replicas.values()), timeout=DRAIN_TIMEOUT
+                lambda: all(t.done() for t in self._replicas.values()), timeout=DRAIN
             )
         except TimeoutError:
             workflow.logger.warning("replicas_drain_timed_out")
@@ -534,7 +545,7 @@ class TrainingRunWorkflow:
         they do. The chain and every lease, ready group and counter carry over in the state."""
         assert self._cfg is not None
         self._handover = True
-        deadline = workflow.time() + DRAIN_TIMEOUT.total_seconds()
+        deadline = workflow.time() + DRAIN.total_seconds()
         while not self._replicas_returned() and not self.state.stopping:
             try:
                 await workflow.wait_condition(lambda: self._replicas_returned() or self.state.stopping
