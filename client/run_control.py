@@ -18,7 +18,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from client.connect import connect, store_for
 from client.settings import Settings
-from laminar import search
+from laminar import names, search
 from laminar.config import RunConfig
 from laminar.errors import LaminarError
 from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
@@ -38,7 +38,7 @@ async def start_workflow(client: Client, cfg: RunConfig) -> WorkflowHandle:
     """Start the run's workflow; a run id already used, by a live or a finished run, is an error."""
     try:
         return await client.start_workflow(
-            "TrainingRunWorkflow",
+            names.TRAINING_RUN_WORKFLOW,
             TrainingRunInput(config=cfg.to_json()),
             id=workflow_id_for(cfg.run.run_id),
             task_queue=CONTROL_QUEUE,
@@ -112,7 +112,7 @@ async def query_status(settings: Settings, run_id: str, timeout_s: float = CONTR
     """The run's status query, answered by the control worker within timeout_s or a clear error."""
     handle = await _handle(settings, run_id)
     try:
-        return await handle.query("status", result_type=RunStatus, rpc_timeout=timedelta(seconds=timeout_s))
+        return await handle.query(names.STATUS, result_type=RunStatus, rpc_timeout=timedelta(seconds=timeout_s))
     except RPCError as e:
         if e.status in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):  # the rpc_timeout expired
             raise _no_answer(run_id, "status", timeout_s) from None
@@ -131,7 +131,7 @@ async def send_control(settings: Settings, run_id: str, name: str, timeout_s: fl
 
 
 async def stop_run(settings: Settings, run_id: str) -> str:
-    return await send_control(settings, run_id, "stop")
+    return await send_control(settings, run_id, names.STOP)
 
 
 async def terminate_run(settings: Settings, run_id: str) -> None:

@@ -12,6 +12,7 @@ from datetime import timedelta
 from temporalio.client import WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 
+from laminar import names
 from laminar.messages import RunStatus
 
 POLL_S = 1.0
@@ -36,7 +37,7 @@ async def watch_run(handle: WorkflowHandle, on_status: OnStatus, poll_s: float =
         while not result.done():
             asked = time.time()
             try:
-                st = await handle.query("status", result_type=RunStatus,
+                st = await handle.query(names.STATUS, result_type=RunStatus,
                                         rpc_timeout=timedelta(seconds=QUERY_TIMEOUT_S))
             except RPCError as e:
                 if e.status == RPCStatusCode.UNAVAILABLE:

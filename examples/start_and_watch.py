@@ -18,6 +18,7 @@ from client.exit import run_then_exit
 from client.run_control import new_run_id
 from client.settings import Settings
 from client.watch import watch_run
+from laminar import names
 from laminar.config import RunConfig
 from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
 from workflows.state import TrainingRunInput
@@ -39,7 +40,7 @@ async def watch(cfg: RunConfig) -> None:
     settings = Settings.from_env()
     client = await connect(settings)  # TLS and API key from LAMINAR_TEMPORAL_* as every process
     handle = await client.start_workflow(
-        "TrainingRunWorkflow",
+        names.TRAINING_RUN_WORKFLOW,
         TrainingRunInput(config=cfg.to_json()),
         id=workflow_id_for(cfg.run.run_id),
         task_queue=CONTROL_QUEUE,

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram, Info, start_http_server
 
+from laminar import names
 from laminar.logs import get_logger
 
 log = get_logger(__name__)
@@ -83,7 +84,7 @@ CONTROL_UPDATE_SECONDS = Histogram("laminar_control_update_seconds", "Round trip
 CONTROL_UPDATE_RETRIES = Counter("laminar_control_update_retries",
                                  "Update attempts that failed and were sent again.", ["update"])
 
-UPDATES = {"claim": "claim_prompts", "report": "add_experience"}  # the replica's call kinds -> update names
+UPDATES = {"claim": names.CLAIM_PROMPTS, "report": names.ADD_EXPERIENCE}  # the replica's call kinds -> update names
 
 RELAY_RECEIVED = Counter("laminar_relay_received_bytes", "Version bytes received.", ["relay"])
 RELAY_FORWARDED = Counter("laminar_relay_forwarded_bytes", "Version bytes forwarded down the chain.", ["relay"])

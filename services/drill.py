@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from laminar import names
 from laminar.errors import ConfigError
 from laminar.messages import FAULTS, DrillReport, RunStatus
 
@@ -76,7 +77,7 @@ def detected_at(fault: str, target: str, injected_at: float, status: RunStatus,
         return _first_event(status, "relay_lost", target, injected_at)
     wanted = f"rollout-{target}" if fault == "rollout" else None
     for a in activities:
-        mine = a.activity_id == wanted if wanted else a.activity_type in ("train_step", "train_steps")
+        mine = a.activity_id == wanted if wanted else a.activity_type in (names.TRAIN_STEP, names.TRAIN_STEPS)
         if mine and a.attempt > 1 and a.last_attempt_complete_time and a.last_attempt_complete_time >= injected_at:
             return a.last_attempt_complete_time
     if fault == "rollout":  # the retry may already have claimed (and the pending view moved on)

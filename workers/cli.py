@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 
 from client.settings import Settings
+from laminar import names
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, LaminarError
 from laminar.logs import configure_logging
@@ -170,7 +171,7 @@ def pause(run_id: str) -> None:
     from client.run_control import send_control
 
     with _exit_codes():
-        phase = asyncio.run(send_control(Settings.from_env(), run_id, "pause"))
+        phase = asyncio.run(send_control(Settings.from_env(), run_id, names.PAUSE))
     console.print(f"run_id={run_id} phase={phase}", highlight=False)
 
 
@@ -180,7 +181,7 @@ def resume(run_id: str) -> None:
     from client.run_control import send_control
 
     with _exit_codes():
-        phase = asyncio.run(send_control(Settings.from_env(), run_id, "resume"))
+        phase = asyncio.run(send_control(Settings.from_env(), run_id, names.RESUME))
     console.print(f"run_id={run_id} phase={phase}", highlight=False)
 
 

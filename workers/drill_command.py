@@ -20,6 +20,7 @@ from activities.drill import DrillActivities
 from client.connect import connect, store_for
 from client.settings import Settings
 from devstack.stack import DevStack
+from laminar import names
 from laminar.errors import ConfigError
 from laminar.messages import CONTROL_QUEUE, FAULTS, DrillInput, DrillReport
 
@@ -38,7 +39,7 @@ async def run_drill(settings: Settings, inp: DrillInput, report_path: Path | Non
                     activities=[acts.plan_drill, acts.interrupt_store, acts.observe_recovery])
     async with worker:
         handle = await client.start_workflow(
-            "RecoveryDrillWorkflow", inp, id=f"drill/{inp.run_id}/{inp.drill_id}", task_queue=CONTROL_QUEUE,
+            names.RECOVERY_DRILL_WORKFLOW, inp, id=f"drill/{inp.run_id}/{inp.drill_id}", task_queue=CONTROL_QUEUE,
             result_type=DrillReport,
         )
         report: DrillReport = await handle.result()
