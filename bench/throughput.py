@@ -62,10 +62,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from client.settings import Settings
-from laminar.config import MODES, RunConfig
+from laminar.config import MODELLED_TIME, MODES, Engine, RunConfig
 from laminar.errors import LaminarError
 from laminar.messages import RunStatus
 from reporting.summary import build_profile, percentile
@@ -107,8 +107,8 @@ def scaled_overrides(mode: str, replicas: int, engine: str, workload: str, itera
         raise ValueError(f"mode={mode!r} is not a run mode; one of {', '.join(MODES)}")
     if workload not in WORKLOADS:
         raise ValueError(f"workload={workload!r} is not a modelled workload; one of {', '.join(WORKLOADS)}")
-    if engine not in ("torch", "modelled"):
-        raise ValueError(f"engine={engine!r} is not an engine; use torch or modelled")
+    if engine not in get_args(Engine):
+        raise ValueError(f"engine={engine!r} is not an engine; use {' or '.join(get_args(Engine))}")
     groups_per_step = replicas * GROUPS_PER_REPLICA
     per_batch = STREAM_MINIBATCHES if mode == "stream" else 1  # trainer steps per global batch
     return [
@@ -119,7 +119,7 @@ def scaled_overrides(mode: str, replicas: int, engine: str, workload: str, itera
         f"rollout.engine={engine}",
         f"trainer.engine={engine}",
         f"modelled.workload={workload}",
-        *([f"modelled.speedup={WORKLOAD_SPEEDUP[workload]:g}"] if engine == "modelled" else []),
+        *([f"modelled.speedup={WORKLOAD_SPEEDUP[workload]:g}"] if engine in MODELLED_TIME else []),
         f"rollout.group_size={GROUP_SIZE}",
         f"rollout.max_inflight_groups={GROUPS_PER_REPLICA}",
         f"trainer.groups_per_step={groups_per_step}",
@@ -129,7 +129,7 @@ def scaled_overrides(mode: str, replicas: int, engine: str, workload: str, itera
 
 def time_scale(cfg: RunConfig) -> float:
     """Modelled seconds per wall second: modelled.speedup for the modelled engine, 1 for torch."""
-    return cfg.modelled.speedup if cfg.rollout.engine == "modelled" else 1.0
+    return cfg.time_scale
 
 
 # -- records -------------------------------------------------------------------------------------------
@@ -436,7 +436,7 @@ def run_bench(spec: BenchSpec, progress: Progress, launch: LaunchWorkers) -> dic
             "stream_minibatches": STREAM_MINIBATCHES,
             "relays": first.relay.relays, "seed": first.run.seed, "time_scale": time_scale(first),
             "time_scale_by_workload": {w: time_scale(spec.run_config(spec.modes[0], w, "cfg")) for w in spec.workloads},
-            "modelled": first.modelled.model_dump(mode="json") if spec.engine == "modelled" else None,
+            "modelled": first.modelled.model_dump(mode="json") if spec.engine in MODELLED_TIME else None,
             "cpus": os.cpu_count(), "config_file": str(spec.config_path) if spec.config_path else None,
         },
     }

@@ -24,7 +24,7 @@ rl.engine_api.Engine (the contract in tests/test_engine_contract.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -114,7 +114,9 @@ class TorchEngine:
         seed: int,
         eos_id: int,
         max_prompt_len: int = 64,
+        on_close: Callable[[], None] | None = None,
     ):
+        """on_close: runs once at `close` (rl.factory: gives the replica's CUDA device slot back)."""
         if max_inflight_seqs < 1 or max_new_tokens < 1 or temperature <= 0:
             raise EngineError(
                 f"engine needs max_inflight_seqs >= 1, max_new_tokens >= 1 and temperature > 0; got "
@@ -137,6 +139,15 @@ class TorchEngine:
         self._last = torch.zeros(max_inflight_seqs, 1, dtype=torch.long, device=self.device)
         self._pos = torch.zeros(max_inflight_seqs, 1, dtype=torch.long, device=self.device)
         self._active: tuple[list[int], torch.Tensor] | None = None  # the last step's active slots, on the device
+        self._on_close = on_close
+
+    def note_pull(self, local: bool) -> None:
+        """A real load costs what it costs, wherever the weights come from."""
+
+    def close(self) -> None:
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
 
     # -- weights -------------------------------------------------------------------------------
 

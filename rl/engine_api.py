@@ -1,8 +1,11 @@
-"""What a rollout replica needs of a generation engine (services/rollout.py is the only caller).
+"""What a rollout replica needs of a generation engine, and the trainer service of a trainer.
 
-Three engines implement it: `rl.engine.TorchEngine` (plain torch, CPU or CUDA), `rl.modelled.ModelledEngine`
+Three engines implement `Engine`: `rl.engine.TorchEngine` (plain torch, CPU or CUDA), `rl.modelled.ModelledEngine`
 (a GPU's timing without a GPU) and `rl.vllm_engine.VllmEngine` (vLLM; imported only when
-rollout.engine = 'vllm'). tests/test_engine_contract.py is the contract every engine must pass.
+rollout.engine = 'vllm'). Three trainers implement `PolicyTrainer`: `rl.trainer.Trainer`, `rl.fsdp.FsdpTrainer`
+and `rl.modelled.ModelledTrainer`. `rl.factory` builds both from the run config; no caller names an engine or
+asks which one it has (tests/test_engine_seams.py). tests/test_engine_contract.py is the contract every engine
+must pass.
 
 The contract, in the words the replica relies on:
 - one policy version at a time: `load_weights` replaces it between batches (EngineError while anything is
@@ -17,16 +20,22 @@ The contract, in the words the replica relies on:
   sampled token, the distribution the token was drawn from;
 - `abort` drops in-flight requests and returns their state so far (resumable with `add(prefix_ids=...)`);
 - `kv_usage` is (token positions in use, token positions of capacity) as the engine itself counts them;
-- `free_slots`, `in_flight`, `snapshot_inflight` and `policy_version` describe the batch.
+- `free_slots`, `in_flight`, `snapshot_inflight` and `policy_version` describe the batch;
+- `note_pull(local)` says where the next load's weights come from (this host's relay, or another host's over
+  the network) before it is loaded; `close` frees what the engine holds (its GPU slot, a pooled vLLM engine).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from laminar.records import Trajectory
+    from rl.trainer import UpdateMetrics
 
 
 @dataclass
@@ -72,3 +81,29 @@ class Engine(Protocol):
     def kv_usage(self) -> tuple[int, int]: ...
 
     def snapshot_inflight(self) -> list[InFlight]: ...
+
+    def note_pull(self, local: bool) -> None:
+        """The next load's weights come from this host's relay (True) or over the network from another's."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class PolicyTrainer(Protocol):
+    """One policy and its optimizer in memory, as services/trainer.py drives it."""
+
+    def step(self, trajectories: list[Trajectory], trainer_version: int) -> UpdateMetrics: ...
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def state_parts(self) -> dict[str, dict[str, torch.Tensor]]: ...
+
+    def load_state_parts(self, parts: dict[str, dict[str, torch.Tensor]]) -> None: ...
+
+    def push_stall(self, global_sync: bool) -> float:
+        """Seconds a version push stalls beyond the relay push itself, spent here (a modelled trainer's GPU
+        push); 0 for a real trainer, whose push is the relay push."""
+        ...
+
+    def close(self) -> None: ...

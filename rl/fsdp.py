@@ -182,6 +182,9 @@ class FsdpTrainer:
     def load_state_parts(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
         self._call({"op": "load_state_parts", "parts": parts})
 
+    def push_stall(self, global_sync: bool) -> float:
+        return 0.0  # the relay push is the whole push
+
     def close(self) -> None:
         """Stop the helper ranks and leave the process group."""
         if dist.is_initialized():

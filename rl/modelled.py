@@ -141,7 +141,7 @@ class ModelledEngine:
     otherwise Laminar's relays: one chain hop (weight_bytes / relay_gbytes_s, charged to the puller,
     conservatively) plus the local pull from the host's relay (weight_bytes / pcie_gbytes_s), plus another
     relay_gbytes_s transfer when `local_pull` is False (this host has no live relay: fetched over the network
-    from another host's). `local_pull` is a plain attribute: the replica may set it before each load.
+    from another host's). The replica sets it before each load through `note_pull`.
 
     Counters (modelled seconds unless a count): `modelled_seconds` (everything charged), `load_seconds`,
     `reprefill_tokens` (prompt + prefix tokens prefilled again after interrupts), `interrupts`.
@@ -191,6 +191,13 @@ class ModelledEngine:
         return self.costs.load_s(global_sync=self.global_sync, local_pull=self.local_pull)
 
     # -- weights -------------------------------------------------------------------------------------------
+
+    def note_pull(self, local: bool) -> None:
+        """A pull from another host's relay pays a network hop too (load_cost_s)."""
+        self.local_pull = local
+
+    def close(self) -> None:
+        """Nothing to free: no device, no process."""
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> None:
         """Take version `policy_version` (tensors ignored); only with nothing in flight, like TorchEngine."""
@@ -363,6 +370,15 @@ class ModelledTrainer:
         master relay (weight_bytes / relay_gbytes_s) for laminar, a global broadcast (weight_bytes /
         broadcast_gbytes_s) for the global-sync modes."""
         return CostModel.from_modelled(self.m).publish_stall_s(global_sync) / self.m.speedup
+
+    def push_stall(self, global_sync: bool) -> float:
+        """The modelled push (publish_stall_s), slept here after the real relay push of the tiny payload."""
+        stall = self.publish_stall_s(global_sync)
+        self._sleep(stall)
+        return stall
+
+    def close(self) -> None:
+        """Nothing to free: no weights, no helper processes."""
 
     # -- weights and checkpoints -----------------------------------------------------------------------------
 

@@ -225,6 +225,12 @@ class Trainer:
 
     # -- weights and checkpoints ---------------------------------------------------------------
 
+    def push_stall(self, global_sync: bool) -> float:
+        return 0.0  # the relay push is the whole push
+
+    def close(self) -> None:
+        """Nothing to free beyond memory."""
+
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """Hugging Face-named weights to publish (detached; lm_head omitted when tied)."""
         return model_state_dict(self.model)

@@ -239,6 +239,9 @@ class VllmEngine:
                 self._slots[slot] = None
         return finished
 
+    def note_pull(self, local: bool) -> None:
+        """A real load costs what it costs, wherever the weights come from."""
+
     def close(self) -> None:
         """Abort what is in flight and hand the vLLM engine back to this process's pool: the replica's next
         incarnation (a hand-over, a retry) reuses it instead of starting vLLM again (~15 s here)."""

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 from rl.base_model import build_base_model, fingerprint
+from rl.factory import engine_traits
 from rl.model import build_model
 from rl.tasks import get_task
 from storage import keys
@@ -60,13 +61,12 @@ def publish_model_files(store: ObjectStore, run_id: str, model_dir: Path) -> Non
 def load_run_model(store: ObjectStore, run_id: str, cfg: RunConfig):
     """(model with untrained weights, tokenizer, task) built from the run's published model files.
 
-    Torch runs only: a modelled run (rollout.engine = 'modelled') has no model files (its trainer publishes
-    none), and its replicas build rl.modelled.ModelledEngine and ModelledTask instead."""
-    if cfg.rollout.engine == "modelled":
+    Only for an engine that builds the run's model (rl.factory.engine_traits): a modelled run has no model
+    files (its trainer publishes none)."""
+    if not engine_traits(cfg).model_files:
         raise ConfigError(
-            f"run {run_id} has rollout.engine='modelled': it has no model files to load; build "
-            f"rl.modelled.ModelledEngine and ModelledTask for it (services/rollout.py does), or set "
-            f"rollout.engine='torch' and trainer.engine='torch'"
+            f"run {run_id} has rollout.engine={cfg.rollout.engine!r}: it has no model files to load; build its "
+            f"engine and task with rl.factory.build_engine, or set rollout.engine='torch' and trainer.engine='torch'"
         )
     hf, tokenizer, task = load_run_files(store, run_id, cfg)
     return build_model(hf, seed=0), tokenizer, task

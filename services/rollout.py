@@ -52,15 +52,16 @@ from laminar.messages import (
     RolloutReplicaResult,
     Taken,
 )
-from laminar.policy import Policy, load_action, may_start, min_version, policy_for
+from laminar.policy import load_action, may_start, min_version, policy_for
 from laminar.records import Trajectory
 from laminar.timing import TimeBreakdown
 from relay import client as relay_client
 from relay.weights import state_dict_from_buffer
-from rl.engine import Finished, TorchEngine
-from rl.model import ROLLOUT_DEVICES, bytes_to_state_dict, placement
+from rl.engine import Finished
+from rl.factory import build_engine
+from rl.model import bytes_to_state_dict
 from rl.tasks import Prompt
-from services.model_files import load_run_files, load_run_model
+from services.model_files import load_run_files
 from storage import keys
 from storage.objects import ObjectStore
 from storage.trajectories import TrajectoryStore
@@ -99,35 +100,6 @@ class _Group:
     done: dict[int, Trajectory] = field(default_factory=dict)  # sample index -> finished trajectory
 
 
-def _build_engine(cfg: RunConfig, store: ObjectStore, run_id: str, replica_id: str, segment_prefix: str,
-                  policy: Policy):
-    """(engine, task): the real torch engine on the run's model, or the modelled GPU engine (rl/modelled.py)."""
-    r = cfg.rollout
-    if r.engine == "modelled":
-        from rl.modelled import ModelledEngine, ModelledTask
-
-        # no sampling seed: fake tokens are not sampled, and lengths depend on run.seed alone (not the replica)
-        engine = ModelledEngine(cfg, max_inflight_seqs=r.max_inflight_groups * r.group_size,
-                                global_sync=policy.global_sync)
-        return engine, ModelledTask(cfg)
-    seed = zlib.crc32(f"{cfg.run.seed}/{replica_id}/{segment_prefix}".encode())  # sampling differs per incarnation
-    if r.engine == "vllm":  # builds the architecture from config.json; nothing else imports vllm
-        from rl.vllm_engine import VllmEngine
-
-        hf, _, task = load_run_files(store, run_id, cfg)
-        return VllmEngine(hf, max_inflight_seqs=r.max_inflight_groups * r.group_size, max_new_tokens=r.max_new_tokens,
-                          temperature=r.temperature, seed=seed, eos_id=task.eos_id, device=r.device, dtype=r.dtype), task
-    model, tokenizer, task = load_run_model(store, run_id, cfg)
-    device, dtype = placement("rollout", r.device, r.dtype)
-    if device.type == "cuda":  # one GPU per replica where the process has them (released when the replica ends)
-        import torch
-
-        device = torch.device("cuda", ROLLOUT_DEVICES.acquire(torch.cuda.device_count()))
-    engine = TorchEngine(model.to(device, dtype), tokenizer, max_inflight_seqs=r.max_inflight_groups * r.group_size,
-                         max_new_tokens=r.max_new_tokens, temperature=r.temperature, seed=seed, eos_id=task.eos_id)
-    return engine, task
-
-
 class RolloutReplica:
     def __init__(
         self,
@@ -158,7 +130,9 @@ class RolloutReplica:
         self.clock = clock
         self.claims = 0
         self.policy = policy_for(cfg)  # what the run mode lets this replica do (laminar/policy.py)
-        self.engine, self.task = _build_engine(cfg, store, run_id, replica_id, segment_prefix, self.policy)
+        seed = zlib.crc32(f"{cfg.run.seed}/{replica_id}/{segment_prefix}".encode())  # sampling differs per incarnation
+        self.engine, self.task = build_engine(cfg, policy=self.policy, seed=seed,
+                                              run_files=lambda: load_run_files(store, run_id, cfg))
         self.groups: dict[str, _Group] = {}
         self.completed: list[_Group] = []
         self.reporting: list[_Group] = []  # complete groups whose report is in flight
@@ -196,10 +170,7 @@ class RolloutReplica:
             return self._run()
         finally:
             self._control_thread.shutdown(wait=False, cancel_futures=True)
-            if hasattr(self.engine, "close"):  # vLLM: one engine per process, kept for the next incarnation
-                self.engine.close()
-            if (device := getattr(self.engine, "device", None)) is not None and device.type == "cuda":
-                ROLLOUT_DEVICES.release(device.index)
+            self.engine.close()  # its GPU slot back; vLLM: one engine per process, kept for the next incarnation
 
     def _run(self) -> RolloutReplicaResult:
         resumed = self._read_partial_pool()
@@ -370,8 +341,7 @@ class RolloutReplica:
 
     def _load_tensors(self, version: int, tensors: dict, size: int, via: str, interrupt: bool = False) -> None:
         t0 = time.perf_counter()
-        if self.cfg.rollout.engine == "modelled":  # a pull from another host's relay pays a network hop too
-            self.engine.local_pull = via == "shared_memory"
+        self.engine.note_pull(local=via == "shared_memory")
         if interrupt and self.engine.in_flight():
             tokens = self.engine.interrupt_and_load(tensors, version)
             self.reprefill_tokens += tokens

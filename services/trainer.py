@@ -35,12 +35,11 @@ from laminar.records import Trajectory
 from laminar.refs import CheckpointRef
 from laminar.timing import TimeBreakdown
 from relay import client as relay_client
-from rl.model import load_pretrained, placement, state_dict_to_bytes
-from rl.modelled import ModelledTrainer
-from rl.trainer import Trainer
+from rl.factory import build_trainer
+from rl.model import state_dict_to_bytes
 
 if TYPE_CHECKING:
-    from rl.fsdp import FsdpTrainer
+    from rl.engine_api import PolicyTrainer
 from laminar.policy import policy_for, publishes, staleness_bound, version_of
 from services.model_files import publish_model_files, resolve_model_dir
 from storage import keys
@@ -62,7 +61,7 @@ class TrainerService:
         self.trajectories = TrajectoryStore(store)
         self.run_id: str | None = None
         self.cfg: RunConfig | None = None
-        self.trainer: Trainer | ModelledTrainer | FsdpTrainer | None = None
+        self.trainer: PolicyTrainer | None = None
         self.step = -1  # steps applied to the in-memory policy; -1: nothing loaded
         self.policy = policy_for(RunConfig())  # the run mode's; set with the run by _restore
         self.consumed: set[str] = set()
@@ -94,35 +93,20 @@ class TrainerService:
         return version_of(self.policy, self.step)
 
     def _restore(self, run_id: str, cfg: RunConfig, loaded: LoadedCheckpoint | None) -> None:
-        """Load the base model, then the verified checkpoint (weights, optimizer, step, consumed groups) if any.
+        """Build the run's trainer (rl.factory; one with real weights resolves the model directory and publishes
+        its model files for the rollout replicas), then load the verified checkpoint (weights, optimizer, step,
+        consumed groups) if any. Samples staler than laminar.policy.staleness_bound(cfg) are dropped
+        (partial_rollout bounds staleness even when trainer.max_staleness is -1)."""
+        policy = policy_for(cfg)
 
-        trainer.engine = 'modelled': a ModelledTrainer instead (no model directory, no model files published;
-        rollout replicas build the modelled engine). Samples staler than laminar.policy.staleness_bound(cfg)
-        are dropped in either case (partial_rollout bounds staleness even when trainer.max_staleness is -1)."""
-        bound, policy = staleness_bound(cfg), policy_for(cfg)
-        trainer: Trainer | ModelledTrainer | FsdpTrainer
-        if cfg.trainer.engine == "modelled":
-            trainer = ModelledTrainer(cfg, max_staleness=bound)
-        else:
-            model_dir = resolve_model_dir(cfg, self.home)
-            model, tokenizer, _ = load_pretrained(model_dir)
-            publish_model_files(self.store, run_id, model_dir)
-            pad = tokenizer.token_to_id("<pad>")
-            # optimizer updates per step: stream's step is one of its minibatches already
-            minibatches = cfg.trainer.minibatches // policy.steps_per_version
-            section = cfg.trainer.model_copy(update={"max_staleness": bound, "minibatches": minibatches})
-            if hasattr(self.trainer, "close"):  # an FSDP trainer's helper ranks go before new ones start
-                self.trainer.close()
-            if cfg.trainer.backend == "fsdp":  # this process is rank 0 (rl/fsdp.py)
-                from rl.fsdp import FsdpTrainer
+        def model_dir() -> Path:
+            path = resolve_model_dir(cfg, self.home)
+            publish_model_files(self.store, run_id, path)
+            return path
 
-                trainer = FsdpTrainer(model_dir, section, group_size=cfg.rollout.group_size,
-                                      temperature=cfg.rollout.temperature, pad_id=0 if pad is None else pad)
-            else:
-                device, dtype = placement("trainer", cfg.trainer.device, cfg.trainer.dtype)
-                trainer = Trainer(model.to(device), section, group_size=cfg.rollout.group_size,
-                                  temperature=cfg.rollout.temperature, pad_id=0 if pad is None else pad,
-                                  compute_dtype=dtype)
+        if self.trainer is not None:  # an FSDP trainer's helper ranks go before new ones start
+            self.trainer.close()
+        trainer = build_trainer(cfg, policy=policy, max_staleness=staleness_bound(cfg), model_dir=model_dir)
         step, consumed = 0, set()
         if loaded is not None:
             trainer.load_state_parts(loaded.parts)
@@ -286,11 +270,7 @@ class TrainerService:
         for i, addr in enumerate(chain):  # a dead master is skipped: the next relay becomes master
             try:
                 stall = relay_client.push(addr, self._version(), payload, chain[i + 1:], run=self.run_id or "",
-                                         token=self.relay_token)
-                if isinstance(self.trainer, ModelledTrainer):  # the modelled model's push, after the real one
-                    modelled = self.trainer.publish_stall_s(global_sync=self.policy.global_sync)
-                    time.sleep(modelled)
-                    stall += modelled
+                                         token=self.relay_token) + self.trainer.push_stall(self.policy.global_sync)
                 log.info("weights_published", policy_version=self._version(), bytes=len(payload),
                          stall_s=round(stall, 4))
                 return stall, payload

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -195,13 +196,14 @@ def throughput_bench(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from bench.throughput import DEFAULT_ITERATIONS, MODES, WORKLOADS, BenchSpec, dump_json, plot, run_bench
+    from laminar.config import Engine
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     bad = [m for m in chosen if m not in MODES]
     if not chosen or bad:
         raise typer.BadParameter(f"--modes {modes!r}: {bad or 'empty'} not a run mode; pick from {','.join(MODES)}")
-    if engine not in ("modelled", "torch"):
-        raise typer.BadParameter(f"--engine {engine!r}: use modelled or torch")
+    if engine not in typing.get_args(Engine):
+        raise typer.BadParameter(f"--engine {engine!r}: use {' or '.join(typing.get_args(Engine))}")
     if workload not in (*WORKLOADS, "both"):
         raise typer.BadParameter(f"--workload {workload!r}: use long_tail, uniform or both")
     settings_repack = [x.strip() for x in repack.split(",") if x.strip()]

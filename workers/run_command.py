@@ -69,9 +69,11 @@ def _stop_like_ctrl_c() -> None:
 
 
 def _spare_slots(cfg: RunConfig) -> int:
-    """Spare replica slots per rollout worker: 1 (takes over a dead worker's replica), 0 with vLLM (one engine
-    per process, rl/vllm_engine.py)."""
-    return 0 if cfg.rollout.engine == "vllm" else 1
+    """Spare replica slots per rollout worker: 1 (takes over a dead worker's replica), 0 for an engine a process
+    holds one of (rl.factory.ENGINE_TRAITS)."""
+    from rl.factory import engine_traits
+
+    return engine_traits(cfg).spare_slots
 
 
 def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, report_dir: Path | None = None,
@@ -221,4 +223,3 @@ def _print_summary(s: dict, console: Console) -> None:
         f"history_max={s['temporal_history_events_max']}",
         highlight=False,
     )
-

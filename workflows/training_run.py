@@ -365,16 +365,13 @@ class TrainingRunWorkflow:
         if not self._policy.repacks or self._handover or self.state.stopping:
             return
         r = self._cfg.rollout
-        modelled = r.engine == "modelled"
-        every_s = r.repack_every_s / (self._cfg.modelled.speedup if modelled else 1.0)
+        every_s = r.repack_every_s / self._cfg.time_scale
         now = workflow.time()
         if not after_step and now - self.state.last_plan_at < every_s:
             return
         if not workflow.patched("repack"):
             return
-        slots = r.max_inflight_groups * r.group_size
-        self.migrations.plan(c_max=r.repack_c_max, at=now,
-                             batch_limit=min(self._cfg.modelled.roofline_batch, slots) if modelled else slots)
+        self.migrations.plan(c_max=r.repack_c_max, at=now, batch_limit=self._cfg.decode_batch_limit)
 
     # -- rollout replicas --------------------------------------------------------------------
 

@@ -1,0 +1,113 @@
+"""Engines and trainers from the run config: the one place that maps `rollout.engine`, `trainer.engine` and
+`trainer.backend` to classes (rl/engine_api.py has the protocols they implement).
+
+Callers never compare engine names or ask an engine which class it is: they call `build_engine`,
+`build_trainer`, and read `engine_traits` for what a launcher must know before any engine exists.
+Import-light: the engine and trainer modules (torch models, vLLM) are imported by the builder that needs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from laminar.config import RunConfig
+from laminar.policy import Policy
+
+if TYPE_CHECKING:
+    from rl.engine_api import Engine, PolicyTrainer
+
+# (config.json as a dict, tokenizer, task) of the run, from its published model files (services/model_files.py)
+RunFiles = Callable[[], tuple[dict, Any, Any]]
+
+
+@dataclass(frozen=True)
+class EngineTraits:
+    spare_slots: int  # spare replica slots a rollout worker keeps: 1 takes over a dead worker's replica; 0 when
+    # a process holds one engine only (vLLM, rl/vllm_engine.py)
+    model_files: bool  # builds the run's model from the model files its trainer publishes
+
+
+ENGINE_TRAITS = {
+    "torch": EngineTraits(spare_slots=1, model_files=True),
+    "vllm": EngineTraits(spare_slots=0, model_files=True),
+    "modelled": EngineTraits(spare_slots=1, model_files=False),
+}
+
+
+def engine_traits(cfg: RunConfig) -> EngineTraits:
+    return ENGINE_TRAITS[cfg.rollout.engine]
+
+
+def build_engine(cfg: RunConfig, *, policy: Policy, seed: int, run_files: RunFiles) -> tuple[Engine, Any]:
+    """(engine, task) of one rollout replica; seed: its sampling seed (the modelled engine samples nothing)."""
+    return _ENGINES[cfg.rollout.engine](cfg, policy, seed, run_files)
+
+
+def _modelled_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles):
+    from rl.modelled import ModelledEngine, ModelledTask
+
+    r = cfg.rollout  # lengths depend on run.seed alone (not the replica)
+    return ModelledEngine(cfg, max_inflight_seqs=r.max_inflight_groups * r.group_size,
+                          global_sync=policy.global_sync), ModelledTask(cfg)
+
+
+def _vllm_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles):
+    from rl.vllm_engine import VllmEngine
+
+    r = cfg.rollout  # vLLM builds the architecture from config.json; nothing else imports vllm
+    hf, _, task = run_files()
+    return VllmEngine(hf, max_inflight_seqs=r.max_inflight_groups * r.group_size, max_new_tokens=r.max_new_tokens,
+                      temperature=r.temperature, seed=seed, eos_id=task.eos_id, device=r.device, dtype=r.dtype), task
+
+
+def _torch_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles):
+    """One GPU per replica where the process has them (rl.model.ROLLOUT_DEVICES; given back at close)."""
+    import torch
+
+    from rl.engine import TorchEngine
+    from rl.model import ROLLOUT_DEVICES, build_model, placement
+
+    r = cfg.rollout
+    hf, tokenizer, task = run_files()
+    device, dtype = placement("rollout", r.device, r.dtype)
+    on_close = None
+    if device.type == "cuda":
+        index = ROLLOUT_DEVICES.acquire(torch.cuda.device_count())
+        device, on_close = torch.device("cuda", index), lambda: ROLLOUT_DEVICES.release(index)
+    return TorchEngine(build_model(hf, seed=0).to(device, dtype), tokenizer,
+                       max_inflight_seqs=r.max_inflight_groups * r.group_size, max_new_tokens=r.max_new_tokens,
+                       temperature=r.temperature, seed=seed, eos_id=task.eos_id, on_close=on_close), task
+
+
+_ENGINES = {"torch": _torch_engine, "vllm": _vllm_engine, "modelled": _modelled_engine}
+
+
+def build_trainer(cfg: RunConfig, *, policy: Policy, max_staleness: int, model_dir: Callable[[], Path]
+                  ) -> PolicyTrainer:
+    """The run's trainer; model_dir: the model directory, resolved (and its files published) only by a trainer
+    that has real weights. max_staleness: the bound the run applies (laminar.policy.staleness_bound)."""
+    if cfg.trainer.engine == "modelled":
+        from rl.modelled import ModelledTrainer
+
+        return ModelledTrainer(cfg, max_staleness=max_staleness)
+    from rl.model import load_pretrained, placement
+
+    path = model_dir()
+    model, tokenizer, _ = load_pretrained(path)
+    pad = tokenizer.token_to_id("<pad>")
+    # optimizer updates per step: stream's step is one of its minibatches already
+    section = cfg.trainer.model_copy(update={"max_staleness": max_staleness,
+                                             "minibatches": cfg.trainer.minibatches // policy.steps_per_version})
+    common = {"group_size": cfg.rollout.group_size, "temperature": cfg.rollout.temperature,
+              "pad_id": 0 if pad is None else pad}
+    if cfg.trainer.backend == "fsdp":  # this process is rank 0 (rl/fsdp.py)
+        from rl.fsdp import FsdpTrainer
+
+        return FsdpTrainer(path, section, **common)
+    from rl.trainer import Trainer
+
+    device, dtype = placement("trainer", cfg.trainer.device, cfg.trainer.dtype)
+    return Trainer(model.to(device), section, compute_dtype=dtype, **common)
