@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from laminar.config import RunConfig
+from reporting.report import moving_mean
 from reporting.summary import reward_rise
 
 WINDOW = 30  # steps in the reward moving average
@@ -28,14 +29,9 @@ def time_to_reward(rewards: list[float], step_end_s: list[float], threshold: flo
                    window: int = WINDOW) -> float | None:
     """Seconds until the `window`-step moving average of reward first exceeds `threshold`: the end time of
     the first step i >= window - 1 whose last `window` rewards average above it; None if none does."""
-    total = 0.0
-    for i, r in enumerate(rewards):
-        total += r
-        if i >= window:
-            total -= rewards[i - window]
-        if i >= window - 1 and total / window > threshold:
-            return round(step_end_s[i], 3)
-    return None
+    above = (i for i, mean in enumerate(moving_mean(rewards, window), start=window - 1) if mean > threshold)
+    i = next(above, None)
+    return None if i is None else round(step_end_s[i], 3)
 
 
 def side(wall_s: float, tokens: int, rewards: list[float], step_end_s: list[float],

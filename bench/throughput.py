@@ -68,6 +68,7 @@ from client.settings import Settings
 from laminar.config import MODELLED_TIME, MODES, Engine, RunConfig
 from laminar.errors import LaminarError
 from laminar.messages import RunStatus
+from reporting.report import version_intervals  # per-replica timeline, in modelled s with scale=time_scale
 from reporting.summary import build_profile, percentile
 from storage.objects import ObjectStore
 from storage.records import TrajRow, step_records, trajectory_rows
@@ -259,16 +260,6 @@ def control_plane_share(wait_control_plane_s: float, records: list[dict[str, Any
     the trainer profile's wait_control_plane covers exactly those steps)."""
     total = sum(r["wait_s"] + r["busy_s"] for r in records[1:])
     return wait_control_plane_s / total if total > 0 else 0.0
-
-
-def version_intervals(trajs: Iterable[TrajRow], t0: float, scale: float) -> dict[str, list[tuple[float, float, int]]]:
-    """Per replica, (start, end, version) intervals in modelled s since t0: each trajectory's [started_at,
-    ended_at], overlapping (or touching) intervals of the same version merged (reporting.report's merge, scaled
-    after: merging does not depend on the unit)."""
-    from reporting.report import version_intervals as merged
-
-    rows = [(t.replica_id, t.policy_version, t.started_at, t.ended_at) for t in trajs]
-    return {r: [(s * scale, e * scale, v) for s, e, v in iv] for r, iv in merged(rows, t0).items()}
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:

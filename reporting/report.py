@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import html
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,6 @@ from storage import keys, records
 from storage.objects import ObjectStore
 
 PLOTS = ("reward", "staleness", "versions", "trainer", "drills")  # file stems, in page order
-MATPLOTLIB_MISSING = ("`laminar report` draws with matplotlib, which is not installed; install it with "
-                      "`pip install 'laminar[bench]'` (or `pip install matplotlib==3.11.2`)")
 
 
 @dataclass
@@ -46,13 +45,13 @@ class ReportData:
     summary: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_records(cls, run_id: str, steps: list[dict[str, Any]], trajectories: list[tuple[str, int, float, float]],
+    def from_records(cls, run_id: str, steps: list[dict[str, Any]], trajectories: list[records.TrajRow],
                      drills: list[dict[str, Any]], summary: dict[str, Any]) -> ReportData:
-        """steps: the trainer's step records, any order; trajectories: (replica, version, started_at, ended_at)."""
+        """steps: the trainer's step records, any order; trajectories: storage.records.trajectory_rows'."""
         steps = sorted(steps, key=lambda r: r["step"])
         busy_abs = [(r["time"] - r.get("busy_s", 0.0), r.get("busy_s", 0.0)) for r in steps]
         wait_abs = [(b - r.get("wait_s", 0.0), r.get("wait_s", 0.0)) for r, (b, _) in zip(steps, busy_abs, strict=True)]
-        starts = [s for s, _ in wait_abs] + [t[2] for t in trajectories]
+        starts = [s for s, _ in wait_abs] + [t.started_at for t in trajectories]
         t0 = min(starts) if starts else 0.0
         return cls(
             run_id=run_id, t0=t0,
@@ -85,12 +84,14 @@ def staleness_total(steps: list[dict[str, Any]]) -> dict[int, int]:
     return dict(sorted(out.items()))
 
 
-def version_intervals(trajectories: list[tuple[str, int, float, float]], t0: float) -> dict[str, list[tuple[float, float, int]]]:
-    """Per replica, (start, end, version) in s since t0: each trajectory's [started_at, ended_at], overlapping
-    or touching intervals of the same version merged; replicas in natural order (replica-2 before replica-10)."""
+def version_intervals(trajectories: Iterable[records.TrajRow], t0: float,
+                      scale: float = 1.0) -> dict[str, list[tuple[float, float, int]]]:
+    """Per replica, (start, end, version) in s since t0 x scale (modelled s per wall s): each trajectory's
+    [started_at, ended_at], overlapping or touching intervals of the same version merged (before scaling: merging
+    does not depend on the unit); replicas in natural order (replica-2 before replica-10)."""
     by_key: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    for replica, version, started, ended in trajectories:
-        by_key.setdefault((replica, version), []).append((started - t0, ended - t0))
+    for t in trajectories:
+        by_key.setdefault((t.replica_id, t.policy_version), []).append((t.started_at - t0, t.ended_at - t0))
     out: dict[str, list[tuple[float, float, int]]] = {}
     for (replica, version), spans in by_key.items():
         spans.sort()
@@ -100,7 +101,7 @@ def version_intervals(trajectories: list[tuple[str, int, float, float]], t0: flo
                 merged[-1][1] = max(merged[-1][1], e)
             else:
                 merged.append([s, e])
-        out.setdefault(replica, []).extend((s, e, version) for s, e in merged)
+        out.setdefault(replica, []).extend((s * scale, e * scale, version) for s, e in merged)
     return {r: sorted(v) for r, v in sorted(out.items(), key=lambda kv: _natural(kv[0]))}
 
 
@@ -118,20 +119,25 @@ def read(store: ObjectStore, run_id: str) -> ReportData:
     if not steps:
         raise ConfigError(f"run {run_id!r} has no step records under {keys.step_metrics_prefix(run_id)} in this store; "
                           "check the run id (`laminar list`) and LAMINAR_STORE, or wait for its first step")
-    trajectories = [(t.replica_id, t.policy_version, t.started_at, t.ended_at)
-                    for t in records.trajectory_rows(store, run_id, token_counts=False)]
-    return ReportData.from_records(run_id, steps, trajectories, records.drill_reports(store, run_id),
-                                   records.summary(store, run_id) or {})
+    return ReportData.from_records(run_id, steps, records.trajectory_rows(store, run_id, token_counts=False),
+                                   records.drill_reports(store, run_id), records.summary(store, run_id) or {})
 
 
 # -- drawing -------------------------------------------------------------------------------------------
 
+def check_matplotlib() -> None:
+    """ConfigError saying how to install matplotlib when it is missing (the report draws with it)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("`laminar report` draws with matplotlib, which is not installed; install it with "
+                          "`pip install 'laminar[bench]'` (or `pip install matplotlib==3.11.2`)") from None
+
+
 def write(data: ReportData, out_dir: Path) -> list[Path]:
     """The PNGs and `report.html` under out_dir (created); returns the files written, the page last."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ConfigError(MATPLOTLIB_MISSING) from None
+    check_matplotlib()
+    import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -49,13 +49,9 @@ def _max(values: list[float]) -> float:
 def build_profile(store: ObjectStore, run_id: str, cpu_s: dict[str, float]) -> dict[str, Any]:
     """Where the run's time went: the rollout replicas' breakdowns summed over every incarnation (replica x
     history segment x attempt), the trainer's (summed over its processes), and CPU seconds per process."""
-    by_process = records.profiles(store, run_id)
-    return {
-        "rollout": merge([v for k, v in by_process.items() if k.startswith("rollout-")]),
-        "rollout_incarnations": sum(1 for k in by_process if k.startswith("rollout-")),
-        "trainer": merge([v for k, v in by_process.items() if k.startswith("trainer-")]),
-        "cpu_s": cpu_s,
-    }
+    rollout = records.profiles(store, run_id, "rollout")
+    return {"rollout": merge(rollout), "rollout_incarnations": len(rollout),
+            "trainer": merge(records.profiles(store, run_id, "trainer")), "cpu_s": cpu_s}
 
 
 def format_profile(profile: dict[str, Any]) -> str:

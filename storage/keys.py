@@ -165,20 +165,14 @@ def step_metrics_prefix(run_id: str) -> str:
     return f"{run_prefix(run_id)}metrics/"
 
 
-def profile_prefix(run_id: str) -> str:
-    return f"{run_prefix(run_id)}profile/"
+def profile_prefix(run_id: str, role: str | None = None) -> str:
+    """Every process's time breakdown, or those of one role's processes (`trainer`, `rollout`)."""
+    return f"{run_prefix(run_id)}profile/" + ("" if role is None else f"{check_id('profile role', role)}-")
 
 
 def profile(run_id: str, process: str) -> str:
     """One process's time breakdown (laminar.timing), e.g. `trainer-1234` or a rollout replica incarnation."""
     return f"{profile_prefix(run_id)}{check_id('profile process', process)}.json"
-
-
-def parse_profile_process(run_id: str, key: str) -> str | None:
-    """The process of a key runs/<run_id>/profile/<process>.json, or None if the key is not one."""
-    prefix = profile_prefix(run_id)
-    name = key[len(prefix):] if key.startswith(prefix) else ""
-    return name.removesuffix(".json") if name.endswith(".json") and "/" not in name else None
 
 
 # -- model -------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from laminar.records import Trajectory
 from reporting.report import PLOTS, ReportData, read, write
 from storage import keys
 from storage.objects import open_store
+from storage.records import TrajRow
 from storage.trajectories import TrajectoryStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,9 +31,10 @@ STEPS = [
     {"step": 1, "time": 110.0, "busy_s": 2.0, "wait_s": 8.0, "tokens": 100, "reward_mean": 0.25,
      "staleness": {"0": 4, "1": 4}},
 ]
-# (replica, version, started_at, ended_at)
-TRAJECTORIES = [("replica-10", 1, 105.0, 107.0), ("replica-2", 0, 101.0, 104.0), ("replica-2", 0, 103.0, 106.0),
-                ("replica-2", 1, 107.0, 109.0), ("replica-2", 0, 108.0, 109.0)]
+# (replica, version, started_at, ended_at), as trajectory rows of groups g0..g4 (sample 0, prompt i)
+TRAJECTORIES = [TrajRow(f"g{i}", i, 0, replica, version, start, end) for i, (replica, version, start, end) in enumerate([
+    ("replica-10", 1, 105.0, 107.0), ("replica-2", 0, 101.0, 104.0), ("replica-2", 0, 103.0, 106.0),
+    ("replica-2", 1, 107.0, 109.0), ("replica-2", 0, 108.0, 109.0)])]
 DRILL = {"drill_id": "d1", "run_id": "r", "fault": "relay", "target": "host-0", "injected_at": 104.0,
          "detected_at": 106.0, "recovered_at": None, "steps_during_outage": 0, "trainer_stall_s": 0.0,
          "groups_lost": 0, "groups_consumed_twice": 0, "tokens_regenerated": 0, "steps_redone": 0,
@@ -69,9 +71,10 @@ def _store_run(tmp_path: Path, run_id: str):
     store = open_store((tmp_path / "store").as_uri())
     for r in STEPS:
         store.put(keys.step_metrics(run_id, r["step"]), json.dumps(r).encode())
-    rows = [Trajectory(run_id=run_id, prompt_id=i, group_id=f"g{i}", sample_index=0, prompt_ids=[1], response_ids=[2],
-                       logprobs=[-0.1], reward=1.0, policy_version=v, replica_id=rep, started_at=s, ended_at=e,
-                       finish_reason="eos") for i, (rep, v, s, e) in enumerate(TRAJECTORIES)]
+    rows = [Trajectory(run_id=run_id, prompt_id=t.prompt_id, group_id=t.group_id, sample_index=t.sample_index,
+                       prompt_ids=[1], response_ids=[2], logprobs=[-0.1], reward=1.0, policy_version=t.policy_version,
+                       replica_id=t.replica_id, started_at=t.started_at, ended_at=t.ended_at, finish_reason="eos")
+                  for t in TRAJECTORIES]
     TrajectoryStore(store).write_segment(run_id, "replica-2", "a-000001", rows)
     store.put(keys.drill_report(run_id, "d1"), json.dumps(DRILL).encode())
     store.put(keys.summary(run_id), json.dumps(SUMMARY).encode())

@@ -66,11 +66,13 @@ def test_trajectory_rows_count_a_retried_report_once(object_store):
 
 def test_profiles_drill_reports_and_summary(object_store):
     trainer = {"wall_s": 2.0, "buckets": {"train": {"s": 1.5, "n": 3}}, "other_s": 0.5}
-    rollout = {"wall_s": 4.0, "buckets": {}, "other_s": 4.0}
+    rollouts = [{"wall_s": 4.0, "buckets": {}, "other_s": float(i)} for i in range(2)]
     _put(object_store, keys.profile(RUN, "trainer-1234"), trainer)
-    _put(object_store, keys.profile(RUN, "rollout-replica-0-aaaa-a1"), rollout)
-    assert records.profiles(object_store, RUN) == {"trainer-1234": trainer, "rollout-replica-0-aaaa-a1": rollout}
-    assert records.profiles(object_store, "other-run") == {}
+    for i, body in enumerate(rollouts):  # two incarnations of replica 0 (history segment aaaa, attempts 1 and 2)
+        _put(object_store, keys.profile(RUN, f"rollout-replica-0-aaaa-a{i + 1}"), body)
+    assert records.profiles(object_store, RUN, "trainer") == [trainer]
+    assert records.profiles(object_store, RUN, "rollout") == rollouts  # key order
+    assert records.profiles(object_store, "other-run", "trainer") == []
 
     assert records.drill_reports(object_store, RUN) == []
     _put(object_store, keys.drill_report(RUN, "d2"), {"drill_id": "d2"})
@@ -88,8 +90,7 @@ def test_first_per_keeps_the_first_of_each_identity():
     assert records.first_per([], lambda r: r) == []
 
 
-def test_profile_keys_parse_back_to_their_process():
-    assert keys.parse_profile_process(RUN, keys.profile(RUN, "trainer-7")) == "trainer-7"
-    assert keys.parse_profile_process(RUN, keys.step_metrics(RUN, 1)) is None  # another kind of record
-    assert keys.parse_profile_process(RUN, keys.profile_prefix(RUN) + "x/y.json") is None  # not one segment
-    assert keys.parse_profile_process(RUN, keys.profile("other-run", "trainer-7")) is None
+def test_profile_prefix_of_one_role():
+    assert keys.profile_prefix(RUN) == "runs/run-records/profile/"
+    assert keys.profile_prefix(RUN, "rollout") == "runs/run-records/profile/rollout-"
+    assert keys.profile(RUN, "rollout-replica-0-aaaa-a1").startswith(keys.profile_prefix(RUN, "rollout"))

@@ -17,18 +17,10 @@ from rich.table import Table
 from client.connect import connect, store_for
 from client.settings import Settings
 from laminar import names
-from laminar.errors import ConfigError
 from laminar.search import SEARCH_ATTRIBUTES
 from reporting import report as run_report
+from reporting.report import check_matplotlib
 from storage.objects import ObjectStore
-
-
-def check_matplotlib() -> None:
-    """ConfigError saying how to install matplotlib when it is missing (the report draws with it)."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ConfigError(run_report.MATPLOTLIB_MISSING) from None
 
 
 def write_report(store: ObjectStore, run_id: str, out_dir: Path, console: Console) -> Path:
