@@ -1,0 +1,296 @@
+"""Record the golden histories that tests/test_replay_golden.py replays, from real runs with the current code.
+
+    python -m tests.histories.record stream              # one scenario
+    python -m tests.histories.record stream repack       # several, one stack
+    python -m tests.histories.record all                 # every scenario
+    python -m tests.histories.record --list
+
+Starts its own dev stack (a SQLite-backed Temporal dev server and an S3 server, `laminar dev up --s3` without the
+UI) on free ports in a fresh home, the worker processes a drill test uses (control, trainer, 2 relays, 2 rollout
+workers with spare slots, faults allowed, supervised), runs each scenario as a small, fast run (the integration
+tests' tiny config), checks the history shows what the scenario is for (the patch, activity or event it must
+exercise), and writes it as JSON (the client's fetch_history, the format `temporal workflow show -o json`
+writes) to tests/histories/. Only the servers and processes it started are stopped, by pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
+
+from client.connect import connect, store_for
+from client.run_control import start_workflow
+from client.settings import Settings
+from devstack.stack import DevStack, free_port
+from laminar.config import RunConfig
+from laminar.converter import DATA_CONVERTER
+from laminar.messages import ClaimPromptsInput, DrillInput, RunStatus
+from tests.fixtures.stack import TEST_OVERRIDES, quiet_status
+from tests.fixtures.waiting import async_wait_until
+from tests.histories import (
+    HISTORIES,
+    MAX_FILE_BYTES,
+    activity_types,
+    count,
+    event_name,
+    patch_ids,
+    update_names,
+)
+from workers.drill_command import run_drill
+from workers.launcher import LocalLauncher, plan_processes
+
+RUN_TIMEOUT_S = 300.0
+
+# The stack's shape: 4 replicas on 2 hosts (repack's run), each rollout worker 2 + 1 spare slots so a drill's
+# killed worker leaves its replicas somewhere to go (as tests/test_drills.py).
+STACK_OVERRIDES = ["rollout.replicas=4"]
+SPARE_SLOTS = 1
+STREAM_MAX_STEPS = 40  # a stream run that has not bundled minibatch steps by then ends, and its recording fails
+# The modelled engine with a long tail and the throughput benchmark's batch shape: several replicas drain the same
+# version at once while newer ones exist, so repack pairs them up (tests/test_drills.py REPACK_OVERRIDES).
+REPACK_OVERRIDES = ["rollout.engine=modelled", "trainer.engine=modelled", "modelled.response_p50_tokens=128",
+                    "modelled.max_response_tokens=2048", "rollout.group_size=8", "rollout.max_inflight_groups=4",
+                    "trainer.groups_per_step=16", "rollout.max_ready_groups=32", "rollout.repack=true",
+                    "rollout.replicas=4", "run.steps=1000"]
+
+
+# -- reading a history ------------------------------------------------------------------------------------------
+
+
+def update_inputs(history: WorkflowHistory, name: str, cls: type) -> list:
+    """The decoded inputs of every `name` update a history accepted."""
+    found = []
+    for e in history.events:
+        req = e.workflow_execution_update_accepted_event_attributes.accepted_request
+        if e.HasField("workflow_execution_update_accepted_event_attributes") and req.input.name == name:
+            found += DATA_CONVERTER.payload_converter.from_payloads(list(req.input.args.payloads), [cls])
+    return found
+
+
+def require(ok: bool, what: str) -> None:
+    if not ok:
+        raise SystemExit(f"recording failed: {what}; nothing written for this scenario (rerun it)")
+
+
+# -- the recorder ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Recorder:
+    client: Client
+    settings: Settings
+    out: Path
+
+    def config(self, name: str, *extra: str) -> RunConfig:
+        return RunConfig.load(None, [*TEST_OVERRIDES, *extra]).with_run_id(f"golden-{name}")
+
+    async def chain(self, handle: WorkflowHandle) -> list[WorkflowHistory]:
+        """Every segment of a run, oldest first, following the continue-as-new events (no visibility lag)."""
+        histories, run_id = [], handle.first_execution_run_id or handle.result_run_id
+        while run_id:
+            h = await self.client.get_workflow_handle(handle.id, run_id=run_id).fetch_history()
+            histories.append(h)
+            last = h.events[-1]
+            run_id = (last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
+                      if last.HasField("workflow_execution_continued_as_new_event_attributes") else "")
+        return histories
+
+    def write(self, stem: str, history: WorkflowHistory) -> Path:
+        events = json.loads(history.to_json())["events"]  # one event a line: small, and still greppable
+        text = '{"events": [\n' + ",\n".join(json.dumps(e, separators=(",", ":")) for e in events) + "\n]}\n"
+        require(len(text) <= MAX_FILE_BYTES, f"{stem}: {len(text)} bytes exceeds {MAX_FILE_BYTES}; make the run smaller")
+        path = self.out / f"{stem}.json"
+        path.write_text(text)
+        print(f"wrote {path} ({len(history.events)} events, {len(text) // 1024} KB, "
+              f"patches {sorted(patch_ids(history))})", flush=True)
+        return path
+
+    async def status(self, handle: WorkflowHandle) -> RunStatus:
+        return await handle.query("status", result_type=RunStatus)
+
+    async def wait_step(self, handle: WorkflowHandle, n: int) -> RunStatus:
+        async def at_least() -> RunStatus | None:
+            st = await self.status(handle)
+            return st if st.step >= n else None
+        return await async_wait_until(at_least, RUN_TIMEOUT_S, f"{handle.id} to reach step {n}", interval_s=0.2)
+
+    async def stop(self, handle: WorkflowHandle) -> RunStatus:
+        """Stop the run (unless it has finished already) and return its final status."""
+        if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
+            await handle.execute_update("stop", result_type=str)
+        return await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+
+
+# -- the scenarios -----------------------------------------------------------------------------------------------
+
+
+async def stream(rec: Recorder) -> list[Path]:
+    """Stream mode, a batch of 4 groups in 4 minibatch steps, stopped once minibatch steps whose groups were all
+    complete ran back to back in one train_steps activity (patch train-steps)."""
+    cfg = rec.config("stream", "run.mode=stream", "trainer.groups_per_step=4", "trainer.minibatches=4",
+                     "rollout.max_ready_groups=8", f"run.steps={STREAM_MAX_STEPS}")
+    handle = await start_workflow(rec.client, cfg)
+
+    async def bundled_or_closed() -> bool:  # the trainer ran behind generation at least once, or the run ended
+        closed = (await handle.describe()).status != WorkflowExecutionStatus.RUNNING
+        return closed or "train_steps" in activity_types(await handle.fetch_history())
+    await async_wait_until(bundled_or_closed, RUN_TIMEOUT_S, "a train_steps activity", interval_s=0.5)
+    (h,) = await rec.chain(handle)
+    require("train_steps" in activity_types(h), f"no train_steps activity in {STREAM_MAX_STEPS} steps")
+    final = await rec.stop(handle)
+    (h,) = await rec.chain(handle)
+    require(final.phase == "finished", f"stream run ended {final.phase} at step {final.step}")
+    require("train-steps" in patch_ids(h), "no train-steps patch marker")
+    return [rec.write("training_run_stream", h)]
+
+
+async def repack(rec: Recorder) -> list[Path]:
+    """Laminar mode with rollout.repack on, stopped once a migration has been carried out (patch repack)."""
+    cfg = rec.config("repack", *REPACK_OVERRIDES)
+    handle = await start_workflow(rec.client, cfg)
+
+    async def migrated() -> RunStatus | None:
+        st = await rec.status(handle)
+        return st if st.repacks > 0 else None
+    await async_wait_until(migrated, RUN_TIMEOUT_S, "a repack migration", interval_s=0.2)
+    final = await rec.stop(handle)
+    (h,) = await rec.chain(handle)
+    require(final.repacks > 0 and "repack" in patch_ids(h), f"repacks={final.repacks}, patches {patch_ids(h)}")
+    # the migration travels in the replicas' claim_prompts updates: a source's hand-off, a destination's take
+    claims = update_inputs(h, "claim_prompts", ClaimPromptsInput)
+    require(any(c.handoff is not None for c in claims) and any(c.taken for c in claims),
+            "no claim_prompts update carries a migration's hand-off and take")
+    return [rec.write("training_run_repack", h)]
+
+
+async def continue_as_new(rec: Recorder) -> list[Path]:
+    """run.continue_as_new_every=2 in a 4-step run: the first segment ends in ContinueAsNew at step 2 (or a
+    little later, as the trainer keeps stepping during the hand-over), the next one finishes the run."""
+    cfg = rec.config("continue-as-new", "run.steps=4", "run.continue_as_new_every=2")
+    handle = await start_workflow(rec.client, cfg)
+    final: RunStatus = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    histories = await rec.chain(handle)
+    require(final.continued_as_new >= 1 and len(histories) == final.continued_as_new + 1,
+            f"continued_as_new={final.continued_as_new}, {len(histories)} segments")
+    require(event_name(histories[0].events[-1]) == "WORKFLOW_EXECUTION_CONTINUED_AS_NEW", "no ContinueAsNew")
+    return [rec.write(f"training_run_continue_as_new_{i + 1}", h) for i, h in enumerate(histories)]
+
+
+async def search_attributes(rec: Recorder) -> list[Path]:
+    """A run started with the search attributes (the dev stack registers them; patch search-attributes) that goes
+    through every phase: starting, running, paused (pause update), running (resume), stopping (stop), finished."""
+    cfg = rec.config("search-attributes", "run.steps=1000")
+    handle = await start_workflow(rec.client, cfg)
+    await rec.wait_step(handle, 1)
+    assert await handle.execute_update("pause", result_type=str) == "paused"
+    await async_wait_until(lambda: quiet_status(handle), RUN_TIMEOUT_S, "the run to be quiet after pause")
+    assert await handle.execute_update("resume", result_type=str) == "running"
+    paused_at = (await rec.status(handle)).step
+    await rec.wait_step(handle, paused_at + 1)
+    await rec.stop(handle)
+    (h,) = await rec.chain(handle)
+    require("search-attributes" in patch_ids(h), "no search-attributes patch marker")
+    require(count(h, "UPSERT_WORKFLOW_SEARCH_ATTRIBUTES") >= 4, "fewer than 4 search attribute upserts")
+    require({"pause", "resume", "stop"} <= set(update_names(h)), f"updates {sorted(set(update_names(h)))}")
+    return [rec.write("training_run_search_attributes", h)]
+
+
+async def _drill(rec: Recorder, name: str, fault: str) -> list[Path]:
+    cfg = rec.config(name, "run.steps=1000", "trainer.heartbeat_timeout_s=5", "trainer.checkpoint_every=4")
+    handle = await start_workflow(rec.client, cfg)
+    st = await rec.wait_step(handle, 1)
+    inp = DrillInput(run_id=cfg.run.run_id, drill_id=fault, fault=fault, at_step=st.step + 1, timeout_s=180.0)
+    report = await run_drill(rec.settings, inp)
+    await rec.stop(handle)
+    require(report.recovered and report.groups_lost == 0, f"the drill did not recover: {report}")
+    drill = await rec.client.get_workflow_handle(f"drill/{cfg.run.run_id}/{fault}").fetch_history()
+    require(event_name(drill.events[-1]) == "WORKFLOW_EXECUTION_COMPLETED", "the drill workflow did not complete")
+    return [rec.write(f"recovery_drill_{fault}", drill)]
+
+
+async def drill_rollout(rec: Recorder) -> list[Path]:
+    """RecoveryDrillWorkflow, rollout fault: plan, inject_fault on the rollout worker's fault queue, observe."""
+    return await _drill(rec, "drill-rollout", "rollout")
+
+
+async def drill_store(rec: Recorder) -> list[Path]:
+    """RecoveryDrillWorkflow, store fault: plan, interrupt_store on the drill's own queue, observe."""
+    return await _drill(rec, "drill-store", "store")
+
+
+SCENARIOS: dict[str, Callable[[Recorder], Awaitable[list[Path]]]] = {
+    "stream": stream, "repack": repack, "continue_as_new": continue_as_new, "search_attributes": search_attributes,
+    "drill_rollout": drill_rollout, "drill_store": drill_store,
+}
+
+
+# -- the stack ---------------------------------------------------------------------------------------------------
+
+
+async def record(names: list[str], out: Path, home: Path) -> list[Path]:
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        os.environ.pop(var, None)  # the dev stack's S3 server only: never a real account
+    dev = DevStack(home)
+    dev.up(s3=True, port=free_port(), ui=False)
+    launcher = None
+    try:
+        settings = Settings.from_env({"LAMINAR_HOME": str(home), "LAMINAR_LOG_LEVEL": "info"})
+        store_for(settings)  # sets the dev S3 server's credentials, which the worker processes inherit
+        stack_cfg = RunConfig.load(None, [*TEST_OVERRIDES, *STACK_OVERRIDES])
+        launcher = LocalLauncher(plan_processes(stack_cfg, settings, home / "logs", spare_slots=SPARE_SLOTS,
+                                                allow_faults=True))
+        launcher.start_all()
+        launcher.start_supervision(interval_s=0.2)
+        rec = Recorder(await connect(settings), settings, out)
+        written = []
+        for name in names:
+            t0 = time.monotonic()
+            print(f"recording {name} ...", flush=True)
+            written += await SCENARIOS[name](rec)
+            print(f"{name}: {time.monotonic() - t0:.0f} s", flush=True)
+        return written
+    finally:
+        if launcher is not None:
+            launcher.stop_all()
+        dev.down()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.histories.record", description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="*", help=f"scenarios: {', '.join(SCENARIOS)}, or all")
+    p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    p.add_argument("--out", type=Path, default=HISTORIES, help="where to write the histories (default: %(default)s)")
+    p.add_argument("--keep", action="store_true", help="keep the stack's home (logs, SQLite, store) afterwards")
+    args = p.parse_args(argv)
+    if args.list or not args.names:
+        for name, fn in SCENARIOS.items():
+            print(f"{name:18} {' '.join((fn.__doc__ or '').split())}")
+        return 0
+    names = list(SCENARIOS) if args.names == ["all"] else args.names
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        p.error(f"unknown scenario(s) {', '.join(unknown)}; one of {', '.join(SCENARIOS)}, or all")
+    home = Path(tempfile.mkdtemp(prefix="laminar-record-"))
+    try:
+        asyncio.run(record(names, args.out, home))
+    finally:
+        if args.keep:
+            print(f"kept {home}", file=sys.stderr)
+        else:
+            shutil.rmtree(home, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
