@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from temporalio.worker import Replayer
 
+from laminar import names
 from laminar.converter import DATA_CONVERTER
 from tests.histories import MAX_FILE_BYTES, count, history_files, load, patch_ids, workflow_type
 from workflows.recovery_drill import RecoveryDrillWorkflow
@@ -26,7 +27,7 @@ WORKFLOWS_DIR = Path(__file__).parents[1] / "workflows"
 FILES = history_files()
 # A training run's shortest history is a few steps: start, relays, init, replicas, steps, drain (> 20 events). A
 # drill's is plan, inject, observe: 3 activities of 3 events each and their workflow tasks (> 10 events).
-MIN_EVENTS = {"TrainingRunWorkflow": 20, "RecoveryDrillWorkflow": 10}
+MIN_EVENTS = {names.TRAINING_RUN_WORKFLOW: 20, names.RECOVERY_DRILL_WORKFLOW: 10}
 
 
 def source_patch_ids(directory: Path = WORKFLOWS_DIR) -> dict[str, str]:

@@ -33,6 +33,7 @@ from client.connect import connect, store_for
 from client.run_control import start_workflow
 from client.settings import Settings
 from devstack.stack import DevStack, free_port
+from laminar import names
 from laminar.config import RunConfig
 from laminar.converter import DATA_CONVERTER
 from laminar.messages import ClaimPromptsInput, DrillInput, RunStatus
@@ -117,7 +118,7 @@ class Recorder:
         return path
 
     async def status(self, handle: WorkflowHandle) -> RunStatus:
-        return await handle.query("status", result_type=RunStatus)
+        return await handle.query(names.STATUS, result_type=RunStatus)
 
     async def wait_step(self, handle: WorkflowHandle, n: int) -> RunStatus:
         async def at_least() -> RunStatus | None:
@@ -128,7 +129,7 @@ class Recorder:
     async def stop(self, handle: WorkflowHandle) -> RunStatus:
         """Stop the run (unless it has finished already) and return its final status."""
         if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
-            await handle.execute_update("stop", result_type=str)
+            await handle.execute_update(names.STOP, result_type=str)
         return await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
 
 
@@ -144,10 +145,10 @@ async def stream(rec: Recorder) -> list[Path]:
 
     async def bundled_or_closed() -> bool:  # the trainer ran behind generation at least once, or the run ended
         closed = (await handle.describe()).status != WorkflowExecutionStatus.RUNNING
-        return closed or "train_steps" in activity_types(await handle.fetch_history())
+        return closed or names.TRAIN_STEPS in activity_types(await handle.fetch_history())
     await async_wait_until(bundled_or_closed, RUN_TIMEOUT_S, "a train_steps activity", interval_s=0.5)
     (h,) = await rec.chain(handle)
-    require("train_steps" in activity_types(h), f"no train_steps activity in {STREAM_MAX_STEPS} steps")
+    require(names.TRAIN_STEPS in activity_types(h), f"no train_steps activity in {STREAM_MAX_STEPS} steps")
     final = await rec.stop(handle)
     (h,) = await rec.chain(handle)
     require(final.phase == "finished", f"stream run ended {final.phase} at step {final.step}")
@@ -168,7 +169,7 @@ async def repack(rec: Recorder) -> list[Path]:
     (h,) = await rec.chain(handle)
     require(final.repacks > 0 and "repack" in patch_ids(h), f"repacks={final.repacks}, patches {patch_ids(h)}")
     # the migration travels in the replicas' claim_prompts updates: a source's hand-off, a destination's take
-    claims = update_inputs(h, "claim_prompts", ClaimPromptsInput)
+    claims = update_inputs(h, names.CLAIM_PROMPTS, ClaimPromptsInput)
     require(any(c.handoff is not None for c in claims) and any(c.taken for c in claims),
             "no claim_prompts update carries a migration's hand-off and take")
     return [rec.write("training_run_repack", h)]
@@ -193,16 +194,16 @@ async def search_attributes(rec: Recorder) -> list[Path]:
     cfg = rec.config("search-attributes", "run.steps=1000")
     handle = await start_workflow(rec.client, cfg)
     await rec.wait_step(handle, 1)
-    assert await handle.execute_update("pause", result_type=str) == "paused"
+    assert await handle.execute_update(names.PAUSE, result_type=str) == "paused"
     await async_wait_until(lambda: quiet_status(handle), RUN_TIMEOUT_S, "the run to be quiet after pause")
-    assert await handle.execute_update("resume", result_type=str) == "running"
+    assert await handle.execute_update(names.RESUME, result_type=str) == "running"
     paused_at = (await rec.status(handle)).step
     await rec.wait_step(handle, paused_at + 1)
     await rec.stop(handle)
     (h,) = await rec.chain(handle)
     require("search-attributes" in patch_ids(h), "no search-attributes patch marker")
     require(count(h, "UPSERT_WORKFLOW_SEARCH_ATTRIBUTES") >= 4, "fewer than 4 search attribute upserts")
-    require({"pause", "resume", "stop"} <= set(update_names(h)), f"updates {sorted(set(update_names(h)))}")
+    require({names.PAUSE, names.RESUME, names.STOP} <= set(update_names(h)), f"updates {sorted(set(update_names(h)))}")
     return [rec.write("training_run_search_attributes", h)]
 
 
