@@ -32,13 +32,7 @@ with workflow.unsafe.imports_passed_through():
         ObserveInput,
         fault_queue,
     )
-    from workflows.timeouts import (
-        DRILL_ONE_ATTEMPT,
-        DRILL_RUNNER_HEARTBEAT,
-        FAULT_DELIVERY,
-        OBSERVE_REPORT_MARGIN_S,
-        STORE_RESTART_MARGIN_S,
-    )
+    from workflows import timeouts
 
 
 @workflow.defn(name=names.RECOVERY_DRILL_WORKFLOW)
@@ -51,26 +45,26 @@ class RecoveryDrillWorkflow:
             raise ApplicationError(str(e), type="InvalidConfig", non_retryable=True) from None
         plan: DrillPlan = await workflow.execute_activity(
             names.PLAN_DRILL, inp, result_type=DrillPlan, task_queue=inp.runner_queue,
-            start_to_close_timeout=timedelta(seconds=inp.timeout_s), heartbeat_timeout=DRILL_RUNNER_HEARTBEAT,
+            heartbeat_timeout=timeouts.DRILL_RUNNER_HEARTBEAT, start_to_close_timeout=timedelta(seconds=inp.timeout_s),
         )
         injected = await self._inject(inp, plan)
         return await workflow.execute_activity(
             names.OBSERVE_RECOVERY, ObserveInput(drill=inp, plan=plan, injected=injected), result_type=DrillReport,
-            task_queue=inp.runner_queue, heartbeat_timeout=DRILL_RUNNER_HEARTBEAT,
-            start_to_close_timeout=timedelta(seconds=inp.timeout_s + OBSERVE_REPORT_MARGIN_S),
+            task_queue=inp.runner_queue, heartbeat_timeout=timeouts.DRILL_RUNNER_HEARTBEAT,
+            start_to_close_timeout=timedelta(seconds=inp.timeout_s + timeouts.OBSERVE_REPORT_MARGIN_S),
         )
 
     async def _inject(self, inp: DrillInput, plan: DrillPlan) -> InjectFaultResult:
         if plan.fault == "store":
             return await workflow.execute_activity(
                 names.INTERRUPT_STORE, inp, result_type=InjectFaultResult, task_queue=inp.runner_queue,
-                start_to_close_timeout=timedelta(seconds=inp.outage_s + STORE_RESTART_MARGIN_S),
-                heartbeat_timeout=DRILL_RUNNER_HEARTBEAT, retry_policy=DRILL_ONE_ATTEMPT,
+                start_to_close_timeout=timedelta(seconds=inp.outage_s + timeouts.STORE_RESTART_MARGIN_S),
+                heartbeat_timeout=timeouts.DRILL_RUNNER_HEARTBEAT, retry_policy=timeouts.DRILL_ONE_ATTEMPT,
             )
         return await workflow.execute_activity(
             names.INJECT_FAULT, InjectFaultInput(drill_id=inp.drill_id, fault=plan.fault, target=plan.target),
             result_type=InjectFaultResult, task_queue=fault_queue(plan.process),
-            schedule_to_close_timeout=FAULT_DELIVERY, retry_policy=DRILL_ONE_ATTEMPT,
+            schedule_to_close_timeout=timeouts.FAULT_DELIVERY, retry_policy=timeouts.DRILL_ONE_ATTEMPT,
         )
 
 
@@ -94,8 +88,9 @@ def parse_drill_input(raw: Any) -> DrillInput:
                           f"got {type(raw).__name__}: {str(raw)[:80]}")
     missing = [f.name for f in dataclasses.fields(DrillInput)
                if f.name not in raw and f.default is dataclasses.MISSING]
-    if missing or set(raw) - set(hints):
-        raise ConfigError(f"drill input: missing field(s) {missing}, unknown field(s) {sorted(set(raw) - set(hints))}; "
+    unknown = sorted(set(raw) - set(hints))
+    if missing or unknown:
+        raise ConfigError(f"drill input: missing field(s) {missing}, unknown field(s) {unknown}; "
                           f"the fields are {sorted(hints)}")
     values = {}
     for name, value in raw.items():

@@ -41,23 +41,10 @@ with workflow.unsafe.imports_passed_through():
         relay_queue,
     )
     from laminar.policy import Policy, fresh_lease_room, policy_for, steps_to_publish
+    from workflows import timeouts
     from workflows.ledger import Ledger
     from workflows.migrations import Migrations
     from workflows.state import RunState, TrainingRunInput
-    from workflows.timeouts import (
-        DRAIN,
-        RELAY_BACKOFF_MAX_S,
-        RELAY_FAILING_FAST_S,
-        RELAY_JOIN,
-        RELAY_ONE_ATTEMPT,
-        RELAY_REJOIN_HEARTBEATS,
-        REPUBLISH_ATTEMPT,
-        REPUBLISH_IN_ALL,
-        REPUBLISH_RETRY,
-        RETRY_UNTIL_REPLACED,
-        SEGMENT_ACTIVITY,
-        TRAINER_ATTEMPT,
-    )
 
 __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
 
@@ -173,9 +160,9 @@ class TrainingRunWorkflow:
                     names.RUN_RELAY,
                     RunRelayInput(run_id=self.state.run_id, workflow_id=workflow.info().workflow_id, relay_id=relay_id),
                     task_queue=relay_queue(relay_id),
-                    start_to_close_timeout=SEGMENT_ACTIVITY,
+                    start_to_close_timeout=timeouts.SEGMENT_ACTIVITY,
                     heartbeat_timeout=timedelta(seconds=self._cfg.relay.heartbeat_timeout_s),
-                    retry_policy=RELAY_ONE_ATTEMPT,
+                    retry_policy=timeouts.RELAY_ONE_ATTEMPT,
                     activity_id=f"relay-{relay_id}-{generation}",
                     summary=f"relay {relay_id} (incarnation {generation})",  # shown in the Web UI
                 )
@@ -186,8 +173,8 @@ class TrainingRunWorkflow:
                 return
             self._lose_relay(relay_id)
             # back off while the relay keeps failing fast (history grows with failures, never spins)
-            failures = failures + 1 if workflow.time() - started < RELAY_FAILING_FAST_S else 0
-            await workflow.sleep(timedelta(seconds=min(RELAY_BACKOFF_MAX_S, 2**failures)))
+            failures = failures + 1 if workflow.time() - started < timeouts.RELAY_FAILING_FAST_S else 0
+            await workflow.sleep(timedelta(seconds=min(timeouts.RELAY_BACKOFF_MAX_S, 2**failures)))
 
     def _lose_relay(self, relay_id: str) -> None:
         if self.state.relays.pop(relay_id, None) is not None:
@@ -200,7 +187,7 @@ class TrainingRunWorkflow:
         watch them), so publishing never waits for relays to re-announce themselves. A relay that does not
         re-join within two heartbeat timeouts is gone: it leaves the chain."""
         assert self._cfg is not None
-        wait_s = RELAY_REJOIN_HEARTBEATS * self._cfg.relay.heartbeat_timeout_s
+        wait_s = timeouts.RELAY_REJOIN_HEARTBEATS * self._cfg.relay.heartbeat_timeout_s
         try:
             await workflow.wait_condition(lambda: relay_id in self._rejoined_relays or self._closing,
                                           timeout=timedelta(seconds=wait_s))
@@ -214,7 +201,7 @@ class TrainingRunWorkflow:
         assert self._cfg is not None
         want = self._cfg.relay.relays if not self.state.trainer_ready else 1
         try:
-            await workflow.wait_condition(lambda: len(self.state.relays) >= want, timeout=RELAY_JOIN)
+            await workflow.wait_condition(lambda: len(self.state.relays) >= want, timeout=timeouts.RELAY_JOIN)
         except TimeoutError:
             workflow.logger.warning("relays_missing", extra={"joined": sorted(self.state.relays), "wanted": want})
             await workflow.wait_condition(lambda: len(self.state.relays) >= 1)
@@ -249,9 +236,9 @@ class TrainingRunWorkflow:
                 ),
                 result_type=TrainerInitResult,
                 task_queue=TRAINER_QUEUE,
-                start_to_close_timeout=TRAINER_ATTEMPT,
+                start_to_close_timeout=timeouts.TRAINER_ATTEMPT,
                 heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
-                retry_policy=RETRY_UNTIL_REPLACED,
+                retry_policy=timeouts.RETRY_UNTIL_REPLACED,
                 summary=f"init trainer at step {self.state.step}",
             )
         except ActivityError as e:
@@ -272,9 +259,9 @@ class TrainingRunWorkflow:
                 result_type=int,
                 task_queue=TRAINER_QUEUE,
                 # bounded even with no trainer polling (it is restarting): stop and continue-as-new wait on this
-                schedule_to_close_timeout=REPUBLISH_IN_ALL,
-                start_to_close_timeout=REPUBLISH_ATTEMPT,
-                retry_policy=REPUBLISH_RETRY,
+                schedule_to_close_timeout=timeouts.REPUBLISH_IN_ALL,
+                start_to_close_timeout=timeouts.REPUBLISH_ATTEMPT,
+                retry_policy=timeouts.REPUBLISH_RETRY,
                 summary=f"republish the version of step {self.state.step}",
             )
         except ActivityError as e:
@@ -332,9 +319,9 @@ class TrainingRunWorkflow:
         t0 = workflow.time()
         options: dict[str, Any] = dict(
             task_queue=TRAINER_QUEUE,
-            start_to_close_timeout=TRAINER_ATTEMPT,
+            start_to_close_timeout=timeouts.TRAINER_ATTEMPT,
             heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
-            retry_policy=RETRY_UNTIL_REPLACED,
+            retry_policy=timeouts.RETRY_UNTIL_REPLACED,
             cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
         )
         try:
@@ -389,9 +376,9 @@ class TrainingRunWorkflow:
                     generation=self.state.continued_as_new,
                 ),
                 task_queue=ROLLOUT_QUEUE,
-                start_to_close_timeout=SEGMENT_ACTIVITY,
+                start_to_close_timeout=timeouts.SEGMENT_ACTIVITY,
                 heartbeat_timeout=timedelta(seconds=self._cfg.rollout.heartbeat_timeout_s),
-                retry_policy=RETRY_UNTIL_REPLACED,
+                retry_policy=timeouts.RETRY_UNTIL_REPLACED,
                 activity_id=f"rollout-{replica_id}",
                 summary=f"rollout {replica_id} (segment {self.state.continued_as_new})",
             )
@@ -525,7 +512,7 @@ class TrainingRunWorkflow:
         """Let replicas write their in-flight groups to the partial pool and return, then stop relays."""
         try:
             await workflow.wait_condition(
-                lambda: all(t.done() for t in self._replicas.values()), timeout=DRAIN
+                lambda: all(t.done() for t in self._replicas.values()), timeout=timeouts.DRAIN
             )
         except TimeoutError:
             workflow.logger.warning("replicas_drain_timed_out")
@@ -542,7 +529,7 @@ class TrainingRunWorkflow:
         they do. The chain and every lease, ready group and counter carry over in the state."""
         assert self._cfg is not None
         self._handover = True
-        deadline = workflow.time() + DRAIN.total_seconds()
+        deadline = workflow.time() + timeouts.DRAIN.total_seconds()
         while not self._replicas_returned() and not self.state.stopping:
             try:
                 await workflow.wait_condition(lambda: self._replicas_returned() or self.state.stopping
