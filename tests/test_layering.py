@@ -2,7 +2,8 @@
 so imports inside functions, under `if TYPE_CHECKING:` and `importlib.import_module("...")` calls count too.
 
 - `laminar/` imports only itself; `storage/`, `rl/`, `relay/` and `workflows/` import only `laminar/` and
-  themselves; `client/watch.py` (the run-watching helper every caller shares) only `laminar/`.
+  themselves; `reporting/` only `laminar/` and `storage/`; `client/watch.py` (the run-watching helper every
+  caller shares) only `laminar/`.
 - Nothing imports `workers/` (the top: CLI, launchers, worker processes); `bench/` gets the launcher passed in.
 
 Third-party imports are not checked; first-party packages are the repository's top-level folders.
@@ -22,6 +23,7 @@ ONLY = {
     "rl": {"laminar"},
     "relay": {"laminar"},
     "workflows": {"laminar"},
+    "reporting": {"laminar", "storage"},
     "client.watch": {"laminar"},
 }
 
