@@ -1,0 +1,175 @@
+"""Placement search and sweeps: per (model, GPU budget, mode) the trainer/rollout split that maximises the
+simulated throughput, then the metrics of the paper's Fig. 11 (tokens/s, speedups, scaling efficiency).
+
+The search never hand-sets a placement: sync is colocated (verl's placement, as in the paper); every other mode
+tries splits in whole machines with a golden-section search over the trainer's share (throughput is unimodal
+in it: too few trainer GPUs and the trainer bounds it, too few rollout GPUs and generation does), on short runs
+(`search_iterations`), then runs the chosen split at full length.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sim import params as P
+from sim.core import REAL_POLICY, PolicyFns, SimResult, simulate
+from sim.paper import table2
+from sim.scenarios import MODES, Placement, RelayLink, placements, sim_config
+
+INVPHI = (math.sqrt(5) - 1) / 2
+
+
+@dataclass
+class SweepSpec:
+    model: str = "7b"
+    gpus: tuple[int, ...] = ()  # default: the paper's scales for the model (Table 2)
+    modes: tuple[str, ...] = MODES
+    workload: str = "math"
+    repack: bool = True
+    iterations: int = 8  # global batches per final run
+    warmup: int = 3  # of which excluded from the metrics
+    search_iterations: int = 4  # per run during the placement search
+    search_warmup: int = 2
+    link: RelayLink = field(default_factory=RelayLink)
+    failures: tuple[tuple[str, float], ...] = ()
+    fns: PolicyFns = REAL_POLICY
+
+    def scales(self) -> tuple[int, ...]:
+        return self.gpus or P.MODELS[self.model].gpu_scales
+
+
+def _run(spec: SweepSpec, mode: str, pl: Placement, iterations: int, warmup: int,
+         failures: tuple[tuple[str, float], ...] = ()) -> SimResult:
+    m, w = P.MODELS[spec.model], P.WORKLOADS[spec.workload]
+    cfg = sim_config(m, w, mode, pl, iterations=iterations, warmup=warmup, repack=spec.repack, link=spec.link,
+                     failures=failures)
+    t0 = time.perf_counter()
+    res = simulate(cfg, spec.fns)
+    res.sim_s = time.perf_counter() - t0
+    return res
+
+
+def search(spec: SweepSpec, mode: str, gpus: int) -> tuple[Placement, int]:
+    """The placement of `mode` with the most simulated tokens/s at `gpus`; (placement, runs it took)."""
+    cands = placements(P.MODELS[spec.model], gpus, mode)
+    if len(cands) == 1:
+        return cands[0], 0
+    memo: dict[int, float] = {}
+
+    def f(i: int) -> float:
+        if i not in memo:
+            memo[i] = _run(spec, mode, cands[i], spec.search_iterations, spec.search_warmup).tokens_per_s
+        return memo[i]
+
+    return cands[golden_max(f, 0, len(cands) - 1)], len(memo)
+
+
+def golden_max(f: Callable[[int], float], lo: int, hi: int) -> int:
+    """argmax of a unimodal f over the integers lo..hi (golden-section search, then the last few by hand)."""
+    while hi - lo > 3:
+        a = hi - round(INVPHI * (hi - lo))
+        b = lo + round(INVPHI * (hi - lo))
+        if a >= b:
+            a, b = (lo + hi) // 2, (lo + hi) // 2 + 1
+        if f(a) < f(b):
+            lo = a
+        else:
+            hi = b
+    return max(range(lo, hi + 1), key=lambda i: (f(i), -i))
+
+
+def sweep(spec: SweepSpec, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Every (scale, mode): the searched placement and its full-length run's metrics."""
+    t_start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for gpus in spec.scales():
+        for mode in spec.modes:
+            t0 = time.perf_counter()
+            pl, runs = search(spec, mode, gpus)
+            res = _run(spec, mode, pl, spec.iterations, spec.warmup)
+            row = {"model": spec.model, "workload": spec.workload, "gpus": gpus, "mode": mode,
+                   "placement": pl.label(), "train_gpus": pl.train, "rollout_gpus": pl.rollout, "tp": pl.tp,
+                   "replicas": pl.replicas, "paper_placement": table2(spec.model, gpus, mode),
+                   "search_runs": runs, "wall_s": round(time.perf_counter() - t0, 2), **res.as_dict()}
+            row["staleness_histogram"] = {str(k): v for k, v in res.staleness_histogram.items()}
+            rows.append(row)
+            progress(f"{spec.model} {gpus} GPUs {mode}: {pl.label()} {res.tokens_per_s:,.0f} tokens/s "
+                     f"({runs} search runs, {row['wall_s']} s)")
+    add_derived(rows)
+    return {"rows": rows, "config": {"model": spec.model, "workload": spec.workload, "modes": list(spec.modes),
+                                     "gpus": list(spec.scales()), "repack": spec.repack,
+                                     "iterations": spec.iterations, "warmup": spec.warmup,
+                                     "search_iterations": spec.search_iterations, "relay_link": spec.link.source},
+            "wall_s": round(time.perf_counter() - t_start, 2)}
+
+
+def add_derived(rows: list[dict[str, Any]]) -> None:
+    """laminar's speedup over each mode at the same scale; each mode's scaling efficiency (the paper's: the
+    throughput ratio of the largest to the smallest scale / the GPU ratio)."""
+    lam = {(r["model"], r["gpus"]): r["tokens_per_s"] for r in rows if r["mode"] == "laminar"}
+    for r in rows:
+        base = lam.get((r["model"], r["gpus"]))
+        r["laminar_speedup"] = round(base / r["tokens_per_s"], 3) if base and r["tokens_per_s"] > 0 else None
+    by_mode: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        by_mode.setdefault((r["model"], r["mode"]), []).append(r)
+    for group in by_mode.values():
+        lo, hi = min(group, key=lambda r: r["gpus"]), max(group, key=lambda r: r["gpus"])
+        eff = None
+        if hi["gpus"] > lo["gpus"] and lo["tokens_per_s"] > 0:
+            eff = round(hi["tokens_per_s"] / lo["tokens_per_s"] / (hi["gpus"] / lo["gpus"]), 3)
+        for r in group:
+            r["scaling_efficiency"] = eff
+
+
+def speedup_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per baseline: laminar's average and max speedup across scales, and at the largest scale."""
+    out: dict[str, dict[str, float]] = {}
+    for mode in MODES[1:]:
+        s = [r for r in rows if r["mode"] == mode and r.get("laminar_speedup")]
+        if not s:
+            continue
+        top = max(s, key=lambda r: r["gpus"])
+        out[mode] = {"average": round(sum(r["laminar_speedup"] for r in s) / len(s), 2),
+                     "max": round(max(r["laminar_speedup"] for r in s), 2),
+                     "largest_scale": round(top["laminar_speedup"], 2)}
+    return out
+
+
+def plan(model: str, gpus: int, workload: str = "math", modes: tuple[str, ...] = MODES,
+         **kw: Any) -> list[dict[str, Any]]:
+    """`laminar plan`: the best placement per mode at one GPU budget."""
+    return sweep(SweepSpec(model=model, gpus=(gpus,), modes=modes, workload=workload, **kw))["rows"]
+
+
+def failure_run(spec: SweepSpec, mode: str, gpus: int, kind: str, at_s: float) -> dict[str, Any]:
+    """One failure at modelled time `at_s` on the searched placement: the tokens the trainer did not train by
+    the end (against the same run without it) and the time until the per-step throughput is back within 5 %
+    of the undisturbed run's."""
+    pl, _ = search(spec, mode, gpus)
+    base = _run(spec, mode, pl, spec.iterations, spec.warmup)
+    hit = _run(spec, mode, pl, spec.iterations, spec.warmup, failures=((kind, at_s),))
+
+    def trained_by(res: SimResult, t: float) -> int:
+        return sum(n for s, n in zip(res.step_times, res.step_tokens, strict=True) if s <= t)
+
+    end = min(base.step_times[-1], hit.step_times[-1]) if base.step_times and hit.step_times else 0.0
+    lost = trained_by(base, end) - trained_by(hit, end)
+    # restored: the first step after the failure from which the hit run's cumulative lag stops growing
+    restored = None
+    for t in hit.step_times:
+        if t <= at_s:
+            continue
+        lag_now = trained_by(base, t) - trained_by(hit, t)
+        later = [s for s in hit.step_times if s > t]
+        if later and all(trained_by(base, s) - trained_by(hit, s) <= lag_now * 1.05 + 1 for s in later):
+            restored = t - at_s
+            break
+    return {"model": spec.model, "gpus": gpus, "mode": mode, "failure": kind, "at_s": at_s,
+            "placement": pl.label(), "tokens_per_s": base.tokens_per_s, "tokens_per_s_with_failure": hit.tokens_per_s,
+            "tokens_lost": lost, "seconds_lost": round(lost / base.tokens_per_s, 1) if base.tokens_per_s else None,
+            "restored_after_s": None if restored is None else round(restored, 1)}
