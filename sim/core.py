@@ -205,6 +205,7 @@ class SimResult:
     step_times: list[float]
     step_tokens: list[int]
     events: int
+    peak_in_flight: int = 0  # most sequences in flight on one replica at once
     sim_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -250,6 +251,12 @@ class Simulator:
         self.window: tuple[float, float, float, float, float] | None = None  # t0, kv_area0, busy0, wait0, gen0
         self.window_end: tuple[float, float, float, float, float] | None = None
         self.gen_tokens = 0
+        self.peak_in_flight = 0
+        self._finished: dict[str, _Group] = {}  # reported groups not yet trained
+        self.relay_outage_until = -1.0
+        self.relay_down_host = -1
+        self._lost_step = False
+        self._window_step = 0
         self.plan_every = repack_mod.PLAN_EVERY_S
         self.roofline = min(self.costs.roofline_batch(), cfg.max_inflight_seqs)
 
@@ -490,6 +497,7 @@ class Simulator:
             prefill += G * P
             started.append(lease)
         if started:
+            self.peak_in_flight = max(self.peak_in_flight, r.in_flight())
             ids = {id(x) for x in started}
             r.pending = [x for x in r.pending if id(x) not in ids]
             r.busy_until = max(r.busy_until, self.now) + self.costs.prefill_s(prefill)
@@ -726,8 +734,6 @@ class Simulator:
 
     # -- metrics -----------------------------------------------------------------------------------------
 
-    _finished: dict[str, _Group]
-
     def _mark_window(self, end: bool = False) -> None:
         for r in self.replicas:
             self._sync(r)
@@ -760,13 +766,8 @@ class Simulator:
         hist = dict(sorted(self.stale.items()))
         return SimResult(self.cfg.mode, self.cfg.replicas, tps, gen, it, hist, max(hist, default=0), kv, idle,
                          batches, complete, self.repacks, self.reprefill, self.dropped, list(self.step_times),
-                         list(self.step_tokens), self.events)
+                         list(self.step_tokens), self.events, self.peak_in_flight)
 
 
 def simulate(cfg: SimConfig, fns: PolicyFns = REAL_POLICY) -> SimResult:
-    sim = Simulator(cfg, fns)
-    sim._finished = {}
-    sim.relay_outage_until = -1.0
-    sim.relay_down_host = -1
-    sim._lost_step = False
-    return sim.run()
+    return Simulator(cfg, fns).run()

@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rl.costs import chain_broadcast_s
+from laminar.config import RunConfig
+from rl.costs import CostModel, chain_broadcast_s
 from sim import params as P
 from sim.core import Lengths, SimConfig
 
@@ -118,4 +119,28 @@ def sim_config(model: P.ModelParams, workload: P.WorkloadParams, mode: str, plac
             "checkpoint_load_s": model.checkpoint_load_s(placement.train), "checkpoint_every": P.CHECKPOINT_EVERY,
             "machine_replace_s": P.MACHINE_REPLACE_S,
         },
+    )
+
+
+def from_run_config(cfg: RunConfig, *, iterations: int, warmup: int) -> SimConfig:
+    """The simulator's twin of one modelled run on the real stack (`laminar bench throughput`'s run config): the
+    [modelled] section's costs (CostModel.from_modelled, the engine's own), its response lengths (rl/modelled.py
+    response_length, the same function of seed, prompt and sample), the rollout and trainer sections' sizes.
+    Weight loads as the modelled engine charges them; relays deliver at once (the real relays' milliseconds)."""
+    from rl.modelled import response_length
+
+    m = cfg.modelled
+    costs = CostModel.from_modelled(m)
+    global_sync = cfg.run.mode != "laminar"
+    seed = cfg.run.seed
+    lengths = Lengths(m.response_p50_tokens, m.max_response_tokens, m.workload == "long_tail", seed=seed,
+                      exact=lambda p, s: response_length(m, seed, p, s))
+    return SimConfig(
+        mode=cfg.run.mode, replicas=cfg.rollout.replicas, costs=costs, kv_capacity=m.kv_capacity_tokens,
+        max_inflight_seqs=cfg.rollout.max_inflight_groups * cfg.rollout.group_size,
+        groups_per_step=cfg.trainer.groups_per_step, group_size=cfg.rollout.group_size,
+        prompt_tokens=m.prompt_tokens, lengths=lengths, iterations=iterations, warmup=warmup,
+        repack=cfg.rollout.repack, stream_minibatches=cfg.trainer.minibatches,
+        max_ready_groups=cfg.rollout.max_ready_groups, max_staleness=cfg.trainer.max_staleness,
+        load_s=costs.load_s(global_sync=global_sync), publish_stall_s=costs.publish_stall_s(global_sync),
     )
