@@ -27,14 +27,10 @@ RunFiles = Callable[[], tuple[dict, Any, Any]]
 class EngineTraits:
     spare_slots: int  # spare replica slots a rollout worker keeps: 1 takes over a dead worker's replica; 0 when
     # a process holds one engine only (vLLM, rl/vllm_engine.py)
-    model_files: bool  # builds the run's model from the model files its trainer publishes
 
 
-ENGINE_TRAITS = {
-    "torch": EngineTraits(spare_slots=1, model_files=True),
-    "vllm": EngineTraits(spare_slots=0, model_files=True),
-    "modelled": EngineTraits(spare_slots=1, model_files=False),
-}
+ENGINE_TRAITS = {"torch": EngineTraits(spare_slots=1), "vllm": EngineTraits(spare_slots=0),
+                 "modelled": EngineTraits(spare_slots=1)}
 
 
 def engine_traits(cfg: RunConfig) -> EngineTraits:

@@ -389,5 +389,5 @@ class DeviceSlots:
                 self._users.pop(index, None)
 
 
-ROLLOUT_DEVICES = DeviceSlots()  # this process's rollout replicas (services/rollout.py)
+ROLLOUT_DEVICES = DeviceSlots()  # this process's rollout replicas (taken by rl/factory.py, given back at close)
 

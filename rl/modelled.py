@@ -84,7 +84,7 @@ def parse_request_id(request_id: str) -> tuple[int, int]:
 
 
 class ModelledTask:
-    """What services/rollout.py needs from a task, with fake tokens and a pseudo-reward.
+    """What services/rollout/ needs from a task, with fake tokens and a pseudo-reward.
 
     Modelled runs do not learn: `reward` is a deterministic hash of (prompt id, response length) in [0, 1],
     so groups have a spread of rewards (non-zero advantages) but nothing a policy could improve."""

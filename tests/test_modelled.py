@@ -31,7 +31,6 @@ from rl.modelled import (
     response_length,
 )
 from rl.tasks import get_task
-from services.model_files import load_run_model
 from services.trainer import TrainerService
 from storage import keys
 from storage.objects import LocalObjectStore
@@ -411,11 +410,6 @@ def test_global_sync_modes_stall_for_the_broadcast(tmp_path):
         assert svc.train_step(inp).publish_stall_s >= 0.04825
     finally:
         relay.stop()
-
-
-def test_load_run_model_refuses_a_modelled_run(tmp_path):
-    with pytest.raises(ConfigError, match="rollout.engine='modelled'"):
-        load_run_model(LocalObjectStore(tmp_path), "r", cfg())
 
 
 def test_lognormal_sigma_puts_p99_at_ten_times_the_median():

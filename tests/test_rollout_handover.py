@@ -145,10 +145,11 @@ def test_an_empty_local_relay_falls_through_to_another_relay(tmp_path):
                                  cfg=CFG, store=store, control=HandoverPending(), clock=Ticks())
         payload = state_dict_to_bytes(model_state_dict(replica.engine.model))
         relay_client.push(remote_addr, 0, payload, [], run=RUN)
-        replica.relays = [RelayInfo("host-0", "host-0", local_addr), RelayInfo("host-1", "host-1", remote_addr)]
-        replica._poll_relay()  # own host's relay first: it holds nothing, the other one version 0
-        assert replica.newest_at_relay == 0
-        replica._load_newest()
+        weights = replica.weights
+        weights.relays = [RelayInfo("host-0", "host-0", local_addr), RelayInfo("host-1", "host-1", remote_addr)]
+        weights.poll()  # own host's relay first: it holds nothing, the other one version 0
+        assert weights.newest_at_relay == 0
+        weights.load_newest()
         assert replica.engine.policy_version == 0
     finally:
         local.stop()

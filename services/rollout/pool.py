@@ -1,0 +1,89 @@
+"""The partial-response pool: every flush interval, all in-flight groups are written (finished samples as they
+are, the rest as resumable prefixes), so a killed replica's retry resumes them under the policy version they
+started on, or restarts them fresh (counted). Each incarnation (history segment, attempt) writes its own
+fenced pool, so a zombie cannot overwrite its retry's."""
+
+from __future__ import annotations
+
+from laminar.errors import CorruptDataError
+from laminar.logs import get_logger
+from laminar.messages import Lease
+from laminar.records import Trajectory
+from laminar.timing import TimeBreakdown
+from services.rollout.batch import Batch, Counters
+from services.rollout.weights import Weights
+from storage.trajectories import TrajectoryStore
+
+log = get_logger(__name__)
+
+
+class PartialPool:
+    def __init__(self, trajectories: TrajectoryStore, run_id: str, replica_id: str, fence: tuple[int, int],
+                 batch: Batch, weights: Weights, counters: Counters, profile: TimeBreakdown) -> None:
+        self.trajectories, self.run_id, self.replica_id, self.fence = trajectories, run_id, replica_id, fence
+        self.batch, self.weights, self.counters, self.profile = batch, weights, counters, profile
+        self.empty = False  # unknown until the first write
+        self.last_flush = 0.0
+
+    def flush_if_due(self, now: float, every_s: float) -> None:
+        if now - self.last_flush >= every_s:
+            self.write()
+            self.last_flush = now
+
+    def write(self) -> None:
+        """All samples of every in-flight group: finished ones as they are, the rest as prefixes; then the
+        complete groups not yet reported."""
+        b = self.batch
+        rows = b.rows(b.groups, b.engine.snapshot_inflight())
+        rows += [t for g in b.reporting + b.completed for t in g.done.values()]
+        if not rows and self.empty:
+            return  # an idle replica does not rewrite an empty pool every flush interval
+        with self.profile.measure("flush_pool"):
+            self.trajectories.write_partial(self.run_id, self.replica_id, self.fence, rows)
+        self.empty = not rows
+        self.counters.unsaved_tokens = 0
+
+    def keep(self, resumed: dict[str, list[Trajectory]]) -> None:
+        """Write the previous incarnation's groups under this fence as they are (a hand-over at the start)."""
+        self.trajectories.write_partial(self.run_id, self.replica_id, self.fence,
+                                        [t for rows in resumed.values() for t in rows])
+
+    def clear_older(self) -> None:
+        self.trajectories.clear_partial(self.run_id, self.replica_id, older_than=self.fence)
+
+    def read(self) -> dict[str, list[Trajectory]]:
+        """The previous incarnation's in-flight groups by group id. A corrupt pool is dropped, not retried
+        forever: its groups' leases go back to the pool at the first claim and are generated again."""
+        try:
+            rows = self.trajectories.read_partial(self.run_id, self.replica_id)
+        except CorruptDataError as e:
+            log.error("partial_pool_corrupt", replica_id=self.replica_id, error=str(e))
+            rows = []
+        by_group: dict[str, list[Trajectory]] = {}
+        for t in rows:
+            by_group.setdefault(t.group_id, []).append(t)
+        return by_group
+
+    def resume(self, resumed: dict[str, list[Trajectory]]) -> None:
+        """Continue each resumed group under the policy version it started on, else restart it fresh."""
+        if not resumed:
+            return
+        versions = {t.policy_version for rows in resumed.values() for t in rows}
+        version = max(versions)
+        payload = self.weights.fetch(version)
+        if payload is None or len(versions) > 1:
+            self._restart_fresh(resumed)
+            return
+        self.weights.load(version, payload)
+        self.batch.resume(resumed, version)
+        log.info("partial_groups_resumed", replica_id=self.replica_id, groups=len(resumed), policy_version=version)
+
+    def _restart_fresh(self, resumed: dict[str, list[Trajectory]]) -> None:
+        """The start version can no longer be loaded: regenerate those groups from scratch (counted)."""
+        self.counters.tokens_regenerated += sum(len(t.response_ids) for rows in resumed.values() for t in rows)
+        self.weights.poll()
+        self.weights.load_newest()
+        leases = [Lease(g, rows[0].prompt_id) for g, rows in resumed.items()]
+        log.warning("partial_groups_restarted", replica_id=self.replica_id, groups=len(leases),
+                    tokens_regenerated=self.counters.tokens_regenerated)
+        self.batch.admit(leases)

@@ -1,0 +1,296 @@
+"""`RolloutReplica`: wires the collaborators of one replica incarnation and runs its loop, one turn at a time
+(services/rollout/__init__.py describes the loop)."""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from collections.abc import Callable
+
+from laminar import metrics as prom
+from laminar.config import RunConfig
+from laminar.logs import get_logger
+from laminar.messages import (
+    AddExperienceInput,
+    AddExperienceResult,
+    ClaimPromptsInput,
+    ClaimPromptsResult,
+    ReplicaReport,
+    RolloutReplicaResult,
+)
+from laminar.policy import may_start, min_version, policy_for
+from laminar.timing import TimeBreakdown
+from rl.factory import build_engine
+from services.model_files import load_run_files
+from services.rollout.batch import Batch, Counters, Group
+from services.rollout.control import Contacts, ControlCalls, ControlPort
+from services.rollout.migration import Repack
+from services.rollout.pool import PartialPool
+from services.rollout.timing import TIMING, ReplicaTiming
+from services.rollout.weights import Weights
+from storage import keys
+from storage.objects import ObjectStore
+from storage.trajectories import TrajectoryStore
+
+log = get_logger(__name__)
+
+
+class RolloutReplica:
+    def __init__(self, *, run_id: str, replica_id: str, host_id: str, segment_prefix: str, cfg: RunConfig,
+                 store: ObjectStore, control: ControlPort, attempt: int = 1, generation: int = 0,
+                 previous_heartbeat: dict | None = None, relay_token: str | None = None,
+                 clock: Callable[[], float] = time.time, timing: ReplicaTiming = TIMING) -> None:
+        self.run_id, self.replica_id, self.host_id, self.cfg, self.store = run_id, replica_id, host_id, cfg, store
+        self.segment_prefix = segment_prefix  # attempt-scoped: a zombie never overwrites its retry's segments
+        self.control, self.attempt, self.clock, self.timing = control, attempt, clock, timing
+        self.previous_heartbeat = previous_heartbeat or {}  # the failed attempt's last heartbeat details
+        self.policy = policy_for(cfg)  # what the run mode lets this replica do (laminar/policy.py)
+        seed = zlib.crc32(f"{cfg.run.seed}/{replica_id}/{segment_prefix}".encode())  # sampling differs per incarnation
+        self.engine, self.task = build_engine(cfg, policy=self.policy, seed=seed,
+                                              run_files=lambda: load_run_files(store, run_id, cfg))
+        # where this incarnation's time goes; generate/drain count tokens (sequence-steps), the rest calls
+        self.profile, self.counters = TimeBreakdown(), Counters()
+        self.metrics = prom.ReplicaMetrics.of(replica_id)  # Prometheus series (laminar/metrics.py)
+        self.calls = ControlCalls(replica_id, segment_prefix, self.profile, self.metrics)
+        self.contacts = Contacts(timing, cfg.rollout.max_inflight_groups)
+        trajectories = TrajectoryStore(store)
+        self.batch = Batch(self.engine, self.task, run_id, replica_id, cfg.rollout.group_size, clock)
+        self.weights = Weights(self.engine, self.policy, run_id, replica_id, host_id, relay_token, self.counters,
+                               self.metrics)
+        self.pool = PartialPool(trajectories, run_id, replica_id, (generation, attempt), self.batch, self.weights,
+                                self.counters, self.profile)
+        self.repack = Repack(self.batch, trajectories, run_id, replica_id, self.counters, self.profile)
+        self.seq, self.last_beat, self.profile_written = 0, 0.0, self.profile.started
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> RolloutReplicaResult:
+        try:
+            done = self._start()
+            while done is None:
+                done = self._turn()
+            return done
+        finally:
+            self.calls.shutdown()
+            self.engine.close()  # its GPU slot back; vLLM: one engine per process, kept for the next incarnation
+
+    def _start(self) -> RolloutReplicaResult | None:
+        """Resume the previous incarnation's pool as the first claim's answer allows; returns at once when the
+        run hands over (the pool is kept for the next incarnation)."""
+        resumed = self.pool.read()
+        self.counters.tokens_regenerated += self._tokens_lost_by_previous_attempt()
+        first = self.control.claim(
+            ClaimPromptsInput(report=self._report(), max_groups=0, resuming=sorted(resumed), first_claim=True,
+                              attempt=self.attempt, request_id=self.calls.request_id())
+        )
+        self.weights.relays = first.relays
+        if first.stop or first.handover:
+            self.pool.keep(resumed)
+            return self._hand_over(first.stop)
+        self.pool.resume({g: rows for g, rows in resumed.items() if g in set(first.resume_ok)})
+        self.pool.write()  # claim this incarnation's fence before anything else can be lost
+        self.pool.clear_older()
+        return None
+
+    def _turn(self) -> RolloutReplicaResult | None:
+        """Weights, the control plane's answer, the next contact, one engine step, upkeep; the result once the
+        replica hands over or stops."""
+        now = self.clock()
+        if self.control.cancelled():
+            self.pool.write()
+            self._write_profile()
+            raise InterruptedError(f"replica {self.replica_id} cancelled")
+        self.weights.refresh(now, self.batch.pending, self.timing, self.profile)
+        if (done := self._on_answer()) is not None:
+            return done
+        if self.batch.pending:
+            self._admit_startable()
+        self._contact(now)
+        if in_flight := self.engine.in_flight():
+            self._generate(in_flight)
+        else:
+            self._idle()
+        self._upkeep(now)
+        return None
+
+    def _on_answer(self) -> RolloutReplicaResult | None:
+        """Handle the control call's answer, if one came: leases, relays, hand-over, repack orders."""
+        answer = self._collect(wait=False)
+        if answer is None:
+            return None
+        kind, res = answer
+        if kind == "claim":
+            self.weights.relays = res.relays or self.weights.relays
+            self.weights.newest_known = max(self.weights.newest_known, res.newest_policy_version)
+        if res.stop or res.handover:
+            return self._hand_over(res.stop)
+        if kind == "claim":
+            self.batch.pending += res.leases
+            self.contacts.claimed(len(res.leases), res.paused)
+        self.weights.hold_version = res.hold_version
+        self.contacts.trainer_starved = res.trainer_starved
+        self.repack.on_answer(res.migrate, res.incoming)
+        return None
+
+    def _contact(self, now: float) -> None:
+        """Start the claim or report that is due; one control call at a time, and claims and reports take
+        turns, so neither waits behind a run of the other."""
+        if self.calls.kind is not None:
+            return
+        want, b, holding = self._admissible_groups(), self.batch, self.weights.hold_version >= 0
+        waiting = self.engine.in_flight() > 0 or self.engine.policy_version is None or holding
+        claim = self.contacts.claim_due(now, want, len(b.groups), len(b.completed), waiting, holding,
+                                        self.repack.urgent)
+        if self.contacts.report_due(now, len(b.groups), len(b.completed), b.completed_since) and (
+                not claim or self.calls.last == "claim"):
+            self._start_report()
+        elif claim:
+            self.contacts.asked = want
+            handoff, taken = self.repack.outgoing()
+            self.calls.start("claim", self.control.claim, ClaimPromptsInput(
+                report=self._report(), max_groups=max(0, want), attempt=self.attempt,
+                request_id=self.calls.request_id(), handoff=handoff, taken=taken))
+        else:
+            return
+        self.contacts.last_claim = now  # a report is a contact too
+
+    def _generate(self, in_flight: int) -> None:
+        """One engine step; draining (a newer version waits, so nothing is admitted until these finish)."""
+        self.counters.unsaved_tokens += in_flight  # one token per sequence per engine step
+        t0 = self.profile.clock()
+        finished = self.engine.step()
+        draining = self.weights.newer_available() and not self.policy.interrupts
+        self.profile.add("drain" if draining else "generate", self.profile.clock() - t0, in_flight)
+        self.metrics.tokens.inc(in_flight)
+        self.batch.record(finished)
+
+    def _idle(self) -> None:
+        """Nothing in flight: waiting for weights, for a claim's answer, or for work (paused, back-pressure:
+        empty claims); wake for an answer."""
+        if self.engine.policy_version is None or self.weights.waiting_for_version(self.batch.pending):
+            idle = "wait_weights"
+        elif self.calls.kind == "claim":
+            idle = "idle_claim_in_flight"
+        else:
+            idle = "idle_no_work" if self.contacts.claim_every > 0 else "idle"
+        with self.profile.measure(idle):
+            self.calls.wait(self.timing.idle_wait_s)
+
+    def _upkeep(self, now: float) -> None:
+        self.pool.flush_if_due(now, self.cfg.rollout.flush_interval_s)
+        if now - self.last_beat >= self.timing.heartbeat_every_s:
+            with self.profile.measure("heartbeat"):
+                self.control.heartbeat(self._heartbeat_details())
+            self.last_beat = now
+        if self.profile.clock() - self.profile_written >= self.timing.profile_every_s:
+            self._write_profile()
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def _admissible_groups(self) -> int:
+        """Free group slots not yet leased, or 0 while weights are missing. While a newer version waits
+        (drain), slots are claimed too: their leases wait in `pending` for the new version."""
+        if self.engine.policy_version is None:
+            return 0
+        return self.engine.free_slots() // self.cfg.rollout.group_size - len(self.batch.pending)
+
+    def _admit_startable(self) -> None:
+        """Start the pending leases the run mode lets this replica start now; the others keep waiting (for
+        the drain to end, or for the version their batch needs)."""
+        newer, b = self.weights.newer_available(), self.batch
+        start = [lease for lease in b.pending
+                 if may_start(self.policy, min_version(self.policy, lease.prompt_id), self.engine.policy_version,
+                              newer)]
+        if start:
+            b.pending = [lease for lease in b.pending if lease not in start]
+            b.admit(start)
+
+    # -- reports -------------------------------------------------------------------------------
+
+    def _collect(self, wait: bool) -> tuple[str, ClaimPromptsResult | AddExperienceResult] | None:
+        answer = self.calls.collect(wait)
+        if answer is not None and answer[0] == "report":
+            self._reported(self.batch.reporting, answer[1])
+            self.batch.reporting = []
+        return answer
+
+    def _start_report(self) -> None:
+        """Report the complete groups: write them as one segment, then `add_experience`, on the control thread."""
+        b, c = self.batch, self.counters
+        b.reporting, b.completed = b.completed, []
+        rows = [t for g in b.reporting for _, t in sorted(g.done.items())]
+        seq, regenerated, report = f"{self.segment_prefix}-{self.seq:06d}", c.tokens_regenerated, self._report()
+        self.seq += 1
+        c.tokens_regenerated = 0
+        reprefill, c.reprefill_unreported = c.reprefill_unreported, 0
+
+        def send() -> AddExperienceResult:
+            ref = self.pool.trajectories.write_segment(self.run_id, self.replica_id, seq, rows)
+            return self.control.add_experience(AddExperienceInput(report=report, segment=ref,
+                                                                  tokens_regenerated=regenerated,
+                                                                  reprefill_tokens=reprefill))
+
+        self.calls.start("report", send)
+
+    def _reported(self, groups: list[Group], res: AddExperienceResult) -> None:
+        self.counters.groups_completed += len(res.accepted)
+        self.counters.tokens_generated += sum(len(t.response_ids) for g in groups for t in g.done.values())
+        log.info("experience_reported", replica_id=self.replica_id, groups=len(groups),
+                 policy_version=max(t.policy_version for g in groups for t in g.done.values()),
+                 duplicates=len(res.duplicates))
+
+    def _hand_over(self, stop: bool) -> RolloutReplicaResult:
+        """Report what is complete, write the pool and return at once: the next incarnation resumes the
+        in-flight groups, so a hand-over never waits for the long tail."""
+        if self.batch.completed:
+            self._start_report()
+            self._collect(wait=True)
+        self.pool.write()
+        self._write_profile()
+        log.info("replica_returned", replica_id=self.replica_id, stop=stop, in_flight_groups=len(self.batch.groups))
+        return RolloutReplicaResult(replica_id=self.replica_id, groups_completed=self.counters.groups_completed,
+                                    tokens_generated=self.counters.tokens_generated,
+                                    handed_over=len(self.batch.groups))
+
+    def _write_profile(self) -> None:
+        """This incarnation's time breakdown, to the store (read by the run summary)."""
+        with self.profile.measure("profile_write"):
+            key = keys.profile(self.run_id, f"rollout-{self.replica_id}-{self.segment_prefix}")
+            self.store.put(key, json.dumps(self.profile.to_dict()).encode())
+        self.profile_written = self.profile.clock()
+
+    def _report(self, advance: bool = True) -> ReplicaReport:
+        """What this replica holds now; kv_prev is kv_used at the previous report (heartbeats do not advance it)."""
+        used, capacity = self.engine.kv_usage()
+        version = self.engine.policy_version
+        report = ReplicaReport(
+            replica_id=self.replica_id, host_id=self.host_id,
+            policy_version=-1 if version is None else int(version),
+            in_flight=self.engine.in_flight(), kv_used=used, kv_capacity=capacity,
+            kv_prev=self.counters.kv_reported, waiting=len(self.batch.pending),
+        )
+        if advance:
+            self.counters.kv_reported = used
+        return report
+
+    def _heartbeat_details(self) -> dict:
+        r = self._report(advance=False)
+        self.metrics.state(r.policy_version, r.in_flight, r.kv_used, r.kv_capacity)
+        return {"policy_version": r.policy_version, "in_flight": r.in_flight, "kv_used": r.kv_used,
+                "kv_capacity": r.kv_capacity, "groups_completed": self.counters.groups_completed,
+                "unsaved_tokens": self.counters.unsaved_tokens}
+
+    def _tokens_lost_by_previous_attempt(self) -> int:
+        """Tokens the failed attempt generated after its last pool write (they die with it and are generated
+        again), as its last heartbeat reported them; tokens generated after that heartbeat are not known."""
+        lost = tokens_lost_with(self.previous_heartbeat)
+        if lost > 0:
+            log.info("tokens_lost_with_attempt", replica_id=self.replica_id, attempt=self.attempt - 1, tokens=lost)
+        return lost
+
+
+def tokens_lost_with(last_heartbeat: dict) -> int:
+    """Tokens a dead incarnation generated after its last pool write, from its last heartbeat's details
+    (0 for a first attempt, or when that heartbeat was sent while it waited on the control plane)."""
+    return max(0, int(last_heartbeat.get("unsaved_tokens", 0)))

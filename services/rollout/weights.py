@@ -1,0 +1,129 @@
+"""Weight loading: which relay to ask (own host's first), when a newer version is there, and loading it
+between batches or, in partial rollout, under in-flight sequences."""
+
+from __future__ import annotations
+
+import time
+
+from laminar import metrics as prom
+from laminar.errors import RelayError
+from laminar.logs import get_logger
+from laminar.messages import Lease, RelayInfo
+from laminar.policy import Policy, load_action, min_version
+from laminar.timing import TimeBreakdown
+from relay import client as relay_client
+from relay.weights import state_dict_from_buffer
+from rl.engine_api import Engine
+from rl.model import bytes_to_state_dict
+from services.rollout.batch import Counters
+from services.rollout.timing import ReplicaTiming
+
+log = get_logger(__name__)
+
+
+class Weights:
+    def __init__(self, engine: Engine, policy: Policy, run_id: str, replica_id: str, host_id: str,
+                 relay_token: str | None, counters: Counters, metrics: prom.ReplicaMetrics) -> None:
+        self.engine, self.policy, self.counters, self.metrics = engine, policy, counters, metrics
+        self.run_id, self.replica_id, self.host_id, self.relay_token = run_id, replica_id, host_id, relay_token
+        self.relays: list[RelayInfo] = []
+        self.newest_at_relay: int | None = None
+        self.newest_known = -1  # the newest version the workflow announced (claims answer with it)
+        self.hold_version = -1  # a migration to this replica is on its way: do not load past this version
+        self.last_poll = 0.0
+
+    def refresh(self, now: float, pending: list[Lease], timing: ReplicaTiming, profile: TimeBreakdown) -> None:
+        """Poll the relay when due, then load (or interrupt and load) what the run mode says."""
+        if now - self.last_poll >= (timing.version_wait_poll_s if self.waiting_for_version(pending)
+                                    else timing.version_poll_s):
+            with profile.measure("poll_relay"):
+                self.poll()
+            self.last_poll = now
+        action = load_action(self.policy, self.engine.policy_version, self.newest_at_relay, self.engine.in_flight())
+        if action == "load" and self.hold_version == self.engine.policy_version:
+            action = None  # repack: the groups coming to this replica continue under this version
+        if action:
+            with profile.measure("load_weights" if action == "load" else "interrupt"):
+                self.load_newest(interrupt=action == "interrupt")
+
+    def relay_order(self) -> list[str]:
+        """Own host's relay first, then the others (a rollout whose relay is gone pulls elsewhere)."""
+        local = self.local_relays()
+        return sorted(local) + [r.address for r in self.relays if r.address not in local]
+
+    def local_relays(self) -> set[str]:
+        return {r.address for r in self.relays if r.host_id == self.host_id}
+
+    def poll(self) -> None:
+        """Newest version at the first relay that holds one (own host first; an empty, just restarted
+        relay serves nothing until it has caught up)."""
+        for addr in self.relay_order():
+            try:
+                version = relay_client.latest_version(addr, run=self.run_id, token=self.relay_token)
+            except RelayError as e:
+                log.warning("relay_poll_failed", replica_id=self.replica_id, address=addr, error=str(e))
+                continue
+            if version is not None:
+                self.newest_at_relay = version
+                return
+
+    def newer_available(self) -> bool:
+        current = self.engine.policy_version
+        return self.newest_at_relay is not None and (current is None or self.newest_at_relay > current)
+
+    def waiting_for_version(self, pending: list[Lease]) -> bool:
+        """Leases wait for a version this replica does not hold yet (a barrier mode's next batch), or an idle
+        replica knows from the workflow of a version newer than its own: poll the relay often."""
+        v = -1 if self.engine.policy_version is None else self.engine.policy_version
+        return (self.engine.in_flight() == 0 and self.newest_known > v) or any(
+            min_version(self.policy, lease.prompt_id) > v for lease in pending)
+
+    def fetch(self, version: int) -> bytes | None:
+        """One given version, over TCP from the first relay that still holds it."""
+        for addr in self.relay_order():
+            try:
+                got = relay_client.fetch_version(addr, version, run=self.run_id, token=self.relay_token)
+            except RelayError:
+                continue
+            if got is not None:
+                return got
+        return None
+
+    def load_newest(self, interrupt: bool = False) -> None:
+        """Own host's relay: map the version from its shared memory (no copy through a socket); any other
+        relay (own one gone): fetch it over TCP. interrupt (partial rollout): in-flight trajectories stop,
+        the version loads, and they continue under it (their prefixes are prefilled again, counted)."""
+        for addr in self.relay_order():
+            try:
+                if addr in self.local_relays():
+                    # None: this host's relay holds no version (restarted empty): fetch from the next one
+                    pulled = relay_client.pull_local(addr, run=self.run_id, token=self.relay_token)
+                    if pulled is not None:
+                        with pulled:
+                            self._load(pulled.policy_version, state_dict_from_buffer(pulled.buffer),
+                                       pulled.buffer.nbytes, "shared_memory", interrupt)
+                            return
+                version, payload = relay_client.fetch_latest(addr, run=self.run_id, token=self.relay_token)
+            except RelayError as e:
+                log.warning("relay_pull_failed", replica_id=self.replica_id, address=addr, error=str(e))
+                continue
+            if version is not None and payload is not None:
+                self.load(version, payload, interrupt)
+                return
+
+    def load(self, version: int, payload: bytes, interrupt: bool = False) -> None:
+        self._load(version, bytes_to_state_dict(payload), len(payload), "tcp", interrupt)
+
+    def _load(self, version: int, tensors: dict, size: int, via: str, interrupt: bool) -> None:
+        t0 = time.perf_counter()
+        self.engine.note_pull(local=via == "shared_memory")
+        if interrupt and self.engine.in_flight():
+            tokens = self.engine.interrupt_and_load(tensors, version)
+            self.counters.reprefilled(tokens)
+            log.info("policy_loaded_interrupting", replica_id=self.replica_id, policy_version=version,
+                     in_flight=self.engine.in_flight(), reprefill_tokens=tokens)
+        else:
+            self.engine.load_weights(tensors, version)
+        self.metrics.loaded(via, time.perf_counter() - t0)
+        log.info("policy_loaded", replica_id=self.replica_id, policy_version=version, bytes=size, via=via,
+                 load_s=round(time.perf_counter() - t0, 3))
