@@ -104,7 +104,7 @@ class TrainerService:
             publish_model_files(self.store, run_id, path)
             return path
 
-        if self.trainer is not None:  # an FSDP trainer's helper ranks go before new ones start
+        if self.trainer is not None:  # an FSDP trainer's other ranks go before new ones start
             self.trainer.close()
         trainer = build_trainer(cfg, policy=policy, max_staleness=staleness_bound(cfg), model_dir=model_dir)
         step, consumed = 0, set()

@@ -156,7 +156,7 @@ def test_every_trainer_the_factory_builds_implements_the_trainer_protocol(engine
 
 
 def test_the_fsdp_trainer_class_implements_the_trainer_protocol():
-    # building one starts trainer.fsdp_procs helper processes (tests/test_fsdp.py does); the class suffices here
+    # building one starts trainer.fsdp_procs rank processes (tests/test_fsdp.py does); the class suffices here
     from rl.fsdp import FsdpTrainer
 
     for name, sig in _members(PolicyTrainer).items():
