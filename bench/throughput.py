@@ -57,7 +57,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -360,8 +359,7 @@ def measure(data: RunData) -> dict[str, Any]:
 # -- driving the runs ----------------------------------------------------------------------------------
 
 Progress = Callable[[str, RunStatus | None, str], None]  # (label, latest status or None, note)
-# Starts one run's worker processes and returns what stops them: (config, settings, log dir) -> stop. The CLI
-# passes its launcher in (workers/cli_bench.py): bench/ imports nothing from workers/ (docs/decisions.md).
+# Starts a run's worker processes, returns what stops them; the CLI passes its launcher in (docs/decisions.md).
 LaunchWorkers = Callable[[RunConfig, Settings, Path], Callable[[], None]]
 
 
@@ -403,9 +401,7 @@ def run_bench(spec: BenchSpec, progress: Progress, launch: LaunchWorkers) -> dic
     stack = DevStack(home)
     info, started_stack = stack.ensure_up(ui=False)
     try:
-        settings = Settings.from_env()
-        if settings.relay_token is None:
-            settings = settings.with_relay_token(secrets.token_hex(16))
+        settings = Settings.from_env().with_relay_token()
         progress("dev stack", None, f"temporal={info.temporal_address} store={settings.store_url}")
         results = asyncio.run(_run_all(spec, settings, progress, launch))
     finally:

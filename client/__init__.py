@@ -1,2 +1,1 @@
-"""The Python client of a deployment, for every process and program: where things are (LAMINAR_* settings),
-connecting to Temporal and the store, starting and watching runs. Imports nothing from workers/."""
+"""What every program uses to reach a deployment: settings, connect, run operations, watch_run."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -234,8 +235,9 @@ class Settings:
                 env[f"LAMINAR_{name.upper()}"] = str(value)
         return env
 
-    def with_relay_token(self, token: str) -> Settings:
-        return replace(self, relay_token=token)
+    def with_relay_token(self) -> Settings:
+        """These settings with a relay token: LAMINAR_RELAY_TOKEN's, else a fresh one for this run's processes."""
+        return self if self.relay_token else replace(self, relay_token=secrets.token_hex(16))
 
 
 def _invalid(name: str, value: str, fix: str) -> ConfigError:

@@ -21,32 +21,26 @@ QUERY_TIMEOUT_S = 5.0  # a status query the control worker has not answered by t
 OUTAGE_CODES = (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED,
                 RPCStatusCode.UNKNOWN, RPCStatusCode.INTERNAL, RPCStatusCode.RESOURCE_EXHAUSTED)
 
-# After each poll: (the run's status, "") or (None, why there is none: an outage, no control worker answering).
-OnStatus = Callable[[RunStatus | None, str], None]
-
-
-async def watch_run(handle: WorkflowHandle, on_status: OnStatus, poll_s: float = POLL_S,
-                    on_cancel_failed: Callable[[RPCError], None] | None = None) -> RunStatus:
-    """Poll the run's status every poll_s, handing each answer to on_status, until the run ends; return its
-    final status (a failed run raises WorkflowFailureError). When the watching ends first (an error, Ctrl-C, a
-    timeout around this call) the run is cancelled, so none is left behind to resume on its next start; a cancel
-    the server refuses goes to on_cancel_failed."""
+async def watch_run(handle: WorkflowHandle, on_status: Callable[[RunStatus | None, str], None], poll_s: float = POLL_S,
+                    on_cancel_failed: Callable[[RPCError], None] = lambda e: None) -> RunStatus:
+    """Hand each status poll to on_status, as (status, "") or (None, why there is none), until the run ends; return
+    its final status (a failed run raises WorkflowFailureError). Watching that ends first (an error, Ctrl-C, a
+    timeout around the call) cancels the run, so none is left behind; a refused cancel goes to on_cancel_failed."""
     result = asyncio.create_task(_result(handle))
+    down_since: float | None = None  # when the first status query of a Temporal outage was sent
     try:
-        down_since: float | None = None  # when the first status query of a Temporal outage was sent
         while not result.done():
             asked = time.time()
             try:
                 st = await handle.query(names.STATUS, result_type=RunStatus,
                                         rpc_timeout=timedelta(seconds=QUERY_TIMEOUT_S))
-            except RPCError as e:
-                if e.status == RPCStatusCode.UNAVAILABLE:
+            except Exception as e:  # an outage, or the control worker (re)starting: keep polling
+                if isinstance(e, RPCError) and e.status == RPCStatusCode.UNAVAILABLE:
                     down_since = down_since or asked
                     on_status(None, f"Temporal unreachable for {time.time() - down_since:.0f} s; retrying")
-                else:  # the control worker may be (re)starting; keep polling
-                    on_status(None, f"waiting for control worker ({e.status.name if e.status else e})")
-            except Exception as e:
-                on_status(None, f"waiting for control worker ({type(e).__name__})")
+                else:
+                    why = e.status.name if isinstance(e, RPCError) and e.status else type(e).__name__
+                    on_status(None, f"waiting for control worker ({why})")
             else:
                 down_since = None
                 on_status(st, "")
@@ -58,13 +52,11 @@ async def watch_run(handle: WorkflowHandle, on_status: OnStatus, poll_s: float =
             try:
                 await handle.cancel()
             except RPCError as e:
-                if on_cancel_failed is not None:
-                    on_cancel_failed(e)
+                on_cancel_failed(e)
 
 
 async def _result(handle: WorkflowHandle) -> RunStatus:
-    """The run's result, through Temporal outages of any length: each call retries for as long as the SDK's
-    retry window lasts (about 10 s), then it is asked again; the workflow's state is on the server."""
+    """The run's result through outages of any length: each call retries for the SDK's window (about 10 s)."""
     while True:
         try:
             return await handle.result()

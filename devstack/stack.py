@@ -344,9 +344,9 @@ def port_free(port: int) -> bool:
         return True
 
 
-def free_port() -> int:
+def free_port(bind: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((bind, 0))
         return s.getsockname()[1]
 
 

@@ -15,13 +15,11 @@ import typer
 
 from client.connect import connect
 from client.exit import run_then_exit
-from client.run_control import new_run_id
+from client.run_control import new_run_id, start_workflow
 from client.settings import Settings
 from client.watch import watch_run
-from laminar import names
 from laminar.config import RunConfig
-from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
-from workflows.state import TrainingRunInput
+from laminar.messages import RunStatus
 
 
 def main(
@@ -37,15 +35,8 @@ def main(
 
 
 async def watch(cfg: RunConfig) -> None:
-    settings = Settings.from_env()
-    client = await connect(settings)  # TLS and API key from LAMINAR_TEMPORAL_* as every process
-    handle = await client.start_workflow(
-        names.TRAINING_RUN_WORKFLOW,
-        TrainingRunInput(config=cfg.to_json()),
-        id=workflow_id_for(cfg.run.run_id),
-        task_queue=CONTROL_QUEUE,
-        result_type=RunStatus,
-    )
+    client = await connect(Settings.from_env())  # TLS and API key from LAMINAR_TEMPORAL_* as every process
+    handle = await start_workflow(client, cfg)  # the TrainingRunWorkflow on the control queue, id run/<run_id>
     print(f"run_id={cfg.run.run_id}")
 
     def show(st: RunStatus | None, note: str) -> None:  # each status poll, or why there was no answer

@@ -250,8 +250,7 @@ def throughput_bench(
 
 
 def launch_bench_workers(cfg, settings, log_dir: Path) -> Callable[[], None]:
-    """One throughput run's worker processes (one per role, a spare rollout slot, supervised); returns what stops
-    them. The bench gets it from here: bench/ imports nothing from workers/."""
+    """Starts one throughput run's worker processes (bench.throughput.LaunchWorkers); returns what stops them."""
     from workers.launcher import LocalLauncher, plan_processes
 
     launcher = LocalLauncher(plan_processes(cfg, settings, log_dir, spare_slots=1))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 import psutil
 
 from client.settings import Settings
+from devstack.stack import free_port
 from laminar.config import RunConfig
 from laminar.logs import get_logger
 
@@ -72,7 +72,7 @@ def plan_processes(cfg: RunConfig, settings: Settings, log_dir: Path, spare_slot
             procs.append(ManagedProcess(f"rollout-host-{i}", [*base, "rollout", "--slots", str(slots)], host_env,
                                         log_dir / f"rollout-host-{i}.log"))
     for p in procs:
-        p.env = {**p.env, "LAMINAR_METRICS_PORT": str(_free_port(settings.metrics_bind) if metrics else 0)}
+        p.env = {**p.env, "LAMINAR_METRICS_PORT": str(free_port(settings.metrics_bind) if metrics else 0)}
     return procs
 
 
@@ -80,12 +80,6 @@ def metrics_url(p: ManagedProcess) -> str | None:
     """The process's Prometheus endpoint, None when it serves none."""
     port = int(p.env.get("LAMINAR_METRICS_PORT", "0") or 0)
     return f"http://{p.env.get('LAMINAR_METRICS_BIND', '127.0.0.1')}:{port}/metrics" if port else None
-
-
-def _free_port(bind: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((bind, 0))
-        return s.getsockname()[1]
 
 
 class LocalLauncher:

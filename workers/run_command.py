@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import signal
 import time
 from dataclasses import asdict
@@ -19,7 +18,6 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from temporalio.client import WorkflowFailureError, WorkflowHandle
-from temporalio.service import RPCError
 
 from client.connect import connect, store_for
 from client.run_control import new_run_id, start_or_attach
@@ -31,7 +29,7 @@ from laminar.errors import ConfigError
 from laminar.messages import RunStatus
 from reporting.summary import build_profile, build_summary, format_profile, reward_rise
 from storage import keys
-from workers.launcher import LocalLauncher, ManagedProcess, metrics_url, plan_processes, process_cpu_s
+from workers.launcher import LocalLauncher, metrics_url, plan_processes, process_cpu_s
 
 if TYPE_CHECKING:
     from workers.launcher_ray import RayLauncher
@@ -49,10 +47,13 @@ def check_launcher(kind: str, ray_address: str | None) -> None:
         import_ray()
 
 
-def make_launcher(kind: str, cfg: RunConfig, procs: list[ManagedProcess], tag: str,
-                  ray_address: str | None = None) -> LocalLauncher | RayLauncher:
-    """`local` (the default: child processes under a supervisor) or `ray` (workers/launcher_ray.py; imports Ray)."""
+def make_launcher(kind: str, cfg: RunConfig, settings: Settings, tag: str, ray_address: str | None = None,
+                  allow_faults: bool = False) -> LocalLauncher | RayLauncher:
+    """`local` (the default: child processes under a supervisor) or `ray` (workers/launcher_ray.py; imports Ray),
+    for the processes of plan_processes; their logs go to $LAMINAR_HOME/logs/<tag>/."""
     check_launcher(kind, ray_address)
+    procs = plan_processes(cfg, settings, settings.home / "logs" / tag, spare_slots=_spare_slots(cfg),
+                           allow_faults=allow_faults, metrics=True)
     if kind == "local":
         return LocalLauncher(procs)
     from workers.launcher_ray import RayLauncher, plan_placements
@@ -89,16 +90,11 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, repor
     else:
         info, started_stack = stack.ensure_up()
         temporal_pid, ui_url = info.temporal_pid, info.ui_url
-    settings = Settings.from_env()  # dev.json now names the endpoints
-    if settings.relay_token is None:  # relays of this run accept only its own processes
-        settings = settings.with_relay_token(secrets.token_hex(16))
+    settings = Settings.from_env().with_relay_token()  # dev.json now names the endpoints
     console.print(f"temporal={settings.temporal_address} ui={ui_url or '-'} store={settings.store_url}",
                   highlight=False)
     _stop_like_ctrl_c()
-    launcher = make_launcher(launcher_kind, cfg, plan_processes(cfg, settings, home / "logs" / cfg.run.run_id,
-                                                                spare_slots=_spare_slots(cfg), allow_faults=True,
-                                                                metrics=True),
-                             cfg.run.run_id, ray_address)
+    launcher = make_launcher(launcher_kind, cfg, settings, cfg.run.run_id, ray_address, allow_faults=True)
     for p in launcher.processes.values():
         console.print(f"metrics {p.name} {metrics_url(p)}", highlight=False, soft_wrap=True)
     try:
@@ -122,12 +118,9 @@ def serve_workers(cfg: RunConfig, console: Console, launcher_kind: str = "local"
     """`laminar workers`: the worker processes `laminar run` would start for this config (relay.relays hosts,
     rollout.replicas), against the LAMINAR_* settings, until Ctrl-C or SIGTERM. Runs are started separately
     (`laminar start`, `temporal workflow start`); the processes' logs go to $LAMINAR_HOME/logs/workers/."""
-    check_launcher(launcher_kind, ray_address)
     settings = Settings.from_env()
     _stop_like_ctrl_c()
-    procs = plan_processes(cfg, settings, settings.home / "logs" / "workers", spare_slots=_spare_slots(cfg),
-                           allow_faults=allow_faults, metrics=True)
-    launcher = make_launcher(launcher_kind, cfg, procs, "workers", ray_address)
+    launcher = make_launcher(launcher_kind, cfg, settings, "workers", ray_address, allow_faults)
     console.print(f"temporal={settings.temporal_address} store={settings.store_url} launcher={launcher_kind}",
                   highlight=False)
     try:
@@ -182,12 +175,6 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher | R
     return 0
 
 
-def _cancel_failed(handle: WorkflowHandle, e: RPCError, console: Console) -> None:
-    run_id = handle.id.removeprefix("run/")
-    console.print(f"could not cancel run {run_id} ({e}); it is still running: `laminar run --run-id {run_id}` "
-                  f"attaches to it again, `laminar stop --force {run_id}` ends it", highlight=False)
-
-
 async def _watch(handle: WorkflowHandle, cfg: RunConfig, console: Console, t0: float) -> RunStatus:
     columns = [TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn()]
@@ -195,12 +182,12 @@ async def _watch(handle: WorkflowHandle, cfg: RunConfig, console: Console, t0: f
         task = bar.add_task("train", total=cfg.run.steps, info="starting workers")
 
         def show(st: RunStatus | None, note: str) -> None:
-            if st is None:
-                bar.update(task, info=note)
-            else:
-                bar.update(task, total=st.total_steps, completed=st.step, info=_progress_line(st, time.time() - t0))
+            fields = {"total": st.total_steps, "completed": st.step} if st else {}
+            bar.update(task, info=note or _progress_line(st, time.time() - t0), **fields)
 
-        return await watch_run(handle, show, on_cancel_failed=lambda e: _cancel_failed(handle, e, console))
+        return await watch_run(handle, show, on_cancel_failed=lambda e: console.print(
+            f"could not cancel run {cfg.run.run_id} ({e}); it is still running: `laminar run --run-id {cfg.run.run_id}` "
+            f"attaches to it again, `laminar stop --force {cfg.run.run_id}` ends it", highlight=False))
 
 
 def _progress_line(st: RunStatus, elapsed: float) -> str:
