@@ -104,6 +104,34 @@ def test_hand_over_returns_at_the_next_contact_with_every_group_still_in_flight(
     assert keys.partial_manifest(RUN, "replica-0", (3, 1)) in store.list(keys.partial_prefix(RUN, "replica-0"))
 
 
+class HandoverAtStart(HandoverPending):
+    """Every answer, the first claim included, says `handover`: the incarnation started while the run hands over."""
+
+    def claim(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
+        self.contacts_after_handover += 1
+        return ClaimPromptsResult(leases=[], newest_policy_version=0, relays=[], handover=True)
+
+
+def test_an_incarnation_started_during_a_hand_over_keeps_the_previous_pool(tmp_path):
+    # Attempt 1 left 3 prefixes of g00000000 in its pool (fence (3, 1)). Attempt 2 starts while the run hands
+    # over: it writes those rows under its own fence (3, 2) and returns. Before the fix its hand-over then wrote
+    # its own (empty) batch under the same fence, so the next incarnation found an empty pool and generated the
+    # group again from scratch.
+    store = _store_with_model(tmp_path)
+    rows = [Trajectory(run_id=RUN, prompt_id=0, group_id="g00000000", sample_index=i, prompt_ids=[1, 2],
+                       response_ids=[3] * (i + 1), logprobs=[-0.5] * (i + 1), reward=0.0, policy_version=0,
+                       replica_id="replica-0", started_at=1.0, ended_at=2.0, finish_reason="partial")
+            for i in range(3)]
+    TrajectoryStore(store).write_partial(RUN, "replica-0", (3, 1), rows)
+
+    result = _replica(store, HandoverAtStart(), Ticks(), attempt=2).run()
+
+    assert result.handed_over == 0 and result.groups_completed == 0
+    kept = TrajectoryStore(store).read_partial(RUN, "replica-0")
+    assert sorted((t.sample_index, len(t.response_ids)) for t in kept) == [(0, 1), (1, 2), (2, 3)]
+    assert keys.partial_manifest(RUN, "replica-0", (3, 2)) in store.list(keys.partial_prefix(RUN, "replica-0"))
+
+
 def test_a_corrupt_partial_pool_is_dropped_not_retried_forever(tmp_path):
     # The previous incarnation's pool fails its sha256 check: the new incarnation starts with nothing to
     # resume (its leases go back to the pool at the first claim and are generated again) instead of raising

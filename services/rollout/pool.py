@@ -23,6 +23,7 @@ class PartialPool:
         self.trajectories, self.run_id, self.replica_id, self.fence = trajectories, run_id, replica_id, fence
         self.batch, self.weights, self.counters, self.profile = batch, weights, counters, profile
         self.empty = False  # unknown until the first write
+        self.kept = False  # the previous incarnation's groups were written as they are (keep)
         self.last_flush = 0.0
 
     def flush_if_due(self, now: float, every_s: float) -> None:
@@ -36,17 +37,19 @@ class PartialPool:
         b = self.batch
         rows = b.rows(b.groups, b.engine.snapshot_inflight())
         rows += [t for g in b.reporting + b.completed for t in g.done.values()]
-        if not rows and self.empty:
-            return  # an idle replica does not rewrite an empty pool every flush interval
+        if not rows and (self.empty or self.kept):
+            return  # an idle replica does not rewrite an empty pool every flush interval, nor a kept one
         with self.profile.measure("flush_pool"):
             self.trajectories.write_partial(self.run_id, self.replica_id, self.fence, rows)
         self.empty = not rows
         self.counters.unsaved_tokens = 0
 
     def keep(self, resumed: dict[str, list[Trajectory]]) -> None:
-        """Write the previous incarnation's groups under this fence as they are (a hand-over at the start)."""
-        self.trajectories.write_partial(self.run_id, self.replica_id, self.fence,
-                                        [t for rows in resumed.values() for t in rows])
+        """Write the previous incarnation's groups under this fence as they are (a hand-over at the start). The
+        batch holds none of them, so a later write with nothing in flight must not replace them with nothing."""
+        rows = [t for rows in resumed.values() for t in rows]
+        self.trajectories.write_partial(self.run_id, self.replica_id, self.fence, rows)
+        self.kept = bool(rows)
 
     def clear_older(self) -> None:
         self.trajectories.clear_partial(self.run_id, self.replica_id, older_than=self.fence)
