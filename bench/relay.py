@@ -59,6 +59,7 @@ from typing import IO, Any
 import psutil
 
 from bench.netns import Netns
+from devstack.stack import free_port
 from laminar.errors import LaminarError
 from relay import protocol
 
@@ -159,12 +160,6 @@ def _other_host(node: str) -> list[str]:
     return ["taskset", "-c", f"1-{cpus - 1}", "nice", "-n", str(OTHER_HOST_NICE)]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def loopback_tcp_bytes_per_s(size: int, reps: int = 3) -> float:
     """Best of `reps`: one TCP stream of `size` bytes over 127.0.0.1 (sendall of one buffer, recv_into a
     4 MiB one in another thread; both release the GIL in their syscalls), this process unpinned."""
@@ -242,7 +237,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
         master_addr, relay_addrs = master_info["addr"], [r["addr"] for r in relay_infos]
         master_ps = psutil.Process(master_info["pid"])
         relay_ps = [psutil.Process(r["pid"]) for r in relay_infos]
-        store_port = STORE_PORT if cfg.rate_mbit else _free_port()
+        store_port = STORE_PORT if cfg.rate_mbit else free_port()
         endpoint = f"http://{host('s')}:{store_port}"
         if cfg.storage:
             moto = Path(sys.executable).with_name("moto_server")

@@ -151,9 +151,6 @@ class LocalLauncher:
                 out[name] = cpu
         return out
 
-    def pids(self) -> dict[str, int]:
-        return {name: p.pid for name, p in self.processes.items() if p.pid is not None}
-
     def stop_all(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every live process we started, then SIGKILL what is left after timeout_s."""
         self._stop.set()

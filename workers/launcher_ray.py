@@ -286,9 +286,6 @@ class RayLauncher:
     def cpu_seconds(self) -> dict[str, float]:
         return {n: i["cpu_s"] for n, i in self.info(timeout_s=5.0).items() if i["cpu_s"] is not None}
 
-    def pids(self) -> dict[str, int]:
-        return {n: i["pid"] for n, i in self.info(timeout_s=5.0).items()}
-
     def stop_all(self, timeout_s: float = 15.0) -> None:
         """Stop every worker (SIGTERM, then SIGKILL after timeout_s), then the actors and placement groups; leave
         Ray (disconnect from a cluster, stop a local Ray) unless the caller had connected before start_all."""
