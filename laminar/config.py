@@ -92,8 +92,24 @@ class ModelSection(_Section):
 
 
 class TaskSection(_Section):
-    name: Literal["repeat"] = Field("repeat", description="Task module under rl/tasks/ (reward function).")
-    max_count: int = Field(48, ge=2, le=4096, description="Largest requested response length (tokens).")
+    name: str = Field(
+        "repeat", min_length=1, max_length=300,
+        description="The task (prompts + reward): a built-in (`repeat`, `file`; rl/tasks/loader.py), "
+        "\"package.module:Class\", or an entry point of the `laminar.tasks` group (rl/tasks/__init__.py).")
+    max_count: int = Field(48, ge=2, le=4096, description="`repeat`: largest requested response length (tokens).")
+    prompts: str = Field(
+        "", max_length=4096,
+        description="A local JSONL or Parquet prompt file (columns id, prompt or messages, answer, metadata: README "
+        "'Tasks'), read by tasks that take one (`file`, user tasks); empty: the task generates its prompts.")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the task's constructor (a TOML table).")
+    reward_timeout_s: float = Field(
+        30.0, gt=0.0, le=3600.0,
+        description="One reward call's limit (s); running past it is a failure, not a reward of 0.")
+    max_group_retries: int = Field(
+        2, ge=0, le=100,
+        description="A group whose reward or generation failed is generated again from its prompt this many "
+        "times (count); then it is dropped and counted in groups_failed, never trained on as zero.")
 
 
 class RolloutSection(_Section):

@@ -19,7 +19,7 @@ import torch
 from laminar.config import RunConfig
 from laminar.logs import get_logger
 from rl.model import build_model, save_pretrained
-from rl.tasks import get_task
+from rl.tasks import build_task
 
 log = get_logger(__name__)
 
@@ -59,7 +59,10 @@ def fingerprint(cfg: RunConfig) -> str:
     """What determines the base model: model shape, task, warm-up steps, seed, recipe version."""
     data = {
         "model": cfg.model.model_dump(mode="json"),
-        "task": cfg.task.model_dump(mode="json"),
+        # what shapes the model: the task and its prompts (not its reward limits); unset fields left out, so the
+        # default task keeps its fingerprint
+        "task": cfg.task.model_dump(mode="json", include={"name", "max_count", "prompts", "params"},
+                                    exclude_defaults=True) | {"name": cfg.task.name, "max_count": cfg.task.max_count},
         "max_new_tokens": cfg.rollout.max_new_tokens,
         "seed": cfg.run.seed,
         "recipe": [RECIPE_VERSION, DEMO_ACCURACY, PRETRAIN_BATCH, PRETRAIN_LR],
@@ -76,7 +79,7 @@ def build_base_model(cfg: RunConfig, out_dir: str | Path) -> Path:
         if json.loads(fp_file.read_text()).get("fingerprint") == fp:
             log.info("base_model_reused", path=str(out))
             return out
-    task = get_task(cfg.task.name, seed=cfg.run.seed, max_count=cfg.task.max_count)
+    task = build_task(cfg.task, seed=cfg.run.seed)
     tok = task.tokenizer
     hf = hf_config(cfg, tok.get_vocab_size(), {"bos": task.bos_id, "eos": task.eos_id, "pad": task.pad_id})
     torch.manual_seed(cfg.run.seed)

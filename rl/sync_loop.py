@@ -13,7 +13,7 @@ from laminar.logs import get_logger
 from laminar.records import Trajectory
 from rl.engine import TorchEngine
 from rl.model import load_pretrained
-from rl.tasks import get_task
+from rl.tasks import build_task
 from rl.trainer import Trainer, UpdateMetrics
 
 log = get_logger(__name__)
@@ -64,7 +64,7 @@ def run_sync_loop(cfg: RunConfig, model_dir, steps: int | None = None) -> SyncLo
     steps = steps or cfg.run.steps
     policy, tokenizer, hf = load_pretrained(model_dir)
     rollout_model, _, _ = load_pretrained(model_dir)
-    task = get_task(cfg.task.name, seed=cfg.run.seed, max_count=cfg.task.max_count, tokenizer=tokenizer)
+    task = build_task(cfg.task, seed=cfg.run.seed, tokenizer=tokenizer)
     r = cfg.rollout
     engine = TorchEngine(
         rollout_model,

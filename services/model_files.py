@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 from rl.base_model import build_base_model, fingerprint
-from rl.tasks import get_task
+from rl.tasks import build_task
 from storage import keys
 from storage.objects import ObjectStore
 
@@ -61,5 +61,5 @@ def load_run_files(store: ObjectStore, run_id: str, cfg: RunConfig):
     A modelled run has none: its trainer publishes no model files."""
     hf = json.loads(store.get(keys.model_file(run_id, "config.json")))
     tokenizer = Tokenizer.from_str(store.get(keys.model_file(run_id, "tokenizer.json")).decode())
-    task = get_task(cfg.task.name, seed=cfg.run.seed, max_count=cfg.task.max_count, tokenizer=tokenizer)
+    task = build_task(cfg.task, seed=cfg.run.seed, tokenizer=tokenizer)
     return hf, tokenizer, task
