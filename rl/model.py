@@ -66,7 +66,8 @@ class ModelConfig:
                 num_key_value_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(d.get("rope_theta", 10000.0)),
+                # transformers 5 writes it inside rope_parameters (SmolLM2: 100000), 4.x at the top level
+                rope_theta=float(d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 # Qwen2 always has q/k/v biases and none on o_proj; Llama's attention_bias covers all four.
