@@ -132,13 +132,29 @@ class ClaimPromptsResult:
 
 
 @dataclass(frozen=True)
+class FailedGroup:
+    """replica -> workflow (in `add_experience`): a group whose reward or generation failed on every try
+    (task.max_group_retries + 1): its lease is closed as failed, counted, and the group never trained on.
+    reason: raised | timeout | nan | wrong_type | sandbox | generation (rl/tasks/scoring.py)."""
+
+    group_id: str
+    prompt_id: int
+    reason: str
+    detail: str = ""
+    attempts: int = 1  # tries made, the first included
+    source_id: str = ""  # the prompt's id in its prompt file ("" for generated prompts)
+
+
+@dataclass(frozen=True)
 class AddExperienceInput:
-    """replica -> workflow (update `add_experience`): a committed segment of complete groups."""
+    """replica -> workflow (update `add_experience`): a committed segment of complete groups, and the groups
+    that failed (their segment may then be empty: key "" and no group ids)."""
 
     report: ReplicaReport
     segment: SegmentRef
     tokens_regenerated: int = 0  # tokens thrown away since the last report (restarted partial groups)
     reprefill_tokens: int = 0  # since the last report: prefix tokens prefilled again (interrupts, repack)
+    failed: list[FailedGroup] = field(default_factory=list)  # default: histories written before it decode
 
 
 @dataclass(frozen=True)
@@ -151,6 +167,7 @@ class AddExperienceResult:
     incoming: list[Incoming] = field(default_factory=list)
     hold_version: int = -1
     trainer_starved: bool = False
+    failed: list[str] = field(default_factory=list)  # of inp.failed: leases closed as failed by this report
 
 
 # -- trainer activities -----------------------------------------------------------------------
@@ -372,6 +389,10 @@ class RunStatus:
     repack_overhead_s: float = 0.0  # summed over them: source stop + write, destination read + admit
     # repack migrations ordered or handed over, not yet acknowledged, as "<source>-><destination>"
     migrating: list[str] = field(default_factory=list)
+    # groups dropped after task.max_group_retries failed tries (never trained on); prompts_issued =
+    # groups_generated + groups_failed + open_leases + returned_leases
+    groups_failed: int = 0
+    failures: list[FailedGroup] = field(default_factory=list)  # the most recent, last; bounded
 
 
 # -- recovery drills ----------------------------------------------------------------------------

@@ -4,6 +4,9 @@ Temporal.
 
 Invariants:
 - a group id is leased to at most one replica at a time, and enters `ready` at most once;
+- a failed group (fail_groups) never enters `ready`: its lease is closed once, as failed, and counted; every
+  prompt leased is generated (ready or consumed), failed, leased, or returned to be leased again:
+  prompt_cursor == groups_generated + groups_failed + len(open_leases) + len(returned);
 - a group leaves `ready` only when a train step that consumed it has returned;
 - batches consumed since the last committed checkpoint are kept (`uncommitted`) so that a restarted
   trainer replays them instead of consuming new groups or skipping them; those since the oldest retained
@@ -15,6 +18,7 @@ from __future__ import annotations
 from laminar.config import RunConfig
 from laminar.messages import (
     BatchPart,
+    FailedGroup,
     Lease,
     ReplicaReport,
     RunEvent,
@@ -28,6 +32,7 @@ from laminar.refs import SegmentRef
 from workflows.state import (
     EVENTS_PER_KEY,
     RECENT_EVENTS,
+    RECENT_FAILURES,
     RECENT_REWARDS,
     RECENT_STEPS,
     LastClaim,
@@ -137,6 +142,25 @@ class Ledger:
                 self.note_event("replica_recovered", replica_id, at, len(accepted))
         self.state.duplicate_reports += len(duplicates)
         return accepted, duplicates
+
+    def fail_groups(self, failed: list[FailedGroup], replica_id: str = "", at: float = 0.0) -> list[str]:
+        """Close the leases of groups that failed on every try: counted in groups_failed, never ready, never
+        leased again. Idempotent by group id, like add_segment: a group already recorded (complete, failed, or
+        a retried report) is ignored."""
+        closed: list[str] = []
+        for f in failed:
+            g = f.group_id
+            if g in self.state.open_leases:
+                self.state.open_leases.pop(g)
+            elif any(lease.group_id == g for lease in self.state.returned):  # a replica thought lost failed it
+                self.state.returned = [lease for lease in self.state.returned if lease.group_id != g]
+            else:
+                continue
+            closed.append(g)
+            self.state.groups_failed += 1
+            self.state.failures = (self.state.failures + [f])[-RECENT_FAILURES:]
+            self.note_event("group_failed", f.reason, at, f.prompt_id)
+        return closed
 
     # -- trainer -----------------------------------------------------------------------------
 
@@ -289,4 +313,6 @@ class Ledger:
             repack_groups=s.repack_groups,
             repack_overhead_s=round(s.repack_overhead_s, 4),
             migrating=self.migrating(),
+            groups_failed=s.groups_failed,
+            failures=list(s.failures),
         )

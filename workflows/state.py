@@ -8,13 +8,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from laminar.messages import BatchPart, Incoming, Lease, MigrationOrder, RelayInfo, ReplicaReport, RunEvent
+from laminar.messages import (
+    BatchPart,
+    FailedGroup,
+    Incoming,
+    Lease,
+    MigrationOrder,
+    RelayInfo,
+    ReplicaReport,
+    RunEvent,
+)
 from laminar.refs import CheckpointRef, SegmentRef
 
 RECENT_REWARDS = 20  # steps of reward kept for the live status
 RECENT_STEPS = 100  # step completion times kept (drills measure trainer stall from them)
 RECENT_EVENTS = 50
 EVENTS_PER_KEY = 8  # times kept per (event kind, subject): faults of one subject are rare
+RECENT_FAILURES = 20  # failed groups kept (with reason and prompt id) for the status
 
 
 @dataclass
@@ -89,6 +99,8 @@ class RunState:
     repacks: int = 0
     repack_groups: int = 0
     repack_overhead_s: float = 0.0
+    groups_failed: int = 0  # leases closed as failed (ledger.fail_groups): never ready, never trained
+    failures: list[FailedGroup] = field(default_factory=list)  # the most recent RECENT_FAILURES
 
 
 @dataclass

@@ -408,7 +408,7 @@ class TrainingRunWorkflow:
             if not (stop or handover or self.state.paused or not self.state.trainer_ready):
                 room = self._cfg.rollout.max_ready_groups - len(self.state.ready)
                 fresh = fresh_lease_room(self._policy, self.state.prompt_cursor, self.state.policy_version,
-                                         self.state.groups_generated)
+                                         self.state.groups_generated + self.state.groups_failed)
                 leases = self.ledger.lease(replica_id, max(0, min(inp.max_groups, room)), fresh)
             self.ledger.remember_claim(replica_id, inp.request_id, leases)
         return ClaimPromptsResult(
@@ -436,14 +436,18 @@ class TrainingRunWorkflow:
         accepted, duplicates = self.ledger.add_segment(
             inp.segment, inp.report.replica_id, workflow.time(), inp.tokens_regenerated, inp.reprefill_tokens
         )
+        # failed groups: leases closed as failed, never ready (empty in histories written before the field)
+        failed = self.ledger.fail_groups(inp.failed, inp.report.replica_id, workflow.time()) if inp.failed else []
         self._maybe_repack()
         return AddExperienceResult(
             accepted=accepted, duplicates=duplicates, stop=self.state.stopping, handover=self._handover,
-            **self._hints(inp.report.replica_id),
+            failed=failed, **self._hints(inp.report.replica_id),
         )
 
     @add_experience.validator
     def _validate_add(self, inp: AddExperienceInput) -> None:
+        if inp.failed and not inp.segment.key and not inp.segment.group_ids:
+            return  # only failed groups to report
         if not inp.segment.key or not inp.segment.group_ids:
             raise ValueError("add_experience: segment must have a key and at least one group id")
 

@@ -1,6 +1,12 @@
 """The replica's prompt groups, from lease to report (waiting leases, groups in flight in the engine, complete
 groups not yet reported), and what the incarnation counts. A finished sample becomes a trajectory in
-`Batch.record` (the place a multi-turn environment loop hooks in: see services/rollout/__init__.py)."""
+`Batch.record` (the place a multi-turn environment loop hooks in: see services/rollout/__init__.py).
+
+Failures (rl/tasks/__init__.py): a reward that raises, overruns task.reward_timeout_s, or returns NaN or a
+non-number is not a reward. Its whole group is generated again from the prompt (its other samples aborted,
+their tokens counted as regenerated), with a fresh prompt and reward call context, up to
+task.max_group_retries times; then it leaves the batch as a `FailedGroup`, reported with the next
+`add_experience` so the workflow closes its lease as failed. A failed group is never written to a segment."""
 
 from __future__ import annotations
 
@@ -8,10 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from laminar.messages import Lease
+from laminar.logs import get_logger
+from laminar.messages import FailedGroup, Lease
 from laminar.records import Trajectory
 from rl.engine_api import Engine, Finished, InFlight
-from rl.tasks import Prompt
+from rl.tasks import Prompt, RewardFailure
+from rl.tasks.scoring import score
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -36,39 +46,79 @@ class Group:
     started_at: float
     start_version: int  # the policy version it started on (partial rollout may finish it under newer ones)
     done: dict[int, Trajectory] = field(default_factory=dict)  # sample index -> finished trajectory
+    attempts: int = 1  # tries so far, this one included (a failure starts the group again)
 
 
 class Batch:
     def __init__(self, engine: Engine, task: Any, run_id: str, replica_id: str, group_size: int,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], *, reward_timeout_s: float = 30.0, max_group_retries: int = 2,
+                 counters: Counters | None = None) -> None:
         self.engine, self.task, self.run_id, self.replica_id = engine, task, run_id, replica_id
         self.group_size, self.clock = group_size, clock
+        self.reward_timeout_s, self.max_group_retries = reward_timeout_s, max_group_retries
+        self.counters = counters  # where thrown-away tokens of retried groups are counted
+        self.failed: list[FailedGroup] = []  # dropped after their last try, not yet reported
+        self.reporting_failed: list[FailedGroup] = []  # ... whose report is in flight
         self.groups: dict[str, Group] = {}  # in flight, by group id
         self.completed: list[Group] = []  # complete, not yet reported
         self.reporting: list[Group] = []  # complete groups whose report is in flight
         self.completed_since = 0.0  # when the oldest complete group not yet reported completed
         self.pending: list[Lease] = []  # leased while draining: admitted once the newer version is loaded
 
-    def admit(self, leases: list[Lease]) -> None:
+    def admit(self, leases: list[Lease], attempts: int = 1) -> None:
         for lease in leases:
             prompt = self.task.prompt(lease.prompt_id)
-            self.groups[lease.group_id] = Group(lease, prompt, self.clock(), int(self.engine.policy_version or 0))
+            self.groups[lease.group_id] = Group(lease, prompt, self.clock(), int(self.engine.policy_version or 0),
+                                                attempts=attempts)
             for i in range(self.group_size):
                 self.engine.add(f"{lease.group_id}/{i}", prompt.token_ids)
 
     def record(self, finished: list[Finished]) -> None:
-        """Each finished sample, verified, into its group; a group with every sample is complete."""
+        """Each finished sample, verified, into its group; a group with every sample is complete. A failed
+        reward restarts or drops the whole group (module docstring)."""
         now = self.clock()
+        restarted: set[str] = set()  # this step's other samples of a restarted group belong to its old try
         for f in finished:
             group_id, index = f.request_id.rsplit("/", 1)
-            group = self.groups[group_id]
-            reward = self.task.reward(group.prompt, f.response_ids)
+            group = self.groups.get(group_id)
+            if group is None or group_id in restarted:
+                continue
+            try:
+                reward = score(self.task, group.prompt, f.response_ids, self.reward_timeout_s)
+            except RewardFailure as e:
+                restarted.add(group_id)
+                self.fail(group, e.reason, e.detail, thrown_away=len(f.response_ids))
+                continue
             group.done[int(index)] = self.trajectory(group, int(index), f.response_ids, f.logprobs, reward,
                                                      f.finish_reason, now)
             if len(group.done) == self.group_size:
                 if not self.completed:
                     self.completed_since = now
                 self.completed.append(self.groups.pop(group_id))
+
+    def fail(self, group: Group, reason: str, detail: str, thrown_away: int = 0) -> None:
+        """A try of `group` failed (reason: rl/tasks/scoring.py REASONS): start it again from a freshly built
+        prompt while retries are left, else drop it into `failed`. Its in-flight samples are aborted and its
+        finished ones discarded (their tokens counted as regenerated)."""
+        gid = group.lease.group_id
+        aborted = self.engine.abort([f"{gid}/{i}" for i in range(self.group_size)])
+        thrown_away += sum(len(row[2]) for row in aborted) + sum(len(t.response_ids) for t in group.done.values())
+        if self.counters is not None:
+            self.counters.tokens_regenerated += thrown_away
+        del self.groups[gid]
+        fields = {"replica_id": self.replica_id, "group_id": gid, "prompt_id": group.lease.prompt_id,
+                  "source_id": group.prompt.source_id, "reason": reason, "detail": detail,
+                  "attempt": group.attempts}
+        if group.attempts > self.max_group_retries:
+            log.error("group_failed", attempts=group.attempts, **fields)
+            if not self.completed and not self.failed:
+                self.completed_since = self.clock()
+            self.failed.append(FailedGroup(group_id=gid, prompt_id=group.lease.prompt_id, reason=reason,
+                                           detail=detail[:500], attempts=group.attempts,
+                                           source_id=group.prompt.source_id))
+            return
+        log.warning("group_retried", retries_left=self.max_group_retries - group.attempts, **fields)
+        self.admit([group.lease], attempts=group.attempts + 1)
 
     def resume(self, groups: dict[str, list[Trajectory]], version: int) -> None:
         """Continue these groups under `version` (the one loaded): partial samples from their prefixes (prefilled

@@ -20,6 +20,7 @@ from laminar.messages import (
     RolloutReplicaResult,
 )
 from laminar.policy import may_start, min_version, policy_for
+from laminar.refs import SegmentRef
 from laminar.timing import TimeBreakdown
 from rl.factory import build_engine
 from services.model_files import load_run_files
@@ -55,7 +56,9 @@ class RolloutReplica:
         self.calls = ControlCalls(replica_id, segment_prefix, self.profile, self.metrics)
         self.contacts = Contacts(timing, cfg.rollout.max_inflight_groups)
         trajectories = TrajectoryStore(store)
-        self.batch = Batch(self.engine, self.task, run_id, replica_id, cfg.rollout.group_size, clock)
+        self.batch = Batch(self.engine, self.task, run_id, replica_id, cfg.rollout.group_size, clock,
+                           reward_timeout_s=cfg.task.reward_timeout_s, max_group_retries=cfg.task.max_group_retries,
+                           counters=self.counters)
         self.weights = Weights(self.engine, self.policy, run_id, replica_id, host_id, relay_token, self.counters,
                                self.metrics)
         self.pool = PartialPool(trajectories, run_id, replica_id, (generation, attempt), self.batch, self.weights,
@@ -142,7 +145,7 @@ class RolloutReplica:
         waiting = self.engine.in_flight() > 0 or self.engine.policy_version is None or holding
         claim = self.contacts.claim_due(now, want, len(b.groups), len(b.completed), waiting, holding,
                                         self.repack.urgent)
-        if self.contacts.report_due(now, len(b.groups), len(b.completed), b.completed_since) and (
+        if self.contacts.report_due(now, len(b.groups), len(b.completed) + len(b.failed), b.completed_since) and (
                 not claim or self.calls.last == "claim"):
             self._start_report()
         elif claim:
@@ -212,24 +215,28 @@ class RolloutReplica:
         answer = self.calls.collect(wait)
         if answer is not None and answer[0] == "report":
             self._reported(self.batch.reporting, answer[1])
-            self.batch.reporting = []
+            self.batch.reporting, self.batch.reporting_failed = [], []
         return answer
 
     def _start_report(self) -> None:
         """Report the complete groups: write them as one segment, then `add_experience`, on the control thread."""
         b, c = self.batch, self.counters
         b.reporting, b.completed = b.completed, []
+        b.reporting_failed, b.failed = b.failed, []
         rows = [t for g in b.reporting for _, t in sorted(g.done.items())]
+        failed = list(b.reporting_failed)
         seq, regenerated, report = f"{self.segment_prefix}-{self.seq:06d}", c.tokens_regenerated, self._report()
         self.seq += 1
         c.tokens_regenerated = 0
         reprefill, c.reprefill_unreported = c.reprefill_unreported, 0
 
         def send() -> AddExperienceResult:
-            ref = self.pool.trajectories.write_segment(self.run_id, self.replica_id, seq, rows)
+            # only failed groups: no segment is written (an empty ref; the workflow's validator allows it)
+            ref = (self.pool.trajectories.write_segment(self.run_id, self.replica_id, seq, rows) if rows
+                   else SegmentRef(key="", sha256="", size=0, rows=0))
             return self.control.add_experience(AddExperienceInput(report=report, segment=ref,
                                                                   tokens_regenerated=regenerated,
-                                                                  reprefill_tokens=reprefill))
+                                                                  reprefill_tokens=reprefill, failed=failed))
 
         self.calls.start("report", send)
 
@@ -237,13 +244,13 @@ class RolloutReplica:
         self.counters.groups_completed += len(res.accepted)
         self.counters.tokens_generated += sum(len(t.response_ids) for g in groups for t in g.done.values())
         log.info("experience_reported", replica_id=self.replica_id, groups=len(groups),
-                 policy_version=max(t.policy_version for g in groups for t in g.done.values()),
-                 duplicates=len(res.duplicates))
+                 policy_version=max((t.policy_version for g in groups for t in g.done.values()), default=-1),
+                 duplicates=len(res.duplicates), failed=len(res.failed))
 
     def _hand_over(self, stop: bool) -> RolloutReplicaResult:
         """Report what is complete, write the pool and return at once: the next incarnation resumes the
         in-flight groups, so a hand-over never waits for the long tail."""
-        if self.batch.completed:
+        if self.batch.completed or self.batch.failed:
             self._start_report()
             self._collect(wait=True)
         self.pool.write()
