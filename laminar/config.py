@@ -119,6 +119,10 @@ class RolloutSection(_Section):
         4, ge=1, le=4096, description="Groups one replica generates at once (KV-cache capacity, groups)."
     )
     max_new_tokens: int = Field(96, ge=1, le=1_000_000, description="Response length cap (tokens).")
+    max_prompt_len: int = Field(
+        64, ge=1, le=1_000_000,
+        description="Longest prompt an engine admits (tokens; with max_new_tokens, the KV cache's length per sequence).",
+    )
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature (unitless).")
     max_ready_groups: int = Field(
         16, ge=1, le=1_000_000,

@@ -56,7 +56,8 @@ def _vllm_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles)
     r = cfg.rollout  # vLLM builds the architecture from config.json; nothing else imports vllm
     hf, _, task = run_files()
     return VllmEngine(hf, max_inflight_seqs=r.max_inflight_groups * r.group_size, max_new_tokens=r.max_new_tokens,
-                      temperature=r.temperature, seed=seed, eos_id=task.eos_id, device=r.device, dtype=r.dtype), task
+                      max_prompt_len=r.max_prompt_len, temperature=r.temperature, seed=seed, eos_id=task.eos_id,
+                      device=r.device, dtype=r.dtype), task
 
 
 def _torch_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles):
@@ -75,7 +76,8 @@ def _torch_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles
         device, on_close = torch.device("cuda", index), lambda: ROLLOUT_DEVICES.release(index)
     return TorchEngine(build_model(hf, seed=0).to(device, dtype), tokenizer,
                        max_inflight_seqs=r.max_inflight_groups * r.group_size, max_new_tokens=r.max_new_tokens,
-                       temperature=r.temperature, seed=seed, eos_id=task.eos_id, on_close=on_close), task
+                       max_prompt_len=r.max_prompt_len, temperature=r.temperature, seed=seed, eos_id=task.eos_id,
+                       on_close=on_close), task
 
 
 _ENGINES = {"torch": _torch_engine, "vllm": _vllm_engine, "modelled": _modelled_engine}

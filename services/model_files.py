@@ -17,10 +17,13 @@ from laminar.config import RunConfig
 from laminar.errors import ConfigError
 from rl.base_model import build_base_model, fingerprint
 from rl.tasks import build_task
+from rl.tokenizer import with_model_specials
 from storage import keys
 from storage.objects import ObjectStore
 
 MODEL_FILES = ("config.json", "tokenizer.json")
+# published beside them: a pretrained model's special tokens and chat template ({} for the tiny base model)
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def check_model_path(cfg: RunConfig) -> None:
@@ -51,9 +54,20 @@ def resolve_model_dir(cfg: RunConfig, home: Path) -> Path:
     return build_base_model(cfg, home / "models" / f"{cfg.task.name}-{fingerprint(cfg)[:12]}")
 
 
+def tokenizer_config(model_dir: Path) -> dict:
+    """The directory's tokenizer_config.json ({} when absent) with its chat template inlined: transformers 5
+    saves the template beside it as chat_template.jinja (rl/gguf_import.py writes both)."""
+    path, jinja = model_dir / "tokenizer_config.json", model_dir / "chat_template.jinja"
+    out = json.loads(path.read_text()) if path.is_file() else {}
+    if jinja.is_file():
+        out["chat_template"] = jinja.read_text()
+    return out
+
+
 def publish_model_files(store: ObjectStore, run_id: str, model_dir: Path) -> None:
     for name in MODEL_FILES:
         store.put(keys.model_file(run_id, name), (model_dir / name).read_bytes())
+    store.put(keys.model_file(run_id, TOKENIZER_CONFIG), json.dumps(tokenizer_config(model_dir)).encode())
 
 
 def load_run_files(store: ObjectStore, run_id: str, cfg: RunConfig):
@@ -61,5 +75,9 @@ def load_run_files(store: ObjectStore, run_id: str, cfg: RunConfig):
     A modelled run has none: its trainer publishes no model files."""
     hf = json.loads(store.get(keys.model_file(run_id, "config.json")))
     tokenizer = Tokenizer.from_str(store.get(keys.model_file(run_id, "tokenizer.json")).decode())
-    task = build_task(cfg.task, seed=cfg.run.seed, tokenizer=tokenizer)
+    key = keys.model_file(run_id, TOKENIZER_CONFIG)
+    tok_cfg = json.loads(store.get(key)) if store.exists(key) else {}
+    if tok_cfg.get("eos_token"):  # a pretrained model's tokenizer (the word-level one has <pad>, <bos>, <eos>)
+        tokenizer = with_model_specials(tokenizer, tok_cfg)
+    task = build_task(cfg.task, seed=cfg.run.seed, tokenizer=tokenizer, chat_template=tok_cfg.get("chat_template"))
     return hf, tokenizer, task

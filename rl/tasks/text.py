@@ -18,8 +18,8 @@ from rl.tasks import Prompt, PromptRow, PromptSource
 from rl.tokenizer import build_word_tokenizer, special_ids
 
 
-def render(row: PromptRow, chat_template: str | None) -> str:
-    """The prompt text the model sees."""
+def render(row: PromptRow, chat_template: str | None, bos_token: str = "") -> str:
+    """The prompt text the model sees; a chat template writes the model's bos_token itself where it wants one."""
     messages = row.messages if row.messages is not None else None
     if chat_template:
         import jinja2
@@ -27,7 +27,7 @@ def render(row: PromptRow, chat_template: str | None) -> str:
         env = jinja2.Environment(autoescape=False, trim_blocks=True, lstrip_blocks=True)
         msgs = messages or [{"role": "user", "content": row.prompt or ""}]
         return env.from_string(chat_template).render(messages=msgs, add_generation_prompt=True,
-                                                     bos_token="", eos_token="")
+                                                     bos_token=bos_token, eos_token="")
     if messages is None:
         return row.prompt or ""
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
@@ -60,8 +60,11 @@ class TextTask:
 
     def prompt(self, prompt_id: int) -> Prompt:
         row = self.source.row(prompt_id)
-        text = render(row, self.chat_template)
-        ids = [self.bos_id, *self.tokenizer.encode(text, add_special_tokens=False).ids]
+        # under a chat template the rendered text is the whole prompt (SmolLM2's starts with <|im_start|>, its bos)
+        bos = (self.tokenizer.id_to_token(self.bos_id) or "") if self.chat_template else ""
+        text = render(row, self.chat_template, bos)
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids = ids if self.chat_template else [self.bos_id, *ids]
         meta = {"answer": row.answer, "metadata": row.metadata, "id": row.id}
         return Prompt(prompt_id=prompt_id, text=text, token_ids=ids, answer_meta=meta, source_id=row.id)
 
