@@ -152,6 +152,8 @@ def render_status(st: RunStatus) -> Table:
         "reward (recent)": f"{st.reward_recent[-1]:.3f}" if st.reward_recent else "-",
         "groups generated/consumed": f"{st.groups_generated}/{st.groups_consumed}",
         "groups consumed twice": st.groups_consumed_twice,
+        "groups failed": f"{st.groups_failed}" + (f" (last: {st.failures[-1].reason}, prompt {st.failures[-1].prompt_id})"
+                                                  if st.failures else ""),
         "ready groups / open leases": f"{st.ready_groups}/{st.open_leases}",
         "versions in use (max)": f"{st.versions_in_use} ({st.max_versions_in_use})",
         "staleness histogram": st.staleness_histogram,

@@ -29,6 +29,8 @@ reads a clock or the store.
 | laminar_rollout_in_flight_trajectories | gauge | replica | sequences in the engine's batch |
 | laminar_rollout_policy_version | gauge | replica | policy version of the replica's weights (-1: none yet) |
 | laminar_rollout_weight_load_seconds | histogram | replica, via | time to load a version (shared_memory or tcp) |
+| laminar_rollout_group_retries_total | counter | replica, reason | groups generated again after a failed reward or generation (reason: rl/tasks/scoring.py) |
+| laminar_rollout_groups_failed_total | counter | replica, reason | groups dropped after task.max_group_retries retries (never trained on; groups_failed in the run status) |
 | laminar_control_update_seconds | histogram | update | round trip of a claim_prompts or add_experience update, as the replica measured it (a report includes writing its segment) |
 | laminar_control_update_retries_total | counter | update | update attempts that failed (server or control worker unreachable) and were sent again |
 | laminar_relay_received_bytes_total | counter | relay | version bytes received (from the trainer or the previous relay) |
@@ -79,6 +81,10 @@ ROLLOUT_VERSION = Gauge("laminar_rollout_policy_version", "Policy version of the
                         ["replica"])
 ROLLOUT_LOAD_SECONDS = Histogram("laminar_rollout_weight_load_seconds", "Time to load a policy version.",
                                  ["replica", "via"], buckets=SECONDS)
+ROLLOUT_GROUP_RETRIES = Counter("laminar_rollout_group_retries", "Groups generated again after a failure.",
+                                ["replica", "reason"])
+ROLLOUT_GROUPS_FAILED = Counter("laminar_rollout_groups_failed", "Groups dropped after their last retry failed.",
+                                ["replica", "reason"])
 CONTROL_UPDATE_SECONDS = Histogram("laminar_control_update_seconds", "Round trip of a claim or report update.",
                                    ["update"], buckets=SECONDS)
 CONTROL_UPDATE_RETRIES = Counter("laminar_control_update_retries",

@@ -3,6 +3,7 @@ per-step trainer metrics in the store; the time breakdown; the percentile and re
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
@@ -97,6 +98,10 @@ def build_summary(status: RunStatus, store: ObjectStore, wall_s: float, started_
         "groups_consumed": status.groups_consumed,
         "groups_consumed_twice": status.groups_consumed_twice,
         "dropped_stale": status.dropped_stale,
+        # groups dropped after task.max_group_retries failed tries (never trained on); the reasons of the last
+        # RECENT_FAILURES of them (workflows/state.py)
+        "groups_failed": status.groups_failed,
+        "groups_failed_recent_reasons": dict(sorted(Counter(f.reason for f in status.failures).items())),
         "staleness_max": max((int(k) for k in status.staleness_histogram), default=0),
         # dynamic repack (laminar mode): migrations carried out, groups moved, mean wall s per migration (the
         # source's stop + segment write and the destination's read + admission)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from laminar.messages import RunStatus
+from laminar.messages import FailedGroup, RunStatus
 from laminar.refs import CheckpointRef
 from reporting.summary import build_summary, percentile, reward_rise
 from storage import keys
@@ -113,7 +113,9 @@ def test_build_summary_from_store(tmp_path: Path) -> None:
     store.put(keys.step_metrics("other-run", 1), json.dumps({"step": 1, "reward_mean": 9.0, "tokens": 10 ** 6,
                                                                "response_lengths": [1000]}).encode())
     assert [r["step"] for r in step_records(store, RUN)] == [1, 2, 3, 4]
-    summary = build_summary(_status(step=4), store, wall_s=12.3456)
+    # 5 groups failed over the run; the status keeps the recent ones: 2 timeouts and 1 raised among them
+    failures = [FailedGroup(f"g{i}", i, reason) for i, reason in enumerate(("timeout", "raised", "timeout"))]
+    summary = build_summary(_status(step=4, groups_failed=5, failures=failures), store, wall_s=12.3456)
     # lengths sorted: 1 2 3 4 5 6 7 8 9 (n = 9); p50 rank ceil(4.5) = 5 -> 5; p99 rank ceil(8.91) = 9 -> 9
     # tokens 100 + 200 + 300 = 600 over 12.3456 s = 48.600... -> 48.6
     # off-policy figures over the three steps that updated (1, 2, 3), rounded to 5 places:
@@ -134,6 +136,8 @@ def test_build_summary_from_store(tmp_path: Path) -> None:
         "groups_consumed": 12,
         "groups_consumed_twice": 0,
         "dropped_stale": 0,
+        "groups_failed": 5,
+        "groups_failed_recent_reasons": {"raised": 1, "timeout": 2},
         "staleness_max": 1,  # the histogram's largest gap
         "reprefill_tokens": 0, "repacks": 0, "repack_groups": 0, "repack_overhead_s_mean": None,  # no migration: no mean
         "checkpoints": [{"run_id": RUN, "step": 2, "manifest_key": keys.checkpoint_manifest(RUN, 2),

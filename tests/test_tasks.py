@@ -12,6 +12,7 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from prometheus_client import REGISTRY
 
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
@@ -208,6 +209,9 @@ def test_a_failing_group_is_retried_then_dropped_and_its_lease_closed_once_as_fa
     fail_mode = {lease.group_id: task.prompt(lease.prompt_id).answer_meta["metadata"].get("fail") for lease in leases}
     ours = [lease for lease in leases if fail_mode[lease.group_id] in (None, mode)]  # 8 good rows + this mode's
     counters = Counters()
+    metric = {name: (f"laminar_rollout_{name}_total", {"replica": "replica-0", "reason": REASON[mode]})
+              for name in ("group_retries", "groups_failed")}
+    before = {k: REGISTRY.get_sample_value(*v) or 0.0 for k, v in metric.items()}
     batch = Batch(_engine(task, 12 * group_size), task, "r", "replica-0", group_size, time.monotonic,
                   reward_timeout_s=0.2, max_group_retries=retries, counters=counters)
     batch.admit(ours)
@@ -222,6 +226,10 @@ def test_a_failing_group_is_retried_then_dropped_and_its_lease_closed_once_as_fa
     assert fail_mode[failed.group_id] == mode
     assert (failed.reason, failed.attempts) == (REASON[mode], 1 + retries)
     assert failed.source_id == task.prompt(failed.prompt_id).source_id != ""
+    # Prometheus (laminar/metrics.py): 2 retries, then 1 group dropped, for this reason
+    after = {k: REGISTRY.get_sample_value(*v) for k, v in metric.items()}
+    assert (after["group_retries"] - before["group_retries"], after["groups_failed"] - before["groups_failed"]) == (
+        retries, 1)
     assert counters.tokens_regenerated > 0  # the failed tries' samples were thrown away, counted
     if mode == "hang":  # 3 tries x 0.2 s limit, each abandoned at the limit (not the 5 s sleep)
         assert 0.6 <= time.monotonic() - t0 < 4.0

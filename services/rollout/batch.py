@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from laminar import metrics as prom
 from laminar.logs import get_logger
 from laminar.messages import FailedGroup, Lease
 from laminar.records import Trajectory
@@ -111,6 +112,7 @@ class Batch:
                   "attempt": group.attempts}
         if group.attempts > self.max_group_retries:
             log.error("group_failed", attempts=group.attempts, **fields)
+            prom.ROLLOUT_GROUPS_FAILED.labels(self.replica_id, reason).inc()
             if not self.completed and not self.failed:
                 self.completed_since = self.clock()
             self.failed.append(FailedGroup(group_id=gid, prompt_id=group.lease.prompt_id, reason=reason,
@@ -118,6 +120,7 @@ class Batch:
                                            source_id=group.prompt.source_id))
             return
         log.warning("group_retried", retries_left=self.max_group_retries - group.attempts, **fields)
+        prom.ROLLOUT_GROUP_RETRIES.labels(self.replica_id, reason).inc()
         self.admit([group.lease], attempts=group.attempts + 1)
 
     def resume(self, groups: dict[str, list[Trajectory]], version: int) -> None:
