@@ -107,7 +107,7 @@ class Batch:
         if self.counters is not None:
             self.counters.tokens_regenerated += thrown_away
         del self.groups[gid]
-        fields = {"replica_id": self.replica_id, "group_id": gid, "prompt_id": group.lease.prompt_id,
+        fields = {"run_id": self.run_id, "replica_id": self.replica_id, "group_id": gid, "prompt_id": group.lease.prompt_id,
                   "source_id": group.prompt.source_id, "reason": reason, "detail": detail,
                   "attempt": group.attempts}
         if group.attempts > self.max_group_retries:

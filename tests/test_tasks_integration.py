@@ -1,0 +1,59 @@
+"""A user task, named as "package.module:Class" with a JSONL prompt file, run end to end on the real stack (dev
+server, worker processes, torch engine, relays, local store). Four of its twelve prompt rows make the async
+reward fail (raise, hang past task.reward_timeout_s, NaN, a string): each such group is retried, then dropped
+and counted, with its reason and prompt id logged, while the run goes on; no failed group is ever written to
+an experience segment, so none is trained on."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from client.run_control import start_workflow
+from laminar.messages import RunStatus
+from rl.tasks.prompt_file import FilePrompts
+from storage import keys
+from storage.trajectories import _from_parquet
+from tests.fixtures.stack import small_config
+from tests.fixtures.user_task import PROMPTS, REASON, TASK_NAME
+
+RETRIES = 1  # each failing group: 2 tries, then dropped
+
+
+async def test_a_user_task_with_a_prompt_file_runs_and_failed_groups_are_dropped_not_trained(stack):
+    steps = 8  # 16 good groups: both of the first two passes over the file's 8 good rows, so every failing
+    # row of the first pass has been leased (and dropped) long before the run ends
+    cfg = small_config(f"task.name={TASK_NAME}", f"task.prompts={PROMPTS}", "task.reward_timeout_s=0.5",
+                       f"task.max_group_retries={RETRIES}", 'task.params={"hang_s": 20.0}', f"run.steps={steps}")
+    handle = await start_workflow(stack.client, cfg)
+    final: RunStatus = await handle.result(rpc_timeout=None)
+
+    # the run went on: every step trained, on complete groups only
+    assert final.phase == "finished" and final.step == steps
+    assert final.groups_consumed == steps * cfg.trainer.groups_per_step and final.groups_consumed_twice == 0
+    # each failure mode ended as a failed group with its reason, after 1 + RETRIES tries
+    assert {f.reason for f in final.failures} == set(REASON.values())
+    assert final.groups_failed == len(final.failures) >= 4  # <= 20 failures: the status keeps them all
+    assert all(f.attempts == 1 + RETRIES for f in final.failures)
+    source = FilePrompts(PROMPTS, seed=cfg.run.seed)  # the task's prompt order: failed rows are the failing ones
+    assert all(REASON[source.row(f.prompt_id).metadata["fail"]] == f.reason for f in final.failures)
+    assert all(source.row(f.prompt_id).id == f.source_id for f in final.failures)
+    # every prompt leased is accounted for: generated, failed, or still leased
+    assert final.prompts_issued == (final.groups_generated + final.groups_failed + final.open_leases
+                                    + final.returned_leases)
+
+    # no failed group was ever written as experience (so none was trained on as zero), and every reward is a number
+    rows = [t for key in stack.store.list(keys.experience_prefix(cfg.run.run_id))
+            for t in _from_parquet(stack.store.get(key), key)]
+    assert rows and {t.group_id for t in rows}.isdisjoint({f.group_id for f in final.failures})
+    assert all("fail" not in source.row(t.prompt_id).metadata for t in rows)
+    assert all(math.isfinite(t.reward) and 0.0 <= t.reward <= 1.0 for t in rows)
+
+    # the rollout workers logged each drop with its reason and prompt id (console lines: key=value)
+    dropped = set()
+    for path in (stack.home / "logs").glob("rollout-*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if " group_failed " in line and f"run_id={cfg.run.run_id}" in line:
+                field = dict(re.findall(r"(group_id|reason|prompt_id)=(\S+)", line))
+                dropped.add((field["group_id"], field["reason"], int(field["prompt_id"])))
+    assert dropped == {(f.group_id, f.reason, f.prompt_id) for f in final.failures}
