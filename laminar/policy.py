@@ -135,16 +135,20 @@ def fresh_lease_room(policy: Policy, prompt_cursor: int, version: int, groups_ge
     return max(0, limit - prompt_cursor)
 
 
-def trainer_batch(policy: Policy, ready: list[tuple[str, int]], step: int) -> list[str] | None:
+def trainer_batch(policy: Policy, ready: list[tuple[str, int]], step: int, settled: bool = False
+                  ) -> list[str] | None:
     """Group ids the trainer's next step consumes from `ready` ((group id, prompt id), arrival order), or None
     when it must wait. Barrier modes train exactly batch `step` once all its groups are complete; stream trains
-    batch version_of(step) one minibatch at a time, each as soon as that many of its groups are complete."""
+    batch version_of(step) one minibatch at a time, each as soon as that many of its groups are complete.
+    settled: no more group of that batch can arrive (the rest failed: workflows/ledger.py fail_groups), so the
+    step takes the ones there are, none if all failed (an empty step: no update, the version still advances,
+    so the barrier moves on)."""
     b = policy.groups_per_step
     if not policy.whole_batches:
         return [g for g, _ in ready[:b]] if len(ready) >= b else None
     size = b // policy.steps_per_version
     mine = [g for g, p in ready if batch_of(policy, p) == version_of(policy, step)][:size]
-    return mine if len(mine) >= size else None
+    return mine if len(mine) >= size or settled else None
 
 
 def may_start(policy: Policy, lease_min_version: int, engine_version: int | None, newer_waiting: bool) -> bool:

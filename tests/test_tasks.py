@@ -267,3 +267,51 @@ def test_a_group_failed_by_a_replica_thought_lost_is_closed_from_the_returned_po
     ledger.add_segment(SegmentRef(key="s", sha256="", size=0, rows=2, group_ids=[other.group_id]))
     assert ledger.fail_groups([FailedGroup(other.group_id, other.prompt_id, "nan")]) == []
     assert ledger.state.groups_failed == 1
+
+
+# -- barrier modes: a batch with a failed group trains on the groups it has -------------------------------
+
+
+@pytest.mark.parametrize(("mode", "minibatches", "failing", "expected_steps"), [
+    # sync, B = 2: batch 0 is prompts 0, 1; prompt 1 fails, so step 0 trains on prompt 0's group alone
+    ("sync", 1, 1, [["g00000000"]]),
+    # ... both fail: step 0 is empty (no update; the version advances, so the barrier moves on)
+    ("sync", 1, 2, [[]]),
+    # stream, B = 4 in 2 minibatches of 2: prompt 3 fails; minibatch 0 takes 2 groups, minibatch 1 the one left
+    ("stream", 2, 1, [["g00000000", "g00000001"], ["g00000002"]]),
+])
+def test_a_barrier_mode_trains_a_batch_short_of_its_failed_groups(mode, minibatches, failing, expected_steps):
+    from laminar.messages import FailedGroup
+    from laminar.policy import policy_for
+
+    b = 2 * minibatches
+    cfg = _cfg(f"run.mode={mode}", f"trainer.groups_per_step={b}", f"trainer.minibatches={minibatches}",
+               "rollout.max_ready_groups=16")
+    policy = policy_for(cfg)
+    ledger = Ledger(RunState(run_id="r"))
+    leases = ledger.lease("replica-0", b)
+    good, bad = leases[:-failing], leases[-failing:]
+    if good:
+        ledger.add_segment(SegmentRef(key="s", sha256="", size=0, rows=0, group_ids=[g.group_id for g in good]))
+    if minibatches == 1:
+        assert ledger.trainable(policy) is None  # the failed prompts' groups are still leased: wait for them
+    ledger.fail_groups([FailedGroup(g.group_id, g.prompt_id, "timeout") for g in bad])
+    assert ledger.settled(policy, 0)
+    steps = []
+    while (ids := ledger.trainable(policy)) is not None and len(steps) < 5:
+        steps.append(ids)
+        ledger.state.ready = [g for g in ledger.state.ready if g.group_id not in ids]
+        ledger.state.step += 1
+    assert steps == expected_steps
+    # batch 1 may be leased now: the barrier counts the failed group as settled
+    assert ledger.state.groups_generated + ledger.state.groups_failed == b
+
+
+def test_a_batch_without_failures_is_never_settled_early():
+    from laminar.policy import policy_for
+
+    policy = policy_for(_cfg("run.mode=sync", "trainer.groups_per_step=2"))
+    ledger = Ledger(RunState(run_id="r"))
+    a, _ = ledger.lease("replica-0", 2)
+    ledger.add_segment(SegmentRef(key="s", sha256="", size=0, rows=0, group_ids=[a.group_id]))
+    assert not ledger.settled(policy, 0) and ledger.trainable(policy) is None

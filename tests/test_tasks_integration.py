@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import re
 
+import pytest
+
 from client.run_control import start_workflow
 from laminar.messages import RunStatus
 from rl.tasks.prompt_file import FilePrompts
@@ -20,22 +22,29 @@ from tests.fixtures.user_task import PROMPTS, REASON, TASK_NAME
 RETRIES = 1  # each failing group: 2 tries, then dropped
 
 
-async def test_a_user_task_with_a_prompt_file_runs_and_failed_groups_are_dropped_not_trained(stack):
-    steps = 8  # 16 good groups: both of the first two passes over the file's 8 good rows, so every failing
-    # row of the first pass has been leased (and dropped) long before the run ends
+@pytest.mark.parametrize("mode", ["laminar", "sync"])
+async def test_a_user_task_with_a_prompt_file_runs_and_failed_groups_are_dropped_not_trained(stack, mode):
+    steps = 8
     cfg = small_config(f"task.name={TASK_NAME}", f"task.prompts={PROMPTS}", "task.reward_timeout_s=0.5",
-                       f"task.max_group_retries={RETRIES}", 'task.params={"hang_s": 20.0}', f"run.steps={steps}")
+                       f"task.max_group_retries={RETRIES}", 'task.params={"hang_s": 20.0}', f"run.steps={steps}",
+                       f"run.mode={mode}")
+    b = cfg.trainer.groups_per_step
+    source = FilePrompts(PROMPTS, seed=cfg.run.seed)  # the task's prompt order
     handle = await start_workflow(stack.client, cfg)
     final: RunStatus = await handle.result(rpc_timeout=None)
 
-    # the run went on: every step trained, on complete groups only
-    assert final.phase == "finished" and final.step == steps
-    assert final.groups_consumed == steps * cfg.trainer.groups_per_step and final.groups_consumed_twice == 0
+    # the run went on: every step ran, on complete groups only
+    assert final.phase == "finished" and final.step == steps and final.groups_consumed_twice == 0
+    if mode == "laminar":  # the oldest ready groups: 16 good ones (the first two passes over the 8 good rows,
+        # so every failing row of the first pass was leased and dropped long before the end)
+        assert final.groups_consumed == steps * b
+    else:  # sync trains exactly batch k = prompts 2k, 2k+1, short of its failed groups: with seed 0, prompts
+        # 4, 6, 10, 11 and 15 of 0..15 are failing rows, so 16 - 5 = 11 groups (step 5's batch is empty)
+        assert final.groups_consumed == sum("fail" not in source.row(p).metadata for p in range(steps * b)) == 11
     # each failure mode ended as a failed group with its reason, after 1 + RETRIES tries
     assert {f.reason for f in final.failures} == set(REASON.values())
     assert final.groups_failed == len(final.failures) >= 4  # <= 20 failures: the status keeps them all
     assert all(f.attempts == 1 + RETRIES for f in final.failures)
-    source = FilePrompts(PROMPTS, seed=cfg.run.seed)  # the task's prompt order: failed rows are the failing ones
     assert all(REASON[source.row(f.prompt_id).metadata["fail"]] == f.reason for f in final.failures)
     assert all(source.row(f.prompt_id).id == f.source_id for f in final.failures)
     # every prompt leased is accounted for: generated, failed, or still leased

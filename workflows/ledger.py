@@ -27,7 +27,7 @@ from laminar.messages import (
     TrainStepResult,
     next_step_input,
 )
-from laminar.policy import Policy, policy_for, trainer_batch
+from laminar.policy import Policy, policy_for, trainer_batch, version_of
 from laminar.refs import SegmentRef
 from workflows.state import (
     EVENTS_PER_KEY,
@@ -166,7 +166,22 @@ class Ledger:
 
     def trainable(self, policy: Policy) -> list[str] | None:
         """The group ids the next step consumes under the run mode's policy, or None while it must wait."""
-        return trainer_batch(policy, [(g.group_id, g.prompt_id) for g in self.state.ready], self.state.step)
+        return trainer_batch(policy, [(g.group_id, g.prompt_id) for g in self.state.ready], self.state.step,
+                             self.settled(policy, self.state.step))
+
+    def settled(self, policy: Policy, step: int) -> bool:
+        """Whole-batch modes: every prompt of the batch `step` trains is leased and none is still leased or
+        waiting to be leased again, so no more of its groups can arrive (those missing failed). Never true of a
+        batch without a failed group, whose groups are then all ready or consumed."""
+        if not policy.whole_batches or not self.state.groups_failed:
+            return False
+        b = policy.groups_per_step
+        lo = version_of(policy, step) * b
+        if self.state.prompt_cursor < lo + b:
+            return False
+        leased = [lease.prompt_id for lease in self.state.open_leases.values()] + [
+            lease.prompt_id for lease in self.state.returned]
+        return not any(lo <= p < lo + b for p in leased)
 
     def next_batch(self, groups: int) -> list[BatchPart]:
         """The oldest `groups` ready groups, grouped by segment in arrival order."""
@@ -213,7 +228,8 @@ class Ledger:
         while len(inputs) < limit:
             prev = inputs[-1]
             group_ids = trainer_batch(policy, [(g.group_id, g.prompt_id) for g in self.state.ready
-                                               if g.group_id not in taken], prev.step + 1)
+                                               if g.group_id not in taken], prev.step + 1,
+                                      self.settled(policy, prev.step + 1))
             if group_ids is None:
                 break
             inputs.append(next_step_input(prev, self.batch_parts(group_ids)))
