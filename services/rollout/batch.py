@@ -20,7 +20,7 @@ from laminar.messages import FailedGroup, Lease
 from laminar.records import Trajectory
 from rl.engine_api import Engine, Finished, InFlight
 from rl.tasks import Prompt, RewardFailure
-from rl.tasks.scoring import score
+from rl.tasks.scoring import RewardRunner
 
 log = get_logger(__name__)
 
@@ -56,7 +56,7 @@ class Batch:
                  counters: Counters | None = None) -> None:
         self.engine, self.task, self.run_id, self.replica_id = engine, task, run_id, replica_id
         self.group_size, self.clock = group_size, clock
-        self.reward_timeout_s, self.max_group_retries = reward_timeout_s, max_group_retries
+        self.rewards, self.max_group_retries = RewardRunner(reward_timeout_s), max_group_retries
         self.counters = counters  # where thrown-away tokens of retried groups are counted
         self.failed: list[FailedGroup] = []  # dropped after their last try, not yet reported
         self.reporting_failed: list[FailedGroup] = []  # ... whose report is in flight
@@ -85,7 +85,7 @@ class Batch:
             if group is None or group_id in restarted:
                 continue
             try:
-                reward = score(self.task, group.prompt, f.response_ids, self.reward_timeout_s)
+                reward = self.rewards.score(self.task, group.prompt, f.response_ids)
             except RewardFailure as e:
                 restarted.add(group_id)
                 self.fail(group, e.reason, e.detail, thrown_away=len(f.response_ids))
@@ -102,6 +102,7 @@ class Batch:
         prompt while retries are left, else drop it into `failed`. Its in-flight samples are aborted and its
         finished ones discarded (their tokens counted as regenerated)."""
         gid = group.lease.group_id
+        self.rewards.fresh()  # the retry's reward calls start on a new thread and event loop
         aborted = self.engine.abort([f"{gid}/{i}" for i in range(self.group_size)])
         thrown_away += sum(len(row[2]) for row in aborted) + sum(len(t.response_ids) for t in group.done.values())
         if self.counters is not None:
