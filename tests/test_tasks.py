@@ -72,6 +72,28 @@ def test_bad_task_config_is_a_config_error_naming_the_field(overrides, message):
         build_task(_cfg(*overrides).task, seed=0)
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["task.name=sorting"], "'sorting' is not a known task"),
+    ([f"task.prompts={PROMPTS}"], "task 'repeat' reads no prompt file"),
+    ([f"task.name={TASK_NAME}", f"task.prompts={PROMPTS}", "task.params={\"colour\": 1}"], "task.params has colour"),
+    ([f"task.name={TASK_NAME}", "task.prompts=/no/such/prompts.jsonl"], "is not a file on this host"),
+])
+def test_laminar_run_checks_the_task_before_anything_starts(overrides, message):
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    res = CliRunner().invoke(app, ["run", "examples/tiny.toml", *[f"--{o}" for o in overrides]])
+    assert res.exit_code != 0 and message in " ".join(res.output.split()), res.output
+
+
+def test_check_task_builds_nothing_and_passes_a_good_task():
+    from rl.tasks.loader import check_task
+
+    check_task(_cfg(f"task.name={TASK_NAME}", f"task.prompts={PROMPTS}", "task.params={\"hang_s\": 2}").task)
+    check_task(_cfg().task)
+
+
 def test_get_task_keeps_working_for_builtins():
     assert get_task("repeat", seed=0, max_count=8).max_count == 8
 

@@ -79,6 +79,7 @@ def run(
 
     Extra `--section.key=value` arguments override config values.
     """
+    from rl.tasks.loader import check_task
     from services.model_files import check_model_path
     from workers.run_command import check_launcher, run_local
 
@@ -86,6 +87,7 @@ def run(
         check_launcher(launcher, ray_address)
         cfg = _load_config(config, ctx.args, steps, run_id)
         check_model_path(cfg)  # this host runs the trainer: a bad model.path fails before anything starts
+        check_task(cfg.task)  # ... and a task that cannot be named, read or built with its params
         configure_logging(log_format)
         if report is not None:
             from workers.cli_report import check_matplotlib

@@ -65,8 +65,30 @@ def build_task(section: Any, *, seed: int, tokenizer: Any = None, chat_template:
 
     cls = resolve_task_class(section.name)
     prompts = FilePrompts(section.prompts, seed=seed) if section.prompts else None
-    offered: dict[str, Any] = {"seed": seed, "tokenizer": tokenizer, "chat_template": chat_template,
-                               "max_count": section.max_count}
+    offered = _arguments(section, cls, {"seed": seed, "tokenizer": tokenizer, "chat_template": chat_template,
+                                        "max_count": section.max_count}, prompts)
+    params = dict(section.params)
+    try:
+        return cls(**offered, **params)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"task.name={section.name!r} could not be built with task.params={params!r}: {e}") from None
+
+
+def check_task(section: Any) -> None:
+    """Fail fast where a run starts, building nothing: task.name resolves, task.prompts reads, and task.params
+    and the prompt file fit the class's constructor (ConfigError naming the field otherwise)."""
+    from rl.tasks.prompt_file import FilePrompts
+
+    cls = resolve_task_class(section.name)
+    prompts = FilePrompts(section.prompts) if section.prompts else None
+    _arguments(section, cls, {}, prompts)
+
+
+def _arguments(section: Any, cls: type, offered: dict[str, Any], prompts: Any) -> dict[str, Any]:
+    """Of `offered`, those the constructor takes, plus `prompts`; ConfigError for a task.params key or a prompt
+    file it does not take."""
     params = dict(section.params)
     try:
         sig = inspect.signature(cls)
@@ -87,15 +109,5 @@ def build_task(section: Any, *, seed: int, tokenizer: Any = None, chat_template:
                               f"task that reads one")
         offered = {k: v for k, v in offered.items() if k in accepts}
     if prompts is not None:
-        offered["prompts"] = prompts
-    try:
-        return cls(**offered, **params)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"task.name={section.name!r} could not be built with task.params={params!r}: {e}") from None
-
-
-def task_from_config(cfg: Any, tokenizer: Any = None, chat_template: str | None = None) -> Any:
-    """The run's task (cfg: laminar.config.RunConfig)."""
-    return build_task(cfg.task, seed=cfg.run.seed, tokenizer=tokenizer, chat_template=chat_template)
+        offered = {**offered, "prompts": prompts}
+    return offered
