@@ -36,7 +36,7 @@ from devstack.stack import DevStack, free_port
 from laminar import names
 from laminar.config import RunConfig
 from laminar.converter import DATA_CONVERTER
-from laminar.messages import ClaimPromptsInput, DrillInput, RunStatus
+from laminar.messages import AddExperienceInput, ClaimPromptsInput, DrillInput, RunStatus
 from tests.fixtures.stack import TEST_OVERRIDES, quiet_status
 from tests.fixtures.waiting import async_wait_until
 from tests.histories import (
@@ -230,9 +230,26 @@ async def drill_store(rec: Recorder) -> list[Path]:
     return await _drill(rec, "drill-store", "store")
 
 
+async def failed_groups(rec: Recorder) -> list[Path]:
+    """Sync mode, a user task (package.module:Class, JSONL prompts) whose failing rows end as failed groups: the
+    add_experience updates carry them, and a batch whose groups all failed trains as an empty step."""
+    from tests.fixtures.user_task import PROMPTS, TASK_NAME
+
+    cfg = rec.config("failed-groups", "run.mode=sync", f"task.name={TASK_NAME}", f"task.prompts={PROMPTS}",
+                     "task.reward_timeout_s=0.5", "task.max_group_retries=1", 'task.params={"hang_s": 20.0}',
+                     "run.steps=6")
+    handle = await start_workflow(rec.client, cfg)
+    final: RunStatus = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    (h,) = await rec.chain(handle)
+    reports = update_inputs(h, names.ADD_EXPERIENCE, AddExperienceInput)
+    require(final.phase == "finished" and final.groups_failed >= 4, f"{final.phase}, groups_failed={final.groups_failed}")
+    require(any(r.failed and not r.segment.group_ids for r in reports), "no add_experience with failed groups only")
+    return [rec.write("training_run_failed_groups", h)]
+
+
 SCENARIOS: dict[str, Callable[[Recorder], Awaitable[list[Path]]]] = {
     "stream": stream, "repack": repack, "continue_as_new": continue_as_new, "search_attributes": search_attributes,
-    "drill_rollout": drill_rollout, "drill_store": drill_store,
+    "drill_rollout": drill_rollout, "drill_store": drill_store, "failed_groups": failed_groups,
 }
 
 
