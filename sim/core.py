@@ -49,6 +49,7 @@ from workflows.ledger import Ledger
 from workflows.state import RunState
 
 LONG_TAIL_SIGMA = math.log(10) / 2.326  # rl/modelled.py's: lognormal sigma with p99 / p50 = 10
+PREEMPT_FREE = 0.05  # a full KV cache preempts the newest sequences until this fraction is free (no thrashing)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,26 @@ class Lengths:
     exact: Callable[[int, int], int] | None = None  # (prompt, sample) -> length: the real stack's function
 
 
+@dataclass(frozen=True)
+class ControlTiming:
+    """The replica loop's control-plane intervals (services/rollout/timing.py ReplicaTiming), in modelled seconds.
+    None in SimConfig: an instant control plane (a replica sees a version, gets leases and reports at once)."""
+
+    version_poll_s: float  # a busy replica asks its relay for the newest version this often
+    version_wait_poll_s: float  # ... an idle one (nothing in flight) this often
+    claim_poll_s: float  # an empty claim is retried after this, doubling ...
+    idle_claim_max_s: float  # ... up to this
+    claim_min_groups: int  # a replica with groups in flight claims once this many group slots are free
+    report_min_groups: int  # complete groups are reported once this many wait ...
+    report_max_wait_s: float  # ... or the oldest waited this long (at once while the trainer waits)
+    contact_s: float  # a busy replica with no free slot contacts the workflow this often (repack orders)
+
+    def scaled(self, factor: float) -> ControlTiming:
+        return ControlTiming(self.version_poll_s * factor, self.version_wait_poll_s * factor,
+                             self.claim_poll_s * factor, self.idle_claim_max_s * factor, self.claim_min_groups,
+                             self.report_min_groups, self.report_max_wait_s * factor, self.contact_s * factor)
+
+
 @dataclass
 class SimConfig:
     """One simulated run: a mode, a placement and a workload."""
@@ -111,6 +132,14 @@ class SimConfig:
     failures: tuple[tuple[str, float], ...] = ()  # (kind, modelled time): rollout, relay, trainer, preempt
     failure_costs: dict[str, float] = field(default_factory=dict)
     max_time_s: float = 1e7  # a run that has not finished by then stops (reported as incomplete)
+    # A replica's event waits this many decode steps past its first finishing sequence and retires every one
+    # that finished by then (each finishes at most this late: 16 steps against ~3,000-token trajectories, ~0.5 %).
+    # Fewer events: at 1,024 sequences a replica finishes one about every 3 steps. 0: exact.
+    finish_quantum_steps: int = 16
+    control: ControlTiming | None = None
+    # KV full during decode: preempt the newest sequences (vLLM's recompute preemption) and re-prefill them when
+    # room frees. False: as the modelled engine (rl/modelled.py), growth past capacity is not preempted.
+    preempt: bool = True
 
     def run_config(self) -> RunConfig:
         """The project's RunConfig of this run, for policy_for and staleness_bound (the real code)."""
@@ -170,6 +199,7 @@ class _Replica:
         self.kv_base = 0.0  # sum over active sequences of (prompt + prefix - start_tau): kv = kv_base + active*tau
         self.kv_paused = 0  # tokens of paused sequences (tool calls in flight)
         self.paused = 0
+        self.preempted: list[_Seq] = []  # KV ran out: waiting to be re-prefilled, oldest first
         self.pending: list[Any] = []  # leases not started yet
         self.epoch = 0  # invalidates this replica's scheduled events
         self.kv_area = 0.0  # integral of kv used over time (token seconds)
@@ -178,12 +208,17 @@ class _Replica:
         self.dead_until = -1.0  # failed: no work until then
         self.starved = False
         self.groups: set[_Group] = set()
+        self.newest: int | None = None  # the newest version this replica knows is at its relay
+        self.claim_every = 0.0  # control plane: back-off after empty claims
+        self.claim_epoch = 0
+        self.unreported: list[_Group] = []
+        self.report_epoch = 0
 
     def kv(self) -> float:
         return self.kv_base + self.active * self.tau + self.kv_paused
 
     def in_flight(self) -> int:
-        return self.active + self.paused
+        return self.active + self.paused + len(self.preempted)
 
 
 @dataclass
@@ -206,6 +241,7 @@ class SimResult:
     step_tokens: list[int]
     events: int
     peak_in_flight: int = 0  # most sequences in flight on one replica at once
+    preemptions: int = 0  # sequences preempted by a full KV cache (re-prefilled later)
     sim_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -252,11 +288,13 @@ class Simulator:
         self.window_end: tuple[float, float, float, float, float] | None = None
         self.gen_tokens = 0
         self.peak_in_flight = 0
+        self.preemptions = 0
         self._finished: dict[str, _Group] = {}  # reported groups not yet trained
         self.relay_outage_until = -1.0
         self.relay_down_host = -1
         self._lost_step = False
         self._window_step = 0
+        self.migrating: set[int] = set()  # replicas in a repack migration (control plane: not planned again)
         self.plan_every = repack_mod.PLAN_EVERY_S
         self.roofline = min(self.costs.roofline_batch(), cfg.max_inflight_seqs)
 
@@ -291,7 +329,22 @@ class Simulator:
         if self.newest_at_relay is not None and version <= self.newest_at_relay:
             return
         self.newest_at_relay = version
+        c = self.cfg.control
         for r in self.replicas:
+            if c is None:
+                self._see(r, version)
+                continue
+            every = c.version_wait_poll_s if r.in_flight() == 0 else c.version_poll_s
+            phase = (r.rid * 0.6180339887 % 1.0) * every  # each replica polls on its own phase
+            t_see = phase + math.ceil((self.now - phase) / every - 1e-9) * every
+            self._at(max(self.now, t_see), "see_version", (r.rid, version))
+
+    def _on_see_version(self, data: tuple[int, int]) -> None:
+        self._see(self.replicas[data[0]], data[1])
+
+    def _see(self, r: _Replica, version: int) -> None:
+        if r.newest is None or version > r.newest:
+            r.newest = version
             self._act(r)
 
     # -- lengths -----------------------------------------------------------------------------------------
@@ -305,6 +358,16 @@ class Simulator:
         first = prompt_id - prompt_id % block
         rng = np.random.default_rng([L.seed, first])
         tm = max(1, L.turns_max)
+        if tm == 1:  # single turn: the capped lengths, nothing else
+            if L.long_tail:
+                one = np.rint(rng.lognormal(math.log(L.p50), LONG_TAIL_SIGMA, (block, g)))
+            else:
+                lo, hi = -(-4 * L.p50 // 5), 6 * L.p50 // 5
+                one = rng.integers(lo, max(lo, hi) + 1, (block, g))
+            rows = np.clip(one, 1, L.cap).astype(np.int64).tolist()
+            for i in range(block):
+                self._len_cache[first + i] = (rows[i], None, None)
+            return self._len_cache[prompt_id]
         if L.long_tail:
             seg = np.maximum(1, np.rint(rng.lognormal(math.log(L.p50), LONG_TAIL_SIGMA, (block, g, tm))))
         else:
@@ -322,6 +385,8 @@ class Simulator:
         if L.exact is not None:
             return [L.exact(prompt_id, sample)], []
         seg, turns, env = self._draws(prompt_id)
+        if turns is None:
+            return [seg[sample]], []
         k = turns[sample]
         if k == 1:
             return [int(min(seg[sample][0], L.cap))], []
@@ -343,7 +408,7 @@ class Simulator:
         if r.active and now > start:
             steps = self.costs.steps_within(r.active, r.kv(), now - start)
             if r.heap:
-                steps = min(steps, max(0, int(r.heap[0][0] - r.tau)))
+                steps = min(steps, max(0, int(r.heap[0][0] + self.cfg.finish_quantum_steps - r.tau)))
             kv0 = r.kv()
             r.tau += steps
             r.kv_area += (kv0 + r.kv()) / 2 * (now - r.t)
@@ -356,11 +421,47 @@ class Simulator:
         r.epoch += 1
         if not r.heap or r.dead_until > self.now:
             return
-        end_tau = r.heap[0][0]
+        end_tau = r.heap[0][0] + self.cfg.finish_quantum_steps
         steps = max(0, int(math.ceil(end_tau - r.tau - 1e-9)))
+        kind = "replica"
+        if self.cfg.preempt:
+            room = self.cfg.kv_capacity - r.kv()
+            full = max(0, int(room // r.active))  # steps until the cache is full
+            if full < steps and r.active > 1:  # a lone sequence is never preempted (it could not come back)
+                steps, end_tau, kind = full, r.tau + full, "kv_full"
         start = max(self.now, r.busy_until)
         t = start + self.costs.decode_steps_s(r.active, r.kv(), steps)
-        self._at(t, "replica", (r.rid, r.epoch, end_tau))
+        self._at(t, kind, (r.rid, r.epoch, end_tau))
+
+    def _on_kv_full(self, data: tuple[int, int, float]) -> None:
+        """The cache is full: preempt the newest sequences until PREEMPT_FREE of it is free again."""
+        rid, epoch, end_tau = data
+        r = self.replicas[rid]
+        if epoch != r.epoch:
+            return
+        kv0 = r.kv()
+        self.gen_tokens += int(end_tau - r.tau) * r.active
+        r.tau = end_tau
+        r.kv_area += (kv0 + r.kv()) / 2 * (self.now - r.t)
+        r.t = self.now
+        newest_first = sorted(r.heap, key=lambda e: -e[2].start_tau)
+        drop = set()
+        for e in newest_first:
+            if r.kv() <= self._kv_target(r.active) or r.active <= 1:
+                break
+            s = e[2]
+            done = int(r.tau - s.start_tau)
+            r.kv_base -= self.cfg.prompt_tokens + s.prefix - s.start_tau
+            r.active -= 1
+            s.segments[0] -= done
+            s.prefix += done
+            drop.add(id(s))
+            r.preempted.append(s)
+        if drop:
+            r.heap = [e for e in r.heap if id(e[2]) not in drop]
+            heapq.heapify(r.heap)
+            self.preemptions += len(drop)
+        self._act(r)
 
     def _on_replica(self, data: tuple[int, int, float]) -> None:
         rid, epoch, end_tau = data
@@ -393,11 +494,34 @@ class Simulator:
             g.remaining -= 1
             if g.remaining == 0:
                 finished_groups.append(g)
+        c = self.cfg.control
+        if c is not None and finished_groups:
+            r.unreported.extend(finished_groups)
+            for g in finished_groups:
+                r.groups.discard(g)
+            trainer_waits = not self.trainer_busy
+            if len(r.unreported) >= c.report_min_groups or trainer_waits or not r.groups:
+                finished_groups, r.unreported = r.unreported, []
+                r.report_epoch += 1
+            else:
+                if len(r.unreported) == len(finished_groups):  # the oldest waits at most report_max_wait_s
+                    r.report_epoch += 1
+                    self._at(self.now + c.report_max_wait_s, "report", (r.rid, r.report_epoch))
+                finished_groups = []
         for g in finished_groups:
             self._complete(g, r)
         self._act(r)
         if finished_groups:
             self._after_ledger_change()
+
+    def _on_report(self, data: tuple[int, int]) -> None:
+        r = self.replicas[data[0]]
+        if data[1] != r.report_epoch or not r.unreported:
+            return
+        groups, r.unreported = r.unreported, []
+        for g in groups:
+            self._complete(g, r)
+        self._after_ledger_change()
 
     def _on_tool_return(self, data: tuple[int, _Seq]) -> None:
         rid, s = data
@@ -448,16 +572,18 @@ class Simulator:
         if r.dead_until > self.now:
             return
         self._sync(r)
-        action = self.fns.load_action(self.policy, r.version, self.newest_at_relay, r.in_flight())
+        action = self.fns.load_action(self.policy, r.version, r.newest, r.in_flight())
         if action == "load" and r.hold == r.version:
             action = ""
         if action:
             self._load(r, interrupt=action == "interrupt")
         self._admit(r)
         want = self._free_groups(r)
-        if want > 0:
+        c = self.cfg.control
+        enough = 1 if c is None or not r.groups else c.claim_min_groups
+        if want >= enough and not (c is not None and r.claim_every > 0 and r.starved):
             self._claim(r, want)
-        else:
+        elif want <= 0:
             r.starved = False
         self._schedule(r)
 
@@ -471,12 +597,34 @@ class Simulator:
             cost += self.costs.prefill_s(tokens)
             self.reprefill += tokens
         r.busy_until = start + cost
-        r.version = self.newest_at_relay
+        r.version = r.newest
+
+    def _kv_target(self, active: int) -> float:
+        """KV use a preemption brings the cache down to: PREEMPT_FREE of it free, and at least one decode step's
+        growth (so the next full cache is at least a step away)."""
+        return min(self.cfg.kv_capacity * (1 - PREEMPT_FREE), self.cfg.kv_capacity - active)
 
     def _admit(self, r: _Replica) -> None:
+        if r.preempted:  # preempted sequences come back first, when their prompt + prefix fit again
+            tokens = 0
+            while r.preempted:
+                s = r.preempted[0]
+                need = self.cfg.prompt_tokens + s.prefix
+                if r.kv() + need > self._kv_target(r.active + 1) and r.active > 0:
+                    break
+                r.preempted.pop(0)
+                if s.segments[0] <= 0:
+                    s.segments[0] = 1
+                self._start_seq(r, s)
+                tokens += need
+            if tokens:
+                self.reprefill += tokens
+                r.busy_until = max(r.busy_until, self.now) + self.costs.prefill_s(tokens)
+            if r.preempted:
+                return  # nothing new starts while preempted sequences wait (vLLM's waiting queue order)
         if not r.pending or r.version is None:
             return
-        newer = self.newest_at_relay is not None and self.newest_at_relay > r.version
+        newer = r.newest is not None and r.newest > r.version
         started: list[Any] = []
         prefill = 0
         G, P = self.cfg.group_size, self.cfg.prompt_tokens
@@ -488,12 +636,25 @@ class Simulator:
             g = _Group(lease.group_id, lease.prompt_id, r.version, r.rid, self.now)
             self.groups[g.group_id] = g
             r.groups.add(g)
-            for i in range(G):
-                segs, env = self._segments(lease.prompt_id, i)
-                s = _Seq(g, i, lease.prompt_id, segs, env)
-                g.seqs.append(s)
-                g.remaining += 1
-                self._start_seq(r, s)
+            rows = None if self.cfg.lengths.exact is not None else self._draws(lease.prompt_id)
+            if rows is not None and rows[1] is None:  # single turn: the group's lengths in one go
+                tau, heap = r.tau, r.heap
+                for i, n in enumerate(rows[0]):
+                    s = _Seq(g, i, lease.prompt_id, [n], [])
+                    s.start_tau, s.end_tau = tau, tau + n
+                    g.seqs.append(s)
+                    self.seq_no += 1
+                    heapq.heappush(heap, (tau + n, self.seq_no, s))
+                g.remaining += G
+                r.active += G
+                r.kv_base += G * (P - tau)
+            else:
+                for i in range(G):
+                    segs, env = self._segments(lease.prompt_id, i)
+                    s = _Seq(g, i, lease.prompt_id, segs, env)
+                    g.seqs.append(s)
+                    g.remaining += 1
+                    self._start_seq(r, s)
             prefill += G * P
             started.append(lease)
         if started:
@@ -507,13 +668,32 @@ class Simulator:
         room = self.cfg.ready_limit() - len(st.ready)
         fresh = self.fns.fresh_lease_room(self.policy, st.prompt_cursor, st.policy_version, st.groups_generated)
         if (room <= 0 or fresh == 0) and not st.returned:  # the ledger would hand out nothing
-            r.starved = True
-            return
-        leases = self.ledger.lease(r.name, max(0, min(want, room)), fresh)
+            leases = []
+        else:
+            leases = self.ledger.lease(r.name, max(0, min(want, room)), fresh)
         r.pending.extend(leases)
         r.starved = len(leases) < want
+        c = self.cfg.control
+        if c is not None:  # services/rollout/timing.py next_claim_interval: back off while claims come back empty
+            r.claim_every = 0.0 if leases else min(c.idle_claim_max_s, max(c.claim_poll_s, 2 * r.claim_every))
+            if not leases:
+                r.claim_epoch += 1
+                self._at(self.now + r.claim_every, "claim_retry", (r.rid, r.claim_epoch))
         if leases:
             self._admit(r)
+
+    def _on_claim_retry(self, data: tuple[int, int]) -> None:
+        r = self.replicas[data[0]]
+        if data[1] != r.claim_epoch or r.dead_until > self.now:
+            return
+        self._sync(r)
+        want = self._free_groups(r)
+        if want > 0:
+            self._claim(r, want)
+        else:
+            r.starved = False
+            r.claim_every = 0.0
+        self._schedule(r)
 
     def _after_ledger_change(self) -> None:
         """A group was reported or a step committed: the trainer may step, starved replicas may get leases."""
@@ -523,6 +703,8 @@ class Simulator:
         fresh = self.fns.fresh_lease_room(self.policy, st.prompt_cursor, st.policy_version, st.groups_generated)
         if room <= 0 or (fresh is not None and fresh <= 0 and not st.returned):
             return
+        if self.cfg.control is not None:
+            return  # starved replicas retry on their own back-off (claim_retry)
         for r in self.replicas:
             if r.starved and r.dead_until <= self.now:
                 self._act(r)
@@ -610,10 +792,11 @@ class Simulator:
         self._at(self.now + self.plan_every, "repack_tick")
 
     def _repack(self) -> None:
+        """Plan over the replicas behind the newest version and not in a migration (workflows/migrations.py)."""
         newest = self.ledger.state.policy_version
         loads = []
         for r in self.replicas:
-            if r.version is None or r.version >= newest or r.dead_until > self.now:
+            if r.version is None or r.version >= newest or r.dead_until > self.now or r.rid in self.migrating:
                 continue
             self._sync(r)
             kv = int(r.kv())
@@ -625,15 +808,48 @@ class Simulator:
             return
         moves = self.fns.plan_repack(loads, c_max=repack_mod.C_MAX, roofline_batch=self.roofline)
         by_name = {r.name: r for r in self.replicas}
+        c = self.cfg.control
         for m in moves:
-            self._move(by_name[m.source], by_name[m.destination])
+            src, dst = by_name[m.source], by_name[m.destination]
+            if c is None:
+                self._give(dst, self._hand_off(src))
+                continue
+            # the order reaches the source at its next contact; the destination keeps the version meanwhile
+            self.migrating.update((src.rid, dst.rid))
+            dst.hold = m.policy_version
+            self._at(self._next_contact(src), "handoff", (src.rid, dst.rid, m.policy_version))
         for m in moves:
-            self._act(by_name[m.source])
+            if c is None:
+                self._act(by_name[m.source])
 
-    def _move(self, src: _Replica, dst: _Replica) -> None:
-        """Hand src's trajectories to dst: they continue there under the same version, re-prefilled."""
-        self._sync(dst)
-        tokens = 0
+    def _next_contact(self, r: _Replica) -> float:
+        every = self.cfg.control.contact_s
+        phase = (r.rid * 0.6180339887 % 1.0) * every
+        return max(self.now, phase + math.ceil((self.now - phase) / every - 1e-9) * every)
+
+    def _on_handoff(self, data: tuple[int, int, int]) -> None:
+        src, dst = self.replicas[data[0]], self.replicas[data[1]]
+        if src.version != data[2] or src.dead_until > self.now or dst.dead_until > self.now or not src.groups:
+            self.migrating.difference_update((src.rid, dst.rid))
+            dst.hold = -1
+            self._act(dst)
+            return
+        moved = self._hand_off(src, dst)
+        self._act(src)
+        self._at(self._next_contact(dst), "take", (dst.rid, moved))
+
+    def _on_take(self, data: tuple[int, Any]) -> None:
+        dst = self.replicas[data[0]]
+        self.migrating.discard(dst.rid)
+        for g in data[1][1]:
+            self.migrating.discard(g.replica)
+        self._give(dst, data[1])
+        dst.hold = -1
+        self._act(dst)
+
+    def _hand_off(self, src: _Replica, dst: _Replica | None = None) -> tuple[list[_Seq], list[_Group]]:
+        """Take every unfinished trajectory off src (its groups' leases go to dst when known)."""
+        self._sync(src)
         seqs = []
         while src.heap:
             _, _, s = heapq.heappop(src.heap)
@@ -641,19 +857,34 @@ class Simulator:
             s.segments[0] -= done
             s.prefix += done
             seqs.append(s)
-        for g in list(src.groups):
+        groups = list(src.groups)
+        for g in groups:
             for s in g.seqs:
-                if s.kv_held:  # paused on a tool call: its KV moves too
+                if s.kv_held:  # paused on a tool call: it comes along and resumes on the destination
                     src.kv_paused -= s.kv_held
                     src.paused -= 1
-                    dst.kv_paused += s.kv_held
-                    dst.paused += 1
-                    tokens += s.kv_held
+                    s.kv_held = 0
+                    s.prefix += self.cfg.tool_output_tokens
+                    s.env = s.env[1:] if s.env else s.env
+                    seqs.append(s)
+            g.replica = src.rid if dst is None else dst.rid
+        src.groups.clear()
+        seqs.extend(src.preempted)
+        src.preempted = []
+        src.active, src.kv_base = 0, 0.0
+        src.epoch += 1
+        self.migrating.discard(src.rid)
+        return seqs, groups
+
+    def _give(self, dst: _Replica, moved: tuple[list[_Seq], list[_Group]]) -> None:
+        """dst continues the trajectories under the same version, re-prefilling prompt + prefix."""
+        seqs, groups = moved
+        self._sync(dst)
+        for g in groups:
             g.replica = dst.rid
             dst.groups.add(g)
             self.ledger.state.open_leases[g.group_id].replica_id = dst.name
-        src.groups.clear()
-        src.active, src.kv_base = 0, 0.0
+        tokens = 0
         for s in seqs:
             if s.segments[0] <= 0:  # finished exactly now: give it one step
                 s.segments[0] = 1
@@ -663,7 +894,6 @@ class Simulator:
         self.reprefill += tokens
         self.repacks += 1
         self._schedule(dst)
-        src.epoch += 1
 
     # -- failures ----------------------------------------------------------------------------------------
 
@@ -674,8 +904,12 @@ class Simulator:
             for s in g.seqs:
                 s.kv_held = 0
             del self.groups[g.group_id]
+        for g in r.unreported:  # complete but not reported: lost with the process, leased again
+            del self.groups[g.group_id]
+        r.unreported = []
         r.groups.clear()
         r.heap.clear()
+        r.preempted = []
         r.active = r.paused = r.kv_paused = 0
         r.kv_base = 0.0
         r.pending = []
@@ -766,7 +1000,7 @@ class Simulator:
         hist = dict(sorted(self.stale.items()))
         return SimResult(self.cfg.mode, self.cfg.replicas, tps, gen, it, hist, max(hist, default=0), kv, idle,
                          batches, complete, self.repacks, self.reprefill, self.dropped, list(self.step_times),
-                         list(self.step_tokens), self.events, self.peak_in_flight)
+                         list(self.step_tokens), self.events, self.peak_in_flight, self.preemptions)
 
 
 def simulate(cfg: SimConfig, fns: PolicyFns = REAL_POLICY) -> SimResult:

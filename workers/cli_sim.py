@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
+console = Console() if sys.stdout.isatty() else Console(width=200)  # tables whole when piped to a file
 err = Console(stderr=True)
 
 FAILURES = ("rollout", "relay", "trainer", "preempt")
@@ -239,13 +241,24 @@ def plan_command(
 KV_BINDS_CAPACITY = 6144  # tokens: 3 groups' prompts (3 x 8 x 256), against 4 groups of slots per replica
 
 
+def replica_timing():
+    """The real replica loop's intervals (services/rollout/timing.py), for the simulator's control plane."""
+    from services.rollout.timing import TIMING
+    from sim.core import ControlTiming
+
+    return ControlTiming(TIMING.version_poll_s, TIMING.version_wait_poll_s, TIMING.claim_poll_s,
+                         TIMING.idle_claim_max_s, TIMING.claim_min_groups, TIMING.report_min_groups,
+                         TIMING.report_max_wait_s, TIMING.contact_s)
+
+
 def simulate_like_bench(cfg, iterations: int) -> dict[str, Any]:
     """The simulator on one `laminar bench throughput` run config (sim/scenarios.py from_run_config)."""
     from bench.throughput import warmup_steps
     from sim.core import simulate
     from sim.scenarios import from_run_config
 
-    res = simulate(from_run_config(cfg, iterations=iterations, warmup=warmup_steps(iterations)))
+    sim_cfg = from_run_config(cfg, iterations=iterations, warmup=warmup_steps(iterations))
+    res = simulate(replace(sim_cfg, control=replica_timing().scaled(cfg.modelled.speedup)))
     return {"tokens_per_s": res.tokens_per_s, "staleness_max": res.staleness_max, "kv_utilisation": res.kv_utilisation,
             "trainer_idle_fraction": res.trainer_idle_fraction, "complete": res.complete, "repacks": res.repacks}
 
