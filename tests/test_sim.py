@@ -173,3 +173,24 @@ def test_small_sweep_completes_with_every_mode():
     assert rows[1]["placement"] == "colocated" and rows[1]["staleness_max"] == 0
     assert rows[0]["laminar_speedup"] == 1.0
     assert set(speedup_summary(rows)) == {"sync", "one_step", "stream", "partial_rollout"}
+
+
+# -- failures --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["rollout", "preempt", "trainer", "relay"])
+def test_a_failure_costs_throughput_and_the_run_still_completes(kind):
+    costs = {"rollout_detect_s": 4.0, "rollout_restart_s": 60.0, "machine_replace_s": 252.0,
+             "trainer_detect_s": 12.8, "trainer_restart_s": 0.17, "checkpoint_load_s": 30.0, "checkpoint_every": 10,
+             "relay_detect_s": 2.7, "relay_rebuild_s": 0.11}
+    cfg = small("laminar", iterations=10, failure_costs=costs, replicas_per_machine=2)
+    base = simulate(cfg)
+    at = base.step_times[3]  # during the measured window
+    hit = simulate(replace(cfg, failures=((kind, at),)))
+    assert hit.complete
+    assert sum(hit.step_tokens) > 0
+    if kind == "relay":  # the host's replicas pull from another relay: a little slower at most
+        assert hit.tokens_per_s <= base.tokens_per_s * 1.001
+    else:
+        assert hit.tokens_per_s < base.tokens_per_s
+    if kind == "trainer":  # down for 12.8 + 0.17 + 30 s at least: the step after `at` comes that much later
+        assert min(t for t in hit.step_times if t > at) >= at + 42.97

@@ -263,6 +263,18 @@ def simulate_like_bench(cfg, iterations: int) -> dict[str, Any]:
             "trainer_idle_fraction": res.trainer_idle_fraction, "complete": res.complete, "repacks": res.repacks}
 
 
+def _progress_printer():
+    """A bench progress callback that prints a run's notes and each new step once."""
+    last: dict[str, Any] = {}
+
+    def progress(label: str, status: Any, note: str) -> None:
+        line = note or (f"step {status.step}/{status.total_steps}" if status is not None else "")
+        if line and last.get(label) != line:
+            last[label] = line
+            err.print(f"[dim]{label}: {line}[/dim]", highlight=False)
+    return progress
+
+
 def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replicas: int, iterations: int,
                      kv_binds: bool, json_path: Path | None) -> None:
     """Simulator and real stack (bench/throughput.py run_bench, the modelled engine) on the same configs."""
@@ -279,8 +291,7 @@ def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replica
     for label, extra in settings:
         spec = BenchSpec(modes=modes, workloads=workloads, replicas=replicas, engine="modelled",
                          iterations=iterations, extra_overrides=extra)
-        report = run_bench(spec, lambda lbl, st, note: err.print(f"[dim]{lbl}: {note or (st and st.step)}[/dim]"),
-                           launch_bench_workers)
+        report = run_bench(spec, _progress_printer(), launch_bench_workers)
         for real in report["results"]:
             cfg = spec.run_config(real["mode"], real["workload"], "sim", real.get("repack", True))
             sim = simulate_like_bench(cfg, iterations)
