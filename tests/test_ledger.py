@@ -9,7 +9,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from laminar.config import RunConfig
-from laminar.messages import BatchPart, ReplicaReport, StepMetrics, TrainStepInput, TrainStepResult
+from laminar.messages import (
+    BatchPart,
+    FailedGroup,
+    ReplicaReport,
+    StepMetrics,
+    TrainStepInput,
+    TrainStepResult,
+)
 from laminar.refs import CheckpointRef, SegmentRef
 from storage import keys
 from storage.objects import sha256_hex
@@ -366,9 +373,9 @@ class LedgerMachine(RuleBasedStateMachine):
     """Replicas lease, report (with retries, duplicates and zombie reports after a restart), restart, and the
     trainer consumes and commits steps (some with a checkpoint), in any order Hypothesis picks; on a failure it
     shrinks to a minimal sequence. A small model of what the ledger must do is kept beside it: who holds each
-    open lease, which groups were generated (accepted once), which were consumed. After every rule: every group
-    ever leased is in exactly one of consumed, ready, open_leases or returned, none is consumed twice, and a
-    restarted trainer would replay exactly the batches since the checkpoint."""
+    open lease, which groups were generated (accepted once), which failed, which were consumed. After every rule:
+    every group ever leased is in exactly one of consumed, ready, failed, open_leases or returned, none is
+    consumed twice, and a restarted trainer would replay exactly the batches since the checkpoint."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -378,6 +385,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.reported: list[SegmentRef] = []
         self.leased: set[str] = set()
         self.generated: set[str] = set()
+        self.failed: set[str] = set()
         self.consumed: list[str] = []
         self.batches: list[list[BatchPart]] = []  # the batch of each step, in order
         self.seq = 0
@@ -389,7 +397,8 @@ class LedgerMachine(RuleBasedStateMachine):
         """A report is accepted exactly for the groups nobody reported before (once each), the rest counted."""
         self.seq += 1
         seg = _seg(str(self.seq), groups, replica=r)
-        expected = [g for i, g in enumerate(groups) if g not in self.generated and g not in groups[:i]]
+        expected = [g for i, g in enumerate(groups)
+                    if g not in self.generated and g not in self.failed and g not in groups[:i]]
         accepted, duplicates = self.ledger.add_segment(seg)
         assert accepted == expected
         assert len(duplicates) == len(groups) - len(expected)
@@ -413,6 +422,20 @@ class LedgerMachine(RuleBasedStateMachine):
     def generate(self, data: st.DataObject) -> None:
         r = data.draw(st.sampled_from(sorted(set(self.owner.values()))))
         self.report(r, data.draw(st.lists(st.sampled_from(self.held(r)), min_size=1, unique=True)))
+
+    @rule(r=st.sampled_from(REPLICAS), data=st.data())
+    def fail(self, r: str, data: st.DataObject) -> None:
+        """A replica reports groups failed (on every try): its own open leases close as failed, once; any other
+        group it names (a retried report, a zombie's, one complete or leased elsewhere) is ignored."""
+        others = sorted(self.leased - set(self.held(r)))
+        groups = data.draw(st.lists(st.sampled_from(self.held(r) + others), unique=True)) if self.leased else []
+        expected = [g for g in groups if self.owner.get(g) == r]
+        before = self.ledger.state.groups_failed
+        closed = self.ledger.fail_groups([FailedGroup(g, int(g[1:]), "raised") for g in groups], r)
+        assert closed == expected and self.ledger.state.groups_failed == before + len(expected)
+        for g in closed:
+            del self.owner[g]
+        self.failed |= set(closed)
 
     @precondition(lambda self: self.reported)
     @rule(data=st.data())
@@ -457,12 +480,14 @@ class LedgerMachine(RuleBasedStateMachine):
         s = self.ledger.state
         assert {g: lease.replica_id for g, lease in s.open_leases.items()} == self.owner
         ready, returned = _ready_ids(self.ledger), [x.group_id for x in s.returned]
-        everywhere = self.consumed + ready + list(s.open_leases) + returned
+        everywhere = self.consumed + ready + sorted(self.failed) + list(s.open_leases) + returned
         assert len(self.consumed) == len(set(self.consumed)), "a group was consumed twice"
         assert len(everywhere) == len(set(everywhere)), "a group is in two places"
         assert set(everywhere) == self.leased, "a leased group was lost"
         assert set(self.consumed) | set(ready) == self.generated
         assert s.groups_generated == len(self.generated) and s.groups_consumed == len(self.consumed)
+        assert s.groups_failed == len(self.failed) and not self.failed & self.generated
+        assert s.prompt_cursor == s.groups_generated + s.groups_failed + len(s.open_leases) + len(s.returned)
         # every ready group's segment is still indexed, and nothing else is
         assert set(s.segments) == {g.segment_key for g in s.ready}
 

@@ -275,19 +275,23 @@ def test_a_failing_group_is_retried_then_dropped_and_its_lease_closed_once_as_fa
     assert any(e.kind == "group_failed" and e.subject == REASON[mode] for e in status.events)
 
 
-def test_a_group_failed_by_a_replica_thought_lost_is_closed_from_the_returned_pool():
+def test_only_the_lease_holder_fails_a_group():
     from laminar.messages import FailedGroup
 
     ledger = Ledger(RunState(run_id="r"))
     (lease,) = ledger.lease("replica-0", 1)
-    ledger.release_leases_of("replica-0", keep=set())  # the replica restarted: its lease went back
-    assert [r.group_id for r in ledger.state.returned] == [lease.group_id]
-    assert ledger.fail_groups([FailedGroup(lease.group_id, lease.prompt_id, "raised")]) == [lease.group_id]
-    assert ledger.state.returned == [] and ledger.state.groups_failed == 1
+    failure = FailedGroup(lease.group_id, lease.prompt_id, "raised")
+    ledger.release_leases_of("replica-0", keep=set())  # replica-0 restarted: its lease went back to the pool
+    assert ledger.fail_groups([failure], "replica-0") == []  # its old process's failure: the group is retried
+    (again,) = ledger.lease("replica-1", 1)
+    assert again.group_id == lease.group_id
+    assert ledger.fail_groups([failure], "replica-0") == []  # nor does it fail replica-1's lease
+    assert ledger.fail_groups([failure], "replica-1") == [lease.group_id]
+    assert ledger.state.groups_failed == 1 and not ledger.state.open_leases and not ledger.state.returned
     # a group that already completed is not failed afterwards (a late, stale failure report)
     (other,) = ledger.lease("replica-1", 1)
     ledger.add_segment(SegmentRef(key="s", sha256="", size=0, rows=2, group_ids=[other.group_id]))
-    assert ledger.fail_groups([FailedGroup(other.group_id, other.prompt_id, "nan")]) == []
+    assert ledger.fail_groups([FailedGroup(other.group_id, other.prompt_id, "nan")], "replica-1") == []
     assert ledger.state.groups_failed == 1
 
 
@@ -317,7 +321,7 @@ def test_a_barrier_mode_trains_a_batch_short_of_its_failed_groups(mode, minibatc
         ledger.add_segment(SegmentRef(key="s", sha256="", size=0, rows=0, group_ids=[g.group_id for g in good]))
     if minibatches == 1:
         assert ledger.trainable(policy) is None  # the failed prompts' groups are still leased: wait for them
-    ledger.fail_groups([FailedGroup(g.group_id, g.prompt_id, "timeout") for g in bad])
+    ledger.fail_groups([FailedGroup(g.group_id, g.prompt_id, "timeout") for g in bad], "replica-0")
     assert ledger.settled(policy, 0)
     steps = []
     while (ids := ledger.trainable(policy)) is not None and len(steps) < 5:

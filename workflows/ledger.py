@@ -143,19 +143,18 @@ class Ledger:
         self.state.duplicate_reports += len(duplicates)
         return accepted, duplicates
 
-    def fail_groups(self, failed: list[FailedGroup], replica_id: str = "", at: float = 0.0) -> list[str]:
+    def fail_groups(self, failed: list[FailedGroup], replica_id: str, at: float = 0.0) -> list[str]:
         """Close the leases of groups that failed on every try: counted in groups_failed, never ready, never
-        leased again. Idempotent by group id, like add_segment: a group already recorded (complete, failed, or
-        a retried report) is ignored."""
+        leased again. Only the replica holding the lease fails it: a group already recorded (complete, failed,
+        a retried report), or leased elsewhere or back in the pool since (its reporter was thought lost), is
+        ignored, and is generated or retried by its holder."""
         closed: list[str] = []
         for f in failed:
             g = f.group_id
-            if g in self.state.open_leases:
-                self.state.open_leases.pop(g)
-            elif any(lease.group_id == g for lease in self.state.returned):  # a replica thought lost failed it
-                self.state.returned = [lease for lease in self.state.returned if lease.group_id != g]
-            else:
+            lease = self.state.open_leases.get(g)
+            if lease is None or lease.replica_id != replica_id:
                 continue
+            del self.state.open_leases[g]
             closed.append(g)
             self.state.groups_failed += 1
             self.state.failures = (self.state.failures + [f])[-RECENT_FAILURES:]
