@@ -59,10 +59,12 @@ def fingerprint(cfg: RunConfig) -> str:
     """What determines the base model: model shape, task, warm-up steps, seed, recipe version."""
     data = {
         "model": cfg.model.model_dump(mode="json"),
-        # what shapes the model: the task and its prompts (not its reward limits); unset fields left out, so the
-        # default task keeps its fingerprint
+        # what shapes the model: the task and its prompts, by content (the vocabulary comes from them), not its
+        # reward limits; unset fields left out, so the default task keeps its fingerprint
         "task": cfg.task.model_dump(mode="json", include={"name", "max_count", "prompts", "params"},
-                                    exclude_defaults=True) | {"name": cfg.task.name, "max_count": cfg.task.max_count},
+                                    exclude_defaults=True) | {"name": cfg.task.name, "max_count": cfg.task.max_count}
+        | ({"prompts_sha256": hashlib.sha256(Path(cfg.task.prompts).read_bytes()).hexdigest()}
+           if cfg.task.prompts and Path(cfg.task.prompts).is_file() else {}),
         "max_new_tokens": cfg.rollout.max_new_tokens,
         "seed": cfg.run.seed,
         "recipe": [RECIPE_VERSION, DEMO_ACCURACY, PRETRAIN_BATCH, PRETRAIN_LR],

@@ -341,3 +341,16 @@ def test_a_batch_without_failures_is_never_settled_early():
     a, _ = ledger.lease("replica-0", 2)
     ledger.add_segment(SegmentRef(key="s", sha256="", size=0, rows=0, group_ids=[a.group_id]))
     assert not ledger.settled(policy, 0) and ledger.trainable(policy) is None
+
+
+def test_the_tiny_models_fingerprint_follows_the_prompt_files_content(tmp_path):
+    # the tiny tokenizer's vocabulary comes from the file: an edited file at the same path builds a new model
+    from rl.base_model import fingerprint
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(PROMPTS.read_text())
+    cfg = _cfg("task.name=file", f"task.prompts={path}")
+    before = fingerprint(cfg)
+    assert fingerprint(cfg) == before
+    path.write_text(PROMPTS.read_text() + '{"prompt": "copy : new words", "answer": "new words"}\n')
+    assert fingerprint(cfg) != before
