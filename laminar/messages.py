@@ -140,7 +140,7 @@ class FailedGroup:
     group_id: str
     prompt_id: int
     reason: str
-    detail: str = ""
+    detail: str = ""  # what the last try's failure said, at most 200 characters (the status keeps 20 of these)
     attempts: int = 1  # tries made, the first included
     source_id: str = ""  # the prompt's id in its prompt file ("" for generated prompts)
 

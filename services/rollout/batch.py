@@ -117,7 +117,7 @@ class Batch:
             if not self.completed and not self.failed:
                 self.completed_since = self.clock()
             self.failed.append(FailedGroup(group_id=gid, prompt_id=group.lease.prompt_id, reason=reason,
-                                           detail=detail[:500], attempts=group.attempts,
+                                           detail=detail[:200], attempts=group.attempts,
                                            source_id=group.prompt.source_id))
             return
         log.warning("group_retried", retries_left=self.max_group_retries - group.attempts, **fields)
