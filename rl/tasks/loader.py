@@ -15,6 +15,7 @@ ENTRY_POINT_GROUP = "laminar.tasks"
 BUILTIN: dict[str, str] = {
     "repeat": "rl.tasks.repeat:RepeatTask",
     "file": "rl.tasks.text:FileTask",  # task.prompts, exact-match reward
+    "math": "rl.tasks.math:MathTask",  # task.params.generator: chain_sum | countdown | gsm8k
 }
 
 
