@@ -354,3 +354,21 @@ def test_the_tiny_models_fingerprint_follows_the_prompt_files_content(tmp_path):
     assert fingerprint(cfg) == before
     path.write_text(PROMPTS.read_text() + '{"prompt": "copy : new words", "answer": "new words"}\n')
     assert fingerprint(cfg) != before
+
+
+def test_a_prompt_the_engine_cannot_admit_fails_its_group_not_the_replica(tmp_path):
+    # max_prompt_len = 16 (the engine of _engine): a 1 + 2 + 20 = 23-token prompt cannot be admitted
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"id": "long", "prompt": "copy : " + " ".join(["red"] * 20), "answer": "red"}) + "\n"
+                    + json.dumps({"id": "short", "prompt": "copy : red", "answer": "red"}) + "\n")
+    task = CopyTask(prompts=FilePrompts(path, shuffle=False))
+    ledger = Ledger(RunState(run_id="r"))
+    long, short = ledger.lease("replica-0", 2)
+    batch = Batch(_engine(task, 4), task, "r", "replica-0", 2, time.monotonic, max_group_retries=2)
+    batch.admit([long, short])
+    assert [(f.group_id, f.reason, f.attempts, f.source_id) for f in batch.failed] == [
+        (long.group_id, "generation", 3, "long")]
+    assert "max_prompt_len" in batch.failed[0].detail
+    while batch.engine.in_flight():
+        batch.record(batch.engine.step())
+    assert [g.lease.group_id for g in batch.completed] == [short.group_id]

@@ -32,7 +32,8 @@ the replica's environment loop (services/rollout/__init__.py).
 
 Failure semantics (rl/tasks/scoring.py `score`; the replica's group retry in services/rollout/batch.py): the
 reward function raising, running past task.reward_timeout_s, or returning NaN, an infinity or a non-number
-(bool included) raises `RewardFailure(reason)`. The replica then retries the whole group from its prompt with
+(bool included) raises `RewardFailure(reason)`; a prompt the task cannot build or the engine cannot admit is a
+`generation` failure. The replica then retries the whole group from its prompt with
 a fresh call context, up to task.max_group_retries times; after that the group is reported failed, its lease
 is closed once as failed (`groups_failed` in status, summary and metrics; reason and prompt id in the log),
 and it is never trained on.

@@ -3,7 +3,7 @@ groups not yet reported), and what the incarnation counts. A finished sample bec
 `Batch.record` (the place a multi-turn environment loop hooks in: see services/rollout/__init__.py).
 
 Failures (rl/tasks/__init__.py): a reward that raises, overruns task.reward_timeout_s, or returns NaN or a
-non-number is not a reward. Its whole group is generated again from the prompt (its other samples aborted,
+non-number is not a reward; a prompt that cannot be built or admitted is a generation failure. Its whole group is generated again from the prompt (its other samples aborted,
 their tokens counted as regenerated), with a fresh prompt and reward call context, up to
 task.max_group_retries times; then it leaves the batch as a `FailedGroup`, reported with the next
 `add_experience` so the workflow closes its lease as failed. A failed group is never written to a segment."""
@@ -67,12 +67,19 @@ class Batch:
         self.pending: list[Lease] = []  # leased while draining: admitted once the newer version is loaded
 
     def admit(self, leases: list[Lease], attempts: int = 1) -> None:
+        """Start each group from its prompt. A prompt the task cannot build, or the engine cannot admit (longer
+        than its max_prompt_len), fails the group ("generation") instead of the replica, which would otherwise
+        be retried on the same lease forever."""
         for lease in leases:
-            prompt = self.task.prompt(lease.prompt_id)
-            self.groups[lease.group_id] = Group(lease, prompt, self.clock(), int(self.engine.policy_version or 0),
-                                                attempts=attempts)
-            for i in range(self.group_size):
-                self.engine.add(f"{lease.group_id}/{i}", prompt.token_ids)
+            version = int(self.engine.policy_version or 0)
+            group = Group(lease, Prompt(lease.prompt_id, "", []), self.clock(), version, attempts=attempts)
+            self.groups[lease.group_id] = group
+            try:
+                group.prompt = self.task.prompt(lease.prompt_id)
+                for i in range(self.group_size):
+                    self.engine.add(f"{lease.group_id}/{i}", group.prompt.token_ids)
+            except Exception as e:  # noqa: BLE001 - the group fails with what went wrong; the replica goes on
+                self.fail(group, "generation", f"{type(e).__name__}: {e}")
 
     def record(self, finished: list[Finished]) -> None:
         """Each finished sample, verified, into its group; a group with every sample is complete. A failed
