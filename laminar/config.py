@@ -94,7 +94,7 @@ class ModelSection(_Section):
 class TaskSection(_Section):
     name: str = Field(
         "repeat", min_length=1, max_length=300,
-        description="The task (prompts + reward): a built-in (`repeat`, `file`; rl/tasks/loader.py), "
+        description="The task (prompts + reward): a built-in (`repeat`, `file`, `math`; rl/tasks/loader.py), "
         "\"package.module:Class\", or an entry point of the `laminar.tasks` group (rl/tasks/__init__.py).")
     max_count: int = Field(48, ge=2, le=4096, description="`repeat`: largest requested response length (tokens).")
     prompts: str = Field(
@@ -262,11 +262,13 @@ class ModelledSection(_Section):
         "iteration time on a 2-core machine, at 25 0.5-9 % (laminar bench throughput's control-plane share); a "
         "16K-token tail (~410 modelled s) takes ~16 wall s.",
     )
-    workload: Literal["long_tail", "uniform"] = Field(
+    workload: Literal["long_tail", "uniform", "tools"] = Field(
         "long_tail",
         description="Response lengths. `long_tail`: lognormal with p99 = 10 x p50 (paper Fig. 2: AIME lengths, "
         "p99 an order of magnitude above p50), capped at max_response_tokens. `uniform`: uniform within "
-        "+-20 % of response_p50_tokens (no tail).",
+        "+-20 % of response_p50_tokens (no tail). `tools`: multi-turn tool calling, 2..6 long-tailed turns of "
+        "median response_p50_tokens / 4 with a modelled tool call (p50 2 s, p99 20 s) between turns "
+        "(rl/modelled.py tool_plan).",
     )
     response_p50_tokens: int = Field(
         1024, ge=1, le=1_000_000,
