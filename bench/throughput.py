@@ -16,8 +16,8 @@ The scaled workload (fixed before any result was seen; never tuned to one). With
 | `run.steps` | `--iterations` (x 4 for stream) | one step per global batch; stream's step is a minibatch |
 | `trainer.minibatches` | 4 in `stream` only | stream trains each quarter of a batch (8 groups, 64 samples for 8 replicas) as soon as it is complete; with 1 it would be one_step |
 | `rollout.engine`, `trainer.engine` | `--engine` | `modelled` (default): GPU time from the [modelled] section |
-| `modelled.workload` | `--workload` | `long_tail` (p99 = 10 x p50) or `uniform` (+-20 %) |
-| `modelled.speedup` | 25 (long_tail), 10 (uniform) | keeps the control plane a small share of the shorter uniform iterations (WORKLOAD_SPEEDUP) |
+| `modelled.workload` | `--workload` | `long_tail` (p99 = 10 x p50), `uniform` (+-20 %) or `tools` (2..6 turns, tool calls p50 2 s / p99 20 s) |
+| `modelled.speedup` | 25 (long_tail, tools), 10 (uniform) | keeps the control plane a small share of the shorter uniform iterations (WORKLOAD_SPEEDUP) |
 
 Extra `--section.key=value` arguments override on top (tests shrink the torch model with them).
 
@@ -72,7 +72,8 @@ from reporting.summary import build_profile, percentile
 from storage.objects import ObjectStore
 from storage.records import TrajRow, step_records, trajectory_rows
 
-WORKLOADS = ("long_tail", "uniform")
+WORKLOADS = ("long_tail", "uniform", "tools")
+WORKLOAD_SETS = {"both": ("long_tail", "uniform"), "all": WORKLOADS}  # --workload names for several workloads
 GROUPS_PER_REPLICA = 4  # rollout.max_inflight_groups: per-rollout concurrency (groups)
 GROUP_SIZE = 8  # rollout.group_size (samples per prompt)
 STREAM_MINIBATCHES = 4  # trainer.minibatches in stream mode: trainer steps per global batch
@@ -86,7 +87,8 @@ DEFAULT_ITERATIONS = 8
 # of it; a uniform iteration lasts ~40 modelled s, and at 25 the share was 5-30 % (stream pays it once per
 # minibatch). 10 brings it down by 2.5x, for ~1.5 more wall minutes on the uniform runs. Chosen from the
 # control-plane share alone (a fidelity check), never from a throughput ratio; `--modelled.speedup=X` overrides.
-WORKLOAD_SPEEDUP = {"long_tail": 25.0, "uniform": 10.0}
+# tools: as long_tail (its turns are long-tailed and the tool waits only lengthen an iteration), set before any run.
+WORKLOAD_SPEEDUP = {"long_tail": 25.0, "uniform": 10.0, "tools": 25.0}
 POLL_S = 0.5  # status poll period for KV occupancy and progress (wall s)
 RUN_TIMEOUT_S = 900.0  # one run's wall-clock limit; past it the run is cancelled and reported as failed
 

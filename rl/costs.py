@@ -133,3 +133,18 @@ def chain_broadcast_s(nodes: int, message_bytes: float, bytes_per_s: float, t_st
     if nodes == 2:
         return m_t + t_start_s
     return m_t + (nodes - 2) * t_start_s + 2 * math.sqrt((nodes - 2) * m_t * t_start_s)
+
+
+# -- multi-turn tool calling (the `tools` workload) ------------------------------------------------------------
+# A ReTool-style trajectory (the Laminar paper, section 8.1: code-sandbox tool calls) alternates model turns and
+# tool calls. The numbers below are our assumptions, the same as the simulator's tool workload (sim/params.py
+# WorkloadParams: env_p50_s, env_tail_ratio, tool_output_tokens); the paper gives no sandbox latency figures.
+TOOL_LATENCY_P50_S = 2.0  # assumed: median sandbox latency of one tool call (modelled s)
+TOOL_LATENCY_TAIL_RATIO = 10.0  # assumed: p99 / p50 (a wide tail, as the paper's Fig. 2 lengths): p99 = 20 s
+TOOL_OUTPUT_TOKENS = 128  # assumed: sandbox output appended to the context (prefilled) after each call
+
+
+def tool_latency_s(z: float, p50_s: float = TOOL_LATENCY_P50_S, tail_ratio: float = TOOL_LATENCY_TAIL_RATIO) -> float:
+    """One tool call's latency (modelled s) from a standard normal draw `z`: lognormal with median `p50_s` and
+    p99 = tail_ratio x p50 (sigma = ln(tail_ratio) / 2.326, z_0.99 = 2.326). z = 0 -> p50_s; z = 2.326 -> p99."""
+    return p50_s * math.exp(z * math.log(tail_ratio) / 2.326)

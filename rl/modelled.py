@@ -6,7 +6,8 @@ code; what is replaced is the arithmetic of generation and training. Every cost 
 through an injected `sleep`, so schedules can be compared at scale on a 2-core CPU machine.
 
 - `response_length`: the length a request will reach, a deterministic function of (run seed, prompt id,
-  sample index), so every mode sees the same workload.
+  sample index), so every mode sees the same workload. `tool_plan`: the `tools` workload's model turns and
+  tool-call latencies, deterministic in the same way.
 - `ModelledTask`: fake prompts (`modelled.prompt_tokens` copies of one id) and a deterministic pseudo-reward.
   Modelled runs do not learn: the reward does not depend on anything a policy could change.
 - `ModelledEngine`: the interface of `rl.engine.TorchEngine` (continuous batching, slots, KV admission,
@@ -33,7 +34,7 @@ import torch
 from laminar.config import ModelledSection, RunConfig
 from laminar.errors import EngineError
 from laminar.records import Trajectory
-from rl.costs import CostModel
+from rl.costs import TOOL_OUTPUT_TOKENS, CostModel, tool_latency_s
 from rl.engine import Finished, abort_slots, check_resumable, first_free_slot, inflight_state
 from rl.grpo import split_stale
 from rl.tasks import Prompt
@@ -45,15 +46,53 @@ RESPONSE_TOKEN_ID = 7  # every fake response token but a final <eos>
 TOKEN_LOGPROB = -1.0  # behaviour log-prob recorded for every fake token
 LONG_TAIL_SIGMA = math.log(10) / 2.326  # lognormal sigma with p99 / p50 = 10 (z_0.99 = 2.326)
 WALL_S_PER_STEP = 0.05  # one `step()` call advances at most this much wall time of decoding (s)
+# The `tools` workload (multi-turn tool calling). Turns per trajectory: uniform in 2..6 (1..5 tool calls; our
+# assumption, below the paper's "up to 8 tool calls" of section 8.1). Each turn's length: the long_tail lognormal
+# with median response_p50_tokens / 4, so the mean trajectory (4 turns) generates as many tokens as a long_tail one.
+TOOL_TURNS_MIN, TOOL_TURNS_MAX = 2, 6
+TOOL_TURN_P50_DIVISOR = 4
 
 
 # -- workload ----------------------------------------------------------------------------------------------
 
 
+def _rng(seed: int, prompt_id: int, sample: int) -> np.random.Generator:
+    digest = blake2b(f"{seed}/{prompt_id}/{sample}".encode(), digest_size=8).digest()
+    return np.random.default_rng(int.from_bytes(digest, "big"))
+
+
+def _tool_draws(cfg: ModelledSection, seed: int, prompt_id: int, sample: int) -> tuple[list[int], list[float]]:
+    """The `tools` workload's uncapped turn lengths (tokens, each >= 1) and one latency per tool call (modelled s,
+    rl.costs.tool_latency_s: p50 2 s, p99 20 s)."""
+    rng = _rng(seed, prompt_id, sample)
+    turns = int(rng.integers(TOOL_TURNS_MIN, TOOL_TURNS_MAX + 1))
+    p50 = max(1.0, cfg.response_p50_tokens / TOOL_TURN_P50_DIVISOR)
+    lengths = [max(1, round(float(x))) for x in rng.lognormal(math.log(p50), LONG_TAIL_SIGMA, turns)]
+    return lengths, [tool_latency_s(float(z)) for z in rng.standard_normal(turns - 1)]
+
+
+def tool_plan(cfg: ModelledSection, seed: int, prompt_id: int, sample: int) -> tuple[list[int], list[float]]:
+    """(response lengths at which each tool call starts, each call's latency in modelled s) of a request; empty
+    unless modelled.workload = 'tools'. The turns are cut at max_response_tokens: a call at or past the capped
+    length is never made. The sum of the turns is `response_length`'s drawn length."""
+    if cfg.workload != "tools":
+        return [], []
+    lengths, latencies = _tool_draws(cfg, seed, prompt_id, sample)
+    target = response_length(cfg, seed, prompt_id, sample)
+    calls, at = [], 0
+    for n in lengths[:-1]:  # every turn but the last ends in a call
+        at += n
+        if at >= target:
+            break
+        calls.append(at)
+    return calls, latencies[:len(calls)]
+
+
 def _drawn_length(cfg: ModelledSection, seed: int, prompt_id: int, sample: int) -> int:
     """The uncapped response length (tokens, >= 1) of sample `sample` of prompt `prompt_id`."""
-    digest = blake2b(f"{seed}/{prompt_id}/{sample}".encode(), digest_size=8).digest()
-    rng = np.random.default_rng(int.from_bytes(digest, "big"))
+    if cfg.workload == "tools":
+        return sum(_tool_draws(cfg, seed, prompt_id, sample)[0])
+    rng = _rng(seed, prompt_id, sample)
     p50 = cfg.response_p50_tokens
     if cfg.workload == "long_tail":
         return max(1, round(float(rng.lognormal(mean=math.log(p50), sigma=LONG_TAIL_SIGMA))))
@@ -67,8 +106,8 @@ def response_length(cfg: ModelledSection, seed: int, prompt_id: int, sample: int
     """Response length in tokens (<eos> included) that request `g<prompt_id>/<sample>` reaches.
 
     Deterministic in (seed, prompt_id, sample). `long_tail`: lognormal with median response_p50_tokens and
-    sigma = ln(10)/2.326, so p99 = 10 x p50; `uniform`: uniform integer in [ceil(0.8 p50), floor(1.2 p50)].
-    Always in 1..cfg.max_response_tokens (the cap)."""
+    sigma = ln(10)/2.326, so p99 = 10 x p50; `uniform`: uniform integer in [ceil(0.8 p50), floor(1.2 p50)];
+    `tools`: the sum of 2..6 turns, each long_tail with median p50 / 4 (`tool_plan`). Always in 1..cfg.max_response_tokens (the cap)."""
     return min(_drawn_length(cfg, seed, prompt_id, sample), cfg.max_response_tokens)
 
 
@@ -116,9 +155,18 @@ class _Seq:
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     prefilled: bool = False
+    calls: list[int] = field(default_factory=list)  # `tools`: response lengths at which the next tool calls start
+    latencies: list[float] = field(default_factory=list)  # ... and their latencies (modelled s)
+    tool_until: float | None = None  # waiting for a tool until this engine clock time: KV held, no decode
+    context: int = 0  # tool output tokens in the context (KV), not generated: never in response_ids
+    pending: int = 0  # tool output tokens not prefilled yet
 
     def tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
+        return len(self.prompt_ids) + self.context + len(self.response_ids)
+
+    def next_stop(self) -> int:
+        """Response length at which this sequence next stops decoding: its next tool call or its end."""
+        return self.calls[0] if self.calls else self.target
 
 
 class ModelledEngine:
@@ -143,8 +191,18 @@ class ModelledEngine:
     relay_gbytes_s transfer when `local_pull` is False (this host has no live relay: fetched over the network
     from another host's). The replica sets it before each load through `note_pull`.
 
+    Tool calls (modelled.workload = 'tools', `tool_plan`): a sequence that reaches a call's length stops
+    decoding until `clock_s` (the engine's modelled clock: everything charged plus tool waits) passes the call's
+    latency; it keeps its slot and KV meanwhile (a real engine's environment loop keeps the cache resident). On
+    return, TOOL_OUTPUT_TOKENS join its context (prefilled at prefill_s_per_token at the next step, held in the
+    KV, never counted as generated tokens) and it decodes on. A step with every sequence waiting sleeps until the
+    first return (at most WALL_S_PER_STEP wall seconds), and k stops short of the first return. A resumed prefix
+    (abort/repack) brings the output of its finished calls back as context; one that ends exactly at a call
+    re-issues it (full latency again).
+
     Counters (modelled seconds unless a count): `modelled_seconds` (everything charged), `load_seconds`,
-    `reprefill_tokens` (prompt + prefix tokens prefilled again after interrupts), `interrupts`.
+    `reprefill_tokens` (prompt + prefix tokens prefilled again after interrupts), `interrupts`,
+    `tool_wait_seconds` (steps with every sequence waiting for a tool), `tool_calls`.
     """
 
     def __init__(
@@ -172,6 +230,9 @@ class ModelledEngine:
         self.load_seconds = 0.0
         self.reprefill_tokens = 0
         self.interrupts = 0
+        self.clock_s = 0.0  # this engine's modelled clock: everything charged plus tool waits
+        self.tool_wait_seconds = 0.0
+        self.tool_calls = 0
 
     # -- time ----------------------------------------------------------------------------------------------
 
@@ -180,7 +241,14 @@ class ModelledEngine:
         if modelled_s <= 0:
             return
         self.modelled_seconds += modelled_s
+        self.clock_s += modelled_s
         self._sleep(modelled_s / self.m.speedup)
+
+    def _start_tool(self, s: _Seq) -> None:
+        """`s` reached its next call: it waits the call's latency from now, holding its slot and KV."""
+        s.calls.pop(0)
+        s.tool_until = self.clock_s + s.latencies.pop(0)
+        self.tool_calls += 1
 
     def decode_step_s(self, batch: int) -> float:
         """Modelled seconds of one decode step over `batch` active sequences (flat up to the roofline)."""
@@ -279,8 +347,15 @@ class ModelledEngine:
                 f"request {request_id}: {need} prompt + prefix tokens do not fit in the KV cache ({used} of "
                 f"modelled.kv_capacity_tokens={capacity} in use); wait for free_slots() > 0"
             )
-        self._slots[slot] = _Seq(request_id, list(prompt_ids), target, drawn > self.m.max_response_tokens,
-                                 prefix_ids, prefix_logprobs)
+        s = _Seq(request_id, list(prompt_ids), target, drawn > self.m.max_response_tokens, prefix_ids, prefix_logprobs)
+        s.calls, s.latencies = tool_plan(self.m, self.run_seed, prompt_id, sample)
+        while s.calls and s.calls[0] < len(prefix_ids):  # finished calls: their output is context again
+            s.calls.pop(0)
+            s.latencies.pop(0)
+            s.context += TOOL_OUTPUT_TOKENS
+        if s.calls and s.calls[0] == len(prefix_ids):  # stopped at a call: issue it again
+            self._start_tool(s)
+        self._slots[slot] = s
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[tuple[str, list[int], list[int], list[float]]]:
         """Drop the named in-flight requests (None: all; dynamic repack hands them to another replica); returns
@@ -296,16 +371,35 @@ class ModelledEngine:
     def step(self) -> list[Finished]:
         """Prefill new requests, then advance all active sequences by k decode steps (class docstring);
         return the sequences that finished."""
+        for s in self._slots:  # tool calls that returned: their output joins the context
+            if s is not None and s.tool_until is not None and s.tool_until <= self.clock_s + 1e-9:
+                s.tool_until = None
+                s.context += TOOL_OUTPUT_TOKENS
+                s.pending += TOOL_OUTPUT_TOKENS
         new = [s for s in self._slots if s is not None and not s.prefilled]
-        cost = self.costs.prefill_s(sum(s.tokens() for s in new))
-        for s in new:
-            s.prefilled = True
-        active = [(i, s) for i, s in enumerate(self._slots) if s is not None]
-        if not active:
+        cost = self.costs.prefill_s(sum(s.tokens() for s in new)
+                                    + sum(s.pending for s in self._slots if s is not None and s.prefilled))
+        for s in self._slots:
+            if s is not None:
+                s.prefilled, s.pending = True, 0
+        held = [(i, s) for i, s in enumerate(self._slots) if s is not None]
+        if not held:
+            return []
+        active = [(i, s) for i, s in held if s.tool_until is None]
+        returns = [s.tool_until for _, s in held if s.tool_until is not None]
+        if not active:  # every sequence waits for a tool: sleep until the first returns
+            self._charge(cost)
+            wait = min(min(returns) - self.clock_s, WALL_S_PER_STEP * self.m.speedup)
+            if wait > 0:
+                self.clock_s += wait
+                self.tool_wait_seconds += wait
+                self._sleep(wait / self.m.speedup)
             return []
         step_s = self.decode_step_s(len(active))
         fit = max(1, int(WALL_S_PER_STEP * self.m.speedup / step_s))
-        k = min(min(s.target - len(s.response_ids) for _, s in active), fit)
+        k = min(min(s.next_stop() - len(s.response_ids) for _, s in active), fit)
+        if returns:  # stop at the first tool return so that sequence rejoins the batch
+            k = min(k, max(1, math.ceil((min(returns) - self.clock_s - cost) / step_s)))
         self._charge(cost + k * step_s)
         finished = []
         for i, s in active:
@@ -317,6 +411,8 @@ class ModelledEngine:
                     s.response_ids[-1] = self.eos_id
                 finished.append(Finished(s.request_id, s.prompt_ids, s.response_ids, s.logprobs, reason))
                 self._slots[i] = None
+            elif s.calls and len(s.response_ids) == s.calls[0]:
+                self._start_tool(s)
         return finished
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.throughput import (
+    WORKLOAD_SETS,
     BenchSpec,
     KvPoll,
     RunData,
@@ -106,6 +107,16 @@ def test_uniform_runs_at_a_lower_speedup_and_an_explicit_speedup_wins() -> None:
     spec = BenchSpec(modes=("sync",), workloads=("uniform",), replicas=2, iterations=3,
                      extra_overrides=("--modelled.speedup=50",))
     assert spec.run_config("sync", "uniform", "20260101-000000").modelled.speedup == 50.0  # the command line's
+
+
+def test_tools_workload_runs_at_the_long_tail_speedup_and_both_keeps_its_meaning() -> None:
+    # tools: long-tailed turns plus tool waits, iterations at least as long as the long tail's: its speedup, 25
+    cfg = RunConfig.load(None, scaled_overrides("laminar", 8, "modelled", "tools", 3))
+    assert (cfg.modelled.workload, cfg.modelled.speedup) == ("tools", 25.0)
+    assert WORKLOAD_SETS == {"both": ("long_tail", "uniform"), "all": ("long_tail", "uniform", "tools")}
+    spec = BenchSpec(modes=("laminar", "sync"), workloads=WORKLOAD_SETS["all"], replicas=2, iterations=3)
+    assert [(w, m) for w, m, _ in spec.runs()][-2:] == [("tools", "laminar"), ("tools", "sync")]
+    assert spec.run_config("sync", "tools", "20260101-000000").run.run_id == "bench-20260101-000000-tools-sync"
 
 
 @pytest.mark.parametrize(("args", "message"), [

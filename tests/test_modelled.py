@@ -19,6 +19,7 @@ from laminar.messages import BatchPart, TrainStepInput
 from laminar.records import Trajectory
 from relay import client as relay_client
 from relay.server import RelayServer
+from rl.costs import tool_latency_s
 from rl.engine import TorchEngine
 from rl.model import build_model, bytes_to_state_dict, model_state_dict
 from rl.modelled import (
@@ -29,6 +30,7 @@ from rl.modelled import (
     ModelledTrainer,
     parse_request_id,
     response_length,
+    tool_plan,
 )
 from rl.tasks import get_task
 from services.trainer import TrainerService
@@ -440,3 +442,71 @@ def test_republish_pushes_the_current_version_to_the_chain_it_is_given(tmp_path)
     finally:
         old.stop()
         new.stop()
+
+
+# -- the tools workload (multi-turn tool calling) ---------------------------------------------------------
+
+# p50 8 tokens: each turn's median is 8 / 4 = 2 tokens, so the worked plans below stay short.
+TOOLS = ("modelled.workload=tools", "modelled.response_p50_tokens=8", "modelled.max_response_tokens=100")
+
+
+def test_tool_plans_have_two_to_six_turns_and_long_tailed_latencies():
+    m = cfg("modelled.workload=tools").modelled  # default p50 1024: turns of median 256 tokens
+    plans = [(response_length(m, 0, p, s), *tool_plan(m, 0, p, s)) for p in range(500) for s in range(8)]
+    assert plans[:3] == [(response_length(m, 0, p, s), *tool_plan(m, 0, p, s)) for p, s in ((0, 0), (0, 1), (0, 2))]
+    turns = [len(calls) + 1 for _, calls, _ in plans]
+    assert set(turns) == {2, 3, 4, 5, 6}  # 1..5 tool calls
+    for target, calls, latencies in plans:
+        assert len(latencies) == len(calls) and calls == sorted(set(calls)) and all(0 < c < target for c in calls)
+    lat = np.array([x for _, _, ls in plans for x in ls])  # ~4000 calls x 2 = 8000: p50 2 s, p99 20 s
+    assert np.percentile(lat, 50) == pytest.approx(2.0, rel=0.1)
+    assert np.percentile(lat, 99) == pytest.approx(20.0, rel=0.3)
+    # mean length: 4 turns x 256 x exp(sigma^2 / 2) = 4 x 256 x 1.63 = 1670, a long_tail response's mean
+    assert np.mean([t for t, _, _ in plans]) == pytest.approx(1670, rel=0.1)
+    assert tool_plan(cfg().modelled, 0, 0, 0) == ([], [])  # long_tail and uniform make no calls
+    assert tool_plan(cfg("modelled.workload=uniform").modelled, 0, 0, 0) == ([], [])
+    assert tool_latency_s(0.0) == 2.0 and tool_latency_s(2.326) == pytest.approx(20.0)
+
+
+def test_a_sequence_waiting_for_a_tool_holds_its_kv_and_decodes_nothing():
+    e, clock = engine(*TOOLS)
+    t0 = e.clock_s  # the weight load's modelled time: the engine's clock runs from there
+    # g00000004/0: 3 tokens, one tool call after the first, latency L = 3.3546 modelled s
+    calls, (latency,) = tool_plan(e.m, 0, 4, 0)
+    assert (response_length(e.m, 0, 4, 0), calls, round(latency, 4)) == (3, [1], 3.3546)
+    e.add("g00000004/0", [5] * 4)
+    assert e.step() == []  # prefill 4 tokens (0.004) + 1 decode step (0.025); then the call starts
+    assert e.tool_calls == 1 and e.kv_usage() == (4 + 1, 1_000_000) and e.free_slots() == 7
+    idle = 0
+    while (done := e.step()) == []:  # every sequence waits: sleep up to 0.05 wall s x speedup 10 = 0.5 each
+        idle += 1
+    assert idle == 7  # 6 x 0.5 + 0.3546 = L
+    assert e.tool_wait_seconds == pytest.approx(latency)
+    # the return: 128 tool output tokens prefilled (0.128) + 2 decode steps (0.05); the tool tokens are context,
+    # not response: 3 generated tokens, the last <eos>
+    assert done[0].response_ids == [RESPONSE_TOKEN_ID] * 2 + [EOS_ID] and done[0].finish_reason == "stop"
+    assert e.modelled_seconds == pytest.approx(0.029 + 0.178)
+    assert e.clock_s - t0 == pytest.approx(0.207 + latency) and clock.total == pytest.approx((e.clock_s - t0) / 10)
+    # resumed exactly at the call (repack): the call is issued again, full latency
+    e.add("g00000004/0", [5] * 4, prefix_ids=[RESPONSE_TOKEN_ID], prefix_logprobs=[-1.0])
+    assert e.tool_calls == 2 and e.step() == [] and e.tool_wait_seconds == pytest.approx(latency + 0.5)
+
+
+def test_decoding_stops_at_a_tool_return_so_the_sequence_rejoins_the_batch():
+    # decode_step_s 1 and speedup 1000: 50 steps fit a call, so only the tool return bounds k
+    e, _ = engine(*TOOLS, "modelled.decode_step_s=1", "modelled.speedup=1000")
+    e.clock_s = 0.0  # time from here (the weight load's modelled time is on the clock)
+    assert tool_plan(e.m, 0, 3, 0)[0] == [1, 17, 21, 22, 35] and response_length(e.m, 0, 3, 0) == 40
+    e.add("g00000004/0", [5] * 4)  # call at 1, latency 3.35463
+    e.add("g00000003/0", [5] * 4, prefix_ids=[RESPONSE_TOKEN_ID] * 2, prefix_logprobs=[-1.0] * 2)  # past call 1
+    # prefill 4 + (4 prompt + 128 tool output of the finished call + 2 prefix) = 138 tokens = 0.138, k = 1
+    assert e.step() == [] and e.clock_s == pytest.approx(1.138)
+    assert e.kv_usage()[0] == (4 + 1) + (4 + 128 + 3)
+    # g4 waits until 1.138 + 3.35463 = 4.49263; g3 could decode 14 tokens to its call at 17, but stops after
+    # ceil(3.35463 / 1) = 4 steps
+    assert e.step() == [] and e.clock_s == pytest.approx(5.138)
+    assert [len(r) for _, _, r, _ in e.snapshot_inflight()] == [1, 7]
+    # g4 returned: 128 tokens prefilled (0.128), both decode 2 steps; g4 ends at 3 tokens
+    done = e.step()
+    assert [f.request_id for f in done] == ["g00000004/0"] and e.modelled_seconds == pytest.approx(7.266)
+    assert e.tool_calls == 1  # g3's first call was made before its prefix was cut: not made here

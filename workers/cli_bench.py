@@ -2,7 +2,7 @@
 
     laminar bench relay --size 256MiB --relays 1,2,4,8 [--rate 1000] [--json out.json] [--plot out.png]
     laminar bench throughput --modes laminar,sync,one_step,stream,partial_rollout --replicas 8
-        [--engine modelled|torch] [--workload long_tail|uniform|both] [--iterations N] [--json PATH] [--plot PATH]
+        [--engine modelled|torch] [--workload long_tail|uniform|tools|both|all] [--iterations N] [--json PATH] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -179,8 +179,9 @@ def throughput_bench(
     replicas: int = typer.Option(8, min=1, help="Rollout replicas; the global batch is replicas x 4 groups."),
     engine: str = typer.Option("modelled", help="modelled (GPU time from the run config's \\[modelled] "
                                "section) or torch."),
-    workload: str = typer.Option("both", help="Response lengths of the modelled engine: long_tail, uniform or both "
-                                 "(an honest benchmark shows the advantage shrink without a tail)."),
+    workload: str = typer.Option("both", help="Workload of the modelled engine: long_tail, uniform, tools "
+                                 "(multi-turn tool calling), both (long_tail,uniform: an honest benchmark shows the "
+                                 "advantage shrink without a tail) or all three."),
     iterations: int | None = typer.Option(None, min=2, help="Global batches per run (default 8: bench.throughput."
                                           "DEFAULT_ITERATIONS); the first fifth (at least one) is a warm-up."),
     config: Path | None = typer.Option(None, help="Base run config (TOML); default: the built-in defaults."),
@@ -195,7 +196,16 @@ def throughput_bench(
     `--section.key=value` arguments override every run's config."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from bench.throughput import DEFAULT_ITERATIONS, MODES, WORKLOADS, BenchSpec, dump_json, plot, run_bench
+    from bench.throughput import (
+        DEFAULT_ITERATIONS,
+        MODES,
+        WORKLOAD_SETS,
+        WORKLOADS,
+        BenchSpec,
+        dump_json,
+        plot,
+        run_bench,
+    )
     from laminar.config import Engine
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
@@ -204,13 +214,13 @@ def throughput_bench(
         raise typer.BadParameter(f"--modes {modes!r}: {bad or 'empty'} not a run mode; pick from {','.join(MODES)}")
     if engine not in typing.get_args(Engine):
         raise typer.BadParameter(f"--engine {engine!r}: use {' or '.join(typing.get_args(Engine))}")
-    if workload not in (*WORKLOADS, "both"):
-        raise typer.BadParameter(f"--workload {workload!r}: use long_tail, uniform or both")
+    if workload not in (*WORKLOADS, *WORKLOAD_SETS):
+        raise typer.BadParameter(f"--workload {workload!r}: use {', '.join((*WORKLOADS, *WORKLOAD_SETS))}")
     settings_repack = [x.strip() for x in repack.split(",") if x.strip()]
     if not settings_repack or any(x not in ("on", "off") for x in settings_repack) or len(set(settings_repack)) < len(
             settings_repack):
         raise typer.BadParameter(f"--repack {repack!r}: use on, off, or on,off")
-    spec = BenchSpec(modes=chosen, workloads=WORKLOADS if workload == "both" else (workload,), replicas=replicas,
+    spec = BenchSpec(modes=chosen, workloads=WORKLOAD_SETS.get(workload, (workload,)), replicas=replicas,
                      engine=engine, iterations=iterations or DEFAULT_ITERATIONS, config_path=config,
                      extra_overrides=tuple(ctx.args), repack=tuple(x == "on" for x in settings_repack))
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
