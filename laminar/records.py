@@ -13,6 +13,9 @@ class Trajectory:
     Every trajectory is generated from start to end by exactly one policy version.
     `finish_reason` is "stop" (EOS), "length" (hit max_new_tokens) or "partial" (in-flight prefix
     in the partial-response pool).
+    `tool_mask`: empty when every response token is the model's; otherwise one entry per response token, 1 for
+    a model token and 0 for a tool-output token (multi-turn tool calls, rl/tools/__init__.py), which the
+    trainer leaves out of the loss and the log-prob comparisons. Segments written before it existed read as [].
     """
 
     run_id: str
@@ -29,3 +32,4 @@ class Trajectory:
     ended_at: float
     finish_reason: str
     extra: dict[str, str] = field(default_factory=dict)
+    tool_mask: list[int] = field(default_factory=list)

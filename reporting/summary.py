@@ -122,10 +122,23 @@ def build_summary(status: RunStatus, store: ObjectStore, wall_s: float, started_
         "is_capped_fraction_mean": _mean(_over_updates(metrics, "is_capped_fraction")),
         "kl_behaviour_mean": _mean(_over_updates(metrics, "kl_behaviour")),
         "kl_behaviour_max": _max(_over_updates(metrics, "kl_behaviour")),
+        **tool_stats(metrics),
         # seconds from the run's start to each step's end (time to reward)
         **({"step_end_s": [round(r["time"] - started_at, 3) for r in metrics]} if started_at is not None else {}),
         **({"profile": profile} if profile is not None else {}),
     }
+
+
+def tool_stats(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """Multi-turn tool calls over the trained trajectories: calls per trajectory, the share with two or more
+    model turns, and tool latency (s, p50 and max over calls); steps recorded before these keys are skipped."""
+    rows = [r for r in metrics if "trajectories" in r]
+    n = sum(r["trajectories"] for r in rows)
+    latency = sorted(x for r in rows for x in r.get("tool_latency_s", []))
+    return {"tool_calls_per_trajectory": round(sum(r["tool_calls"] for r in rows) / n, 4) if n else 0.0,
+            "multi_turn_share": round(sum(r["multi_turn"] for r in rows) / n, 4) if n else 0.0,
+            "tool_latency_s": {"calls": len(latency), "p50": round(float(np.median(latency)), 6) if latency else 0.0,
+                               "max": round(latency[-1], 6) if latency else 0.0}}
 
 
 def reward_rise(rewards: list[float]) -> float:

@@ -54,7 +54,7 @@ class Batch:
     ids: torch.Tensor  # [B, T] prompt + response, right-padded
     attention_mask: torch.Tensor  # [B, T]
     targets: torch.Tensor  # [B, T-1] ids[:, 1:]
-    response_mask: torch.Tensor  # [B, T-1] 1 where the target is a response token
+    response_mask: torch.Tensor  # [B, T-1] 1 where the target is a model response token (not tool output)
     behaviour_logp: torch.Tensor  # [B, T-1] aligned with targets (0 off the response)
 
 
@@ -77,6 +77,11 @@ def collate(trajectories: list[Trajectory], pad_id: int, device: torch.device | 
         ids[i, : p + r] = torch.tensor(t.prompt_ids + t.response_ids)
         am[i, : p + r] = 1
         rmask[i, p - 1 : p + r - 1] = 1  # logits at position j predict token j + 1
+        if t.tool_mask:  # tool-output tokens: context, not actions; out of the loss and the log-prob comparisons
+            if len(t.tool_mask) != r:
+                raise ValueError(f"trajectory {t.group_id}/{t.sample_index}: {r} response tokens but a tool_mask "
+                                 f"of {len(t.tool_mask)}; it must be empty or one entry per response token")
+            rmask[i, p - 1 : p + r - 1] = torch.tensor(t.tool_mask, dtype=rmask.dtype)
         blogp[i, p - 1 : p + r - 1] = torch.tensor(t.logprobs)
     ids, am, rmask, blogp = (x.to(device) for x in (ids, am, rmask, blogp))
     return Batch(ids, am, ids[:, 1:], rmask, blogp)

@@ -37,6 +37,7 @@ from laminar.timing import TimeBreakdown
 from relay import client as relay_client
 from rl.factory import build_trainer
 from rl.model import state_dict_to_bytes
+from rl.tools import turn_counts
 
 if TYPE_CHECKING:
     from rl.engine_api import PolicyTrainer
@@ -288,6 +289,10 @@ class TrainerService:
         lengths = sorted(len(t.response_ids) for t in trajectories)
         record = {"step": self.step, **asdict(m), **timing, "response_lengths": lengths,
                   "policy_versions": sorted({t.policy_version for t in trajectories}), "time": time.time()}
+        counts = [turn_counts(t.extra) for t in trajectories]  # multi-turn tool calls (rl/tools/__init__.py)
+        record |= {"trajectories": len(trajectories), "tool_calls": sum(c[1] for c in counts),
+                   "multi_turn": sum(1 for c in counts if c[0] >= 2),
+                   "tool_latency_s": [round(x, 6) for c in counts for x in c[2]]}
         self.store.put(keys.step_metrics(self.run_id, self.step), json.dumps(record).encode())
 
 

@@ -36,7 +36,10 @@ TRAJECTORY_SCHEMA = pa.schema([
     pa.field("ended_at", pa.float64(), nullable=False),  # unix seconds
     pa.field("finish_reason", pa.string(), nullable=False),
     pa.field("extra", pa.map_(pa.string(), pa.string()), nullable=False),
+    pa.field("tool_mask", pa.list_(pa.int8()), nullable=False),  # [] = all model tokens (records.Trajectory)
 ])
+# columns a file written before they existed may lack: read as their default
+OPTIONAL = {"tool_mask": list}
 
 _FIELDS = [f.name for f in dataclasses.fields(Trajectory)]
 if _FIELDS != TRAJECTORY_SCHEMA.names:  # a new Trajectory field must get a column here, and vice versa
@@ -54,15 +57,18 @@ def trajectories_to_table(trajectories: list[Trajectory]) -> pa.Table:
 def table_to_trajectories(table: pa.Table) -> list[Trajectory]:
     """Trajectories from a table with TRAJECTORY_SCHEMA (see check_schema)."""
     out = []
-    for row in table.select(TRAJECTORY_SCHEMA.names).to_pylist():
+    names = [n for n in TRAJECTORY_SCHEMA.names if n in table.schema.names]
+    for row in table.select(names).to_pylist():
         row["extra"] = dict(row["extra"])
+        for name, default in OPTIONAL.items():
+            row.setdefault(name, default())
         out.append(Trajectory(**row))
     return out
 
 
 def check_schema(schema: pa.Schema, where: str) -> None:
     """Raise CorruptDataError naming missing, mismatched and unexpected columns of `schema`."""
-    missing = [n for n in TRAJECTORY_SCHEMA.names if n not in schema.names]
+    missing = [n for n in TRAJECTORY_SCHEMA.names if n not in schema.names and n not in OPTIONAL]
     mismatched = [f"{f.name} is {schema.field(f.name).type}, expected {f.type}"
                   for f in TRAJECTORY_SCHEMA if f.name in schema.names and schema.field(f.name).type != f.type]
     extra = [n for n in schema.names if n not in TRAJECTORY_SCHEMA.names]

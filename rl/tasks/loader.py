@@ -16,6 +16,7 @@ BUILTIN: dict[str, str] = {
     "repeat": "rl.tasks.repeat:RepeatTask",
     "file": "rl.tasks.text:FileTask",  # task.prompts, exact-match reward
     "math": "rl.tasks.math:MathTask",  # task.params.generator: chain_sum | countdown | gsm8k
+    "tools": "rl.tasks.tools:ToolsTask",  # chain_sum with a <calc> tool over several turns
 }
 
 

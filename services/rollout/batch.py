@@ -6,7 +6,18 @@ Failures (rl/tasks/__init__.py): a reward that raises, overruns task.reward_time
 non-number is not a reward; a prompt that cannot be built or admitted is a generation failure. Its whole group is generated again from the prompt (its other samples aborted,
 their tokens counted as regenerated), with a fresh prompt and reward call context, up to
 task.max_group_retries times; then it leaves the batch as a `FailedGroup`, reported with the next
-`add_experience` so the workflow closes its lease as failed. A failed group is never written to a segment."""
+`add_experience` so the workflow closes its lease as failed. A failed group is never written to a segment.
+
+Environment loop (multi-turn tool calls, rl/tools/__init__.py), for a task with `tools` and `max_turns`: a
+sample that finishes a model turn (<eos>) ending in `<tag>text</tag>` of one of its tools, with turns left,
+is not scored: the tool runs (`Batch.tool_turn`), the turn's <eos> is dropped, the tool's output tokens are
+appended (log-prob 0, mask 0 in `Episode.mask`), and the sample re-enters the engine with the whole response
+so far as its prefix. So a sample between turns is an ordinary in-flight sequence with a prefix: the pool, the
+hand-over, partial rollout and repack carry it, tool outputs included, and a resumed sample continues after
+its last tool output: a completed call is never run again. Each call is keyed (group, sample, turn) and counted
+in `tool_executions`; the pool is written right after any turn that ran a tool (`tool_turns_unsaved`), so
+only a crash between a call and that write can lose its output. A tool that fails fails the group
+("sandbox"), retried then dropped like a failed reward."""
 
 from __future__ import annotations
 
@@ -21,6 +32,7 @@ from laminar.records import Trajectory
 from rl.engine_api import Engine, Finished, InFlight
 from rl.tasks import Prompt, RewardFailure
 from rl.tasks.scoring import RewardRunner
+from rl.tools import Episode, ToolCall, call, parse_call
 
 log = get_logger(__name__)
 
@@ -65,6 +77,11 @@ class Batch:
         self.reporting: list[Group] = []  # complete groups whose report is in flight
         self.completed_since = 0.0  # when the oldest complete group not yet reported completed
         self.pending: list[Lease] = []  # leased while draining: admitted once the newer version is loaded
+        self.tools = list(getattr(task, "tools", None) or [])  # the environment loop runs for these (docstring)
+        self.max_turns = int(getattr(task, "max_turns", 1) or 1)
+        self.episodes: dict[str, Episode] = {}  # request id -> its turns so far (samples with a tool answer)
+        self.tool_executions: dict[tuple[str, int, int], int] = {}  # (group, sample, turn) -> runs
+        self.tool_turns_unsaved = 0  # tool calls answered since the last pool write
 
     def admit(self, leases: list[Lease], attempts: int = 1) -> None:
         """Start each group from its prompt. A prompt the task cannot build, or the engine cannot admit (longer
@@ -92,6 +109,8 @@ class Batch:
             if group is None or group_id in restarted:
                 continue
             try:
+                if self.tools and self.tool_turn(group, int(index), f):
+                    continue  # the sample is back in the engine for its next turn
                 reward = self.rewards.score(self.task, group.prompt, f.response_ids)
             except RewardFailure as e:
                 restarted.add(group_id)
@@ -99,10 +118,41 @@ class Batch:
                 continue
             group.done[int(index)] = self.trajectory(group, int(index), f.response_ids, f.logprobs, reward,
                                                      f.finish_reason, now)
+            self.episodes.pop(f.request_id, None)
             if len(group.done) == self.group_size:
                 if not self.completed:
                     self.completed_since = now
                 self.completed.append(self.groups.pop(group_id))
+
+    def tool_turn(self, group: Group, index: int, f: Finished) -> bool:
+        """If this finished model turn calls a tool and turns are left: run it once, append its output and put
+        the sample back in the engine (True). False: the turn is the sample's last, to be scored. A tool that
+        fails raises RewardFailure("sandbox")."""
+        episode = self.episodes.get(f.request_id) or Episode()
+        if f.finish_reason != "stop" or episode.turns >= self.max_turns:
+            return False
+        found = parse_call(self.task.turn_text(f.response_ids[len(episode.mask):]), self.tools)
+        if found is None:
+            return False
+        key = (group.lease.group_id, index, episode.turns - 1)
+        self.tool_executions[key] = self.tool_executions.get(key, 0) + 1
+        result, latency = call(*found)
+        log.info("tool_executed", group_id=key[0], sample=index, turn=key[2], tool=found[0].name,
+                 ok=result.ok, latency_s=round(latency, 6))
+        if not result.ok:
+            raise RewardFailure("sandbox", result.detail)
+        body, lps = f.response_ids[:-1], f.logprobs[:-1]  # the turn's <eos> ends the turn; it is not context
+        out = list(self.task.tool_output_ids(result.output))
+        try:
+            self.engine.add(f.request_id, f.prompt_ids, prefix_ids=body + out, prefix_logprobs=lps + [0.0] * len(out))
+        except Exception as e:  # noqa: BLE001 - no room left for the answer: the sample ends on this turn
+            log.info("tool_turn_ended", request_id=f.request_id, error=str(e)[:200])
+            return False
+        episode.mask = episode.mask + [1] * (len(body) - len(episode.mask)) + [0] * len(out)
+        episode.calls.append(ToolCall(key[2], found[0].name, latency))
+        self.episodes[f.request_id] = episode
+        self.tool_turns_unsaved += 1
+        return True
 
     def fail(self, group: Group, reason: str, detail: str, thrown_away: int = 0) -> None:
         """A try of `group` failed (reason: rl/tasks/scoring.py REASONS): start it again from a freshly built
@@ -111,6 +161,8 @@ class Batch:
         gid = group.lease.group_id
         self.rewards.fresh()  # the retry's reward calls start on a new thread and event loop
         aborted = self.engine.abort([f"{gid}/{i}" for i in range(self.group_size)])
+        for i in range(self.group_size):
+            self.episodes.pop(f"{gid}/{i}", None)
         thrown_away += sum(len(row[2]) for row in aborted) + sum(len(t.response_ids) for t in group.done.values())
         if self.counters is not None:
             self.counters.tokens_regenerated += thrown_away
@@ -141,6 +193,8 @@ class Batch:
             self.groups[group_id] = group
             for t in rows:
                 if t.finish_reason == "partial":
+                    if t.tool_mask:  # its completed tool calls are in its prefix: never run again
+                        self.episodes[f"{group_id}/{t.sample_index}"] = Episode.from_row(t.tool_mask, t.extra)
                     self.engine.add(f"{group_id}/{t.sample_index}", t.prompt_ids,
                                     prefix_ids=t.response_ids, prefix_logprobs=t.logprobs)
                 else:
@@ -156,14 +210,17 @@ class Batch:
         rows = [t for g in groups.values() for t in g.done.values()]
         for request_id, _prompt, response, logprobs in in_flight:
             group_id, index = request_id.rsplit("/", 1)
-            rows.append(self.trajectory(groups[group_id], int(index), response, logprobs, 0.0, "partial", now))
+            rows.append(self.trajectory(groups[group_id], int(index), response, logprobs, 0.0, "partial", now,
+                                        self.episodes.get(request_id)))
         return rows
 
     def trajectory(self, group: Group, index: int, response: list[int], logprobs: list[float],
-                   reward: float, finish: str, now: float) -> Trajectory:
+                   reward: float, finish: str, now: float, episode: Episode | None = None) -> Trajectory:
+        episode = episode or self.episodes.get(f"{group.lease.group_id}/{index}") or Episode()
         return Trajectory(
             run_id=self.run_id, prompt_id=group.lease.prompt_id, group_id=group.lease.group_id,
             sample_index=index, prompt_ids=list(group.prompt.token_ids), response_ids=list(response),
             logprobs=list(logprobs), reward=reward, policy_version=group.start_version,
             replica_id=self.replica_id, started_at=group.started_at, ended_at=now, finish_reason=finish,
+            extra=episode.extra(), tool_mask=episode.full_mask(len(response)),
         )

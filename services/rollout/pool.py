@@ -1,7 +1,8 @@
 """The partial-response pool: every flush interval, all in-flight groups are written (finished samples as they
 are, the rest as resumable prefixes), so a killed replica's retry resumes them under the policy version they
-started on, or restarts them fresh (counted). Each incarnation (history segment, attempt) writes its own
-fenced pool, so a zombie cannot overwrite its retry's."""
+started on, or restarts them fresh (counted). A multi-turn sample's row carries every completed turn, tool
+outputs and their mask included (services/rollout/batch.py), and is written at once after a tool call. Each
+incarnation (history segment, attempt) writes its own fenced pool, so a zombie cannot overwrite its retry's."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ class PartialPool:
         self.last_flush = 0.0
 
     def flush_if_due(self, now: float, every_s: float) -> None:
-        if now - self.last_flush >= every_s:
+        """Every `every_s`, and at once after a turn that ran a tool: a tool's output is recorded before the
+        sample's next turn is generated, so a retry resumes after it instead of calling the tool again."""
+        if now - self.last_flush >= every_s or self.batch.tool_turns_unsaved:
             self.write()
             self.last_flush = now
 
@@ -43,6 +46,7 @@ class PartialPool:
             self.trajectories.write_partial(self.run_id, self.replica_id, self.fence, rows)
         self.empty = not rows
         self.counters.unsaved_tokens = 0
+        self.batch.tool_turns_unsaved = 0
 
     def keep(self, resumed: dict[str, list[Trajectory]]) -> None:
         """Write the previous incarnation's groups under this fence as they are (a hand-over at the start). The

@@ -1,0 +1,205 @@
+"""Multi-turn tool calls: the calculator's bounds, call parsing, and the replica's environment loop with a real
+TorchEngine, a real partial pool (TrajectoryStore on a local object store) and the trainer's real collate:
+tool output is appended as masked context, recorded in the pool, and never run again after a resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from laminar.errors import CorruptDataError
+from laminar.messages import Lease
+from rl.engine import TorchEngine
+from rl.engine_api import Finished
+from rl.model import build_model, model_state_dict
+from rl.tasks.tools import ToolsTask
+from rl.tools import Episode, ToolResult, call, parse_call
+from rl.tools.calculator import Calculator, evaluate
+from rl.trainer import collate
+from services.rollout.batch import Batch
+from storage.objects import LocalObjectStore
+from storage.trajectories import TrajectoryStore, check_schema, table_to_trajectories, trajectories_to_table
+
+TASK = ToolsTask(seed=0)
+HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": TASK.tokenizer.get_vocab_size(),
+      "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "max_position_embeddings": 128, "tie_word_embeddings": True}
+MAX_NEW = 28
+
+
+# -- the calculator ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("expr, want", [("456 + 789", "1245"), ("140 - 860", "-720"), ("7 / 2", "3.5"),
+                                        ("7 // 2", "3"), ("7 % 4", "3"), ("2 ** 10", "1024"), ("(1 + 2) * -3", "-9"),
+                                        ("6 / 3", "2")])
+def test_calculator_computes(expr, want):
+    assert Calculator().run(expr) == want
+
+
+@pytest.mark.parametrize("expr, why", [
+    ("9 ** 9 ** 9 ** 9", "exponent"),  # 9**9 = 387420489 is the exponent of the next power: refused, not computed
+    ("10 ** 31", "too large"), ("1 / 0", "division by zero"), ("__import__('os')", "not allowed"),
+    ("x + 1", "not allowed"), ("'a' * 3", "not allowed"), ("1 +", "not an arithmetic"), ("", "empty"),
+    ("1" * 201, "longer than 200"), ("+".join(["1"] * 60), "more than 100 parts"), ("0 ** -1", "zero to"),
+])
+def test_calculator_refuses_with_an_error_output_not_a_failure(expr, why):
+    out = Calculator().run(expr)
+    assert out.startswith("error: ") and why in out
+    with pytest.raises(ValueError):
+        evaluate(expr)
+
+
+def test_a_call_must_end_the_turn():
+    tools = [Calculator()]
+    assert parse_call("<calc>12+3</calc>", tools)[1] == "12+3"
+    assert parse_call("<calc>12+3</calc>  \n", tools)[1] == "12+3"
+    assert parse_call("<calc>1</calc><answer>1</answer>", tools) is None  # an answer after the call: final
+    assert parse_call("<answer>1</answer>", tools) is None
+
+
+def test_a_tool_that_raises_is_a_failed_result():
+    class Broken:
+        name, tag = "broken", "python"
+
+        def run(self, text: str) -> str:
+            raise RuntimeError("sandbox died")
+
+    result, latency = call(Broken(), "print(1)")
+    assert result == ToolResult("", ok=False, detail="broken: RuntimeError: sandbox died") and latency >= 0
+
+
+# -- the environment loop ------------------------------------------------------------------------------------
+
+def _engine(seed: int = 0) -> TorchEngine:
+    model = build_model(HF, seed=seed)
+    e = TorchEngine(model, TASK.tokenizer, max_inflight_seqs=4, max_new_tokens=MAX_NEW, temperature=1.0, seed=seed,
+                    eos_id=TASK.eos_id, max_prompt_len=32)
+    e.load_weights(model_state_dict(model), policy_version=1)
+    return e
+
+
+def _batch(engine: TorchEngine, task=TASK) -> Batch:
+    return Batch(engine, task, "run-t", "rollout-0", group_size=2, clock=lambda: 1.0)
+
+
+def _ids(text: str) -> list[int]:
+    return TASK.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _call_turn(batch: Batch, index: int) -> Finished:
+    """Sample `index` of group g0 finishing turn 1 with a calculator call on its prompt's expression."""
+    prompt = batch.groups["g0"].prompt
+    expr = " ".join(ch for ch in prompt.answer_meta["metadata"]["expression"] if not ch.isspace())
+    turn = [*_ids(f"<calc> {expr} </calc>"), TASK.eos_id]
+    return Finished(f"g0/{index}", prompt.token_ids, turn, [-0.5] * len(turn), "stop")
+
+
+def _drain(engine: TorchEngine, batch: Batch) -> None:
+    while engine.in_flight():
+        batch.record(engine.step())
+
+
+def test_a_tool_turn_appends_masked_output_and_is_recorded_and_never_rerun_after_a_resume(tmp_path):
+    engine = _engine()
+    a = _batch(engine)
+    a.admit([Lease("g0", 0)])
+    engine.abort(["g0/0"])  # sample 0's first turn is played by hand below; sample 1 is left to the model
+    prompt = a.groups["g0"].prompt
+    a.record([_call_turn(a, 0)])
+    assert a.tool_executions == {("g0", 0, 0): 1} and a.tool_turns_unsaved == 1
+    # the engine holds sample 0 again: turn 1 without its <eos>, then the tool's output
+    expr_tokens = len(_call_turn(a, 0).response_ids) - 1  # <calc> + 7 symbols + </calc> = 9
+    out = TASK.tool_output_ids(str(prompt.answer_meta["answer"]))  # <result> - 7 2 0 </result>: 6 tokens
+    held = {rid: (resp, lps) for rid, _, resp, lps in engine.snapshot_inflight()}
+    assert held["g0/0"][0] == _call_turn(a, 0).response_ids[:-1] + out
+    assert held["g0/0"][1] == [-0.5] * expr_tokens + [0.0] * len(out)
+    # the pool row of the sample between turns carries the tool output and its mask
+    store = TrajectoryStore(LocalObjectStore(str(tmp_path)))
+    rows = a.rows(a.groups, engine.snapshot_inflight())
+    store.write_partial("run-t", "rollout-0", (0, 1), rows)
+    (row,) = [t for t in rows if t.sample_index == 0]
+    assert row.tool_mask == [1] * expr_tokens + [0] * len(out)
+    assert row.extra["turns"] == "2" and row.extra["tool_calls"] == "1"
+    # the replica dies; its retry resumes from the pool on a fresh engine and batch
+    engine.abort()
+    by_group: dict = {}
+    for t in store.read_partial("run-t", "rollout-0"):
+        by_group.setdefault(t.group_id, []).append(t)
+    engine2 = _engine(seed=1)
+    b = _batch(engine2)
+    b.resume(by_group, 1)
+    _drain(engine2, b)
+    # turn 2 is the last of max_turns = 2: the completed call is never run again, and no new one runs
+    assert b.tool_executions.get(("g0", 0, 0), 0) == 0
+    executions = {k: a.tool_executions.get(k, 0) + b.tool_executions.get(k, 0)
+                  for k in {*a.tool_executions, *b.tool_executions}}
+    assert all(n == 1 for n in executions.values())  # executions == distinct calls
+    (group,) = b.completed
+    done = group.done[0]
+    assert done.response_ids[: expr_tokens + len(out)] == row.response_ids
+    assert done.tool_mask[: expr_tokens + len(out)] == row.tool_mask
+    assert set(done.tool_mask[expr_tokens + len(out):]) <= {1} and len(done.tool_mask) == len(done.response_ids)
+
+
+def test_the_trainer_masks_tool_output_out_of_the_loss():
+    engine = _engine()
+    a = _batch(engine)
+    a.admit([Lease("g0", 0)])
+    engine.abort(["g0/0"])
+    a.record([_call_turn(a, 0)])
+    _drain(engine, a)
+    (group,) = a.completed
+    t = group.done[0]
+    batch = collate([t], TASK.pad_id)
+    p = len(t.prompt_ids)
+    # the response mask is the tool mask, shifted onto next-token targets; zero on the 6 tool-output tokens
+    assert batch.response_mask[0, p - 1: p - 1 + len(t.response_ids)].tolist() == [float(m) for m in t.tool_mask]
+    assert batch.response_mask.sum().item() == len(t.response_ids) - 6
+    with pytest.raises(ValueError, match="tool_mask"):
+        t.tool_mask = t.tool_mask[:-1]
+        collate([t], TASK.pad_id)
+
+
+def test_a_failing_tool_fails_the_group_with_reason_sandbox_then_drops_it():
+    class BrokenCalc(ToolsTask):
+        def __init__(self) -> None:
+            super().__init__(seed=0)
+
+            class Broken:
+                name, tag = "calculator", "calc"
+
+                def run(self, text: str) -> str:
+                    raise RuntimeError("down")
+            self.tools = [Broken()]
+
+    engine = _engine()
+    a = Batch(engine, BrokenCalc(), "run-t", "rollout-0", group_size=2, clock=lambda: 1.0, max_group_retries=0)
+    a.admit([Lease("g0", 0)])
+    engine.abort(["g0/0"])
+    a.record([_call_turn(a, 0)])
+    assert [(f.group_id, f.reason) for f in a.failed] == [("g0", "sandbox")]
+    assert "RuntimeError: down" in a.failed[0].detail and not a.groups and not a.episodes
+
+
+def test_old_segments_without_the_mask_column_still_read():
+    engine = _engine()
+    a = _batch(engine)
+    a.admit([Lease("g0", 0)])
+    _drain(engine, a)
+    rows = a.completed[0].done.values()
+    table = trajectories_to_table(list(rows))
+    old = table.drop(["tool_mask"])
+    check_schema(old.schema, "a segment written before tool_mask")  # missing an optional column: no error
+    with pytest.raises(CorruptDataError, match="missing columns"):
+        check_schema(table.drop(["extra"]).schema, "a segment without extra")
+    assert [t.tool_mask for t in table_to_trajectories(old)] == [[], []]
+
+
+def test_episode_round_trips_through_a_row():
+    ep = Episode(mask=[1, 1, 0, 0])
+    from rl.tools import ToolCall
+
+    ep.calls.append(ToolCall(0, "calculator", 0.25))
+    back = Episode.from_row(ep.full_mask(7), ep.extra())
+    assert back.mask == [1, 1, 0, 0] and back.calls == ep.calls and back.turns == 2
+    assert torch.tensor(ep.full_mask(7)).tolist() == [1, 1, 0, 0, 1, 1, 1]
