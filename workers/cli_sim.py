@@ -168,7 +168,7 @@ def simulate_command(
 ) -> None:
     """Simulate trainer, rollout replicas, relays and the control plane at GPU scale (modelled time)."""
     from sim.scenarios import RelayLink
-    from sim.sweep import SweepSpec, failure_run, speedup_summary, sweep
+    from sim.sweep import SweepSpec, failure_runs, speedup_summary, sweep
 
     mode_list = _check_modes(_csv(modes))
     if validate:
@@ -190,7 +190,7 @@ def simulate_command(
     failures = [parse_failure(f) for f in fail]
     t0 = time.perf_counter()
     if failures:
-        rows = [failure_run(spec, mode, spec.scales()[0], kind, at) for kind, at in failures for mode in mode_list]
+        rows = [row for mode in mode_list for row in failure_runs(spec, mode, spec.scales()[0], failures)]
         t = Table(title=f"failures ({spec.model}, {spec.scales()[0]} GPUs)")
         for col in ("failure", "mode", "placement", "tokens/s", "with failure", "tokens lost", "= seconds of "
                     "throughput", "restored after (s)"):
