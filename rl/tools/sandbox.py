@@ -48,6 +48,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import psutil
+
 from rl.tools import ToolResult
 
 _SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
@@ -135,10 +137,14 @@ class _UidLease:
 
     def __init__(self, limits: SandboxLimits) -> None:
         self.limits, self.fd = limits, -1
-        self.dir = os.path.join(tempfile.gettempdir(), f"laminar-sandbox-uids-{os.geteuid()}")
+        self.dir = os.path.join(tempfile.gettempdir(), f"laminar-sandbox-uids-{os.getuid()}")
 
     def __enter__(self) -> int:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        st = os.lstat(self.dir)
+        if st.st_uid != os.getuid() or st.st_mode & 0o077 or not os.path.isdir(self.dir):
+            raise SandboxUnavailable(f"{self.dir} (the sandbox uid locks) must be a directory of uid "
+                                     f"{os.getuid()} with mode 0700; remove it and run again")
         start = os.getpid() % self.limits.uid_count  # spread processes over the range
         for i in range(self.limits.uid_count):
             uid = self.limits.uid_base + (start + i) % self.limits.uid_count
@@ -162,11 +168,11 @@ def _run(code: str, limits: SandboxLimits, uid: int, isolate: bool) -> SandboxRe
     t0 = time.monotonic()
     host_dir = "" if isolate else tempfile.mkdtemp(prefix="laminar-sandbox-")
     report_r, report_w = os.pipe()
-    cfg = {"report_fd": report_w, "isolate": isolate, "uid": uid, "work": WORKDIR if isolate else host_dir,
+    cfg = {"report_fd": report_w, "supervisor": os.getpid(), "isolate": isolate, "uid": uid, "work": WORKDIR if isolate else host_dir,
            "python": [limits.python] if limits.python else [sys.executable, *_SYSTEM_PYTHONS], "shim": _SHIM, "tmpfs_bytes": limits.tmpfs_bytes,
            "rlimits": {"RLIMIT_CPU": [limits.cpu_s, limits.cpu_s + 1],
                        "RLIMIT_AS": [limits.memory_bytes] * 2, "RLIMIT_FSIZE": [limits.file_bytes] * 2,
-                       "RLIMIT_NOFILE": [limits.open_files] * 2, "RLIMIT_NPROC": [limits.processes] * 2,
+                       "RLIMIT_NOFILE": [limits.open_files] * 2, "RLIMIT_NPROC": [_nproc(limits, isolate)] * 2,
                        "RLIMIT_CORE": [0, 0]}}
     try:
         proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", "-c", _BOOT, json.dumps(cfg)],
@@ -189,6 +195,15 @@ def _run(code: str, limits: SandboxLimits, uid: int, isolate: bool) -> SandboxRe
         proc.stdout.close()  # type: ignore[union-attr]
         if host_dir:
             shutil.rmtree(host_dir, ignore_errors=True)
+
+
+def _nproc(limits: SandboxLimits, isolate: bool) -> int:
+    """RLIMIT_NPROC counts every process of the uid: a sandbox uid has none but the program's; unsandboxed, the
+    program shares this user's uid, so it may start `processes` more than the user runs now."""
+    if isolate:
+        return limits.processes
+    mine = sum(1 for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == os.getuid())
+    return mine + limits.processes
 
 
 def _supervise(proc: subprocess.Popen, report_r: int, limits: SandboxLimits, t0: float,
@@ -220,8 +235,8 @@ def _supervise(proc: subprocess.Popen, report_r: int, limits: SandboxLimits, t0:
         while b"\n" in report:
             line, _, report[:] = report.partition(b"\n")
             kind, _, rest = line.decode("utf-8", "replace").partition("\t")
-            if kind == "pid":
-                init_pid = int(rest)
+            if kind == "pid":  # the bootstrap's, first; a later one (the program writing it) is ignored
+                init_pid = init_pid or _child_of(proc.pid, rest)
             elif kind == "status":
                 status = int(rest)
             elif kind == "setup":
@@ -246,6 +261,15 @@ def _supervise(proc: subprocess.Popen, report_r: int, limits: SandboxLimits, t0:
     return SandboxResult(text, code, failure, detail[:200], wall, isolate)
 
 
+def _child_of(parent: int, text: str) -> int | None:
+    """int(text) if that process is `parent`'s child (the init's pid is signalled as root: never trust it)."""
+    try:
+        pid = int(text)
+        return pid if pid > 1 and psutil.Process(pid).ppid() == parent else None
+    except (ValueError, psutil.Error):
+        return None
+
+
 def _wait(proc: subprocess.Popen, init_pid: int | None) -> None:
     try:
         proc.wait(timeout=5)
@@ -263,8 +287,12 @@ def _kill(proc: subprocess.Popen, init_pid: int | None) -> None:
             pass
     try:
         proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    except subprocess.TimeoutExpired:  # the bootstrap is stuck: its death SIGKILLs the init (PDEATHSIG)
+        for group in {init_pid, proc.pid} - {None}:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         proc.wait()
 
 
@@ -275,9 +303,14 @@ class PythonSandbox:
     name = "python"
     tag = "python"
 
-    def __init__(self, limits: SandboxLimits | None = None) -> None:
+    def __init__(self, limits: SandboxLimits | None = None, *, probe: bool = True) -> None:
         self.limits = limits or SandboxLimits()
         _can_isolate(self.limits)  # fail at task build, not at the first call
+        if probe:  # a machine that cannot sandbox (mounts, interpreter) raises SandboxUnavailable here
+            r = run_python("print('ok')", self.limits)
+            if r.output != "ok\n":
+                raise SandboxUnavailable(f"the sandbox's probe program printed {r.output[:200]!r} "
+                                         f"({r.failure}: {r.detail}), not 'ok'")
 
     def run(self, text: str) -> ToolResult:
         r = run_python(text, self.limits)
@@ -296,8 +329,13 @@ def say(*parts):
     os.write(rfd, ("\t".join(parts).replace("\n", " ") + "\n").encode("utf-8", "replace"))
 def fail(what, e):
     say("setup", "%s: %s" % (what, e)); os._exit(70)
-code = sys.stdin.buffer.read()
 libc = ctypes.CDLL(None, use_errno=True)
+def die_with_parent(parent):  # PR_SET_PDEATHSIG = 1: SIGKILL when the parent goes, whatever killed it
+    libc.prctl(1, 9, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(72)
+die_with_parent(cfg["supervisor"])
+code = sys.stdin.buffer.read()
 def check(rc, what):
     if rc != 0:
         e = ctypes.get_errno(); raise OSError(e, "%s: %s" % (what, os.strerror(e)))
@@ -309,6 +347,7 @@ if isolate:
         check(libc.unshare(0x00020000 | 0x40000000 | 0x20000000 | 0x08000000), "unshare")
     except OSError as e:
         fail("new namespaces (needs root and a kernel with namespaces)", e)
+boot = os.getpid()
 pid = os.fork()
 if pid:
     try:
@@ -328,6 +367,7 @@ try:
     os.setpgid(0, 0)
 except OSError:
     pass
+die_with_parent(0 if isolate else boot)  # in its PID namespace the bootstrap is parent 0
 RO, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
 try:
     if isolate:
