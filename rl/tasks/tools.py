@@ -33,7 +33,7 @@ from rl.tools.calculator import Calculator
 TOOL_LEVELS = [{"max_terms": 2, "min_digits": 3, "max_digits": 3}]
 CALL_OPEN, CALL_CLOSE, RESULT_OPEN, RESULT_CLOSE = "<calc>", "</calc>", "<result>", "</result>"
 TOOL_WORDS = [CALL_OPEN, CALL_CLOSE, RESULT_OPEN, RESULT_CLOSE, "error"]
-SECOND_TURN_SHARE = 0.3  # of warm-up prompts: the second turn after a call
+SECOND_TURN_SHARE = 0.4  # of warm-up prompts: the second turn after a call
 
 
 class ToolsTask(MathTask):

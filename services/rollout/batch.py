@@ -193,8 +193,8 @@ class Batch:
             self.groups[group_id] = group
             for t in rows:
                 if t.finish_reason == "partial":
-                    if t.tool_mask:  # its completed tool calls are in its prefix: never run again
-                        self.episodes[f"{group_id}/{t.sample_index}"] = Episode.from_row(t.tool_mask, t.extra)
+                    # its completed tool calls are in its prefix: never run again
+                    self.episodes[f"{group_id}/{t.sample_index}"] = Episode.from_row(t.tool_mask, t.extra)
                     self.engine.add(f"{group_id}/{t.sample_index}", t.prompt_ids,
                                     prefix_ids=t.response_ids, prefix_logprobs=t.logprobs)
                 else:
