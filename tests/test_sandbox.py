@@ -1,11 +1,12 @@
 """The Python sandbox (rl/tools/sandbox.py): every hostile program runs in a real sandboxed process (namespaces,
 an unprivileged uid, rlimits) and ends as a sandbox failure; a benign program's output and a raising program's
-traceback are output. Then each hostile program ends as a failed group: retried, then dropped with reason
-"sandbox" logged, while the other groups complete. After every test no sandbox process is left (psutil)."""
+traceback are output. Then each hostile program, called as `<python>` at the end of a model turn in the
+replica's environment loop (services/rollout/batch.py, real TorchEngine), ends as a failed group: retried, then
+dropped with reason "sandbox" logged, while the other group completes. After every test no sandbox process is
+left (psutil)."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -18,7 +19,6 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
-from rl.tools import call, parse_call
 from rl.tools.sandbox import PythonSandbox, SandboxLimits, SandboxUnavailable, run_python
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root (README 'Python sandbox')")
@@ -238,62 +238,70 @@ FAILURE = {"loop": "timeout", "memory": "memory", "fork": "processes", "socket":
            "print": "output"}
 
 
-def _tool_task(tmp_path: Path, program: str):
-    """A task whose one prompt row carries a hostile program and one a benign one. Its reward calls the
-    `<python>` tool on the row's program the way the replica's environment loop does (rl.tools parse_call and
-    call; a failed ToolResult is RewardFailure("sandbox")): the tiny model cannot be made to write the call."""
-    from rl.tasks import RewardFailure
-    from rl.tasks.prompt_file import FilePrompts
-    from tests.fixtures.user_task import CopyTask
+GROUP_LIMITS = SandboxLimits(wall_s=1.0, cpu_s=30, memory_bytes=512 << 20, processes=16)
 
-    tool = PythonSandbox(SandboxLimits(wall_s=1.0, cpu_s=30, memory_bytes=512 << 20, processes=16))
 
-    class ToolTask(CopyTask):
-        async def score(self, prompt, response_text):
-            found = parse_call(f"<python>{prompt.answer_meta['metadata']['program']}</python>", [tool])
-            result, _latency = call(*found)
-            if not result.ok:
-                raise RewardFailure("sandbox", result.detail)
-            return 1.0 if result.output == "ok\n" else 0.0
+def _python_task(hostile: str):
+    """The `tools` task with the `<python>` tool in place of the calculator. The tiny word-level tokenizer cannot
+    spell a program, so the task's reading of a model turn (`turn_text`, the text the environment loop parses
+    for a call) gives `<calc> 1 </calc>` as a `<python>` call of the hostile program and `<calc> 2 </calc>` as a
+    call of `print('ok')`; any other turn is read as it is."""
+    from rl.tasks.tools import ToolsTask
 
-    path = tmp_path / "prompts.jsonl"
-    path.write_text(json.dumps({"id": "hostile", "prompt": "copy : red", "answer": "red",
-                                "metadata": {"program": program}}) + "\n"
-                    + json.dumps({"id": "benign", "prompt": "copy : blue", "answer": "blue",
-                                  "metadata": {"program": "print('ok')"}}) + "\n")
-    return ToolTask(prompts=FilePrompts(path, shuffle=False))
+    class PythonTask(ToolsTask):
+        def __init__(self) -> None:
+            super().__init__(seed=0)
+            self.tools = [PythonSandbox(GROUP_LIMITS, probe=False)]
+
+        def turn_text(self, turn_ids):
+            text = super().turn_text(turn_ids).strip()
+            program = {"<calc>1</calc>": hostile, "<calc>2</calc>": "print('ok')"}.get(text.replace(" ", ""))
+            return text if program is None else f"<python>{program}</python>"
+
+    return PythonTask()
 
 
 @pytest.mark.parametrize("kind", list(HOSTILE))
-def test_each_hostile_program_ends_as_a_failed_group_retried_then_dropped(tmp_path, kind):
+def test_each_hostile_program_ends_as_a_failed_group_retried_then_dropped(kind):
+    from laminar.messages import Lease
+    from rl.engine_api import Finished
     from services.rollout.batch import Batch
-    from tests.test_tasks import _engine
-    from workflows.ledger import Ledger
-    from workflows.state import RunState
+    from tests.test_tools import _engine
 
-    task = _tool_task(tmp_path, HOSTILE[kind])
-    ledger = Ledger(RunState(run_id="r"))
-    hostile, benign = ledger.lease("replica-0", 2)
-    retries = 2
-    batch = Batch(_engine(task, 4), task, "r", "replica-0", 1, time.monotonic, reward_timeout_s=30.0,
-                  max_group_retries=retries)
+    task = _python_task(HOSTILE[kind])
+    engine, retries = _engine(), 2
+    batch = Batch(engine, task, "run-t", "rollout-0", group_size=2, clock=time.monotonic, max_group_retries=retries)
+
+    def call_turn(group_id: str, n: int) -> Finished:
+        """Sample 0 of `group_id` ending its first turn with the call `<calc> n </calc>` <eos>, played by hand
+        (the model's other samples run in the real engine)."""
+        turn = [*task.tokenizer.encode(f"<calc> {n} </calc>", add_special_tokens=False).ids, task.eos_id]
+        engine.abort([f"{group_id}/0"])
+        return Finished(f"{group_id}/0", batch.groups[group_id].prompt.token_ids, turn, [-0.5] * len(turn), "stop")
+
     with capture_logs() as logs:
-        batch.admit([hostile, benign])
+        batch.admit([Lease("hostile", 0), Lease("benign", 1)])
+        batch.record([call_turn("benign", 2)])  # print('ok'): its output goes back into the engine
+        for _attempt in range(1 + retries):  # each try's sample 0 calls the hostile program
+            assert "hostile" in batch.groups and not batch.failed
+            batch.record([call_turn("hostile", 1)])
         steps = 0
-        while batch.engine.in_flight():
-            batch.record(batch.engine.step())
+        while engine.in_flight():  # the run goes on: the benign group's samples finish in the engine
+            batch.record(engine.step())
             steps += 1
-            assert steps < 100, "the batch never drained"
-    # the hostile group: 1 + 2 retries, each a sandbox failure of this kind; then dropped, the run goes on
-    assert [(f.group_id, f.reason, f.attempts, f.source_id) for f in batch.failed] == [
-        (hostile.group_id, "sandbox", 1 + retries, "hostile")]
-    assert batch.failed[0].detail.startswith(f"python {FAILURE[kind]}:")
+            assert steps < 200, "the batch never drained"
+    # the hostile group: 1 + 2 tries, each a sandbox failure of this kind, then dropped with reason "sandbox"
+    assert [(f.group_id, f.reason, f.attempts) for f in batch.failed] == [("hostile", "sandbox", 1 + retries)]
+    assert batch.failed[0].detail.startswith(f"python {FAILURE[kind]}:"), batch.failed[0].detail
+    executed = [e for e in logs if e["event"] == "tool_executed" and e["group_id"] == "hostile"]
+    assert [(e["tool"], e["ok"]) for e in executed] == [("python", False)] * (1 + retries)
     retried = [e for e in logs if e["event"] == "group_retried"]
     dropped = [e for e in logs if e["event"] == "group_failed"]
-    assert [(e["reason"], e["attempt"]) for e in retried] == [("sandbox", 1), ("sandbox", 2)]
-    assert [(e["reason"], e["group_id"], e["source_id"]) for e in dropped] == [("sandbox", hostile.group_id, "hostile")]
-    assert [g.lease.group_id for g in batch.completed] == [benign.group_id]  # the benign group completed
-    assert batch.completed[0].done[0].reward == 1.0
-    closed = ledger.fail_groups(batch.failed, "replica-0", at=1.0)
-    assert closed == [hostile.group_id] and ledger.state.groups_failed == 1
+    assert [(e["group_id"], e["reason"], e["attempt"]) for e in retried] == [("hostile", "sandbox", 1),
+                                                                             ("hostile", "sandbox", 2)]
+    assert [(e["group_id"], e["reason"], e["attempts"]) for e in dropped] == [("hostile", "sandbox", 3)]
+    # the benign group completed, its sample 0 with the tool's answer in its response (masked as tool output)
+    assert [g.lease.group_id for g in batch.completed] == ["benign"]
+    done = batch.completed[0].done[0]
+    assert done.extra["tool_calls"] == "1" and done.extra["tool_names"] == "python" and 0 in done.tool_mask
     assert not Path("/tmp/laminar-sandbox-escape.txt").exists()
