@@ -155,6 +155,13 @@ print(fd, ctypes.get_errno())""", LIMITS)
     assert not Path(host).exists()
 
 
+def test_its_working_directory_is_the_only_writable_directory_it_can_see():
+    # access(W_OK) checks permissions and read-only mounts; every directory but /proc and /sys (~1.4 s)
+    r = run_python("import os\nprint([d for d, _, _ in os.walk('/') if not d.startswith(('/proc', '/sys'))"
+                   " and os.access(d, os.W_OK)])", replace(LIMITS, wall_s=60.0))
+    assert r.ok and r.output == "['/tmp/work']\n", r
+
+
 def test_a_program_that_prints_100_mb_is_killed_at_the_output_cap():
     # one 100 MB write: building and encoding the string takes ~0.1 s idle but over 1 s on the loaded 2-core
     # machine, so the wall clock is 10 s here; "output" (not "timeout") shows the cap killed it
