@@ -194,3 +194,34 @@ def test_a_failure_costs_throughput_and_the_run_still_completes(kind):
         assert hit.tokens_per_s < base.tokens_per_s
     if kind == "trainer":  # down for 12.8 + 0.17 + 30 s at least: the step after `at` comes that much later
         assert min(t for t in hit.step_times if t > at) >= at + 42.97
+
+
+# -- command line ----------------------------------------------------------------------------------------------
+
+def test_relay_link_from_the_relay_benchmark_report():
+    from pathlib import Path
+
+    from sim.scenarios import RelayLink
+    link = RelayLink.from_bench(Path(__file__).resolve().parents[1] / "docs" / "relay-bench.json")
+    assert 1e6 < link.bytes_per_s < 1e12 and 0 < link.t_start_s < 1
+    with pytest.raises(ValueError, match="laminar bench relay"):
+        RelayLink.from_bench(Path(__file__))
+
+
+def test_simulate_command_writes_table_json_and_rejects_bad_input(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+    out = tmp_path / "sim.json"
+    res = CliRunner().invoke(app, ["simulate", "--model", "7b", "--gpus", "16", "--modes", "laminar,sync",
+                                   "--workload", "uniform", "--iterations", "3", "--warmup", "1", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert [r["mode"] for r in report["rows"]] == ["laminar", "sync"]
+    assert "laminar vs it" in res.output
+    bad = CliRunner().invoke(app, ["simulate", "--model", "13b"])
+    assert bad.exit_code == 2 and "13b" in bad.output
+    bad = CliRunner().invoke(app, ["simulate", "--fail", "gpu@10"])
+    assert bad.exit_code == 2
