@@ -2,9 +2,10 @@
 simulated throughput, then the metrics of the paper's Fig. 11 (tokens/s, speedups, scaling efficiency).
 
 The search never hand-sets a placement: sync is colocated (verl's placement, as in the paper); every other mode
-tries splits in whole machines with a golden-section search over the trainer's share (throughput is unimodal
-in it: too few trainer GPUs and the trainer bounds it, too few rollout GPUs and generation does), on short runs
-(`search_iterations`), then runs the chosen split at full length.
+tries splits in whole machines: a coarse grid of five splits, then a golden-section search between the best
+one's neighbours (throughput is mostly unimodal in the split: too few trainer GPUs and the trainer bounds it, too
+few rollout GPUs and generation does), on short runs (`search_iterations`), then runs the chosen split at full
+length.
 """
 
 from __future__ import annotations
@@ -71,8 +72,16 @@ def search(spec: SweepSpec, mode: str, gpus: int) -> tuple[Placement, int]:
             memo[i] = _run(spec, mode, cands[i], spec.search_iterations, spec.search_warmup).tokens_per_s
         return memo[i]
 
+    n = len(cands)
+    lo, hi = 0, n - 1
+    if n > 12:  # a coarse grid first (throughput can be flat or have a second hump), then narrow around its best
+        grid = sorted({round(k * (n - 1) / 6) for k in range(1, 6)})
+        best = max(grid, key=lambda i: (f(i), -i))
+        k = grid.index(best)
+        lo = grid[k - 1] if k > 0 else 0
+        hi = grid[k + 1] if k + 1 < len(grid) else n - 1
     # stop narrowing at 1/16 of the range (2 machines of 256 at 1,024 GPUs): the search's own noise is larger
-    return cands[golden_max(f, 0, len(cands) - 1, tolerance=max(3, len(cands) // 16))], len(memo)
+    return cands[golden_max(f, lo, hi, tolerance=max(3, n // 16))], len(memo)
 
 
 def golden_max(f: Callable[[int], float], lo: int, hi: int, tolerance: int = 3) -> int:
