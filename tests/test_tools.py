@@ -203,3 +203,33 @@ def test_episode_round_trips_through_a_row():
     back = Episode.from_row(ep.full_mask(7), ep.extra())
     assert back.mask == [1, 1, 0, 0] and back.calls == ep.calls and back.turns == 2
     assert torch.tensor(ep.full_mask(7)).tolist() == [1, 1, 0, 0, 1, 1, 1]
+
+
+def test_a_group_restarted_from_its_prompt_gets_the_recorded_answer_of_a_completed_call(tmp_path):
+    """The pool's start version can no longer be loaded, so the group is generated again from its prompt
+    (PartialPool._restart_fresh): a regenerated turn making the same call is answered from the pool's record,
+    one making a different call runs the tool (a new call)."""
+    engine = _engine()
+    a = _batch(engine)
+    a.admit([Lease("g0", 0)])
+    engine.abort(["g0/0", "g0/1"])
+    a.record([_call_turn(a, 0), _call_turn(a, 1)])
+    rows = a.rows(a.groups, engine.snapshot_inflight())
+    engine.abort()
+    engine2 = _engine(seed=1)
+    b = _batch(engine2)
+    b.remember_calls(rows)
+    assert set(b.recorded) == {("g0", 0, 0), ("g0", 1, 0)}
+    b.admit([Lease("g0", 0)])
+    engine2.abort(["g0/0", "g0/1"])
+    other = _call_turn(b, 1)
+    other = Finished("g0/1", other.prompt_ids, [*_ids("<calc> 1 + 1 </calc>"), TASK.eos_id], [-0.5] * 6, "stop")
+    b.record([_call_turn(b, 0), other])
+    # sample 0 repeated its call: answered from the record, not run; sample 1 made another call: run once
+    assert b.tool_executions == {("g0", 1, 0): 1}
+    held = {rid: resp for rid, _, resp, _ in engine2.snapshot_inflight()}
+    prompt = b.groups["g0"].prompt
+    assert held["g0/0"][-6:] == TASK.tool_output_ids(str(prompt.answer_meta["answer"]))
+    assert held["g0/1"][-3:] == _ids("<result> 2 </result>")
+    executions = {k: a.tool_executions.get(k, 0) + b.tool_executions.get(k, 0) for k in a.tool_executions}
+    assert executions == {("g0", 0, 0): 1, ("g0", 1, 0): 2}  # the same call once; sample 1's second is another call

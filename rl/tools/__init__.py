@@ -119,10 +119,32 @@ class Episode:
         return cls(mask=mask, calls=calls)
 
 
+def recorded_calls(response_ids: list[int], tool_mask: list[int], turn_text: Callable[[list[int]], str],
+                   tools: Sequence[Tool]) -> list[tuple[str, list[int]]]:
+    """The completed calls of a recorded response, in turn order: (the call's text, the output tokens the tool
+    gave). A model turn is a run of mask 1, its answer the run of mask 0 after it; the last turn (no answer yet)
+    is left out. `turn_text` decodes one turn (the task's)."""
+    out, i, n = [], 0, len(tool_mask)
+    while i < n:
+        j = i
+        while j < n and tool_mask[j] == 1:
+            j += 1
+        k = j
+        while k < n and tool_mask[k] == 0:
+            k += 1
+        if k == j:
+            break
+        found = parse_call(turn_text(list(response_ids[i:j])), tools)
+        out.append((found[1] if found else "", list(response_ids[j:k])))
+        i = k
+    return out
+
+
 def turn_counts(extra: dict[str, str]) -> tuple[int, int, list[float]]:
     """(turns, tool calls, latencies) of a trajectory from its extra (1, 0, [] for a single-turn one)."""
     lat = [float(x) for x in (extra.get("tool_latency_s") or "").split(",") if x]
     return int(extra.get("turns", "1") or 1), int(extra.get("tool_calls", "0") or 0), lat
 
 
-__all__ = ["Episode", "Tool", "ToolCall", "ToolFailure", "ToolResult", "call", "parse_call", "turn_counts"]
+__all__ = ["Episode", "Tool", "ToolCall", "ToolFailure", "ToolResult", "call", "parse_call", "recorded_calls",
+           "turn_counts"]

@@ -21,6 +21,7 @@ only a crash between a call and that write can lose its output. A tool that fail
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,7 @@ from laminar.records import Trajectory
 from rl.engine_api import Engine, Finished, InFlight
 from rl.tasks import Prompt, RewardFailure
 from rl.tasks.scoring import RewardRunner
-from rl.tools import Episode, ToolCall, call, parse_call
+from rl.tools import Episode, ToolCall, call, parse_call, recorded_calls
 
 log = get_logger(__name__)
 
@@ -82,6 +83,9 @@ class Batch:
         self.episodes: dict[str, Episode] = {}  # request id -> its turns so far (samples with a tool answer)
         self.tool_executions: dict[tuple[str, int, int], int] = {}  # (group, sample, turn) -> runs
         self.tool_turns_unsaved = 0  # tool calls answered since the last pool write
+        # (group, sample, turn) -> (call text, output tokens) recorded by an earlier incarnation of a group that
+        # is generated again from its prompt: the same call there gets the recorded answer, not a second run
+        self.recorded: dict[tuple[str, int, int], tuple[str, list[int]]] = {}
 
     def admit(self, leases: list[Lease], attempts: int = 1) -> None:
         """Start each group from its prompt. A prompt the task cannot build, or the engine cannot admit (longer
@@ -135,14 +139,8 @@ class Batch:
         if found is None:
             return False
         key = (group.lease.group_id, index, episode.turns - 1)
-        self.tool_executions[key] = self.tool_executions.get(key, 0) + 1
-        result, latency = call(*found)
-        log.info("tool_executed", group_id=key[0], sample=index, turn=key[2], tool=found[0].name,
-                 ok=result.ok, latency_s=round(latency, 6))
-        if not result.ok:
-            raise RewardFailure("sandbox", result.detail)
+        out, latency = self._answer(key, *found)
         body, lps = f.response_ids[:-1], f.logprobs[:-1]  # the turn's <eos> ends the turn; it is not context
-        out = list(self.task.tool_output_ids(result.output))
         try:
             self.engine.add(f.request_id, f.prompt_ids, prefix_ids=body + out, prefix_logprobs=lps + [0.0] * len(out))
         except Exception as e:  # noqa: BLE001 - no room left for the answer: the sample ends on this turn
@@ -153,6 +151,30 @@ class Batch:
         self.episodes[f.request_id] = episode
         self.tool_turns_unsaved += 1
         return True
+
+    def _answer(self, key: tuple[str, int, int], tool, text: str) -> tuple[list[int], float]:
+        """The output tokens of call `key` and the seconds it took: the recorded answer of the same call
+        (`remember_calls`), else one run of the tool, counted in tool_executions."""
+        recorded = self.recorded.pop(key, None)
+        if recorded is not None and recorded[0] == text:
+            log.info("tool_reused", group_id=key[0], sample=key[1], turn=key[2], tool=tool.name)
+            return list(recorded[1]), 0.0
+        self.tool_executions[key] = self.tool_executions.get(key, 0) + 1
+        result, latency = call(tool, text)
+        log.info("tool_executed", group_id=key[0], sample=key[1], turn=key[2], tool=tool.name, ok=result.ok,
+                 latency_s=round(latency, 6), call_sha=hashlib.sha256(text.encode()).hexdigest()[:12])
+        if not result.ok:
+            raise RewardFailure("sandbox", result.detail)
+        return list(self.task.tool_output_ids(result.output)), latency
+
+    def remember_calls(self, rows: list[Trajectory]) -> None:
+        """Keep the completed calls of these recorded rows, whose groups are generated again from their prompts
+        (a restart under a newer version): a regenerated turn that makes the same call gets its recorded answer."""
+        for t in rows:
+            if t.tool_mask and self.tools:
+                calls = recorded_calls(t.response_ids, t.tool_mask, self.task.turn_text, self.tools)
+                for turn, answer in enumerate(calls):
+                    self.recorded[(t.group_id, t.sample_index, turn)] = answer
 
     def fail(self, group: Group, reason: str, detail: str, thrown_away: int = 0) -> None:
         """A try of `group` failed (reason: rl/tasks/scoring.py REASONS): start it again from a freshly built

@@ -91,6 +91,7 @@ class PartialPool:
         self.weights.poll()
         self.weights.load_newest()
         leases = [Lease(g, rows[0].prompt_id) for g, rows in resumed.items()]
+        self.batch.remember_calls([t for rows in resumed.values() for t in rows])  # completed calls run once
         log.warning("partial_groups_restarted", replica_id=self.replica_id, groups=len(leases),
                     tokens_regenerated=self.counters.tokens_regenerated)
         self.batch.admit(leases)
