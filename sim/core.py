@@ -533,7 +533,6 @@ class Simulator:
         r.paused -= 1
         s.kv_held = 0
         extra = self.cfg.tool_output_tokens
-        s.prefix += 0
         r.busy_until = max(r.busy_until, self.now) + self.costs.prefill_s(extra)
         self._start_seq(r, s, extra_tokens=extra)
         self._schedule(r)
@@ -864,8 +863,7 @@ class Simulator:
                     src.kv_paused -= s.kv_held
                     src.paused -= 1
                     s.kv_held = 0
-                    s.prefix += self.cfg.tool_output_tokens
-                    s.env = s.env[1:] if s.env else s.env
+                    s.prefix += self.cfg.tool_output_tokens  # its call's latency was already drawn (popped)
                     seqs.append(s)
             g.replica = src.rid if dst is None else dst.rid
         src.groups.clear()

@@ -225,3 +225,15 @@ def test_simulate_command_writes_table_json_and_rejects_bad_input(tmp_path):
     assert bad.exit_code == 2 and "13b" in bad.output
     bad = CliRunner().invoke(app, ["simulate", "--fail", "gpu@10"])
     assert bad.exit_code == 2
+
+
+def test_tool_calling_workload_holds_kv_during_calls_and_repacks():
+    # 1..3 segments per trajectory with a sandbox call (median 2 s) between them; paused sequences keep their KV
+    lengths = Lengths(p50=100, cap=4000, turns_max=3, env_p50_s=2.0, seed=5)
+    cfg = small("laminar", replicas=6, lengths=lengths, tool_output_tokens=8, iterations=8)
+    res = simulate(cfg)
+    assert res.complete and res.tokens_per_s > 0
+    single = simulate(replace(cfg, lengths=replace(lengths, turns_max=1)))
+    assert res.step_times != single.step_times  # the calls change the schedule
+    for mode in ("sync", "partial_rollout"):
+        assert simulate(replace(cfg, mode=mode)).complete
