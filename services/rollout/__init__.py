@@ -27,11 +27,12 @@ Every interval is a field of `ReplicaTiming` (`timing.py`). The engine comes fro
 and is used only through `rl.engine_api.Engine`. The replica talks to the workflow only through
 `ControlPort`, so the loop is testable without Temporal.
 
-Environment loop (multi-turn tool calls): it belongs in `batch.py`, between the engine and `Batch.record`. A
-finished model turn whose task asks for a tool goes to the environment instead of into `group.done`; the
-tool's answer is appended and the sample re-enters the engine with `engine.add(request_id, prompt_ids,
-prefix_ids=turns so far, prefix_logprobs=...)` (the resume path `Batch.resume` already uses), so the pool,
-the hand-over and repack keep treating it as one in-flight sample with a prefix.
+Environment loop (multi-turn tool calls, rl/tools/): in `batch.py`, between the engine and `Batch.record`
+(`Batch.tool_turn`). A finished model turn that calls one of the task's tools goes to the environment instead
+of into `group.done`; the tool's answer is appended (masked: `Trajectory.tool_mask`) and the sample re-enters
+the engine with `engine.add(request_id, prompt_ids, prefix_ids=turns so far, prefix_logprobs=...)` (the resume
+path `Batch.resume` already uses), so the pool, the hand-over and repack keep treating it as one in-flight
+sample with a prefix. The pool is written right after a turn that ran a tool (`PartialPool.flush_if_due`).
 """
 
 from services.rollout.control import ControlPort
