@@ -85,7 +85,7 @@ async def test_three_runs_share_one_worker_set(temporal_env, moto_server, tmp_pa
             assert final.groups_consumed == STEPS * 2 and final.groups_consumed_twice == 0
             assert final.groups_generated == final.groups_consumed + final.ready_groups  # none lost
             # No replica ever found its run's version gone from every relay (so none needed a republish): with one
-            # version store per relay, the runs' versions evicted each other and every later run's replicas
+            # version store per relay, the runs' versions evicted each other and a run's replicas
             # reported version_missing, then waited ~4.5 s for the republish (measured with that store).
             assert not [k for k in final.event_times if k.startswith("version_missing/")], final.event_times
             # the replicas write their profiles as they return, after the run's result
