@@ -97,3 +97,38 @@ async def test_three_runs_share_one_worker_set(temporal_env, moto_server, tmp_pa
     finally:
         stop_process(workers, timeout_s=60)  # SIGTERM: `laminar workers` stops its own processes
         print(log_path.read_text(errors="replace")[-3000:])
+
+
+def test_trainer_republishes_a_run_it_has_moved_away_from(tmp_path):
+    # One trainer process serves several runs in turn. After a step of run "s", run "r"'s version is gone from a
+    # relay (a new one here): the republish pushes the version the trainer kept for "r" (it used to skip, -1).
+    from dataclasses import replace
+
+    from laminar.messages import RepublishInput
+    from relay import client as relay_client
+    from relay.server import RelayServer
+    from services.trainer import TrainerService
+    from storage.objects import LocalObjectStore
+    from storage.trajectories import TrajectoryStore
+    from tests.test_modelled import _batch, _input
+
+    store = LocalObjectStore(tmp_path / "store")
+    trajs = TrajectoryStore(store)
+    (tmp_path / "shm").mkdir()
+    old, new = RelayServer("host-0", shm_dir=str(tmp_path / "shm")), RelayServer("host-1", shm_dir=str(tmp_path / "shm"))
+    old_addr, new_addr = old.start(), new.start()
+    try:
+        svc = TrainerService(store, tmp_path / "home")
+        svc.train_step(_input(0, _batch(trajs, 0), [old_addr]))  # run r: step 1, version 1
+        svc.train_step(replace(_input(0, _batch(trajs, 10), [old_addr]), run_id="s"))  # run s from scratch: step 1
+        assert svc.run_id == "s"
+        # both runs' version 1 side by side on the relay that took the pushes
+        assert relay_client.latest_version(old_addr, run="r") == 1 and relay_client.latest_version(old_addr, run="s") == 1
+        assert relay_client.fetch_latest(new_addr, run="r") == (None, None)
+        assert svc.republish(RepublishInput(run_id="r", step=1, relay_chain=[new_addr])) == 1
+        assert relay_client.fetch_latest(new_addr, run="r")[1] == relay_client.fetch_latest(old_addr, run="r")[1]
+        assert svc.republish(RepublishInput(run_id="r", step=2, relay_chain=[new_addr])) == -1  # not at that step
+        assert svc.republish(RepublishInput(run_id="t", step=1, relay_chain=[new_addr])) == -1  # never published
+    finally:
+        old.stop()
+        new.stop()
