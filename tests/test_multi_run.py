@@ -132,3 +132,36 @@ def test_trainer_republishes_a_run_it_has_moved_away_from(tmp_path):
     finally:
         old.stop()
         new.stop()
+
+
+def test_replica_reports_its_version_missing_only_when_no_relay_holds_one(tmp_path):
+    # A replica that needs weights (none loaded) and whose poll reaches a relay holding nothing of its run reports
+    # version_missing; once a relay holds a version of its run (another run's do not count), it does not.
+    from laminar import metrics as prom
+    from laminar.messages import RelayInfo
+    from laminar.policy import policy_for
+    from relay import client as relay_client
+    from relay.server import RelayServer
+    from rl.modelled import ModelledEngine
+    from services.rollout.batch import Counters
+    from services.rollout.weights import Weights
+    from tests.test_modelled import SERVICE_CFG
+
+    (tmp_path / "shm").mkdir()
+    relays = [RelayServer(f"host-{i}", shm_dir=str(tmp_path / "shm")) for i in range(2)]
+    addrs = [r.start() for r in relays]
+    try:
+        engine = ModelledEngine(SERVICE_CFG, max_inflight_seqs=4, global_sync=False, sleep=lambda s: None)
+        weights = Weights(engine, policy_for(SERVICE_CFG), "r", "replica-0", "host-0", None, Counters(),
+                          prom.ReplicaMetrics.of("replica-0"))
+        weights.relays = [RelayInfo(f"host-{i}", f"host-{i}", a) for i, a in enumerate(addrs)]
+        assert not weights.version_missing()  # never polled: nothing known yet
+        relay_client.push(addrs[0], 0, b"\0" * 64, chain=[], run="other")  # another run's version 0
+        weights.poll()
+        assert weights.none_held and weights.version_missing()
+        relay_client.push(addrs[1], 0, b"\0" * 64, chain=[], run="r")  # on the second relay only
+        weights.poll()
+        assert weights.newest_at_relay == 0 and not weights.version_missing()
+    finally:
+        for r in relays:
+            r.stop()
