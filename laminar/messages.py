@@ -41,6 +41,7 @@ class ReplicaReport:
     kv_capacity: int = 0
     kv_prev: int = 0  # kv_used at the previous report (repack's idleness test: falling below the peak)
     waiting: int = 0  # prompts leased to it and not started
+    version_missing: bool = False  # it needs a version and its last poll found none of its run at any relay
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,12 @@ answered by exactly one reply frame:
     relay  -> client  {"ok": true, "policy_version", "digest", "path", "size"}   (a shared-memory file)
     client -> relay   {"op": "stats"}
     relay  -> client  {"ok": true, "relay_id", "run", "versions", "bytes_held", "completed_at": {version: unix s},
-                       "receiving": [[version, chunks landed, chunks], ...], "forwards_done", ...}
+                       "receiving": [[version, chunks landed, chunks], ...], "forwards_done", ...,
+                       "runs": {run: {"versions", "bytes", "idle_s"}}, "max_bytes", "idle_evict_s",
+                       "evicted": [[run, version, "bytes" | "idle"], ...]}
+                      (run, versions, completed_at: the latest put's run; bytes_held: all runs')
+
+A relay holds every run's versions side by side (relay/versions.py); a request sees only its own run's.
 
 Any reply may be {"ok": false, "error": "..."}. A relay that rejects a put part way (bad chunk digest,
 whole-version digest mismatch) replies the error at once and closes the connection.

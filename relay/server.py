@@ -16,6 +16,7 @@ still-pending older one (counted as superseded), so a slow chain never queues st
 
 from __future__ import annotations
 
+import os
 import socket
 import socketserver
 import threading
@@ -31,6 +32,7 @@ from relay.versions import Version, VersionStore
 
 log = get_logger("relay")
 
+IDLE_EVICT_S = 600.0  # a run nobody asked about for this long has finished (its replicas poll every 0.5 s)
 DRAIN_AFTER_REJECT_S = 2.0  # after rejecting a put, read what the sender still streams for this long
 
 
@@ -130,6 +132,9 @@ class RelayServer:
     shm_dir: where version segments live (relay.segments); readers on this host map them from there.
     spare_segments: dropped versions' segments kept to receive new versions into (segments.SparePool),
     so a new version takes no page faults; 0 unlinks every dropped segment at once.
+    max_bytes: bound on the version bytes held across all runs (relay.versions.VersionStore); None is half
+    the size of the file system under shm_dir, 0 no bound. idle_evict_s: a run with no get, put or poll
+    for this long has finished as far as the relay knows; its versions are dropped (0: never).
     """
 
     def __init__(
@@ -144,6 +149,8 @@ class RelayServer:
         token: str | None = None,
         shm_dir: str = segments.DEFAULT_SHM_DIR,
         spare_segments: int = 2,
+        max_bytes: int | None = None,
+        idle_evict_s: float = IDLE_EVICT_S,
     ) -> None:
         if keep_versions < 1:
             raise ValueError(f"keep_versions={keep_versions} must be at least 1 (the newest version)")
@@ -157,7 +164,12 @@ class RelayServer:
         self.token = token
         self.shm_dir = shm_dir
         self._spares = segments.SparePool(shm_dir, limit=spare_segments)
-        self._store = VersionStore(keep_versions, retire=self._spares.retire)
+        if max_bytes is None:
+            max_bytes = _half_of(shm_dir)
+        self.max_bytes = max_bytes
+        self.idle_evict_s = idle_evict_s
+        self._store = VersionStore(keep_versions, retire=self._spares.retire, max_bytes=max_bytes,
+                                   idle_evict_s=idle_evict_s)
         self._receiving: set[Version] = set()
         self._receiving_lock = threading.Lock()
         self._puts_rejected = 0
@@ -261,9 +273,15 @@ class RelayServer:
         prom.RELAY_RECEIVED.labels(self.relay_id).inc(version.size)
         outcome = self._store.put(version)
         prom.RELAY_VERSIONS.labels(self.relay_id).set(len(self._store.summary()[0]))
+        self._log_evicted(outcome.evicted)
         if outcome.stored:
-            log.info("relay_version_stored", relay_id=self.relay_id, policy_version=version.policy_version,
-                     bytes=version.size, replaced=outcome.replaced)
+            log.info("relay_version_stored", relay_id=self.relay_id, run=version.run,
+                     policy_version=version.policy_version, bytes=version.size, replaced=outcome.replaced)
+            over = self._store.over_bytes()
+            if over:
+                log.warning("relay_over_max_bytes", relay_id=self.relay_id, over_bytes=over, max_bytes=self.max_bytes,
+                            runs=self._store.runs(),
+                            fix="every live run keeps its newest version; raise max_bytes or run fewer runs")
         else:
             log.info("relay_version_ignored", relay_id=self.relay_id, policy_version=version.policy_version,
                      newest=outcome.newest, reason="stale" if outcome.stale else "duplicate")
@@ -343,8 +361,8 @@ class RelayServer:
         if handler is None:
             return _error(f"unknown op {op!r}; this relay serves {', '.join(protocol.OPS)}"), b""
         run = header.get("run", "")
-        if op != protocol.OP_STATS and run != self._store.run:  # versions of another run are never served
-            return _no_version(op, run, self._store.run), b""
+        if not isinstance(run, str):
+            return _error(f"op {op!r}: run={run!r} is not a string"), b""
         try:
             return handler(header)
         except RelayError as exc:
@@ -357,10 +375,11 @@ class RelayServer:
         version = _require_version(header)
         held = self._store.get(version, header.get("run", ""))
         if held is None:
-            versions, _ = self._store.summary()
+            versions, _ = self._store.summary(header.get("run", ""))
             raise RelayError(
-                f"relay {self.relay_id} does not hold policy_version {version} (holds {versions}, keeps the "
-                f"newest {self.keep_versions}); fetch the latest version instead"
+                f"relay {self.relay_id} does not hold policy_version {version} (holds {versions} of run "
+                f"{header.get('run', '')!r}, keeps the newest "
+                f"{self.keep_versions} per run); fetch the latest version instead"
             )
         return held
 
@@ -386,7 +405,12 @@ class RelayServer:
         newest = self._store.newest(header.get("run", ""))
         return {"ok": True, "policy_version": None if newest is None else newest.policy_version}, b""
 
+    def _log_evicted(self, evicted: list[tuple[str, int, str]]) -> None:
+        for run, number, why in evicted:
+            log.info("relay_version_evicted", relay_id=self.relay_id, run=run, policy_version=number, reason=why)
+
     def _op_stats(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        self._log_evicted(self._store.sweep())
         versions, bytes_held = self._store.summary()
         c = self._forwarder.counters
         with c.lock:
@@ -397,7 +421,9 @@ class RelayServer:
             receiving = sorted([v.policy_version, len(v.digests), v.n_chunks] for v in self._receiving)
         return {"ok": True, "relay_id": self.relay_id, "run": self._store.run, "versions": versions,
                 "bytes_held": bytes_held, "completed_at": completed, "puts_rejected": self._puts_rejected,
-                "receiving": receiving, **forwards}, b""
+                "receiving": receiving, "runs": self._store.runs(), "max_bytes": self.max_bytes,
+                "idle_evict_s": self.idle_evict_s, "evicted": [list(e) for e in self._store.evicted],
+                **forwards}, b""
 
 
 def _require_version(header: dict[str, Any]) -> int:
@@ -407,10 +433,13 @@ def _require_version(header: dict[str, Any]) -> int:
     return version
 
 
-def _no_version(op: str, run: str, held: str) -> dict[str, Any]:
-    if op == protocol.OP_GET:
-        return _error(f"relay holds versions of run {held!r}, not of run {run!r}")
-    return {"ok": True, "policy_version": None, "digest": None}
+def _half_of(path: str) -> int:
+    """Half the size of the file system under `path` (the default bound on held bytes); 0 if unknown."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_blocks * st.f_frsize // 2
 
 
 def _error(message: str) -> dict[str, Any]:

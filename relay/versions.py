@@ -1,4 +1,8 @@
-"""The versions a relay holds: the newest `keep_versions` complete policy versions, in shared memory.
+"""The versions a relay holds: per run, the newest `keep_versions` complete policy versions, in shared memory.
+
+Several runs share one worker set, so a relay holds versions keyed by (run, policy_version). Memory is
+bounded per run (`keep_versions`) and in total (`max_bytes`); a run with no get or put for `idle_evict_s`
+is finished (or gone) as far as the relay knows, and its versions are dropped.
 
 A `Version` starts receiving when a put's header arrives; its chunks land in its segment in order and
 the forwarder may send chunk i downstream as soon as it is there. Only after the last chunk and the
@@ -11,7 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from laminar.errors import RelayError
 from relay.segments import Segment
@@ -107,79 +111,182 @@ class PutOutcome:
     newest: int | None
     replaced: bool = False  # same policy_version, new bytes (a restarted trainer re-published it)
     stale: bool = False  # older than the newest held: not stored
+    evicted: list[tuple[str, int, str]] = field(default_factory=list)  # (run, policy_version, why) let go
+
+
+@dataclass
+class _Run:
+    versions: OrderedDict[int, Version] = field(default_factory=OrderedDict)  # oldest first
+    last_used: float = 0.0  # clock() at its last get or put
+
+
+EVICTED_LOG = 32  # evictions kept for the relay's stats
 
 
 class VersionStore:
-    """The newest `keep_versions` complete versions, oldest first; thread-safe.
+    """Per run, the newest `keep_versions` complete versions, oldest first; thread-safe.
 
-    A held version it drops (evicted, replaced, or of another run) goes to `retire` (the relay's
-    SparePool, which reuses or unlinks its segment); a version it never stored (stale, or the same bytes
-    again, which the forwarder may still be sending) is unlinked.
+    max_bytes: bound on the bytes held across all runs (0: none). When a put takes the total past it, the
+    least recently used run's oldest versions go first; a run's newest version goes only once the run is
+    idle (no get or put for `idle_evict_s`, below): a run always keeps its newest while it is live, even if
+    that leaves the store over the bound (the relay logs it; `over_bytes()` says by how much).
+    idle_evict_s: a run with no get or put for this long is dropped whole at the next put or `sweep()`
+    (the relay cannot see a run end; a finished run stops asking). 0 disables idle eviction.
+    clock: monotonic seconds (injected by tests).
+
+    A held version it drops (evicted, replaced, idle) goes to `retire` (the relay's SparePool, which
+    reuses or unlinks its segment); a version it never stored (stale, or the same bytes again, which the
+    forwarder may still be sending) is unlinked.
     """
 
-    def __init__(self, keep_versions: int, retire: Callable[[Segment], object] = Segment.unlink) -> None:
+    def __init__(self, keep_versions: int, retire: Callable[[Segment], object] = Segment.unlink, *,
+                 max_bytes: int = 0, idle_evict_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if keep_versions < 1:
+            raise RelayError(f"keep_versions={keep_versions} must be at least 1 (the newest version)")
+        if max_bytes < 0:
+            raise RelayError(f"max_bytes={max_bytes} must be 0 (no bound) or a positive byte count")
+        if idle_evict_s < 0:
+            raise RelayError(f"idle_evict_s={idle_evict_s} must be 0 (never) or positive seconds")
         self._keep = keep_versions
         self._retire = retire
+        self._max_bytes = max_bytes
+        self._idle_s = idle_evict_s
+        self._clock = clock
         self._lock = threading.Lock()
-        self._versions: OrderedDict[int, Version] = OrderedDict()
-        self.run = ""  # the run whose versions are held; version numbers are per run
+        self._runs: dict[str, _Run] = {}
+        self.run = ""  # the run of the latest put (shown in stats); every run's versions are held
+        self.evicted: list[tuple[str, int, str]] = []  # the last EVICTED_LOG evictions, oldest first
+
+    # Under self._lock.
+
+    def _idle(self, held: _Run, now: float) -> bool:
+        return self._idle_s > 0 and now - held.last_used >= self._idle_s
+
+    def _bytes(self) -> int:
+        return sum(v.size for r in self._runs.values() for v in r.versions.values())
+
+    def _evict(self, run: str, number: int, why: str, dropped: list[Version], out: list[tuple[str, int, str]]) -> None:
+        held = self._runs[run]
+        dropped.append(held.versions.pop(number))
+        if not held.versions:
+            del self._runs[run]
+        out.append((run, number, why))
+
+    def _sweep_idle(self, now: float, dropped: list[Version], out: list[tuple[str, int, str]]) -> None:
+        for run, held in list(self._runs.items()):
+            if self._idle(held, now):
+                for number in list(held.versions):
+                    self._evict(run, number, "idle", dropped, out)
+
+    def _bound(self, dropped: list[Version], out: list[tuple[str, int, str]]) -> None:
+        """Evict until the total fits max_bytes: versions older than a run's newest, least recently used run first.
+
+        A run's newest version is never evicted for bytes; it goes only with the whole run, when idle.
+        """
+        if not self._max_bytes:
+            return
+        for run in sorted(self._runs, key=lambda r: self._runs[r].last_used):
+            held = self._runs[run].versions
+            while self._bytes() > self._max_bytes and len(held) > 1:
+                self._evict(run, next(iter(held)), "bytes", dropped, out)
+
+    def _log(self, out: list[tuple[str, int, str]]) -> None:
+        self.evicted = (self.evicted + out)[-EVICTED_LOG:]
 
     def put(self, version: Version) -> PutOutcome:
-        """Admit a complete version; a version for another run first drops everything held."""
+        """Admit a complete version of its run; other runs' versions stay unless the bounds need room."""
         dropped: list[Version] = []  # held versions let go
         unstored: list[Version] = []  # this version, when it is not stored
+        out: list[tuple[str, int, str]] = []
         with self._lock:
             try:
-                if version.run != self.run:
-                    dropped.extend(self._versions.values())
-                    self._versions.clear()
-                    self.run = version.run
-                newest = next(reversed(self._versions), None)
+                now = self._clock()
+                self._sweep_idle(now, dropped, out)
+                self.run = version.run
+                held = self._runs.setdefault(version.run, _Run())
+                held.last_used = now
+                versions = held.versions
+                newest = next(reversed(versions), None)
                 if newest is not None and version.policy_version < newest:
                     unstored.append(version)
-                    return PutOutcome(stored=False, newest=newest, stale=True)
+                    return PutOutcome(stored=False, newest=newest, stale=True, evicted=out)
                 if newest is not None and version.policy_version == newest:
-                    held = self._versions[newest]
-                    if held.digest != version.digest:
+                    old = versions[newest]
+                    if old.digest != version.digest:
                         # A restarted trainer recomputed this version from its checkpoint (replay need not be
                         # bit-identical): the newest bytes win, so every relay converges.
-                        self._versions[newest] = version
-                        dropped.append(held)
-                        return PutOutcome(stored=True, newest=newest, replaced=True)
+                        versions[newest] = version
+                        dropped.append(old)
+                        self._bound(dropped, out)
+                        return PutOutcome(stored=True, newest=newest, replaced=True, evicted=out)
                     unstored.append(version)  # same bytes again: a re-broadcast
-                    return PutOutcome(stored=False, newest=newest)
-                self._versions[version.policy_version] = version
-                while len(self._versions) > self._keep:
-                    dropped.append(self._versions.popitem(last=False)[1])
-                return PutOutcome(stored=True, newest=version.policy_version)
+                    return PutOutcome(stored=False, newest=newest, evicted=out)
+                versions[version.policy_version] = version
+                while len(versions) > self._keep:
+                    self._evict(version.run, next(iter(versions)), "keep_versions", dropped, [])
+                self._bound(dropped, out)
+                return PutOutcome(stored=True, newest=version.policy_version, evicted=out)
             finally:
+                self._log(out)
                 for old in unstored:
                     old.segment.unlink()
                 for old in dropped:
                     self._retire(old.segment)
 
+    def sweep(self) -> list[tuple[str, int, str]]:
+        """Drop runs idle for idle_evict_s; returns what went, as (run, policy_version, "idle")."""
+        dropped: list[Version] = []
+        out: list[tuple[str, int, str]] = []
+        with self._lock:
+            self._sweep_idle(self._clock(), dropped, out)
+            self._log(out)
+        for old in dropped:
+            self._retire(old.segment)
+        return out
+
     def clear(self) -> None:
         with self._lock:
-            for held in self._versions.values():
-                held.segment.unlink()
-            self._versions.clear()
+            for held in self._runs.values():
+                for version in held.versions.values():
+                    version.segment.unlink()
+            self._runs.clear()
 
-    def newest(self, run: str | None = None) -> Version | None:
+    def newest(self, run: str = "") -> Version | None:
         with self._lock:
-            if run is not None and run != self.run:
+            held = self._runs.get(run)
+            if held is None or not held.versions:
                 return None
-            return self._versions[next(reversed(self._versions))] if self._versions else None
+            held.last_used = self._clock()
+            return held.versions[next(reversed(held.versions))]
 
-    def get(self, policy_version: int, run: str | None = None) -> Version | None:
+    def get(self, policy_version: int, run: str = "") -> Version | None:
         with self._lock:
-            if run is not None and run != self.run:
+            held = self._runs.get(run)
+            if held is None:
                 return None
-            return self._versions.get(policy_version)
+            held.last_used = self._clock()
+            return held.versions.get(policy_version)
 
-    def summary(self) -> tuple[list[int], int]:
+    def summary(self, run: str | None = None) -> tuple[list[int], int]:
+        """(versions of `run`, or of the latest put's run, oldest first; bytes held across all runs)."""
         with self._lock:
-            return list(self._versions), sum(v.size for v in self._versions.values())
+            held = self._runs.get(self.run if run is None else run)
+            return (list(held.versions) if held else []), self._bytes()
 
-    def completed_at(self) -> dict[int, float | None]:
+    def runs(self) -> dict[str, dict[str, object]]:
+        """Per run: versions held, their bytes, seconds since its last get or put."""
         with self._lock:
-            return {n: v.completed_at for n, v in self._versions.items()}
+            now = self._clock()
+            return {run: {"versions": list(h.versions), "bytes": sum(v.size for v in h.versions.values()),
+                          "idle_s": round(now - h.last_used, 3)} for run, h in self._runs.items()}
+
+    def over_bytes(self) -> int:
+        """Bytes held beyond max_bytes (live runs' newest versions are never evicted); 0 when within."""
+        with self._lock:
+            return max(0, self._bytes() - self._max_bytes) if self._max_bytes else 0
+
+    def completed_at(self, run: str | None = None) -> dict[int, float | None]:
+        with self._lock:
+            held = self._runs.get(self.run if run is None else run)
+            return {n: v.completed_at for n, v in held.versions.items()} if held else {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import OrderedDict
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,6 +51,7 @@ from storage.trajectories import TrajectoryStore
 
 log = get_logger(__name__)
 
+PUBLISHED_RUNS_KEPT = 4  # runs whose last published version this process keeps to republish (one payload each)
 PROFILE_EVERY_S = 5.0  # how often the trainer writes its time breakdown to the store (and at the last step)
 
 
@@ -69,6 +71,9 @@ class TrainerService:
         self.last_step_end: float | None = None
         self.profile = TimeBreakdown()  # where this process's time goes (laminar.timing)
         self._profile_written = self.profile.started
+        # run_id -> (step, policy_version, payload) of its last publish, least recently published first: one worker
+        # set serves several runs, and a run's version may need publishing again after this process moved on
+        self._published: OrderedDict[str, tuple[int, int, bytes]] = OrderedDict()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -84,6 +89,10 @@ class TrainerService:
         between versions (stream, mid-batch). A barrier mode needs this: it waits for a version the replicas
         load, and a master relay that died with it would otherwise leave no one to publish it."""
         if self.run_id != inp.run_id or self.step != inp.step or not publishes(self.policy, self.step):
+            kept = self._published.get(inp.run_id)
+            if kept is not None and kept[0] == inp.step:  # this process moved on to another run: push what it kept
+                self._push(inp.relay_chain, inp.run_id, kept[1], kept[2])
+                return kept[1]
             log.info("republish_skipped", run_id=inp.run_id, step=inp.step, trainer_step=self.step)
             return -1
         self._publish(inp.relay_chain)
@@ -263,26 +272,35 @@ class TrainerService:
     def _publish(self, chain: list[str]) -> tuple[float, bytes]:
         """Push the current version to the first relay of the chain that accepts it (a dead master is
         skipped); returns (trainer stall seconds, payload)."""
-        assert self.trainer is not None
+        assert self.trainer is not None and self.run_id is not None
         payload = state_dict_to_bytes(self.trainer.policy_state_dict())
+        self._published[self.run_id] = (self.step, self._version(), payload)
+        self._published.move_to_end(self.run_id)
+        while len(self._published) > PUBLISHED_RUNS_KEPT:
+            self._published.popitem(last=False)
+        stall = self._push(chain, self.run_id, self._version(), payload)
+        return (0.0 if stall is None else stall + self.trainer.push_stall(self.policy.global_sync)), payload
+
+    def _push(self, chain: list[str], run_id: str, version: int, payload: bytes) -> float | None:
+        """Push one version of a run to the first relay of the chain that accepts it (a dead master is
+        skipped); the trainer's stall in seconds, None when no relay took it."""
         if not chain:
-            log.warning("publish_skipped", reason="no relays joined", policy_version=self._version())
-            return 0.0, payload
+            log.warning("publish_skipped", reason="no relays joined", run_id=run_id, policy_version=version)
+            return None
         for i, addr in enumerate(chain):  # a dead master is skipped: the next relay becomes master
             try:
-                stall = relay_client.push(addr, self._version(), payload, chain[i + 1:], run=self.run_id or "",
-                                         token=self.relay_token) + self.trainer.push_stall(self.policy.global_sync)
-                log.info("weights_published", policy_version=self._version(), bytes=len(payload),
+                stall = relay_client.push(addr, version, payload, chain[i + 1:], run=run_id, token=self.relay_token)
+                log.info("weights_published", run_id=run_id, policy_version=version, bytes=len(payload),
                          stall_s=round(stall, 4))
-                return stall, payload
+                return stall
             except RelayError as e:
                 log.warning("relay_push_failed", address=addr, error=str(e))
         # Never fail the step for it: the chain in this input may be stale (a relay restarted on a new port,
         # and a retry would carry the same stale chain forever). Replicas keep generating on the version they
         # hold, and the next step publishes to the chain the workflow knows then.
-        log.warning("publish_skipped", reason="no relay in the chain accepted", chain=chain,
-                    policy_version=self._version())
-        return 0.0, payload
+        log.warning("publish_skipped", reason="no relay in the chain accepted", chain=chain, run_id=run_id,
+                    policy_version=version)
+        return None
 
     def _write_metrics(self, m: StepMetrics, trajectories: list[Trajectory], **timing: float | None) -> None:
         assert self.run_id is not None

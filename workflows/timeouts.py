@@ -44,6 +44,9 @@ DRAIN = timedelta(seconds=120)
 REPUBLISH_ATTEMPT = timedelta(seconds=60)
 REPUBLISH_IN_ALL = timedelta(seconds=120)
 REPUBLISH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
+# A replica's "no relay holds a version of this run" within this long of a publish may predate the publish
+# (replicas waiting for weights poll every 0.5 s and claim every 1 s): acted on only after it.
+VERSION_MISSING_GRACE_S = 5.0
 
 # -- RecoveryDrillWorkflow -----------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
         ClaimPromptsInput,
         ClaimPromptsResult,
         RelayInfo,
+        ReplicaReport,
         RepublishInput,
         RolloutReplicaInput,
         RunRelayInput,
@@ -68,6 +69,7 @@ class TrainingRunWorkflow:
         self._rejoined_relays: set[str] = set()  # relays that joined in this segment
         self._training = False  # a train_step activity is in flight
         self._republish_wanted = False  # the chain changed: push the current version again (see _republish)
+        self._version_pushed_at = workflow.time()  # the last publish or republish (see _note_version_missing)
         self._search_upserted: tuple[str, float] = ("", 0.0)  # (phase, workflow time) of the last upsert
         try:
             self._cfg, state = _parse_input(inp)
@@ -118,7 +120,7 @@ class TrainingRunWorkflow:
             await self._train_one_step()
         finally:
             self._training = False
-        self.state.last_step_at = workflow.time()
+        self.state.last_step_at = self._version_pushed_at = workflow.time()
         self._upsert_search_attributes()
 
     def _upsert_search_attributes(self) -> None:
@@ -245,6 +247,7 @@ class TrainingRunWorkflow:
             _fail_run_if_permanent(e, names.INIT_TRAINER)
             raise
         self.state.step, self.state.policy_version, self.state.trainer_ready = res.step, res.policy_version, True
+        self._version_pushed_at = workflow.time()
 
     async def _republish(self) -> None:
         """A relay joined the chain or left it: have the trainer push its current version again. In a barrier
@@ -266,6 +269,20 @@ class TrainingRunWorkflow:
             )
         except ActivityError as e:
             workflow.logger.warning("republish_failed", extra={"error": str(e)})
+        self._version_pushed_at = workflow.time()
+
+    def _note_version_missing(self, report: ReplicaReport) -> None:
+        """A replica needs a version and no relay holds any of this run's (a relay dropped it, or every relay
+        restarted while the trainer served another run): push it again, as for a chain change. Replicas poll
+        every 0.5 s, so a report within VERSION_MISSING_GRACE_S of a push may predate it and is not acted on.
+        No patch: only replicas of this code set version_missing, so no recorded history takes this branch."""
+        if (not report.version_missing or not self.state.trainer_ready or self._republish_wanted
+                or workflow.time() - self._version_pushed_at < timeouts.VERSION_MISSING_GRACE_S):
+            return
+        self._republish_wanted = True
+        self.ledger.note_event("version_missing", report.replica_id, workflow.time())
+        workflow.logger.warning("version_missing", extra={"replica_id": report.replica_id,
+                                                          "policy_version": self.state.policy_version})
 
     def _hints(self, replica_id: str) -> dict[str, Any]:
         """What every answer to a replica carries besides its own result: its repack part and whether the
@@ -389,6 +406,7 @@ class TrainingRunWorkflow:
         self._updates += 1
         replica_id = inp.report.replica_id
         self.ledger.note_report(inp.report)
+        self._note_version_missing(inp.report)
         resume_ok: list[str] = []
         if inp.first_claim:
             self.migrations.forget(replica_id)

@@ -276,6 +276,7 @@ class RolloutReplica:
             policy_version=-1 if version is None else int(version),
             in_flight=self.engine.in_flight(), kv_used=used, kv_capacity=capacity,
             kv_prev=self.counters.kv_reported, waiting=len(self.batch.pending),
+            version_missing=self.weights.version_missing(),
         )
         if advance:
             self.counters.kv_reported = used

@@ -31,6 +31,7 @@ class Weights:
         self.newest_known = -1  # the newest version the workflow announced (claims answer with it)
         self.hold_version = -1  # a migration to this replica is on its way: do not load past this version
         self.last_poll = 0.0
+        self.none_held = False  # the last poll reached a relay and no relay held any version of this run
 
     def refresh(self, now: float, pending: list[Lease], timing: ReplicaTiming, profile: TimeBreakdown) -> None:
         """Poll the relay when due, then load (or interrupt and load) what the run mode says."""
@@ -57,15 +58,24 @@ class Weights:
     def poll(self) -> None:
         """Newest version at the first relay that holds one (own host first; an empty, just restarted
         relay serves nothing until it has caught up)."""
+        reached = False
         for addr in self.relay_order():
             try:
                 version = relay_client.latest_version(addr, run=self.run_id, token=self.relay_token)
             except RelayError as e:
                 log.warning("relay_poll_failed", replica_id=self.replica_id, address=addr, error=str(e))
                 continue
+            reached = True
             if version is not None:
-                self.newest_at_relay = version
+                self.newest_at_relay, self.none_held = version, False
                 return
+        self.none_held = reached
+
+    def version_missing(self) -> bool:
+        """It needs a version (holds none, or the workflow announced a newer one) and no relay it reached holds
+        any version of its run (evicted, or every relay restarted): the workflow has it published again."""
+        current = self.engine.policy_version
+        return self.none_held and (current is None or self.newest_known > current)
 
     def newer_available(self) -> bool:
         current = self.engine.policy_version

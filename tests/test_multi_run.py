@@ -1,0 +1,167 @@
+"""Several runs on one worker set: `laminar workers` started once, as a real process, and three runs of the
+default example started on it with `laminar start`, against the session's Temporal dev server (in a namespace of
+their own, so no other test's workers serve them) and the S3 dev server.
+
+Before relays held versions per run, the second run's version 0 evicted the first run's from every relay and the
+first run's replicas waited for weights forever. Here every run finishes with none lost and none consumed twice,
+and each run's replicas waited for weights only seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import uuid
+from datetime import timedelta
+
+from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
+from temporalio.client import Client
+
+from laminar.converter import DATA_CONVERTER
+from laminar.messages import RunStatus, workflow_id_for
+from storage import keys
+from storage.objects import S3ObjectStore
+from tests.fixtures.s3 import create_bucket, stop_process
+from tests.fixtures.stack import TEST_OVERRIDES
+from tests.fixtures.temporal import temporal_address
+from tests.fixtures.waiting import async_wait_until
+
+LAMINAR = [sys.executable, "-m", "workers.cli"]
+RUNS = 3
+STEPS = 6
+RUN_TIMEOUT_S = 600  # three runs on one trainer and 4 rollout slots, on a busy 2-core machine
+# The default example's workers: rollout.replicas=2 on relay.relays=2 hosts, one replica each plus one spare slot
+# (workers/run_command.py), so 4 rollout slots for 3 runs asking 2 each: two run at once, the third when slots free.
+WAIT_WEIGHTS_MAX_S = 10.0  # "a few seconds": replicas waiting for weights poll the relays every 0.5 s
+
+
+async def _namespace(client: Client) -> str:
+    name = f"multi-{uuid.uuid4().hex[:8]}"
+    await client.workflow_service.register_namespace(RegisterNamespaceRequest(
+        namespace=name, workflow_execution_retention_period=timedelta(days=1)))
+    return name
+
+
+def _wait_weights_s(store: S3ObjectStore, run_id: str) -> dict[str, float]:
+    """Per rollout replica incarnation: seconds it sat idle waiting for weights (laminar.timing's wait_weights)."""
+    out = {}
+    for key in store.list(keys.profile_prefix(run_id, "rollout")):
+        buckets = json.loads(store.get(key))["buckets"]
+        out[key.rsplit("/", 1)[-1]] = buckets.get("wait_weights", {}).get("s", 0.0)
+    return out
+
+
+async def test_three_runs_share_one_worker_set(temporal_env, moto_server, tmp_path):
+    namespace = await _namespace(temporal_env.client)
+    bucket = create_bucket(moto_server)
+    env = {**os.environ, "LAMINAR_HOME": str(tmp_path / "home"),
+           "LAMINAR_TEMPORAL_ADDRESS": temporal_address(temporal_env.client), "LAMINAR_NAMESPACE": namespace,
+           "LAMINAR_STORE": f"s3://{bucket}", "LAMINAR_S3_ENDPOINT": moto_server, "LAMINAR_LOG_LEVEL": "info"}
+    overrides = [f"--{o}" for o in TEST_OVERRIDES if not o.startswith("run.steps")]
+    client = await Client.connect(temporal_address(temporal_env.client), namespace=namespace,
+                                  data_converter=DATA_CONVERTER)
+    log_path = tmp_path / "workers.log"
+    with open(log_path, "wb") as log:
+        workers = subprocess.Popen([*LAMINAR, "workers", "examples/tiny.toml", *overrides], env=env, stdout=log,
+                                   stderr=subprocess.STDOUT)
+    try:
+        run_ids = [f"t-multi-{uuid.uuid4().hex[:6]}-{i}" for i in range(RUNS)]
+        for run_id in run_ids:
+            started = await asyncio.to_thread(
+                subprocess.run, [*LAMINAR, "start", "examples/tiny.toml", "--steps", str(STEPS), "--run-id", run_id,
+                                 *overrides], env=env, capture_output=True, text=True, timeout=120)
+            assert started.returncode == 0, started.stdout + started.stderr
+        handles = [client.get_workflow_handle(workflow_id_for(r), result_type=RunStatus) for r in run_ids]
+        finals: list[RunStatus] = await asyncio.wait_for(
+            asyncio.gather(*(h.result(rpc_timeout=None) for h in handles)), RUN_TIMEOUT_S)
+        store = S3ObjectStore(bucket, endpoint_url=moto_server)
+        waits = {}
+        for run_id, final in zip(run_ids, finals, strict=True):
+            assert final.phase == "finished" and final.step == STEPS, (run_id, final.phase, final.step)
+            # groups_per_step=2: 6 steps consume 12 groups; every group generated is consumed or still ready
+            assert final.groups_consumed == STEPS * 2 and final.groups_consumed_twice == 0
+            assert final.groups_generated == final.groups_consumed + final.ready_groups  # none lost
+            # No replica ever found its run's version gone from every relay (so none needed a republish): with one
+            # version store per relay, the runs' versions evicted each other and a run's replicas
+            # reported version_missing, then waited ~4.5 s for the republish (measured with that store).
+            assert not [k for k in final.event_times if k.startswith("version_missing/")], final.event_times
+            # the replicas write their profiles as they return, after the run's result
+            waits[run_id] = await async_wait_until(lambda r=run_id: _wait_weights_s(store, r), 60,
+                                                   f"{run_id}'s rollout profiles", interval_s=1.0)
+        print("wait_weights_s", json.dumps(waits))
+        for run_id, per_replica in waits.items():
+            assert max(per_replica.values()) < WAIT_WEIGHTS_MAX_S, (run_id, per_replica)
+    finally:
+        stop_process(workers, timeout_s=60)  # SIGTERM: `laminar workers` stops its own processes
+        print(log_path.read_text(errors="replace")[-3000:])
+
+
+def test_trainer_republishes_a_run_it_has_moved_away_from(tmp_path):
+    # One trainer process serves several runs in turn. After a step of run "s", run "r"'s version is gone from a
+    # relay (a new one here): the republish pushes the version the trainer kept for "r" (it used to skip, -1).
+    from dataclasses import replace
+
+    from laminar.messages import RepublishInput
+    from relay import client as relay_client
+    from relay.server import RelayServer
+    from services.trainer import TrainerService
+    from storage.objects import LocalObjectStore
+    from storage.trajectories import TrajectoryStore
+    from tests.test_modelled import _batch, _input
+
+    store = LocalObjectStore(tmp_path / "store")
+    trajs = TrajectoryStore(store)
+    (tmp_path / "shm").mkdir()
+    old, new = RelayServer("host-0", shm_dir=str(tmp_path / "shm")), RelayServer("host-1", shm_dir=str(tmp_path / "shm"))
+    old_addr, new_addr = old.start(), new.start()
+    try:
+        svc = TrainerService(store, tmp_path / "home")
+        svc.train_step(_input(0, _batch(trajs, 0), [old_addr]))  # run r: step 1, version 1
+        svc.train_step(replace(_input(0, _batch(trajs, 10), [old_addr]), run_id="s"))  # run s from scratch: step 1
+        assert svc.run_id == "s"
+        # both runs' version 1 side by side on the relay that took the pushes
+        assert relay_client.latest_version(old_addr, run="r") == 1 and relay_client.latest_version(old_addr, run="s") == 1
+        assert relay_client.fetch_latest(new_addr, run="r") == (None, None)
+        assert svc.republish(RepublishInput(run_id="r", step=1, relay_chain=[new_addr])) == 1
+        assert relay_client.fetch_latest(new_addr, run="r")[1] == relay_client.fetch_latest(old_addr, run="r")[1]
+        assert svc.republish(RepublishInput(run_id="r", step=2, relay_chain=[new_addr])) == -1  # not at that step
+        assert svc.republish(RepublishInput(run_id="t", step=1, relay_chain=[new_addr])) == -1  # never published
+    finally:
+        old.stop()
+        new.stop()
+
+
+def test_replica_reports_its_version_missing_only_when_no_relay_holds_one(tmp_path):
+    # A replica that needs weights (none loaded) and whose poll reaches a relay holding nothing of its run reports
+    # version_missing; once a relay holds a version of its run (another run's do not count), it does not.
+    from laminar import metrics as prom
+    from laminar.messages import RelayInfo
+    from laminar.policy import policy_for
+    from relay import client as relay_client
+    from relay.server import RelayServer
+    from rl.modelled import ModelledEngine
+    from services.rollout.batch import Counters
+    from services.rollout.weights import Weights
+    from tests.test_modelled import SERVICE_CFG
+
+    (tmp_path / "shm").mkdir()
+    relays = [RelayServer(f"host-{i}", shm_dir=str(tmp_path / "shm")) for i in range(2)]
+    addrs = [r.start() for r in relays]
+    try:
+        engine = ModelledEngine(SERVICE_CFG, max_inflight_seqs=4, global_sync=False, sleep=lambda s: None)
+        weights = Weights(engine, policy_for(SERVICE_CFG), "r", "replica-0", "host-0", None, Counters(),
+                          prom.ReplicaMetrics.of("replica-0"))
+        weights.relays = [RelayInfo(f"host-{i}", f"host-{i}", a) for i, a in enumerate(addrs)]
+        assert not weights.version_missing()  # never polled: nothing known yet
+        relay_client.push(addrs[0], 0, b"\0" * 64, chain=[], run="other")  # another run's version 0
+        weights.poll()
+        assert weights.none_held and weights.version_missing()
+        relay_client.push(addrs[1], 0, b"\0" * 64, chain=[], run="r")  # on the second relay only
+        weights.poll()
+        assert weights.newest_at_relay == 0 and not weights.version_missing()
+    finally:
+        for r in relays:
+            r.stop()
