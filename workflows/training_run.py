@@ -18,7 +18,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from temporalio.converter import value_to_type
 
-    from laminar import names, search
+    from laminar import names, search, watchdog
     from laminar.config import RunConfig
     from laminar.errors import ConfigError
     from laminar.messages import (
@@ -245,6 +245,7 @@ class TrainingRunWorkflow:
             _fail_run_if_permanent(e, names.INIT_TRAINER)
             raise
         self.state.step, self.state.policy_version, self.state.trainer_ready = res.step, res.policy_version, True
+        self.state.trainer_ready_at = workflow.time()
 
     async def _republish(self) -> None:
         """A relay joined the chain or left it: have the trainer push its current version again. In a barrier
@@ -290,6 +291,7 @@ class TrainingRunWorkflow:
         await workflow.wait_condition(lambda: self.state.stopping or self._has_batch() or self._segment_full()
                                       or self._failed_replica() is not None or self._republish_wanted)
         self.state.trainer_wait_s += workflow.time() - t0
+        self._watch()
         self._fail_if_a_replica_failed()
         return not self.state.stopping
 
@@ -388,7 +390,8 @@ class TrainingRunWorkflow:
         assert self._cfg is not None and self._policy is not None
         self._updates += 1
         replica_id = inp.report.replica_id
-        self.ledger.note_report(inp.report)
+        self.ledger.note_report(inp.report, at=workflow.time())
+        self._watch()
         resume_ok: list[str] = []
         if inp.first_claim:
             self.migrations.forget(replica_id)
@@ -432,7 +435,8 @@ class TrainingRunWorkflow:
     @workflow.update(name=names.ADD_EXPERIENCE)
     def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
         self._updates += 1
-        self.ledger.note_report(inp.report)
+        self.ledger.note_report(inp.report, at=workflow.time())
+        self._watch()
         accepted, duplicates = self.ledger.add_segment(
             inp.segment, inp.report.replica_id, workflow.time(), inp.tokens_regenerated, inp.reprefill_tokens
         )
@@ -481,7 +485,26 @@ class TrainingRunWorkflow:
             total_steps=self._cfg.run.steps if self._cfg else 0,
             history_events=workflow.info().get_current_history_length(),
             training=self._training,
+            **self._watchdog_facts(),
         )
+
+    def _watchdog_facts(self) -> dict[str, Any]:
+        if self._cfg is None:
+            return {}
+        return {"stall_warn_s": self._cfg.run.stall_warn_s, "replicas_wanted": self._cfg.rollout.replicas,
+                "has_batch": self._has_batch()}
+
+    def _watch(self) -> None:
+        """The watchdog (laminar/watchdog.py), at workflow time, in a workflow task the run has anyway (no timer
+        of its own): a stall that starts appends one `stall` run event naming what the run waits for."""
+        if self._cfg is None:
+            return
+        d = watchdog.diagnose(watchdog.facts_of_status(self.status(), workflow.time()))
+        waits_for = d[0] if d is not None else ""
+        if waits_for and waits_for != self.state.stall:
+            self.ledger.note_event("stall", waits_for, workflow.time())
+            workflow.logger.warning("stall", extra={"waits_for": waits_for, "reason": d[1] if d else ""})
+        self.state.stall = waits_for
 
     def _phase(self) -> str:
         if self._error is not None:
