@@ -69,6 +69,7 @@ class TrainingRunWorkflow:
         self._training = False  # a train_step activity is in flight
         self._republish_wanted = False  # the chain changed: push the current version again (see _republish)
         self._search_upserted: tuple[str, float] = ("", 0.0)  # (phase, workflow time) of the last upsert
+        self._watchdog_task: Any = None  # _watchdog's timer loop (patch `watchdog`)
         try:
             self._cfg, state = _parse_input(inp)
             self._policy = policy_for(self._cfg)
@@ -93,6 +94,8 @@ class TrainingRunWorkflow:
         if not self.state.trainer_ready:
             await self._init_trainer()
         self._start_replicas()
+        if workflow.patched("watchdog"):
+            self._watchdog_task = asyncio.create_task(self._watchdog())
         self._upsert_search_attributes()
         while self.state.step < self._cfg.run.steps and not self.state.stopping:
             if self._should_continue_as_new():
@@ -494,9 +497,22 @@ class TrainingRunWorkflow:
         return {"stall_warn_s": self._cfg.run.stall_warn_s, "replicas_wanted": self._cfg.rollout.replicas,
                 "has_batch": self._has_batch()}
 
+    async def _watchdog(self) -> None:
+        """Look every run.stall_warn_s / 2 even while nothing reaches the workflow (every worker silent): a timer
+        is the only thing that wakes a run that waits on processes that are gone or stopped."""
+        assert self._cfg is not None
+        tick = timedelta(seconds=self._cfg.run.stall_warn_s / 2)
+        while not self._closing:
+            try:
+                await workflow.sleep(tick)
+            except asyncio.CancelledError:
+                return
+            self._watch()
+
     def _watch(self) -> None:
-        """The watchdog (laminar/watchdog.py), at workflow time, in a workflow task the run has anyway (no timer
-        of its own): a stall that starts appends one `stall` run event naming what the run waits for."""
+        """The watchdog (laminar/watchdog.py), at workflow time: after every replica report, every wake of the
+        main loop and every _watchdog tick. A stall that starts appends one `stall` run event naming what the run
+        waits for (a change of what it waits for is a new one)."""
         if self._cfg is None:
             return
         d = watchdog.diagnose(watchdog.facts_of_status(self.status(), workflow.time()))
@@ -544,7 +560,8 @@ class TrainingRunWorkflow:
         except TimeoutError:
             workflow.logger.warning("replicas_drain_timed_out")
         self._closing = True
-        for task in list(self._replicas.values()) + list(self._relay_tasks.values()):
+        watchdog_task = [self._watchdog_task] if self._watchdog_task is not None else []
+        for task in list(self._replicas.values()) + list(self._relay_tasks.values()) + watchdog_task:
             if not task.done():
                 task.cancel()
         await workflow.wait_condition(lambda: all(t.done() for t in self._relay_tasks.values()))
