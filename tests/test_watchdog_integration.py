@@ -57,10 +57,18 @@ async def test_a_starved_run_shows_what_it_waits_for_and_clears_when_fed(stack):
         st, line, seen_at = await async_wait_until(stalled, RUN_TIMEOUT_S, "the watchdog's line", interval_s=0.2)
         # silent since the later of: the replicas stopping, the last step (on groups already complete)
         silent_from = max(stopped_at, st.last_step_at or 0.0)
+        print(f"watchdog line after {seen_at - silent_from:.2f}s of silence (step {st.step}): {line}")
         assert line.startswith("waits for replicas: "), line
         assert f"0 of {cfg.rollout.replicas} replicas reported in the last {WARN_S:g}s" in line
         assert seen_at - silent_from <= WARN_S + SLACK_S, (seen_at, silent_from, line)
         assert st.phase == "running" and st.step < cfg.run.steps
+        # the workflow notices it too, at its next watchdog tick (every stall_warn_s / 2): one `stall` event
+        async def noticed() -> RunStatus | None:
+            st = await status()
+            return st if any(e.kind == "stall" and e.subject == "replicas" for e in st.events) else None
+
+        st = await async_wait_until(noticed, WARN_S / 2 + SLACK_S, "the workflow's stall event", interval_s=0.2)
+        print(f"stall event after {time.time() - silent_from:.2f}s of silence")
         # the real command prints it too (the table wraps long cells, so compare without whitespace)
         env = {**os.environ, "LAMINAR_HOME": str(stack.home), "LAMINAR_TEMPORAL_ADDRESS": stack.settings.temporal_address,
                "LAMINAR_STORE": stack.settings.store_url, "PYTHONPATH": os.getcwd(), "COLUMNS": "300"}
@@ -84,6 +92,7 @@ async def test_a_starved_run_shows_what_it_waits_for_and_clears_when_fed(stack):
     assert groups_lost(final) == 0 and final.groups_consumed_twice == 0
     # the workflow noticed the stall itself (one `stall` event per stall: the subject names what it waited for)
     stalls = [e for e in final.events if e.kind == "stall"]
+    print(f"stall events: {stalls}; resumed to finished: step {final.step}, lost {groups_lost(final)}")
     assert any(e.subject == "replicas" for e in stalls), final.events
 
 

@@ -294,7 +294,6 @@ class TrainingRunWorkflow:
         await workflow.wait_condition(lambda: self.state.stopping or self._has_batch() or self._segment_full()
                                       or self._failed_replica() is not None or self._republish_wanted)
         self.state.trainer_wait_s += workflow.time() - t0
-        self._watch()
         self._fail_if_a_replica_failed()
         return not self.state.stopping
 
@@ -394,7 +393,6 @@ class TrainingRunWorkflow:
         self._updates += 1
         replica_id = inp.report.replica_id
         self.ledger.note_report(inp.report, at=workflow.time())
-        self._watch()
         resume_ok: list[str] = []
         if inp.first_claim:
             self.migrations.forget(replica_id)
@@ -439,7 +437,6 @@ class TrainingRunWorkflow:
     def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
         self._updates += 1
         self.ledger.note_report(inp.report, at=workflow.time())
-        self._watch()
         accepted, duplicates = self.ledger.add_segment(
             inp.segment, inp.report.replica_id, workflow.time(), inp.tokens_regenerated, inp.reprefill_tokens
         )
@@ -510,10 +507,11 @@ class TrainingRunWorkflow:
             self._watch()
 
     def _watch(self) -> None:
-        """The watchdog (laminar/watchdog.py), at workflow time: after every replica report, every wake of the
-        main loop and every _watchdog tick. A stall that starts appends one `stall` run event naming what the run
-        waits for (a change of what it waits for is a new one)."""
-        if self._cfg is None:
+        """The watchdog (laminar/watchdog.py) at a _watchdog tick, in workflow time: a stall that starts appends one
+        `stall` run event naming what the run waits for (a change of what it waits for is a new one). A batch
+        that is there with no step in flight is not looked at: the main loop starts that step in this same
+        workflow task (an update just completed the batch), so it is no wait."""
+        if self._cfg is None or (self._has_batch() and not self._training):
             return
         d = watchdog.diagnose(watchdog.facts_of_status(self.status(), workflow.time()))
         waits_for = d[0] if d is not None else ""
