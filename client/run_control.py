@@ -3,6 +3,7 @@ and examples/ use)."""
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 
 from rich.table import Table
@@ -18,7 +19,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from client.connect import connect, store_for
 from client.settings import Settings
-from laminar import names, search
+from laminar import names, search, watchdog
 from laminar.config import RunConfig
 from laminar.errors import LaminarError
 from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
@@ -163,6 +164,9 @@ def render_status(st: RunStatus) -> Table:
         "relays": ", ".join(f"{r.relay_id}@{r.address}" for r in st.relays) or "-",
         "latest checkpoint": st.checkpoints[-1].step if st.checkpoints else "-",
     }
+    stall = watchdog.stall_line(st, time.time())  # the workflow's `at` times are the server's clock
+    if stall:
+        rows["watchdog"] = stall
     for k, v in rows.items():
         t.add_row(k, str(v))
     return t

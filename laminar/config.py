@@ -61,6 +61,12 @@ class RunSection(_Section):
         description="Continue as new once this many updates were handled in one history segment (count); "
         "the server refuses more than 2000 per run.",
     )
+    stall_warn_s: float = Field(
+        60.0, ge=1.0, le=86_400.0,
+        description="Watchdog: a running run whose trainer took no step for this long, or a replica with no "
+        "policy version for this long, shows what it waits for (weights, groups, replicas, trainer) in "
+        "`laminar status` and gets a `stall` run event (s).",
+    )
 
 
 class ModelSection(_Section):

@@ -333,7 +333,8 @@ class RunEvent:
     group after rejoining), relay_lost, relay_joined, trainer_restored (a step replayed from a checkpoint),
     checkpoint_fallback (subject: the corrupt checkpoint steps; count: the step restored from instead),
     repack_ordered / repack_moved / repack_declined (subject: "<source>-><destination>"; count: trajectories
-    ordered / groups moved / groups sent back to the pool).
+    ordered / groups moved / groups sent back to the pool), stall (subject: what the run waits for, "weights",
+    "groups", "replicas" or "trainer"; laminar/watchdog.py).
     """
 
     kind: str
@@ -394,6 +395,14 @@ class RunStatus:
     # groups_generated + groups_failed + open_leases + returned_leases
     groups_failed: int = 0
     failures: list[FailedGroup] = field(default_factory=list)  # the most recent, last; bounded
+    # the watchdog's facts (laminar/watchdog.py: `laminar status` prints what a silent run waits for)
+    stall_warn_s: float = 0.0  # run.stall_warn_s (0: a status from before the watchdog)
+    last_step_at: float | None = None
+    trainer_ready_at: float | None = None
+    has_batch: bool = False
+    replicas_wanted: int = 0
+    replica_seen: dict[str, float] = field(default_factory=dict)  # replica -> workflow time of its last report
+    unversioned_since: dict[str, float] = field(default_factory=dict)  # replica -> first report at version -1
 
 
 # -- recovery drills ----------------------------------------------------------------------------

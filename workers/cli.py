@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -123,7 +124,9 @@ def status(run_id: str, as_json: bool = typer.Option(False, "--json", help="Prin
     with _exit_codes():
         st = asyncio.run(query_status(Settings.from_env(), run_id))
     if as_json:
-        console.print_json(json.dumps(asdict(st)))
+        from laminar.watchdog import stall_line
+
+        console.print_json(json.dumps({**asdict(st), "watchdog": stall_line(st, time.time())}))
     else:
         console.print(render_status(st))
 

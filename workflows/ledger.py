@@ -15,6 +15,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any
+
 from laminar.config import RunConfig
 from laminar.messages import (
     BatchPart,
@@ -48,8 +50,14 @@ class Ledger:
 
     # -- replicas ----------------------------------------------------------------------------
 
-    def note_report(self, report: ReplicaReport) -> None:
+    def note_report(self, report: ReplicaReport, at: float | None = None) -> None:
         self.state.replicas[report.replica_id] = report
+        if at is not None:  # the watchdog's facts: when it last reported, since when it has no weights
+            self.state.replica_seen[report.replica_id] = at
+            if report.policy_version >= 0:
+                self.state.unversioned_since.pop(report.replica_id, None)
+            else:
+                self.state.unversioned_since.setdefault(report.replica_id, at)
         in_use = self.versions_in_use()
         self.state.max_versions_in_use = max(self.state.max_versions_in_use, len(in_use))
 
@@ -284,7 +292,9 @@ class Ledger:
 
     # -- status ------------------------------------------------------------------------------
 
-    def status(self, phase: str, total_steps: int, history_events: int, training: bool = False) -> RunStatus:
+    def status(self, phase: str, total_steps: int, history_events: int, training: bool = False,
+               **watchdog: Any) -> RunStatus:
+        """`watchdog`: the config's stall_warn_s, replicas_wanted and has_batch (laminar/watchdog.py)."""
         s = self.state
         busy, wait = s.trainer_busy_s, s.trainer_wait_s
         return RunStatus(
@@ -330,4 +340,9 @@ class Ledger:
             migrating=self.migrating(),
             groups_failed=s.groups_failed,
             failures=list(s.failures),
+            last_step_at=s.last_step_at,
+            trainer_ready_at=s.trainer_ready_at,
+            replica_seen=dict(s.replica_seen),
+            unversioned_since=dict(s.unversioned_since),
+            **watchdog,
         )

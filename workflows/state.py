@@ -101,6 +101,11 @@ class RunState:
     repack_overhead_s: float = 0.0
     groups_failed: int = 0  # leases closed as failed (ledger.fail_groups): never ready, never trained
     failures: list[FailedGroup] = field(default_factory=list)  # the most recent RECENT_FAILURES
+    # the watchdog's facts (laminar/watchdog.py), in workflow time
+    trainer_ready_at: float | None = None
+    replica_seen: dict[str, float] = field(default_factory=dict)  # replica -> its last report
+    unversioned_since: dict[str, float] = field(default_factory=dict)  # replica -> first report at version -1
+    stall: str = ""  # what the run waited for when the workflow last looked ("" healthy)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from temporalio.converter import value_to_type
 
-    from laminar import names, search
+    from laminar import names, search, watchdog
     from laminar.config import RunConfig
     from laminar.errors import ConfigError
     from laminar.messages import (
@@ -71,6 +71,7 @@ class TrainingRunWorkflow:
         self._republish_wanted = False  # the chain changed: push the current version again (see _republish)
         self._version_pushed_at = workflow.time()  # the last publish or republish (see _note_version_missing)
         self._search_upserted: tuple[str, float] = ("", 0.0)  # (phase, workflow time) of the last upsert
+        self._watchdog_task: Any = None  # _watchdog's timer loop (patch `watchdog`)
         try:
             self._cfg, state = _parse_input(inp)
             self._policy = policy_for(self._cfg)
@@ -95,6 +96,8 @@ class TrainingRunWorkflow:
         if not self.state.trainer_ready:
             await self._init_trainer()
         self._start_replicas()
+        if workflow.patched("watchdog"):
+            self._watchdog_task = asyncio.create_task(self._watchdog())
         self._upsert_search_attributes()
         while self.state.step < self._cfg.run.steps and not self.state.stopping:
             if self._should_continue_as_new():
@@ -248,6 +251,7 @@ class TrainingRunWorkflow:
             raise
         self.state.step, self.state.policy_version, self.state.trainer_ready = res.step, res.policy_version, True
         self._version_pushed_at = workflow.time()
+        self.state.trainer_ready_at = workflow.time()
 
     async def _republish(self) -> None:
         """A relay joined the chain or left it: have the trainer push its current version again. In a barrier
@@ -405,7 +409,7 @@ class TrainingRunWorkflow:
         assert self._cfg is not None and self._policy is not None
         self._updates += 1
         replica_id = inp.report.replica_id
-        self.ledger.note_report(inp.report)
+        self.ledger.note_report(inp.report, at=workflow.time())
         self._note_version_missing(inp.report)
         resume_ok: list[str] = []
         if inp.first_claim:
@@ -450,7 +454,7 @@ class TrainingRunWorkflow:
     @workflow.update(name=names.ADD_EXPERIENCE)
     def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
         self._updates += 1
-        self.ledger.note_report(inp.report)
+        self.ledger.note_report(inp.report, at=workflow.time())
         accepted, duplicates = self.ledger.add_segment(
             inp.segment, inp.report.replica_id, workflow.time(), inp.tokens_regenerated, inp.reprefill_tokens
         )
@@ -499,7 +503,40 @@ class TrainingRunWorkflow:
             total_steps=self._cfg.run.steps if self._cfg else 0,
             history_events=workflow.info().get_current_history_length(),
             training=self._training,
+            **self._watchdog_facts(),
         )
+
+    def _watchdog_facts(self) -> dict[str, Any]:
+        if self._cfg is None:
+            return {}
+        return {"stall_warn_s": self._cfg.run.stall_warn_s, "replicas_wanted": self._cfg.rollout.replicas,
+                "has_batch": self._has_batch()}
+
+    async def _watchdog(self) -> None:
+        """Look every run.stall_warn_s / 2 even while nothing reaches the workflow (every worker silent): a timer
+        is the only thing that wakes a run that waits on processes that are gone or stopped."""
+        assert self._cfg is not None
+        tick = timedelta(seconds=self._cfg.run.stall_warn_s / 2)
+        while not self._closing:
+            try:
+                await workflow.sleep(tick)
+            except asyncio.CancelledError:
+                return
+            self._watch()
+
+    def _watch(self) -> None:
+        """The watchdog (laminar/watchdog.py) at a _watchdog tick, in workflow time: a stall that starts appends one
+        `stall` run event naming what the run waits for (a change of what it waits for is a new one). A batch
+        that is there with no step in flight is not looked at: the main loop starts that step in this same
+        workflow task (an update just completed the batch), so it is no wait."""
+        if self._cfg is None or (self._has_batch() and not self._training):
+            return
+        d = watchdog.diagnose(watchdog.facts_of_status(self.status(), workflow.time()))
+        waits_for = d[0] if d is not None else ""
+        if waits_for and waits_for != self.state.stall:
+            self.ledger.note_event("stall", waits_for, workflow.time())
+            workflow.logger.warning("stall", extra={"waits_for": waits_for, "reason": d[1] if d else ""})
+        self.state.stall = waits_for
 
     def _phase(self) -> str:
         if self._error is not None:
@@ -539,7 +576,8 @@ class TrainingRunWorkflow:
         except TimeoutError:
             workflow.logger.warning("replicas_drain_timed_out")
         self._closing = True
-        for task in list(self._replicas.values()) + list(self._relay_tasks.values()):
+        watchdog_task = [self._watchdog_task] if self._watchdog_task is not None else []
+        for task in list(self._replicas.values()) + list(self._relay_tasks.values()) + watchdog_task:
             if not task.done():
                 task.cancel()
         await workflow.wait_condition(lambda: all(t.done() for t in self._relay_tasks.values()))

@@ -247,9 +247,22 @@ async def failed_groups(rec: Recorder) -> list[Path]:
     return [rec.write("training_run_failed_groups", h)]
 
 
+async def watchdog(rec: Recorder) -> list[Path]:
+    """A 4-step run with run.stall_warn_s=2: the watchdog's timer (patch `watchdog`) fires every second."""
+    cfg = rec.config("watchdog", "run.steps=4", "run.stall_warn_s=2")
+    handle = await start_workflow(rec.client, cfg)
+    final: RunStatus = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    (h,) = await rec.chain(handle)
+    require(final.phase == "finished", f"{final.phase}")
+    require("watchdog" in patch_ids(h), "no watchdog patch marker")
+    require(count(h, "TIMER_FIRED") >= 1, "no watchdog timer fired")
+    return [rec.write("training_run_watchdog", h)]
+
+
 SCENARIOS: dict[str, Callable[[Recorder], Awaitable[list[Path]]]] = {
     "stream": stream, "repack": repack, "continue_as_new": continue_as_new, "search_attributes": search_attributes,
     "drill_rollout": drill_rollout, "drill_store": drill_store, "failed_groups": failed_groups,
+    "watchdog": watchdog,
 }
 
 
