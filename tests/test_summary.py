@@ -97,10 +97,10 @@ def test_build_summary_from_store(tmp_path: Path) -> None:
     _write_metrics(store, [
         {"step": 3, "reward_mean": 0.75, "tokens": 300, "response_lengths": [9, 1], "loss": 0.1, "samples": 2, "busy_s": 0.5,
          "clip_fraction": 0.3, "is_weight_mean": 1.5, "is_weight_max": 9.0, "is_capped_fraction": 0.1,
-         "kl_behaviour": 0.25},
+         "kl_behaviour": 0.25, "trajectories": 2, "tool_calls": 3, "multi_turn": 1, "tool_latency_s": [0.5, 0.1, 0.2]},
         {"step": 1, "reward_mean": 0.1234567, "tokens": 100, "response_lengths": [4, 2, 8], "samples": 3, "busy_s": 0.25,
          "clip_fraction": 0.0, "is_weight_mean": 1.0, "is_weight_max": 1.0, "is_capped_fraction": 0.0,
-         "kl_behaviour": 0.0},
+         "kl_behaviour": 0.0, "trajectories": 3, "tool_calls": 0, "multi_turn": 0, "tool_latency_s": []},
         {"step": 2, "reward_mean": 0.5, "tokens": 200, "response_lengths": [3, 6, 5, 7], "samples": 4, "busy_s": 1.0,
          "clip_fraction": 0.1234567, "is_weight_mean": 1.25, "is_weight_max": 3.0, "is_capped_fraction": 0.2,
          "kl_behaviour": 0.125},
@@ -152,6 +152,11 @@ def test_build_summary_from_store(tmp_path: Path) -> None:
         "is_capped_fraction_mean": 0.1,
         "kl_behaviour_mean": 0.125,
         "kl_behaviour_max": 0.25,
+        # tool calls over the steps that recorded them (1 and 3; 2 and 4 predate the keys): 2 + 3 = 5 trajectories,
+        # 0 + 3 calls -> 0.6 a trajectory; 1 with two or more turns -> 0.2; latencies 0.1 0.2 0.5 -> p50 0.2, max 0.5
+        "tool_calls_per_trajectory": 0.6,
+        "multi_turn_share": 0.2,
+        "tool_latency_s": {"calls": 3, "p50": 0.2, "max": 0.5},
     }
     json.dumps(summary)  # what `laminar run --summary` writes must be JSON
 

@@ -90,8 +90,12 @@ class Batch:
     def admit(self, leases: list[Lease], attempts: int = 1) -> None:
         """Start each group from its prompt. A prompt the task cannot build, or the engine cannot admit (longer
         than its max_prompt_len), fails the group ("generation") instead of the replica, which would otherwise
-        be retried on the same lease forever."""
+        be retried on the same lease forever. A group that does not fit beside the ones in flight (a restart
+        resumed its pool and took a migration's groups too) is no failure: its lease waits in `pending`."""
         for lease in leases:
+            if self.engine.in_flight() and self.engine.free_slots() < self.group_size:
+                self.pending.append(lease)
+                continue
             version = int(self.engine.policy_version or 0)
             group = Group(lease, Prompt(lease.prompt_id, "", []), self.clock(), version, attempts=attempts)
             self.groups[lease.group_id] = group
