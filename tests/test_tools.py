@@ -233,3 +233,85 @@ def test_a_group_restarted_from_its_prompt_gets_the_recorded_answer_of_a_complet
     assert held["g0/1"][-3:] == _ids("<result> 2 </result>")
     executions = {k: a.tool_executions.get(k, 0) + b.tool_executions.get(k, 0) for k in a.tool_executions}
     assert executions == {("g0", 0, 0): 1, ("g0", 1, 0): 2}  # the same call once; sample 1's second is another call
+
+
+# -- at most once: the write-ahead record of an engine step's calls -----------------------------------------------
+
+def _pool(batch: Batch, store: TrajectoryStore, attempt: int):
+    from laminar.timing import TimeBreakdown
+    from services.rollout.batch import Counters
+    from services.rollout.pool import PartialPool
+    # the pool's writes and reads need no weights (only resume's version check does, done by hand here)
+    return PartialPool(store, "run-t", "rollout-0", (0, attempt), batch, None, Counters(), TimeBreakdown())
+
+
+def _executed(logs: list[dict]) -> dict[tuple[str, int, int], int]:
+    out: dict[tuple[str, int, int], int] = {}
+    for e in logs:
+        if e["event"] == "tool_executed":
+            key = (e["group_id"], e["sample"], e["turn"])
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def test_a_step_writes_its_call_intents_before_running_them_and_their_outputs_after(tmp_path):
+    store = TrajectoryStore(LocalObjectStore(str(tmp_path)))
+    engine = _engine()
+    a = _batch(engine)
+    pool = _pool(a, store, 1)
+    a.admit([Lease("g0", 0)])
+    engine.abort(["g0/0", "g0/1"])
+    a.record([_call_turn(a, 0), _call_turn(a, 1)])
+    # one write for the step's two intents (batched), before the two calls ran
+    assert pool.writes == 1 and a.tool_executions == {("g0", 0, 0): 1, ("g0", 1, 0): 1} and a.tool_turns_unsaved == 2
+    assert {t.extra.get("tool_intent") for t in store.read_partial("run-t", "rollout-0")} == {"0"}
+    pool.flush_if_due(0.0, every_s=3600.0)  # the outputs are written at once, not at the flush interval
+    assert pool.writes == 2 and a.tool_turns_unsaved == 0
+    rows = store.read_partial("run-t", "rollout-0")
+    assert len(rows) == 2 and all("tool_intent" not in t.extra and t.extra["tool_calls"] == "1" for t in rows)
+    a.record([])  # a step with no call writes nothing more
+    assert pool.writes == 2
+
+
+def test_a_crash_between_the_intent_write_and_the_output_write_never_runs_the_call_again(tmp_path):
+    """The rollout drill's case: the kill lands after a step's calls ran and before the pool write of their
+    outputs. The next incarnation resumes from the pool: the calls whose intents are recorded without output
+    are not run again (counted by `tool_executed` events across both incarnations); the samples read
+    INTERRUPTED as those calls' output (mask 0) and finish."""
+    from structlog.testing import capture_logs
+
+    from services.rollout.batch import INTERRUPTED
+    store = TrajectoryStore(LocalObjectStore(str(tmp_path)))
+    engine = _engine()
+    a = _batch(engine)
+    _pool(a, store, 1)
+    a.admit([Lease("g0", 0)])
+    engine.abort(["g0/0", "g0/1"])
+    turns = [_call_turn(a, 0), _call_turn(a, 1)]
+    with capture_logs() as logs_a:
+        a.record(turns)  # intents written, both calls run ... and the replica is killed before the next write
+    assert _executed(logs_a) == {("g0", 0, 0): 1, ("g0", 1, 0): 1}
+    engine.abort()
+    # the next incarnation, as the replica starts it: a fresh engine, batch and pool on the same store
+    engine2 = _engine(seed=1)
+    b = _batch(engine2)
+    resumed = _pool(b, store, 2).read()
+    assert [t.extra["tool_intent"] for t in resumed["g0"]] == ["0", "0"]
+    with capture_logs() as logs_b:
+        b.resume(resumed, 1)
+        held = {rid: resp for rid, _, resp, _ in engine2.snapshot_inflight()}
+        _drain(engine2, b)
+    assert _executed(logs_b) == {}  # not run again: executions == distinct calls == 2
+    assert sorted(e["sample"] for e in logs_b if e["event"] == "tool_interrupted") == [0, 1]
+    out = TASK.tool_output_ids(INTERRUPTED)  # the tiny tokenizer: <result> error </result>
+    for i, turn in enumerate(turns):
+        assert held[f"g0/{i}"][: len(turn.response_ids) - 1 + len(out)] == turn.response_ids[:-1] + out
+    (group,) = b.completed  # max_turns = 2: turn 2 is the last; the group finishes, nothing lost
+    call_tokens = len(turns[0].response_ids) - 1  # the turn without its <eos>
+    assert group.done[0].tool_mask[: call_tokens + len(out)] == [1] * call_tokens + [0] * len(out)
+    assert group.done[0].extra["tool_calls"] == "1"
+    # a group generated again from its prompt instead (start version gone) answers the same call INTERRUPTED too
+    c = _batch(_engine(seed=2))
+    c.remember_calls([t for rows in resumed.values() for t in rows])
+    expr_text = parse_call(TASK.turn_text(turns[0].response_ids), [Calculator()])[1]
+    assert c.recorded[("g0", 0, 0)] == (expr_text, out)

@@ -15,9 +15,12 @@ appended (log-prob 0, mask 0 in `Episode.mask`), and the sample re-enters the en
 so far as its prefix. So a sample between turns is an ordinary in-flight sequence with a prefix: the pool, the
 hand-over, partial rollout and repack carry it, tool outputs included, and a resumed sample continues after
 its last tool output: a completed call is never run again. Each call is keyed (group, sample, turn) and counted
-in `tool_executions`; the pool is written right after any turn that ran a tool (`tool_turns_unsaved`), so
-only a crash between a call and that write can lose its output. A tool that fails fails the group
-("sandbox"), retried then dropped like a failed reward."""
+in `tool_executions`. Calls run at most once, with a write-ahead record batched per engine step: the step's
+calls are first queued (`intents`) and the pool written with each one's intent (its row ends with the call,
+extra `tool_intent`; no output), then they run (`run_calls`), then the pool is written with their outputs
+(`tool_turns_unsaved`). A resumed sample whose intent has no output was possibly run: it is not run again but
+answered `INTERRUPTED` (mask 0, like any output: the model reads it and goes on; log `tool_interrupted`).
+A tool that fails fails the group ("sandbox"), retried then dropped like a failed reward."""
 
 from __future__ import annotations
 
@@ -33,9 +36,12 @@ from laminar.records import Trajectory
 from rl.engine_api import Engine, Finished, InFlight
 from rl.tasks import Prompt, RewardFailure
 from rl.tasks.scoring import RewardRunner
-from rl.tools import Episode, ToolCall, call, parse_call, recorded_calls
+from rl.tools import Episode, Tool, ToolCall, call, parse_call, recorded_calls
 
 log = get_logger(__name__)
+
+# the answer to a call whose intent was recorded but whose output was not: it possibly ran, so it is not run again
+INTERRUPTED = "error: the call was interrupted"
 
 
 @dataclass
@@ -83,6 +89,10 @@ class Batch:
         self.episodes: dict[str, Episode] = {}  # request id -> its turns so far (samples with a tool answer)
         self.tool_executions: dict[tuple[str, int, int], int] = {}  # (group, sample, turn) -> runs
         self.tool_turns_unsaved = 0  # tool calls answered since the last pool write
+        # this engine step's calls, queued until their intents are written (group, sample, its turn, episode,
+        # tool, call text); `write_ahead` writes the pool (PartialPool sets it; None: no pool, as in unit tests)
+        self.intents: list[tuple[Group, int, Finished, Episode, Tool, str]] = []
+        self.write_ahead: Callable[[], None] | None = None
         # (group, sample, turn) -> (call text, output tokens) recorded by an earlier incarnation of a group that
         # is generated again from its prompt: the same call there gets the recorded answer, not a second run
         self.recorded: dict[tuple[str, int, int], tuple[str, list[int]]] = {}
@@ -108,7 +118,8 @@ class Batch:
 
     def record(self, finished: list[Finished]) -> None:
         """Each finished sample, verified, into its group; a group with every sample is complete. A failed
-        reward restarts or drops the whole group (module docstring)."""
+        reward restarts or drops the whole group (module docstring). A turn that calls a tool is queued, and the
+        step's calls run once their intents are written (`run_calls`)."""
         now = self.clock()
         restarted: set[str] = set()  # this step's other samples of a restarted group belong to its old try
         for f in finished:
@@ -116,42 +127,70 @@ class Batch:
             group = self.groups.get(group_id)
             if group is None or group_id in restarted:
                 continue
-            try:
-                if self.tools and self.tool_turn(group, int(index), f):
-                    continue  # the sample is back in the engine for its next turn
-                reward = self.rewards.score(self.task, group.prompt, f.response_ids)
-            except RewardFailure as e:
+            if self.tools and self.tool_turn(group, int(index), f):
+                continue  # its call runs after this step's intents are written
+            if not self._score(group, int(index), f, now):
                 restarted.add(group_id)
-                self.fail(group, e.reason, e.detail, thrown_away=len(f.response_ids))
-                continue
-            group.done[int(index)] = self.trajectory(group, int(index), f.response_ids, f.logprobs, reward,
-                                                     f.finish_reason, now)
-            self.episodes.pop(f.request_id, None)
-            if len(group.done) == self.group_size:
-                if not self.completed:
-                    self.completed_since = now
-                self.completed.append(self.groups.pop(group_id))
+        self.run_calls(now)
+
+    def _score(self, group: Group, index: int, f: Finished, now: float) -> bool:
+        """Score the sample's last turn into its group (False: its reward failed, the group restarted)."""
+        try:
+            reward = self.rewards.score(self.task, group.prompt, f.response_ids)
+        except RewardFailure as e:
+            self.fail(group, e.reason, e.detail, thrown_away=len(f.response_ids))
+            return False
+        group.done[index] = self.trajectory(group, index, f.response_ids, f.logprobs, reward, f.finish_reason, now)
+        self.episodes.pop(f.request_id, None)
+        if len(group.done) == self.group_size:
+            if not self.completed:
+                self.completed_since = now
+            self.completed.append(self.groups.pop(group.lease.group_id))
+        return True
 
     def tool_turn(self, group: Group, index: int, f: Finished) -> bool:
-        """If this finished model turn calls a tool and turns are left: run it once, append its output and put
-        the sample back in the engine (True). False: the turn is the sample's last, to be scored. A tool that
-        fails raises RewardFailure("sandbox")."""
+        """If this finished model turn calls a tool and turns are left: queue the call in `intents` (True).
+        False: the turn is the sample's last, to be scored."""
         episode = self.episodes.get(f.request_id) or Episode()
         if f.finish_reason != "stop" or episode.turns >= self.max_turns:
             return False
         found = parse_call(self.task.turn_text(f.response_ids[len(episode.mask):]), self.tools)
         if found is None:
             return False
-        key = (group.lease.group_id, index, episode.turns - 1)
-        out, latency = self._answer(key, *found)
-        body, lps = f.response_ids[:-1], f.logprobs[:-1]  # the turn's <eos> ends the turn; it is not context
+        self.intents.append((group, index, f, episode, *found))
+        return True
+
+    def run_calls(self, now: float) -> None:
+        """Write the pool with this step's call intents, then run each call once and put its sample back in the
+        engine with the output (a sample with no room left for it is scored on this turn). A tool that fails
+        fails its group ("sandbox")."""
+        if not self.intents:
+            return
+        if self.write_ahead is not None:
+            self.write_ahead()  # from here on a crash leaves these intents without output: never run again
+        intents, self.intents = self.intents, []
+        for group, index, f, episode, tool, text in intents:
+            if self.groups.get(group.lease.group_id) is not group:
+                continue  # its group failed during this step and starts again from its prompt
+            try:
+                out, latency = self._answer((group.lease.group_id, index, episode.turns - 1), tool, text)
+            except RewardFailure as e:
+                self.fail(group, e.reason, e.detail, thrown_away=len(f.response_ids))
+                continue
+            if not self._continue(f, episode, tool.name, out, latency):
+                self._score(group, index, f, now)
+
+    def _continue(self, f: Finished, episode: Episode, tool: str, out: list[int], latency: float) -> bool:
+        """Put the sample back in the engine: its turn without the <eos> (it ends the turn; it is not context),
+        then the tool's output (log-prob 0, mask 0). False: no room left for the answer."""
+        body, lps = f.response_ids[:-1], f.logprobs[:-1]
         try:
             self.engine.add(f.request_id, f.prompt_ids, prefix_ids=body + out, prefix_logprobs=lps + [0.0] * len(out))
         except Exception as e:  # noqa: BLE001 - no room left for the answer: the sample ends on this turn
             log.info("tool_turn_ended", request_id=f.request_id, error=str(e)[:200])
             return False
         episode.mask = episode.mask + [1] * (len(body) - len(episode.mask)) + [0] * len(out)
-        episode.calls.append(ToolCall(key[2], found[0].name, latency))
+        episode.calls.append(ToolCall(episode.turns - 1, tool, latency))
         self.episodes[f.request_id] = episode
         self.tool_turns_unsaved += 1
         return True
@@ -179,6 +218,10 @@ class Batch:
                 calls = recorded_calls(t.response_ids, t.tool_mask, self.task.turn_text, self.tools)
                 for turn, answer in enumerate(calls):
                     self.recorded[(t.group_id, t.sample_index, turn)] = answer
+            if "tool_intent" in t.extra and self.tools:  # possibly run: the same call is answered INTERRUPTED
+                found = self._intent_call(t)
+                self.recorded[(t.group_id, t.sample_index, int(t.extra["tool_intent"]))] = (
+                    found[1] if found else "", list(self.task.tool_output_ids(INTERRUPTED)))
 
     def fail(self, group: Group, reason: str, detail: str, thrown_away: int = 0) -> None:
         """A try of `group` failed (reason: rl/tasks/scoring.py REASONS): start it again from a freshly built
@@ -218,17 +261,37 @@ class Batch:
                           version)
             self.groups[group_id] = group
             for t in rows:
-                if t.finish_reason == "partial":
+                if t.finish_reason != "partial":
+                    group.done[t.sample_index] = t
+                elif "tool_intent" in t.extra and self.tools:
+                    self._interrupted(group, t)
+                else:
                     # its completed tool calls are in its prefix: never run again
                     self.episodes[f"{group_id}/{t.sample_index}"] = Episode.from_row(t.tool_mask, t.extra)
                     self.engine.add(f"{group_id}/{t.sample_index}", t.prompt_ids,
                                     prefix_ids=t.response_ids, prefix_logprobs=t.logprobs)
-                else:
-                    group.done[t.sample_index] = t
             for i in sorted(set(range(self.group_size)) - {t.sample_index for t in rows}):
                 self.engine.add(f"{group_id}/{i}", first.prompt_ids)
-            if len(group.done) == self.group_size:
+            if self.groups.get(group_id) is group and len(group.done) == self.group_size:
                 self.completed.append(self.groups.pop(group_id))
+
+    def _intent_call(self, t: Trajectory) -> tuple[Tool, str] | None:
+        """The call that ends the row of a sample whose call intent was written (its last turn)."""
+        episode = Episode.from_row(t.tool_mask, t.extra)
+        return parse_call(self.task.turn_text(t.response_ids[len(episode.mask):]), self.tools)
+
+    def _interrupted(self, group: Group, t: Trajectory) -> None:
+        """A resumed sample whose last call's intent was written and its output not: the call possibly ran, so
+        it is not run again; the sample reads INTERRUPTED as that call's output and goes on (docs/decisions.md)."""
+        rid, now = f"{group.lease.group_id}/{t.sample_index}", self.clock()
+        episode = Episode.from_row(t.tool_mask, t.extra)
+        found = self._intent_call(t)
+        log.warning("tool_interrupted", group_id=group.lease.group_id, sample=t.sample_index,
+                    turn=int(t.extra["tool_intent"]), tool=found[0].name if found else "")
+        f = Finished(rid, t.prompt_ids, t.response_ids, t.logprobs, "stop")
+        out = list(self.task.tool_output_ids(INTERRUPTED))
+        if not self._continue(f, episode, found[0].name if found else "", out, 0.0):
+            self._score(group, t.sample_index, f, now)
 
     def rows(self, groups: dict[str, Group], in_flight: list[InFlight]) -> list[Trajectory]:
         """The finished samples of `groups`, then the in-flight ones as partial trajectories (prefixes)."""
@@ -238,6 +301,11 @@ class Batch:
             group_id, index = request_id.rsplit("/", 1)
             rows.append(self.trajectory(groups[group_id], int(index), response, logprobs, 0.0, "partial", now,
                                         self.episodes.get(request_id)))
+        for group, index, f, episode, _tool, _text in self.intents:  # queued calls (run_calls): their intents
+            if groups.get(group.lease.group_id) is group:
+                t = self.trajectory(group, index, f.response_ids, f.logprobs, 0.0, "partial", now, episode)
+                t.extra["tool_intent"] = str(episode.turns - 1)
+                rows.append(t)
         return rows
 
     def trajectory(self, group: Group, index: int, response: list[int], logprobs: list[float],

@@ -1,7 +1,8 @@
 """The partial-response pool: every flush interval, all in-flight groups are written (finished samples as they
 are, the rest as resumable prefixes), so a killed replica's retry resumes them under the policy version they
 started on, or restarts them fresh (counted). A multi-turn sample's row carries every completed turn, tool
-outputs and their mask included (services/rollout/batch.py), and is written at once after a tool call. Each
+outputs and their mask included (services/rollout/batch.py), and is written at once after a tool call, and
+before it with the call's intent (the write-ahead record that keeps a call from running twice). Each
 incarnation (history segment, attempt) writes its own fenced pool, so a zombie cannot overwrite its retry's."""
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class PartialPool:
         self.empty = False  # unknown until the first write
         self.kept = False  # the previous incarnation's groups were written as they are (keep)
         self.last_flush = 0.0
+        self.writes = 0  # pool writes by this incarnation (intents and outputs of tool calls included)
+        batch.write_ahead = self.write  # an engine step's tool calls are recorded before they run
 
     def flush_if_due(self, now: float, every_s: float) -> None:
         """Every `every_s`, and at once after a turn that ran a tool: a tool's output is recorded before the
@@ -44,6 +47,7 @@ class PartialPool:
             return  # an idle replica does not rewrite an empty pool every flush interval, nor a kept one
         with self.profile.measure("flush_pool"):
             self.trajectories.write_partial(self.run_id, self.replica_id, self.fence, rows)
+        self.writes += 1
         self.empty = not rows
         self.counters.unsaved_tokens = 0
         self.batch.tool_turns_unsaved = 0
