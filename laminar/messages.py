@@ -393,6 +393,25 @@ class RunStatus:
     # groups_generated + groups_failed + open_leases + returned_leases
     groups_failed: int = 0
     failures: list[FailedGroup] = field(default_factory=list)  # the most recent, last; bounded
+    # `laminar scale`: the replica count asked for, the replica activities running (removed ones that have
+    # not returned yet count until they do), and the unfinished groups removed replicas gave back to the pool
+    replicas_target: int = 0
+    replicas_running: int = 0
+    scale_groups_returned: int = 0
+
+
+@dataclass(frozen=True)
+class ScaleInput:
+    """operator -> workflow (`laminar scale`): the rollout replica count the run should have."""
+
+    replicas: int
+
+
+@dataclass(frozen=True)
+class ScaleResult:
+    replicas_target: int
+    started: list[str]  # replica ids started
+    removed: list[str]  # replica ids asked to leave (they return at their next contact)
 
 
 # -- recovery drills ----------------------------------------------------------------------------

@@ -101,6 +101,11 @@ class RunState:
     repack_overhead_s: float = 0.0
     groups_failed: int = 0  # leases closed as failed (ledger.fail_groups): never ready, never trained
     failures: list[FailedGroup] = field(default_factory=list)  # the most recent RECENT_FAILURES
+    # `laminar scale` (workflows/scale.py): the replica ids that run (empty: rollout.replicas of them, as before
+    # any scale), the removed ones not yet returned, and the groups removed replicas gave back to the pool
+    replica_ids: list[str] = field(default_factory=list)
+    leaving: list[str] = field(default_factory=list)
+    scale_groups_returned: int = 0
 
 
 @dataclass
