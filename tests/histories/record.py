@@ -36,7 +36,14 @@ from devstack.stack import DevStack, free_port
 from laminar import names
 from laminar.config import RunConfig
 from laminar.converter import DATA_CONVERTER
-from laminar.messages import AddExperienceInput, ClaimPromptsInput, DrillInput, RunStatus, ScaleInput, ScaleResult
+from laminar.messages import (
+    AddExperienceInput,
+    ClaimPromptsInput,
+    DrillInput,
+    RunStatus,
+    ScaleInput,
+    ScaleResult,
+)
 from tests.fixtures.stack import TEST_OVERRIDES, quiet_status
 from tests.fixtures.waiting import async_wait_until
 from tests.histories import (
@@ -257,9 +264,9 @@ async def scale(rec: Recorder) -> list[Path]:
         res = await handle.execute_update(names.SCALE, ScaleInput(replicas=target), result_type=ScaleResult)
         require(res.replicas_target == target, f"scale to {target} answered {res}")
 
-        async def settled(target: int = target) -> RunStatus | None:
+        async def settled(target: int = target, after: int = st.step) -> RunStatus | None:
             now = await rec.status(handle)
-            return now if now.replicas_running == target and now.step > st.step else None
+            return now if now.replicas_running == target and now.step > after else None
         await async_wait_until(settled, RUN_TIMEOUT_S, f"{target} replicas running and a step", interval_s=0.2)
     final = await rec.stop(handle)
     (h,) = await rec.chain(handle)
