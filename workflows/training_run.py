@@ -531,6 +531,7 @@ class TrainingRunWorkflow:
     def _retire_left(self) -> None:
         """A removed replica returned: its unfinished groups go back to the pool, as a lost replica's do."""
         for replica_id in self._left_replicas():
+            self.migrations.forget(replica_id)  # orders to or from it since the scale are void
             released = self.ledger.release_leases_of(replica_id, keep=set())
             self.state.scale_groups_returned += len(released)
             self.state.leaving.remove(replica_id)
