@@ -22,7 +22,7 @@ from client.settings import Settings
 from laminar import names, search, watchdog
 from laminar.config import RunConfig
 from laminar.errors import LaminarError
-from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
+from laminar.messages import CONTROL_QUEUE, RunStatus, ScaleInput, ScaleResult, workflow_id_for
 from storage import keys
 from storage.objects import ObjectStore
 from workflows.state import TrainingRunInput
@@ -135,6 +135,20 @@ async def stop_run(settings: Settings, run_id: str) -> str:
     return await send_control(settings, run_id, names.STOP)
 
 
+async def scale_run(settings: Settings, run_id: str, replicas: int,
+                    timeout_s: float = CONTROL_ANSWER_S) -> ScaleResult:
+    """`laminar scale`: set the run's rollout replica count; new replicas start on free rollout slots (or on
+    workers that join later), removed ones finish their contact, write their pool and return."""
+    handle = await _handle(settings, run_id)
+    try:
+        return await handle.execute_update(names.SCALE, ScaleInput(replicas=replicas), result_type=ScaleResult,
+                                           rpc_timeout=timedelta(seconds=timeout_s))
+    except WorkflowUpdateRPCTimeoutOrCancelledError:
+        raise _no_answer(run_id, names.SCALE, timeout_s) from None
+    except RPCError as e:
+        raise _rpc_failed(settings, run_id, names.SCALE, e) from None
+
+
 async def terminate_run(settings: Settings, run_id: str) -> None:
     """`laminar stop --force`: terminate the workflow through the server alone (no worker needed)."""
     handle = await _handle(settings, run_id)
@@ -161,6 +175,9 @@ def render_status(st: RunStatus) -> Table:
         "trainer wait fraction": f"{st.trainer_wait_fraction:.2f}",
         "history events (max)": f"{st.history_events} ({st.history_events_max})",
         "continued as new": st.continued_as_new,
+        "replicas (target/running)": f"{st.replicas_target}/{st.replicas_running}"
+                                     + (f", {st.scale_groups_returned} groups given back by removed replicas"
+                                        if st.scale_groups_returned else ""),
         "relays": ", ".join(f"{r.relay_id}@{r.address}" for r in st.relays) or "-",
         "latest checkpoint": st.checkpoints[-1].step if st.checkpoints else "-",
     }

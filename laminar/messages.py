@@ -403,6 +403,25 @@ class RunStatus:
     replicas_wanted: int = 0
     replica_seen: dict[str, float] = field(default_factory=dict)  # replica -> workflow time of its last report
     unversioned_since: dict[str, float] = field(default_factory=dict)  # replica -> first report at version -1
+    # `laminar scale`: the replica count asked for, the replica activities running (removed ones that have
+    # not returned yet count until they do), and the unfinished groups removed replicas gave back to the pool
+    replicas_target: int = 0
+    replicas_running: int = 0
+    scale_groups_returned: int = 0
+
+
+@dataclass(frozen=True)
+class ScaleInput:
+    """operator -> workflow (`laminar scale`): the rollout replica count the run should have."""
+
+    replicas: int
+
+
+@dataclass(frozen=True)
+class ScaleResult:
+    replicas_target: int
+    started: list[str]  # replica ids started
+    removed: list[str]  # replica ids asked to leave (they return at their next contact)
 
 
 # -- recovery drills ----------------------------------------------------------------------------

@@ -175,6 +175,22 @@ def stop(
 
 
 @app.command()
+def scale(
+    run_id: str,
+    replicas: int = typer.Option(..., "--replicas", help="The rollout replica count the run should have (1-1024)."),
+) -> None:
+    """Scale a live run's rollout replicas: new ones start on free rollout slots (or on rollout workers that join
+    later, on any host); removed ones stop admitting, report their complete groups and return, and their
+    unfinished groups go back to the pool."""
+    from client.run_control import scale_run
+
+    with _exit_codes():
+        res = asyncio.run(scale_run(Settings.from_env(), run_id, replicas))
+    console.print(f"run_id={run_id} replicas_target={res.replicas_target} started={','.join(res.started) or '-'} "
+                  f"removed={','.join(res.removed) or '-'}", highlight=False)
+
+
+@app.command()
 def pause(run_id: str) -> None:
     """Pause a run: no new prompts are leased and the trainer waits."""
     from client.run_control import send_control

@@ -63,17 +63,28 @@ def plan_processes(cfg: RunConfig, settings: Settings, log_dir: Path, spare_slot
         ManagedProcess("trainer", [*base, "trainer"], env, log_dir / "trainer.log"),
     ]
     hosts = cfg.relay.relays
-    for i in range(hosts):
+    for i, slots in enumerate(rollout_slots(cfg.rollout.replicas, hosts, spare_slots)):
         host_env = {**env, "LAMINAR_HOST_ID": f"host-{i}"}
         procs.append(ManagedProcess(f"relay-host-{i}", [*base, "relay"], host_env, log_dir / f"relay-host-{i}.log"))
-        slots = cfg.rollout.replicas // hosts + (1 if i < cfg.rollout.replicas % hosts else 0)
         if slots:
-            slots += spare_slots
             procs.append(ManagedProcess(f"rollout-host-{i}", [*base, "rollout", "--slots", str(slots)], host_env,
                                         log_dir / f"rollout-host-{i}.log"))
     for p in procs:
         p.env = {**p.env, "LAMINAR_METRICS_PORT": str(free_port(settings.metrics_bind) if metrics else 0)}
     return procs
+
+
+def rollout_slots(replicas: int, hosts: int, spare_slots: int) -> list[int]:
+    """Rollout slots per host for `replicas` replicas: each host its share (the first hosts one more when they do
+    not divide evenly), plus `spare_slots` on every host that has a share. 5 on 2 hosts, 1 spare: [4, 3]."""
+    return [s + spare_slots if s else 0
+            for s in (replicas // hosts + (1 if i < replicas % hosts else 0) for i in range(hosts))]
+
+
+def slots_to_add(replicas: int, hosts: int, spare_slots: int, have: list[int]) -> list[int]:
+    """Per host, the rollout slots to add so that `replicas` replicas fit as rollout_slots lays them out
+    (`laminar scale` upward); never negative: a scale-down stops no worker (its idle slots stay)."""
+    return [max(0, want - got) for want, got in zip(rollout_slots(replicas, hosts, spare_slots), have, strict=True)]
 
 
 def metrics_url(p: ManagedProcess) -> str | None:
@@ -103,6 +114,35 @@ class LocalLauncher:
     def start_all(self) -> None:
         for p in self.processes.values():
             self._start(p)
+
+    def match_replicas(self, replicas: int, hosts: int, spare_slots: int) -> list[str]:
+        """`laminar scale`: start a rollout worker on each host whose slots fall short of `replicas` replicas
+        (slots_to_add); returns the names started. Workers are never stopped here: a removed replica returns
+        and frees its slot, and an idle worker holds nothing."""
+        have = [0] * hosts
+        for p in self.processes.values():
+            host = p.env.get("LAMINAR_HOST_ID", "")
+            if "rollout" in p.argv and "--slots" in p.argv and host.startswith("host-"):
+                i = int(host.removeprefix("host-"))
+                if i < hosts:
+                    have[i] += int(p.argv[p.argv.index("--slots") + 1])
+        started = []
+        with self._lock:
+            for i, add in enumerate(slots_to_add(replicas, hosts, spare_slots, have)):
+                relay = self.processes.get(f"relay-host-{i}")
+                if not add or relay is None or self._stop.is_set():
+                    continue
+                name = next(f"rollout-host-{i}-{k}" for k in range(1, 10_000)
+                            if f"rollout-host-{i}-{k}" not in self.processes)
+                env = dict(relay.env)
+                if env.get("LAMINAR_METRICS_PORT", "0") not in ("", "0"):
+                    env["LAMINAR_METRICS_PORT"] = str(free_port(env.get("LAMINAR_METRICS_BIND", "127.0.0.1")))
+                p = ManagedProcess(name, [*relay.argv[:-1], "rollout", "--slots", str(add)], env,
+                                   relay.log_path.with_name(f"{name}.log"))
+                self.processes[name] = p
+                self._start(p)
+                started.append(name)
+        return started
 
     def _start(self, p: ManagedProcess) -> None:
         p.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -155,7 +155,7 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher | R
         raise
     launcher.start_supervision()
     try:
-        final = await _watch(handle, cfg, console, t0)  # interrupted: the run is cancelled, never left behind
+        final = await _watch(handle, cfg, console, t0, launcher)  # interrupted: the run is cancelled, never left behind
     except WorkflowFailureError as e:
         console.print(f"[red]run failed:[/red] {e.cause or e}")
         return 1
@@ -175,13 +175,18 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher | R
     return 0
 
 
-async def _watch(handle: WorkflowHandle, cfg: RunConfig, console: Console, t0: float) -> RunStatus:
+async def _watch(handle: WorkflowHandle, cfg: RunConfig, console: Console, t0: float,
+                 launcher: LocalLauncher | RayLauncher | None = None) -> RunStatus:
     columns = [TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn()]
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("train", total=cfg.run.steps, info="starting workers")
 
         def show(st: RunStatus | None, note: str) -> None:
+            if st is not None and st.replicas_target and isinstance(launcher, LocalLauncher):
+                # `laminar scale` upward: rollout workers for the slots the new replicas need
+                for name in launcher.match_replicas(st.replicas_target, cfg.relay.relays, _spare_slots(cfg)):
+                    console.print(f"scale: started {name} for {st.replicas_target} replicas", highlight=False)
             fields = {"total": st.total_steps, "completed": st.step} if st else {}
             bar.update(task, info=note or _progress_line(st, time.time() - t0), **fields)
 

@@ -106,6 +106,11 @@ class RunState:
     replica_seen: dict[str, float] = field(default_factory=dict)  # replica -> its last report
     unversioned_since: dict[str, float] = field(default_factory=dict)  # replica -> first report at version -1
     stall: str = ""  # what the run waited for when the workflow last looked ("" healthy)
+    # `laminar scale` (workflows/scale.py): the replica ids that run (empty: rollout.replicas of them, as before
+    # any scale), the removed ones not yet returned, and the groups removed replicas gave back to the pool
+    replica_ids: list[str] = field(default_factory=list)
+    leaving: list[str] = field(default_factory=list)
+    scale_groups_returned: int = 0
 
 
 @dataclass

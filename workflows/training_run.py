@@ -9,6 +9,7 @@ activity on the trainer's queue. Deterministic: no I/O, no torch, activities cal
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +36,8 @@ with workflow.unsafe.imports_passed_through():
         RolloutReplicaInput,
         RunRelayInput,
         RunStatus,
+        ScaleInput,
+        ScaleResult,
         TrainerInitInput,
         TrainerInitResult,
         TrainStepResult,
@@ -45,6 +48,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import timeouts
     from workflows.ledger import Ledger
     from workflows.migrations import Migrations
+    from workflows.scale import check_target, plan_scale, replica_ids
     from workflows.state import RunState, TrainingRunInput
 
 __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
@@ -309,8 +313,11 @@ class TrainingRunWorkflow:
         paused or starved run still continues as new); False when the run is stopping."""
         t0 = workflow.time()
         await workflow.wait_condition(lambda: self.state.stopping or self._has_batch() or self._segment_full()
-                                      or self._failed_replica() is not None or self._republish_wanted)
+                                      or self._failed_replica() is not None or self._republish_wanted
+                                      or bool(self.state.leaving and self._left_replicas()))
         self.state.trainer_wait_s += workflow.time() - t0
+        if self.state.leaving:
+            self._retire_left()
         self._fail_if_a_replica_failed()
         return not self.state.stopping
 
@@ -383,26 +390,33 @@ class TrainingRunWorkflow:
 
     # -- rollout replicas --------------------------------------------------------------------
 
-    def _start_replicas(self) -> None:
+    def _replica_ids(self) -> list[str]:
+        """The replicas the run should have: rollout.replicas of them until a `laminar scale` (workflows/scale.py)."""
         assert self._cfg is not None
-        for i in range(self._cfg.rollout.replicas):
-            replica_id = f"replica-{i}"
-            self._replicas[replica_id] = workflow.start_activity(
-                names.RUN_ROLLOUT_REPLICA,
-                RolloutReplicaInput(
-                    run_id=self.state.run_id,
-                    workflow_id=workflow.info().workflow_id,
-                    replica_id=replica_id,
-                    config=self._cfg.to_json(),
-                    generation=self.state.continued_as_new,
-                ),
-                task_queue=ROLLOUT_QUEUE,
-                start_to_close_timeout=timeouts.SEGMENT_ACTIVITY,
-                heartbeat_timeout=timedelta(seconds=self._cfg.rollout.heartbeat_timeout_s),
-                retry_policy=timeouts.RETRY_UNTIL_REPLACED,
-                activity_id=f"rollout-{replica_id}",
-                summary=f"rollout {replica_id} (segment {self.state.continued_as_new})",
-            )
+        return list(self.state.replica_ids) or replica_ids(self._cfg.rollout.replicas)
+
+    def _start_replicas(self) -> None:
+        for replica_id in self._replica_ids():
+            self._start_replica(replica_id)
+
+    def _start_replica(self, replica_id: str) -> None:
+        assert self._cfg is not None
+        self._replicas[replica_id] = workflow.start_activity(
+            names.RUN_ROLLOUT_REPLICA,
+            RolloutReplicaInput(
+                run_id=self.state.run_id,
+                workflow_id=workflow.info().workflow_id,
+                replica_id=replica_id,
+                config=self._cfg.to_json(),
+                generation=self.state.continued_as_new,
+            ),
+            task_queue=ROLLOUT_QUEUE,
+            start_to_close_timeout=timeouts.SEGMENT_ACTIVITY,
+            heartbeat_timeout=timedelta(seconds=self._cfg.rollout.heartbeat_timeout_s),
+            retry_policy=timeouts.RETRY_UNTIL_REPLACED,
+            activity_id=f"rollout-{replica_id}",
+            summary=f"rollout {replica_id} (segment {self.state.continued_as_new})",
+        )
 
     @workflow.update(name=names.CLAIM_PROMPTS)
     def claim_prompts(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
@@ -423,7 +437,7 @@ class TrainingRunWorkflow:
         if inp.taken:
             self.migrations.take(replica_id, inp.taken, workflow.time())
         self._maybe_repack()
-        stop, handover = self.state.stopping, self._handover
+        stop, handover = self.state.stopping, self._handover or self._leaving(replica_id)
         leases = self.ledger.replay_claim(replica_id, inp.request_id)
         if leases is None:
             leases = []
@@ -462,7 +476,8 @@ class TrainingRunWorkflow:
         failed = self.ledger.fail_groups(inp.failed, inp.report.replica_id, workflow.time()) if inp.failed else []
         self._maybe_repack()
         return AddExperienceResult(
-            accepted=accepted, duplicates=duplicates, stop=self.state.stopping, handover=self._handover,
+            accepted=accepted, duplicates=duplicates, stop=self.state.stopping,
+            handover=self._handover or self._leaving(inp.report.replica_id),
             failed=failed, **self._hints(inp.report.replica_id),
         )
 
@@ -496,15 +511,72 @@ class TrainingRunWorkflow:
         self._upsert_search_attributes()
         return self._phase()
 
+    @workflow.update(name=names.SCALE)
+    def scale(self, inp: ScaleInput) -> ScaleResult:
+        """`laminar scale`: start replicas on free slots, or ask the chosen ones to leave (workflows/scale.py)."""
+        self._updates += 1
+        if not workflow.patched("scale"):
+            raise ApplicationError("this run's workers predate `laminar scale`", type="ScaleUnsupported")
+        active = [r for r in self._replica_ids() if r not in self.state.leaving]
+        held: dict[str, int] = {}
+        for lease in self.state.open_leases.values():
+            held[lease.replica_id] = held.get(lease.replica_id, 0) + 1
+        plan = plan_scale(active, list(self.state.leaving), held, inp.replicas)
+        at = workflow.time()
+        for replica_id in plan.remove:
+            self.state.leaving.append(replica_id)
+            self.migrations.forget(replica_id)
+            self.ledger.note_event("replica_leaving", replica_id, at, held.get(replica_id, 0))
+        self.state.replica_ids = plan.active
+        if not self._handover and not self._closing and not self.state.stopping:
+            for replica_id in plan.start:
+                self._start_replica(replica_id)
+                self.ledger.note_event("replica_added", replica_id, at)
+        # (a segment handing over starts the new ids in the next segment, from state.replica_ids)
+        return ScaleResult(replicas_target=len(plan.active), started=plan.start, removed=plan.remove)
+
+    @scale.validator
+    def _validate_scale(self, inp: ScaleInput) -> None:
+        if self._error is not None:
+            raise ValueError(f"run failed validation: {self._error}")
+        check_target(inp.replicas)
+        if self.state.stopping or self._finished:
+            raise ValueError(f"scale: run {self.state.run_id} is {self._phase()}; a stopping run is not scaled")
+
+    def _leaving(self, replica_id: str) -> bool:
+        return replica_id in self.state.leaving
+
+    def _left_replicas(self) -> list[str]:
+        """Removed replicas whose activity has returned (or whose activity this segment never started)."""
+        return [r for r in self.state.leaving if r not in self._replicas or self._replicas[r].done()]
+
+    def _retire_left(self) -> None:
+        """A removed replica returned: its unfinished groups go back to the pool, as a lost replica's do."""
+        for replica_id in self._left_replicas():
+            self.migrations.forget(replica_id)  # orders to or from it since the scale are void
+            released = self.ledger.release_leases_of(replica_id, keep=set())
+            self.state.scale_groups_returned += len(released)
+            self.state.leaving.remove(replica_id)
+            self.state.replicas.pop(replica_id, None)
+            self.state.last_claims.pop(replica_id, None)
+            self._replicas.pop(replica_id, None)
+            self.ledger.note_event("replica_left", replica_id, workflow.time(), len(released))
+
     @workflow.query(name=names.STATUS)
     def status(self) -> RunStatus:
-        return self.ledger.status(
+        st = self.ledger.status(
             phase=self._phase(),
             total_steps=self._cfg.run.steps if self._cfg else 0,
             history_events=workflow.info().get_current_history_length(),
             training=self._training,
             **self._watchdog_facts(),
         )
+        if self._cfg is None:
+            return st
+        return dataclasses.replace(
+            st, replicas_target=len(self._replica_ids()),
+            replicas_running=sum(1 for t in self._replicas.values() if not t.done()),
+            scale_groups_returned=self.state.scale_groups_returned)
 
     def _watchdog_facts(self) -> dict[str, Any]:
         if self._cfg is None:
@@ -600,6 +672,8 @@ class TrainingRunWorkflow:
             if self._can_step():
                 await self._step()
         await self._drain()
+        if self.state.leaving:
+            self._retire_left()  # every replica has returned (or was cancelled): removed ones leave now
         self._note_history()
         self.state.continued_as_new += 1
         self.state.handover_last_step_at = self.state.last_step_at

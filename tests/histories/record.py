@@ -36,7 +36,14 @@ from devstack.stack import DevStack, free_port
 from laminar import names
 from laminar.config import RunConfig
 from laminar.converter import DATA_CONVERTER
-from laminar.messages import AddExperienceInput, ClaimPromptsInput, DrillInput, RunStatus
+from laminar.messages import (
+    AddExperienceInput,
+    ClaimPromptsInput,
+    DrillInput,
+    RunStatus,
+    ScaleInput,
+    ScaleResult,
+)
 from tests.fixtures.stack import TEST_OVERRIDES, quiet_status
 from tests.fixtures.waiting import async_wait_until
 from tests.histories import (
@@ -259,10 +266,33 @@ async def watchdog(rec: Recorder) -> list[Path]:
     return [rec.write("training_run_watchdog", h)]
 
 
+async def scale(rec: Recorder) -> list[Path]:
+    """`laminar scale` 2 -> 4 -> 2 replicas while the run trains (patch scale): the new replicas claim and report,
+    the removed ones are answered with a hand-over, return, and their unfinished groups go back to the pool."""
+    cfg = rec.config("scale", "rollout.replicas=2", "run.steps=1000")
+    handle = await start_workflow(rec.client, cfg)
+    for target in (4, 2):
+        st = await rec.wait_step(handle, 1)
+        res = await handle.execute_update(names.SCALE, ScaleInput(replicas=target), result_type=ScaleResult)
+        require(res.replicas_target == target, f"scale to {target} answered {res}")
+
+        async def settled(target: int = target, after: int = st.step) -> RunStatus | None:
+            now = await rec.status(handle)
+            return now if now.replicas_running == target and now.step > after else None
+        await async_wait_until(settled, RUN_TIMEOUT_S, f"{target} replicas running and a step", interval_s=0.2)
+    final = await rec.stop(handle)
+    (h,) = await rec.chain(handle)
+    require("scale" in patch_ids(h), "no scale patch marker")
+    require(names.SCALE in update_names(h), f"updates {sorted(set(update_names(h)))}")
+    require(final.groups_consumed_twice == 0, f"groups_consumed_twice={final.groups_consumed_twice}")
+    return [rec.write("training_run_scale", h)]
+
+
 SCENARIOS: dict[str, Callable[[Recorder], Awaitable[list[Path]]]] = {
     "stream": stream, "repack": repack, "continue_as_new": continue_as_new, "search_attributes": search_attributes,
     "drill_rollout": drill_rollout, "drill_store": drill_store, "failed_groups": failed_groups,
     "watchdog": watchdog,
+    "scale": scale,
 }
 
 
