@@ -11,8 +11,12 @@ length.
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+import pickle
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -108,29 +112,59 @@ def golden_max(f: Callable[[int], float], lo: int, hi: int, tolerance: int = 3) 
     return max(inside, key=lambda i: (g(i), -i))
 
 
-def sweep(spec: SweepSpec, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Every (scale, mode): the searched placement and its full-length run's metrics."""
+def sweep(spec: SweepSpec, progress: Callable[[str], None] = lambda _: None,
+          workers: int | None = None) -> dict[str, Any]:
+    """Every (scale, mode): the searched placement and its full-length run's metrics. The cells are independent
+    (each its own simulations, seeded alike), so they run on `workers` processes (default: one per core) when the
+    spec can be sent to one (a test's policy double defined in a function cannot: then they run here, in turn);
+    the rows come back in (scale, mode) order either way, the same numbers."""
     t_start = time.perf_counter()
-    rows: list[dict[str, Any]] = []
-    for gpus in spec.scales():
-        for mode in spec.modes:
-            t0 = time.perf_counter()
-            pl, runs = search(spec, mode, gpus)
-            res = _run(spec, mode, pl, spec.iterations, spec.warmup)
-            row = {"model": spec.model, "workload": spec.workload, "gpus": gpus, "mode": mode,
-                   "placement": pl.label(), "train_gpus": pl.train, "rollout_gpus": pl.rollout, "tp": pl.tp,
-                   "replicas": pl.replicas, "paper_placement": table2(spec.model, gpus, mode),
-                   "search_runs": runs, "wall_s": round(time.perf_counter() - t0, 2), **res.as_dict()}
-            row["staleness_histogram"] = {str(k): v for k, v in res.staleness_histogram.items()}
-            rows.append(row)
-            progress(f"{spec.model} {gpus} GPUs {mode}: {pl.label()} {res.tokens_per_s:,.0f} tokens/s "
-                     f"({runs} search runs, {row['wall_s']} s)")
+    cells = [(gpus, mode) for gpus in spec.scales() for mode in spec.modes]
+    workers = min(len(cells), workers or os.cpu_count() or 1)
+    done: dict[tuple[int, str], dict[str, Any]] = {}
+    if workers > 1 and _picklable(spec):
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = {pool.submit(_cell, spec, gpus, mode): (gpus, mode) for gpus, mode in cells}
+            for future in as_completed(futures):
+                done[futures[future]] = row = future.result()
+                progress(_progress_line(spec, row))
+    else:
+        for gpus, mode in cells:
+            done[(gpus, mode)] = row = _cell(spec, gpus, mode)
+            progress(_progress_line(spec, row))
+    rows = [done[c] for c in cells]
     add_derived(rows)
     return {"rows": rows, "config": {"model": spec.model, "workload": spec.workload, "modes": list(spec.modes),
                                      "gpus": list(spec.scales()), "repack": spec.repack,
                                      "iterations": spec.iterations, "warmup": spec.warmup,
                                      "search_iterations": spec.search_iterations, "relay_link": spec.link.source},
             "wall_s": round(time.perf_counter() - t_start, 2)}
+
+
+def _cell(spec: SweepSpec, gpus: int, mode: str) -> dict[str, Any]:
+    """One (scale, mode): the placement search, then the chosen split's full-length run."""
+    t0 = time.perf_counter()
+    pl, runs = search(spec, mode, gpus)
+    res = _run(spec, mode, pl, spec.iterations, spec.warmup)
+    row = {"model": spec.model, "workload": spec.workload, "gpus": gpus, "mode": mode,
+           "placement": pl.label(), "train_gpus": pl.train, "rollout_gpus": pl.rollout, "tp": pl.tp,
+           "replicas": pl.replicas, "paper_placement": table2(spec.model, gpus, mode),
+           "search_runs": runs, "wall_s": round(time.perf_counter() - t0, 2), **res.as_dict()}
+    row["staleness_histogram"] = {str(k): v for k, v in res.staleness_histogram.items()}
+    return row
+
+
+def _progress_line(spec: SweepSpec, row: dict[str, Any]) -> str:
+    return (f"{spec.model} {row['gpus']} GPUs {row['mode']}: {row['placement']} {row['tokens_per_s']:,.0f} tokens/s "
+            f"({row['search_runs']} search runs, {row['wall_s']} s)")
+
+
+def _picklable(spec: SweepSpec) -> bool:
+    try:
+        pickle.dumps(spec)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return False
+    return True
 
 
 def add_derived(rows: list[dict[str, Any]]) -> None:

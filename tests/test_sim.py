@@ -175,6 +175,17 @@ def test_small_sweep_completes_with_every_mode():
     assert set(speedup_summary(rows)) == {"sync", "one_step", "stream", "partial_rollout"}
 
 
+def test_a_sweep_on_worker_processes_gives_the_rows_it_gives_in_one_process():
+    # the cells are independent and seeded alike: only the timing fields (wall_s, sim_s) may differ
+    spec = SweepSpec(model="7b", gpus=(16, 32), workload="uniform", modes=("laminar", "sync"), iterations=3,
+                     warmup=1, search_iterations=2, search_warmup=1)
+    serial, parallel = sweep(spec, workers=1)["rows"], sweep(spec, workers=2)["rows"]
+    timing = {"wall_s", "sim_s"}
+    assert [(r["gpus"], r["mode"]) for r in parallel] == [(16, "laminar"), (16, "sync"), (32, "laminar"), (32, "sync")]
+    assert [{k: v for k, v in r.items() if k not in timing} for r in parallel] == [
+        {k: v for k, v in r.items() if k not in timing} for r in serial]
+
+
 # -- failures --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["rollout", "preempt", "trainer", "relay"])
