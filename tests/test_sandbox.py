@@ -30,13 +30,15 @@ SLACK_S = 1.5  # after the wall clock: SIGKILL of the namespace's init, its tear
 
 @pytest.fixture(autouse=True)
 def no_leftovers():
-    """No process of the sandbox uid range and no child of this process (zombie or orphan) after each test."""
+    """No process of the sandbox uid range and no new child of this process (zombie or orphan) after each test;
+    children that were there before it (the session's dev servers, in a full run) are not the test's."""
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
     yield
     lo, hi = LIMITS.uid_base, LIMITS.uid_base + LIMITS.uid_count
     deadline = time.monotonic() + 2.0
     while True:
         left = [p for p in psutil.process_iter(["uids", "status"]) if p.info["uids"] and lo <= p.info["uids"].real < hi]
-        children = psutil.Process().children(recursive=True)
+        children = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
         if not left and not children or time.monotonic() > deadline:
             break
         time.sleep(0.05)
