@@ -100,21 +100,29 @@ class Batch:
     def admit(self, leases: list[Lease], attempts: int = 1) -> None:
         """Start each group from its prompt. A prompt the task cannot build, or the engine cannot admit (longer
         than its max_prompt_len), fails the group ("generation") instead of the replica, which would otherwise
-        be retried on the same lease forever. A group that does not fit beside the ones in flight (a restart
-        resumed its pool and took a migration's groups too) is no failure: its lease waits in `pending`."""
+        be retried on the same lease forever. A group that does not fit beside the ones in flight (no free slot
+        for each sample, or its prompts not in the KV cache; e.g. a restart resumed its pool and took a
+        migration's groups too) is no failure: its lease waits in `pending` until the engine has room."""
         for lease in leases:
-            if self.engine.in_flight() and self.engine.free_slots() < self.group_size:
-                self.pending.append(lease)
-                continue
             version = int(self.engine.policy_version or 0)
             group = Group(lease, Prompt(lease.prompt_id, "", []), self.clock(), version, attempts=attempts)
             self.groups[lease.group_id] = group
             try:
                 group.prompt = self.task.prompt(lease.prompt_id)
+                if self.engine.in_flight() and not self._fits(group.prompt):
+                    del self.groups[lease.group_id]
+                    self.pending.append(lease)
+                    continue
                 for i in range(self.group_size):
                     self.engine.add(f"{lease.group_id}/{i}", group.prompt.token_ids)
             except Exception as e:  # noqa: BLE001 - the group fails with what went wrong; the replica goes on
                 self.fail(group, "generation", f"{type(e).__name__}: {e}")
+
+    def _fits(self, prompt: Prompt) -> bool:
+        """Every sample of a group gets a slot and its prompt a place in the KV cache, beside what is in flight."""
+        used, capacity = self.engine.kv_usage()
+        return (self.engine.free_slots() >= self.group_size
+                and used + self.group_size * len(prompt.token_ids) <= capacity)
 
     def record(self, finished: list[Finished]) -> None:
         """Each finished sample, verified, into its group; a group with every sample is complete. A failed
