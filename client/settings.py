@@ -19,6 +19,7 @@ that depend on the state dir (dev.json).
 | LAMINAR_LOG_LEVEL         | `info` (debug, info, warning, error, critical)                   |
 | LAMINAR_METRICS_PORT      | `0`: no Prometheus endpoint (`laminar run` gives each process a free port) |
 | LAMINAR_METRICS_BIND      | `127.0.0.1`: the interface the metrics endpoint listens on       |
+| LAMINAR_NOTICE_S          | `30`: a worker told to leave (SIGTERM, `laminar drain`) finishes within this (s) |
 | LAMINAR_TEMPORAL_TLS      | `false`; on by itself when any variable below is set             |
 | LAMINAR_TEMPORAL_TLS_CERT | none: the client certificate (PEM file) for mTLS; with _KEY      |
 | LAMINAR_TEMPORAL_TLS_KEY  | none: its private key (PEM file)                                 |
@@ -93,6 +94,7 @@ _FIXES = {
     "log_level": f"use one of {', '.join(LOG_LEVELS)}",
     "metrics_port": "use a port number 1-65535, or 0 to turn the metrics endpoint off",
     "metrics_bind": "use an IP address or host name, without a port",
+    "notice_s": "use seconds between 1 and 3600 (a preemption warning is typically 30-120 s)",
     "temporal_tls": "use true or false (TLS turns on by itself when a LAMINAR_TEMPORAL_TLS_* variable or "
     "LAMINAR_TEMPORAL_API_KEY is set)",
     "temporal_tls_server_name": "use the host name on the server's certificate, without a port",
@@ -127,6 +129,7 @@ class _Variables(BaseSettings):
     log_level: Annotated[Literal[LOG_LEVELS], _Lower] = "info"  # type: ignore[valid-type]
     metrics_port: int = Field(0, ge=0, le=65535)
     metrics_bind: Annotated[str, AfterValidator(_host)] = "127.0.0.1"
+    notice_s: float = Field(30.0, ge=1.0, le=3600.0)
     temporal_tls: bool | None = None
     temporal_tls_cert: str | None = None
     temporal_tls_key: str | None = None
@@ -174,6 +177,7 @@ class Settings:
     log_level: str  # debug | info | warning | error | critical
     metrics_port: int = 0  # Prometheus endpoint of this process (laminar.metrics); 0: off
     metrics_bind: str = "127.0.0.1"
+    notice_s: float = 30.0  # a worker told to leave (laminar/notice.py) lets its work finish within this
     # Temporal over TLS (client/connect.py): on/off; mTLS client cert + key, the server's CA, the name on its
     # certificate (absolute paths, checked to exist and hold PEM); or an API key (kept out of repr and errors).
     temporal_tls: bool = False
@@ -207,6 +211,7 @@ class Settings:
             log_level=v.log_level,
             metrics_port=v.metrics_port,
             metrics_bind=v.metrics_bind,
+            notice_s=v.notice_s,
             **tls,
         )
 
@@ -223,6 +228,7 @@ class Settings:
             "LAMINAR_LOG_LEVEL": self.log_level,
             "LAMINAR_METRICS_PORT": str(self.metrics_port),
             "LAMINAR_METRICS_BIND": self.metrics_bind,
+            "LAMINAR_NOTICE_S": f"{self.notice_s:g}",
         }
         if self.s3_endpoint is not None:
             env["LAMINAR_S3_ENDPOINT"] = self.s3_endpoint

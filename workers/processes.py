@@ -13,6 +13,7 @@ import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
+from datetime import timedelta
 
 from temporalio.worker import Worker
 
@@ -23,18 +24,33 @@ from client.connect import connect, store_for
 from client.settings import Settings
 from laminar.logs import get_logger
 from laminar.messages import CONTROL_QUEUE, ROLLOUT_QUEUE, TRAINER_QUEUE, fault_queue, relay_queue
+from laminar.notice import NOTICE
 from workflows.recovery_drill import RecoveryDrillWorkflow
 from workflows.training_run import TrainingRunWorkflow
 
 log = get_logger(__name__)
 
-async def _serve(worker: Worker, role: str, process: str, allow_faults: bool, **context) -> None:
-    """Run until SIGTERM/SIGINT, then shut the worker down gracefully. With allow_faults the process also
-    polls its own fault queue (recovery drills deliver faults to exactly this process)."""
+def _on_notice(stop: asyncio.Event, notice_s: float, role: str, sig: int) -> None:
+    """SIGTERM/SIGINT: the notice (laminar/notice.py). The worker stops polling at once and its running
+    activities leave cleanly within notice_s (the Worker's graceful_shutdown_timeout); then it exits 0. A second
+    signal does not wait: the process exits at once (what it has not written is recovered as after a crash)."""
+    name = signal.Signals(sig).name
+    if NOTICE.give(notice_s, name):
+        log.warning("notice_received", role=role, signal=name, notice_s=notice_s)
+        stop.set()
+        return
+    log.warning("second_signal_exit_now", role=role, signal=name)
+    os._exit(1)
+
+
+async def _serve(worker: Worker, role: str, process: str, allow_faults: bool, notice_s: float = 30.0,
+                 **context) -> None:
+    """Run until SIGTERM/SIGINT (a notice: _on_notice), then shut the worker down gracefully. With allow_faults
+    the process also polls its own fault queue (recovery drills deliver faults to exactly this process)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, _on_notice, stop, notice_s, role, sig)
     workers = [worker]
     if allow_faults:
         faults = FaultActivities(process)
@@ -45,13 +61,13 @@ async def _serve(worker: Worker, role: str, process: str, allow_faults: bool, **
         for w in workers:
             await stack.enter_async_context(w)
         await stop.wait()
-    log.info("worker_stopped", role=role, **context)
+    log.info("worker_stopped", role=role, notice=NOTICE.reason or None, **context)
 
 
 async def control(settings: Settings, allow_faults: bool = False) -> None:
     client = await connect(settings)
     worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=[TrainingRunWorkflow, RecoveryDrillWorkflow])
-    await _serve(worker, "control", "control", allow_faults)
+    await _serve(worker, "control", "control", allow_faults, settings.notice_s)
 
 
 async def trainer(settings: Settings, allow_faults: bool = False) -> None:
@@ -70,8 +86,9 @@ async def trainer(settings: Settings, allow_faults: bool = False) -> None:
         activity_executor=ThreadPoolExecutor(max_workers=2),
         max_concurrent_activities=1,
         max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
+        graceful_shutdown_timeout=timedelta(seconds=settings.notice_s),
     )
-    await _serve(worker, "trainer", "trainer", allow_faults, host_id=settings.host_id)
+    await _serve(worker, "trainer", "trainer", allow_faults, settings.notice_s, host_id=settings.host_id)
 
 
 async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1) -> None:
@@ -90,9 +107,10 @@ async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1
         activity_executor=ThreadPoolExecutor(max_workers=slots + 1),
         max_concurrent_activities=slots,
         max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
+        graceful_shutdown_timeout=timedelta(seconds=settings.notice_s),
     )
-    await _serve(worker, "rollout", f"rollout-{settings.host_id}", allow_faults, host_id=settings.host_id,
-                 slots=slots)
+    await _serve(worker, "rollout", f"rollout-{settings.host_id}", allow_faults, settings.notice_s,
+                 host_id=settings.host_id, slots=slots)
 
 
 async def relay(settings: Settings, allow_faults: bool = False) -> None:
@@ -104,9 +122,10 @@ async def relay(settings: Settings, allow_faults: bool = False) -> None:
         client = await connect(settings)
         acts = RelayActivities(settings.host_id, settings.host_id, address)
         worker = Worker(client, task_queue=relay_queue(settings.host_id), activities=[acts.run_relay],
-                        max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE)
-        await _serve(worker, "relay", f"relay-{settings.host_id}", allow_faults, host_id=settings.host_id,
-                     address=address)
+                        max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
+                        graceful_shutdown_timeout=timedelta(seconds=settings.notice_s))
+        await _serve(worker, "relay", f"relay-{settings.host_id}", allow_faults, settings.notice_s,
+                     host_id=settings.host_id, address=address)
     finally:
         server.stop()
 
