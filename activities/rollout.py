@@ -12,6 +12,7 @@ import time
 
 from temporalio import activity
 from temporalio.client import Client, RPCTimeoutOrCancelledError
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from activities.errors import permanent_errors
@@ -27,6 +28,7 @@ from laminar.messages import (
     RolloutReplicaResult,
 )
 from laminar.metrics import CONTROL_UPDATE_RETRIES
+from laminar.notice import NOTICE
 from services.rollout import RolloutReplica
 from storage.objects import ObjectStore
 
@@ -79,7 +81,9 @@ class _TemporalControl:
         activity.heartbeat(details)
 
     def cancelled(self) -> bool:
-        return activity.is_cancelled() or activity.is_worker_shutdown()
+        """Cancelled, or its worker shuts down. On a notice (laminar/notice.py) the worker shuts down too, but
+        the replica has until the notice's deadline to leave (then the worker cancels it)."""
+        return activity.is_cancelled() or (activity.is_worker_shutdown() and not NOTICE.given)
 
 
 class RolloutActivities:
@@ -108,7 +112,13 @@ class RolloutActivities:
             store=self.store,
             control=_TemporalControl(self.client, self.loop, inp.workflow_id),
         )
-        return replica.run()
+        result = replica.run()
+        if result.departed == "notice":
+            # its groups are with other replicas already: this attempt ends so that Temporal places the replica
+            # on another worker at once (this one polls no more), as it does after a crash, minus the timeout
+            raise ApplicationError(f"replica {inp.replica_id} left its worker on notice ({NOTICE.reason}); "
+                                   "it continues on another worker", type="ReplicaLeftOnNotice")
+        return result
 
 
 def _last_details(details) -> dict:

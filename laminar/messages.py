@@ -88,10 +88,28 @@ class Taken:
 
 @dataclass(frozen=True)
 class Lease:
-    """workflow -> replica: one prompt group to generate. group_id is the idempotency key."""
+    """workflow -> replica: one prompt group to generate. group_id is the idempotency key. With `resume`, the
+    group was in flight on a replica that left (or a migration its destination declined): the segment holds its
+    samples' prefixes, started under `resume_version`; a replica that holds that version continues them, any
+    other generates the group again from its prompt, answering its recorded tool calls from the rows."""
 
     group_id: str
     prompt_id: int
+    resume: SegmentRef | None = None
+    resume_version: int = -1
+
+
+@dataclass(frozen=True)
+class Departure:
+    """replica -> workflow (on its last claim): it leaves (a notice, or `laminar scale` removed it). Its unfinished
+    groups were stopped and written as one segment (None: nothing was in flight); the workflow moves them to a
+    replica of the same version (a migration) or returns them to the pool with the segment to resume from, and
+    returns the leases it had not started. The replica then exits without waiting for any timeout."""
+
+    reason: str  # "notice" (SIGTERM, `laminar drain`, a preemption) or "removed" (`laminar scale`)
+    segment: SegmentRef | None = None
+    policy_version: int = -1  # the version its groups started under
+    tokens_regenerated: int = 0  # tokens of groups it could not hand over (another version): generated again
 
 
 @dataclass(frozen=True)
@@ -106,6 +124,7 @@ class ClaimPromptsInput:
     request_id: str = ""  # idempotency key: a retried claim with the same id gets the same leases back
     handoff: Handoff | None = None  # repack: a source hands its stopped groups over
     taken: list[Taken] = field(default_factory=list)  # repack: a destination acknowledges incoming groups
+    departure: Departure | None = None  # the replica leaves: its groups go to others (no leases are given)
 
 
 @dataclass(frozen=True)
@@ -124,6 +143,7 @@ class ClaimPromptsResult:
     relays: list[RelayInfo]
     stop: bool = False  # the run is over: finish and return
     handover: bool = False  # continue-as-new pending: write in-flight to the partial pool and return
+    leave: bool = False  # `laminar scale` removed this replica: hand its groups to others (Departure) and return
     paused: bool = False
     resume_ok: list[str] = field(default_factory=list)  # of `resuming`: still leased to this replica
     migrate: MigrationOrder | None = None  # repack: this replica is a source
@@ -164,6 +184,7 @@ class AddExperienceResult:
     duplicates: list[str]  # already reported (a retried report): ignored
     stop: bool = False
     handover: bool = False
+    leave: bool = False
     migrate: MigrationOrder | None = None
     incoming: list[Incoming] = field(default_factory=list)
     hold_version: int = -1
@@ -311,6 +332,7 @@ class RolloutReplicaResult:
     groups_completed: int
     tokens_generated: int
     handed_over: int  # in-flight groups written to the partial pool at hand-over
+    departed: str = ""  # it left (Departure.reason): "notice" or "removed"; "" for a hand-over or stop
 
 
 @dataclass(frozen=True)

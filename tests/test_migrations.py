@@ -3,7 +3,7 @@ per group at every moment, retried messages change nothing, a restart voids what
 
 from __future__ import annotations
 
-from laminar.messages import Handoff, ReplicaReport, Taken
+from laminar.messages import Departure, Handoff, ReplicaReport, Taken
 from laminar.refs import SegmentRef
 from storage import keys
 from storage.objects import sha256_hex
@@ -139,3 +139,97 @@ def test_a_restarted_source_voids_its_order_and_a_restarted_destination_its_inbo
     assert mig.pending() == 0
     assert _owners(ledger) == {"g00000000": "replica-1", "g00000004": "replica-2"}
     assert sorted(lease.group_id for lease in ledger.state.returned) == ["g00000001", "g00000002", "g00000003"]
+
+
+# -- departures (a replica leaves on notice or is removed by `laminar scale`) --------------------------------
+
+
+def _departure(group_ids: list[str], version: int = 3, lost: int = 0) -> Departure:
+    return Departure("notice", _segment("depart-replica-0-x", group_ids), version, tokens_regenerated=lost)
+
+
+def test_a_departure_moves_its_groups_to_the_replica_of_its_version_with_the_most_free_cache() -> None:
+    ledger, mig = _setup()
+    ledger.note_report(_report("replica-0", 3, 300, 300, 8))  # the one leaving
+    ledger.note_report(_report("replica-1", 3, 600, 600, 6))  # version 3, 400 tokens free
+    ledger.note_report(_report("replica-2", 3, 200, 200, 2))  # version 3, 800 free: the destination
+    ledger.note_report(_report("replica-3", 4, 0, 0, 0))  # all free, but another version
+    # replica-0 holds g0 and g1; g0 was in flight (in the segment), g1 was leased and not started
+    destination, moved = mig.depart("replica-0", _departure(["g00000000"], lost=7), [], at=5.0)
+    assert (destination, moved) == ("replica-2", ["g00000000"])
+    lease = ledger.state.open_leases["g00000000"]
+    assert lease.replica_id == "replica-2" and lease.resume is not None and lease.resume_version == 3
+    inbox = mig.incoming_for("replica-2")
+    assert [(i.migration_id, i.source, i.segment.group_ids, i.policy_version) for i in inbox] == [
+        ("d000001", "replica-0", ["g00000000"], 3)]
+    # the lease it had not started goes back as it is (from its prompt)
+    assert [(r.group_id, r.resume) for r in ledger.state.returned] == [("g00000001", None)]
+    assert "g00000001" not in ledger.state.open_leases
+    assert ledger.state.tokens_regenerated == 7  # its groups of another version, thrown away
+    # the destination takes it: a plain migration from here on
+    mig.take("replica-2", [Taken("d000001", ok=True)], at=6.0)
+    assert _owners(ledger)["g00000000"] == "replica-2" and ledger.state.repack_groups == 1
+
+
+def test_a_departure_with_no_replica_of_its_version_returns_the_groups_with_their_prefixes() -> None:
+    ledger, mig = _setup()
+    ledger.note_report(_report("replica-0", 3, 300, 300, 8))
+    ledger.note_report(_report("replica-1", 4, 0, 0, 0))  # newer version only
+    destination, moved = mig.depart("replica-0", _departure(["g00000000", "g00000001"]), [], at=5.0)
+    assert (destination, moved) == ("", ["g00000000", "g00000001"])
+    assert [(r.group_id, r.resume_version) for r in ledger.state.returned] == [("g00000000", 3), ("g00000001", 3)]
+    # the next lease carries the segment: the replica that takes it resumes (version 3) or regenerates
+    leases = ledger.lease("replica-1", 1)
+    assert leases[0].group_id == "g00000000" and leases[0].resume is not None
+    assert leases[0].resume.key == keys.migration(RUN, "depart-replica-0-x") and leases[0].resume_version == 3
+    # no lease lost: prompt_cursor == generated + failed + open + returned
+    s = ledger.state
+    assert s.prompt_cursor == s.groups_generated + s.groups_failed + len(s.open_leases) + len(s.returned) == 5
+
+
+def test_a_departing_replica_is_not_a_destination_and_leaving_ones_are_skipped() -> None:
+    ledger, mig = _setup()
+    ledger.note_report(_report("replica-0", 3, 300, 300, 8))
+    ledger.note_report(_report("replica-1", 3, 0, 0, 0))  # leaving (`laminar scale` removed it)
+    destination, _ = mig.depart("replica-0", _departure(["g00000000"]), ["replica-1"], at=5.0)
+    # g1 (not started) went back first, then g0 with its segment
+    assert destination == "" and [r.resume_version for r in ledger.state.returned] == [-1, 3]
+
+
+def test_a_declined_departure_goes_back_with_its_segment() -> None:
+    ledger, mig = _setup()
+    ledger.note_report(_report("replica-0", 3, 300, 300, 8))
+    ledger.note_report(_report("replica-1", 3, 0, 0, 0))
+    mig.depart("replica-0", _departure(["g00000000"]), [], at=5.0)
+    mig.take("replica-1", [Taken("d000001", ok=False)], at=6.0)  # it had loaded version 4 meanwhile
+    assert [(r.group_id, r.resume_version, r.resume is not None) for r in ledger.state.returned] == [
+        ("g00000001", -1, False), ("g00000000", 3, True)]
+
+
+def test_a_retried_departure_changes_nothing() -> None:
+    ledger, mig = _setup()
+    ledger.note_report(_report("replica-0", 3, 300, 300, 8))
+    mig.depart("replica-0", _departure(["g00000000"]), [], at=5.0)
+    before = (list(ledger.state.returned), dict(ledger.state.open_leases))
+    assert mig.depart("replica-0", _departure(["g00000000"]), [], at=6.0) == ("", [])
+    assert (list(ledger.state.returned), dict(ledger.state.open_leases)) == before
+
+
+def test_a_returned_group_with_prefixes_waits_for_a_replica_that_can_continue_it() -> None:
+    ledger, mig = _setup()
+    ledger.note_report(_report("replica-0", 3, 300, 300, 8))
+    mig.depart("replica-0", _departure(["g00000000"]), [], at=100.0)  # no other replica on 3: returned at t=100
+    # returned: g1 (plain, not started), then g0 (prefixes under version 3)
+    busy_on_4 = _report("replica-1", 4, 500, 500, 6)
+    # a busy replica of version 4 gets the plain one and a fresh prompt, not g0 (it would regenerate it)
+    got = ledger.lease("replica-1", 2, claimer=busy_on_4, at=101.0)
+    assert [lease.group_id for lease in got] == ["g00000001", "g00000005"]
+    assert [r.group_id for r in ledger.state.returned] == ["g00000000"]
+    # an idle replica (nothing in flight or waiting) takes it: it loads version 3 from a relay first
+    idle_on_4 = _report("replica-2", 4, 0, 0, 0)
+    assert [lease.resume_version for lease in ledger.lease("replica-2", 1, claimer=idle_on_4, at=102.0)] == [3]
+    # and once it has waited RESUME_PREFERENCE_S (15 s), anyone takes it
+    mig.depart("replica-2", _departure(["g00000000"]), [], at=200.0)  # g4 (its, not started) back plain
+    got = ledger.lease("replica-1", 2, claimer=busy_on_4, at=214.9)
+    assert [lease.group_id for lease in got] == ["g00000004", "g00000006"]  # g0 passed by: 14.9 s < 15 s
+    assert ledger.lease("replica-1", 1, claimer=busy_on_4, at=215.0)[0].group_id == "g00000000"

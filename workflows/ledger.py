@@ -93,13 +93,19 @@ class Ledger:
             self.state.rejoined.append(replica_id)
         self.note_event("replica_rejoined", replica_id, at)
 
-    def lease(self, replica_id: str, n: int, fresh_room: int | None = None) -> list[Lease]:
+    def lease(self, replica_id: str, n: int, fresh_room: int | None = None, claimer: ReplicaReport | None = None,
+              at: float = 0.0) -> list[Lease]:
         """Hand out up to n groups: returned leases first (oldest first), then at most `fresh_room` fresh
-        prompts (None: no bound; the run mode's bound, laminar/policy.py fresh_lease_room)."""
+        prompts (None: no bound; the run mode's bound, laminar/policy.py fresh_lease_room). A returned lease with
+        prefixes to resume goes to a claimer that can continue them (`_can_resume`); the others pass it by."""
         out: list[Lease] = []
-        while len(out) < n and self.state.returned:
-            old = self.state.returned.pop(0)
-            out.append(self._open(old.group_id, old.prompt_id, replica_id))
+        for old in list(self.state.returned):
+            if len(out) >= n:
+                break
+            if claimer is not None and not _can_resume(old, claimer, at):
+                continue
+            self.state.returned.remove(old)
+            out.append(self._open(old.group_id, old.prompt_id, replica_id, old.resume, old.resume_version))
         stop_at = n if fresh_room is None else min(n, len(out) + fresh_room)
         while len(out) < stop_at:
             prompt_id = self.state.prompt_cursor
@@ -107,9 +113,23 @@ class Ledger:
             out.append(self._open(f"g{prompt_id:08d}", prompt_id, replica_id))
         return out
 
-    def _open(self, group_id: str, prompt_id: int, replica_id: str) -> Lease:
-        self.state.open_leases[group_id] = OpenLease(group_id=group_id, prompt_id=prompt_id, replica_id=replica_id)
-        return Lease(group_id=group_id, prompt_id=prompt_id)
+    def _open(self, group_id: str, prompt_id: int, replica_id: str, resume: SegmentRef | None = None,
+              resume_version: int = -1) -> Lease:
+        self.state.open_leases[group_id] = OpenLease(group_id=group_id, prompt_id=prompt_id, replica_id=replica_id,
+                                                     resume=resume, resume_version=resume_version)
+        return Lease(group_id=group_id, prompt_id=prompt_id, resume=resume, resume_version=resume_version)
+
+    def give_back(self, replica_id: str, group_ids: list[str], resume: SegmentRef | None,
+                  resume_version: int = -1, at: float = 0.0) -> list[str]:
+        """Return these leases of `replica_id` to the pool with the segment their prefixes are in (None: from
+        their prompts); the next replica to lease one resumes it where it can (laminar.messages.Lease)."""
+        back = self.held_by(replica_id, group_ids)
+        for g in back:
+            lease = self.state.open_leases.pop(g)
+            if resume is not None:
+                lease.resume, lease.resume_version, lease.returned_at = resume, resume_version, at
+            self.state.returned.append(lease)
+        return back
 
     def release_leases_of(self, replica_id: str, keep: set[str]) -> list[str]:
         """A (re)started replica holds only what it resumes: its other open leases go back to the pool."""
@@ -346,3 +366,16 @@ class Ledger:
             unversioned_since=dict(s.unversioned_since),
             **watchdog,
         )
+
+
+# A returned group with prefixes waits this long (workflow seconds) for a replica that can continue them; then any
+# replica takes it (and generates it again if it cannot): a version nobody holds any more never strands a group.
+RESUME_PREFERENCE_S = 15.0
+
+
+def _can_resume(lease: OpenLease, claimer: ReplicaReport, at: float) -> bool:
+    """The claimer can continue the lease's prefixes: it holds their version, or it is idle (nothing in flight or
+    waiting: it loads that version from a relay first, services/rollout/migration.py). Plain leases, and any
+    lease that has waited RESUME_PREFERENCE_S, go to anyone."""
+    return (lease.resume is None or claimer.policy_version == lease.resume_version
+            or (claimer.in_flight == 0 and claimer.waiting == 0) or at - lease.returned_at >= RESUME_PREFERENCE_S)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from laminar.messages import Handoff, Incoming, MigrationOrder, Taken
+from laminar.messages import Departure, Handoff, Incoming, MigrationOrder, ReplicaReport, Taken
 from workflows.ledger import Ledger
 from workflows.repack import Move, ReplicaLoad, plan_repack
 
@@ -114,16 +114,63 @@ class Migrations:
                 self.state.repack_groups += len(inc.segment.group_ids)
                 self.state.repack_overhead_s += t.overhead_s
                 self.ledger.note_event("repack_moved", subject, at, len(inc.segment.group_ids))
-            else:
-                back = self.ledger.held_by(destination, inc.segment.group_ids)
-                for g in back:
-                    self.state.returned.append(self.state.open_leases.pop(g))
+            else:  # back to the pool with their prefixes: a replica of that version continues them
+                back = self.ledger.give_back(destination, inc.segment.group_ids, inc.segment, inc.policy_version, at)
                 self.ledger.note_event("repack_declined", subject, at, len(back))
         if not queue:
             self.state.inbox.pop(destination, None)
+
+    def depart(self, source: str, departure: Departure, leaving: list[str], at: float) -> tuple[str, list[str]]:
+        """A replica leaves (laminar.messages.Departure): the groups in its segment that it still holds go to a
+        replica of their version (an `Incoming`, taken or declined like a repack migration) or, with none, back
+        to the pool with the segment (`Lease.resume`); every other lease it holds (not started) goes back as it
+        is. Returns (destination or "", the groups in the segment). A retried claim finds nothing held: no-op."""
+        self.forget(source)
+        self.state.replicas.pop(source, None)  # gone until its next claim: never a destination meanwhile
+        self.state.tokens_regenerated += departure.tokens_regenerated
+        seg = departure.segment
+        moving = [] if seg is None else self.ledger.held_by(source, seg.group_ids)
+        plain = [g for g, lease in self.state.open_leases.items() if lease.replica_id == source and g not in moving]
+        self.ledger.give_back(source, plain, None)
+        if not moving or seg is None:
+            self.ledger.note_event("replica_departed", source, at, len(plain))
+            return "", []
+        segment = replace(seg, group_ids=moving)
+        destination = pick_destination(list(self.state.replicas.values()), source, departure.policy_version,
+                                       set(leaving) | set(self.state.migrations))
+        if not destination:
+            self.ledger.give_back(source, moving, segment, departure.policy_version, at)
+            self.ledger.note_event("departure_returned", source, at, len(moving))
+            return "", moving
+        self.state.migration_seq += 1
+        migration_id = f"d{self.state.migration_seq:06d}"
+        for g in moving:  # the destination's now; if it dies, its retry returns them with the segment
+            lease = self.state.open_leases[g]
+            lease.replica_id, lease.resume, lease.resume_version = destination, segment, departure.policy_version
+        self.state.inbox.setdefault(destination, []).append(
+            Incoming(migration_id=migration_id, source=source, segment=segment, policy_version=departure.policy_version))
+        self.ledger.note_event("departure_moved", f"{source}->{destination}", at, len(moving))
+        return destination, moving
 
     def forget(self, replica_id: str) -> None:
         """A (re)started replica: its order is void and its unacknowledged incoming groups are leases it holds
         like any other (kept if its partial pool has them, else back to the pool)."""
         self.state.migrations.pop(replica_id, None)
         self.state.inbox.pop(replica_id, None)
+
+
+def pick_destination(reports: list[ReplicaReport], source: str, version: int, excluded: set[str]) -> str:
+    """Where a departing replica's groups go: a replica that reported `version` loaded, other than the source
+    and not leaving or handing off itself; the one with the most free KV cache (then the fewest sequences in
+    flight or waiting, then the lowest id). "" when none holds that version."""
+    fits = [r for r in reports if r.policy_version == version >= 0 and r.replica_id != source
+            and r.replica_id not in excluded]
+    if not fits:
+        return ""
+    best = max(fits, key=lambda r: (r.kv_capacity - r.kv_used, -(r.in_flight + r.waiting), _neg_index(r.replica_id)))
+    return best.replica_id
+
+
+def _neg_index(replica_id: str) -> int:
+    head, _, tail = replica_id.rpartition("-")
+    return -int(tail) if head and tail.isdigit() else -(10**9)

@@ -32,6 +32,9 @@ class OpenLease:
     group_id: str
     prompt_id: int
     replica_id: str
+    resume: SegmentRef | None = None  # a departed replica's prefixes of this group (laminar.messages.Lease)
+    resume_version: int = -1
+    returned_at: float = 0.0  # workflow time it went back with prefixes (ledger.RESUME_PREFERENCE_S)
 
 
 @dataclass

@@ -436,23 +436,27 @@ class TrainingRunWorkflow:
             self.migrations.hand_off(replica_id, inp.handoff, workflow.time())
         if inp.taken:
             self.migrations.take(replica_id, inp.taken, workflow.time())
-        self._maybe_repack()
-        stop, handover = self.state.stopping, self._handover or self._leaving(replica_id)
+        stop, handover, leave = self.state.stopping, self._handover, self._leaving(replica_id)
         leases = self.ledger.replay_claim(replica_id, inp.request_id)
         if leases is None:
+            if inp.departure is not None:  # it leaves: its groups go to a replica of their version, or back
+                self.migrations.depart(replica_id, inp.departure, list(self.state.leaving), workflow.time())
             leases = []
-            if not (stop or handover or self.state.paused or not self.state.trainer_ready):
+            if not (stop or handover or leave or inp.departure or self.state.paused or not self.state.trainer_ready):
                 room = self._cfg.rollout.max_ready_groups - len(self.state.ready)
                 fresh = fresh_lease_room(self._policy, self.state.prompt_cursor, self.state.policy_version,
                                          self.state.groups_generated + self.state.groups_failed)
-                leases = self.ledger.lease(replica_id, max(0, min(inp.max_groups, room)), fresh)
+                leases = self.ledger.lease(replica_id, max(0, min(inp.max_groups, room)), fresh, claimer=inp.report,
+                                           at=workflow.time())
             self.ledger.remember_claim(replica_id, inp.request_id, leases)
+        self._maybe_repack()
         return ClaimPromptsResult(
             leases=leases,
             newest_policy_version=self.state.policy_version,
             relays=[r for _, r in sorted(self.state.relays.items())],
             stop=stop,
             handover=handover,
+            leave=leave,
             paused=self.state.paused,
             resume_ok=resume_ok,
             **self._hints(replica_id),
@@ -477,7 +481,7 @@ class TrainingRunWorkflow:
         self._maybe_repack()
         return AddExperienceResult(
             accepted=accepted, duplicates=duplicates, stop=self.state.stopping,
-            handover=self._handover or self._leaving(inp.report.replica_id),
+            handover=self._handover, leave=self._leaving(inp.report.replica_id),
             failed=failed, **self._hints(inp.report.replica_id),
         )
 
@@ -551,7 +555,8 @@ class TrainingRunWorkflow:
         return [r for r in self.state.leaving if r not in self._replicas or self._replicas[r].done()]
 
     def _retire_left(self) -> None:
-        """A removed replica returned: its unfinished groups go back to the pool, as a lost replica's do."""
+        """A removed replica returned. It handed its unfinished groups to others as it left (Departure); what it
+        still holds (it died before that, or predates departures) goes back to the pool, as a lost replica's does."""
         for replica_id in self._left_replicas():
             self.migrations.forget(replica_id)  # orders to or from it since the scale are void
             released = self.ledger.release_leases_of(replica_id, keep=set())

@@ -96,6 +96,9 @@ class Batch:
         # (group, sample, turn) -> (call text, output tokens) recorded by an earlier incarnation of a group that
         # is generated again from its prompt: the same call there gets the recorded answer, not a second run
         self.recorded: dict[tuple[str, int, int], tuple[str, list[int]]] = {}
+        # groups to continue from recorded prefixes (a resumed pool, a migration, a departed replica's group) that
+        # did not fit beside those in flight: group id -> (the version they started on, their rows)
+        self.deferred: dict[str, tuple[int, list[Trajectory]]] = {}
 
     def admit(self, leases: list[Lease], attempts: int = 1) -> None:
         """Start each group from its prompt. A prompt the task cannot build, or the engine cannot admit (longer
@@ -262,26 +265,68 @@ class Batch:
 
     def resume(self, groups: dict[str, list[Trajectory]], version: int) -> None:
         """Continue these groups under `version` (the one loaded): partial samples from their prefixes (prefilled
-        again), missing samples from the prompt; finished samples are kept as they are."""
+        again), missing samples from the prompt; finished samples are kept as they are. A group whose samples
+        do not fit beside those in flight (slots, or its prompts and prefixes in the KV cache) waits in
+        `deferred` until they do (`resume_deferred`): a resume never overruns the engine."""
         for group_id, rows in groups.items():
-            first = rows[0]
-            group = Group(Lease(group_id, first.prompt_id), self.task.prompt(first.prompt_id), first.started_at,
-                          version)
-            self.groups[group_id] = group
-            for t in rows:
-                if t.finish_reason != "partial":
-                    group.done[t.sample_index] = t
-                elif "tool_intent" in t.extra and self.tools:
-                    self._interrupted(group, t)
-                else:
-                    # its completed tool calls are in its prefix: never run again
-                    self.episodes[f"{group_id}/{t.sample_index}"] = Episode.from_row(t.tool_mask, t.extra)
-                    self.engine.add(f"{group_id}/{t.sample_index}", t.prompt_ids,
-                                    prefix_ids=t.response_ids, prefix_logprobs=t.logprobs)
-            for i in sorted(set(range(self.group_size)) - {t.sample_index for t in rows}):
-                self.engine.add(f"{group_id}/{i}", first.prompt_ids)
-            if self.groups.get(group_id) is group and len(group.done) == self.group_size:
-                self.completed.append(self.groups.pop(group_id))
+            if self.engine.in_flight() and not self._fits_rows(rows):
+                self.deferred[group_id] = (version, rows)
+                continue
+            self._resume_one(group_id, rows, version)
+
+    def _fits_rows(self, rows: list[Trajectory]) -> bool:
+        partial = [t for t in rows if t.finish_reason == "partial"]
+        missing = self.group_size - len(rows)
+        unfinished = len(partial) + missing
+        kv = sum(len(t.prompt_ids) + len(t.response_ids) for t in partial) + missing * len(rows[0].prompt_ids)
+        used, capacity = self.engine.kv_usage()
+        return self.engine.free_slots() >= unfinished and used + kv <= capacity
+
+    def resume_deferred(self) -> None:
+        """The deferred groups of the loaded version that fit now are continued; one whose version is no longer
+        loaded is generated again from its prompt (restart_fresh)."""
+        version = self.engine.policy_version
+        if version is None:
+            return
+        for group_id, (v, rows) in list(self.deferred.items()):
+            if v != version:
+                del self.deferred[group_id]
+                self.restart_fresh({group_id: rows})
+            elif not self.engine.in_flight() or self._fits_rows(rows):
+                del self.deferred[group_id]
+                self._resume_one(group_id, rows, v)
+
+    def restart_fresh(self, groups: dict[str, list[Trajectory]]) -> None:
+        """Generate these groups again from their prompts (their start version is not the one loaded): their
+        tokens are counted as regenerated, and a regenerated turn that makes a call they completed gets the
+        recorded answer instead of a second run."""
+        rows = [t for g in groups.values() for t in g]
+        if self.counters is not None:
+            self.counters.tokens_regenerated += sum(len(t.response_ids) for t in rows)
+        self.remember_calls(rows)
+        self.admit([Lease(g, g_rows[0].prompt_id) for g, g_rows in groups.items()])
+
+    def deferred_rows(self) -> list[Trajectory]:
+        return [t for _, rows in self.deferred.values() for t in rows]
+
+    def _resume_one(self, group_id: str, rows: list[Trajectory], version: int) -> None:
+        first = rows[0]
+        group = Group(Lease(group_id, first.prompt_id), self.task.prompt(first.prompt_id), first.started_at, version)
+        self.groups[group_id] = group
+        for t in rows:
+            if t.finish_reason != "partial":
+                group.done[t.sample_index] = t
+            elif "tool_intent" in t.extra and self.tools:
+                self._interrupted(group, t)
+            else:
+                # its completed tool calls are in its prefix: never run again
+                self.episodes[f"{group_id}/{t.sample_index}"] = Episode.from_row(t.tool_mask, t.extra)
+                self.engine.add(f"{group_id}/{t.sample_index}", t.prompt_ids,
+                                prefix_ids=t.response_ids, prefix_logprobs=t.logprobs)
+        for i in sorted(set(range(self.group_size)) - {t.sample_index for t in rows}):
+            self.engine.add(f"{group_id}/{i}", first.prompt_ids)
+        if self.groups.get(group_id) is group and len(group.done) == self.group_size:
+            self.completed.append(self.groups.pop(group_id))
 
     def _intent_call(self, t: Trajectory) -> tuple[Tool, str] | None:
         """The call that ends the row of a sample whose call intent was written (its last turn)."""

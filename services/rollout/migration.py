@@ -5,10 +5,11 @@ the next claim."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from laminar.errors import CorruptDataError
 from laminar.logs import get_logger
-from laminar.messages import Handoff, Incoming, MigrationOrder, Taken
+from laminar.messages import Departure, Handoff, Incoming, Lease, MigrationOrder, Taken
 from laminar.records import Trajectory
 from laminar.timing import TimeBreakdown
 from services.rollout.batch import Batch, Counters
@@ -19,7 +20,9 @@ log = get_logger(__name__)
 
 class Repack:
     def __init__(self, batch: Batch, trajectories: TrajectoryStore, run_id: str, replica_id: str,
-                 counters: Counters, profile: TimeBreakdown) -> None:
+                 counters: Counters, profile: TimeBreakdown,
+                 load_version: Callable[[int], bool] = lambda version: False) -> None:
+        self.load_version = load_version  # an idle replica loads a departed group's version (from a relay)
         self.batch, self.engine, self.trajectories = batch, batch.engine, trajectories
         self.run_id, self.replica_id, self.counters, self.profile = run_id, replica_id, counters, profile
         self.handoff: Handoff | None = None  # what the next claim carries
@@ -69,6 +72,64 @@ class Repack:
         log.info("repack_handed_off", replica_id=self.replica_id, migration=order.migration_id,
                  destination=order.destination, groups=len(moving), sequences=len(stopped),
                  policy_version=order.policy_version)
+
+    def depart(self, reason: str, segment_id: str) -> tuple[Departure, int]:
+        """Stop every unfinished group and write those of the loaded version (and deferred ones of it) as one
+        segment, for the workflow to move (laminar.messages.Departure). Groups of another version are not
+        moved: their leases go back from their prompts, and their tokens are returned as thrown away."""
+        version = self.engine.policy_version
+        stopped = self.engine.abort() if self.batch.groups else []
+        groups, self.batch.groups = self.batch.groups, {}
+        rows = self.batch.rows(groups, stopped) + self.batch.deferred_rows()
+        self.batch.deferred = {}
+        keep, lost = [], 0
+        for t in rows:
+            if version is not None and t.policy_version == version:
+                keep.append(t)
+            else:
+                lost += len(t.response_ids)
+        with self.profile.measure("depart_out"):
+            ref = self.trajectories.write_migration(self.run_id, segment_id, keep) if keep else None
+        log.info("replica_departing", replica_id=self.replica_id, reason=reason, groups=len(ref.group_ids) if ref else 0,
+                 sequences=len(stopped), pending=len(self.batch.pending), tokens_dropped=lost, policy_version=version)
+        return Departure(reason, ref, -1 if version is None else int(version), tokens_regenerated=lost), lost
+
+    def take_leases(self, leases: list[Lease]) -> None:
+        """Leases that carry a departed replica's (or a declined migration's) prefixes: continue each group from
+        its rows when this replica has their version loaded, else generate it again from its prompt (its
+        recorded tool calls answered from the rows). A segment that cannot be read costs only the prefixes."""
+        rows_of: dict[str, list[Trajectory]] = {}
+        for key in {lease.resume.key for lease in leases if lease.resume is not None}:
+            ref = next(lease.resume for lease in leases if lease.resume is not None and lease.resume.key == key)
+            try:
+                with self.profile.measure("resume_in"):
+                    rows_of[key] = self.trajectories.read_segment(ref)
+            except CorruptDataError as e:
+                log.error("resume_segment_unreadable", replica_id=self.replica_id, key=key, error=str(e))
+                rows_of[key] = []
+        fresh: list[Lease] = []
+        resumed = restarted = 0
+        wanted = {lease.resume_version for lease in leases}
+        if (len(wanted) == 1 and self.engine.policy_version not in wanted and not self.engine.in_flight()
+                and not self.batch.groups):  # idle: load their version first (a relay keeps recent versions)
+            self.load_version(next(iter(wanted)))
+        for lease in leases:
+            assert lease.resume is not None
+            rows = [t for t in rows_of[lease.resume.key] if t.group_id == lease.group_id]
+            if not rows:
+                fresh.append(Lease(lease.group_id, lease.prompt_id))
+            elif self.engine.policy_version == lease.resume_version:
+                self.batch.resume({lease.group_id: rows}, lease.resume_version)
+                self.counters.reprefilled(sum(len(t.prompt_ids) + len(t.response_ids) for t in rows
+                                              if t.finish_reason == "partial"))
+                resumed += 1
+            else:
+                self.batch.restart_fresh({lease.group_id: rows})
+                restarted += 1
+        if fresh:
+            self.batch.admit(fresh)
+        log.info("resume_leases_taken", replica_id=self.replica_id, resumed=resumed, restarted=restarted,
+                 without_rows=len(fresh), policy_version=self.engine.policy_version)
 
     def _take(self, inc: Incoming) -> None:
         """Continue a source's groups under their version if this replica still holds it and has the slots;

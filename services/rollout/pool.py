@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from laminar.errors import CorruptDataError
 from laminar.logs import get_logger
-from laminar.messages import Lease
 from laminar.records import Trajectory
 from laminar.timing import TimeBreakdown
 from services.rollout.batch import Batch, Counters
@@ -41,7 +40,7 @@ class PartialPool:
         """All samples of every in-flight group: finished ones as they are, the rest as prefixes; then the
         complete groups not yet reported."""
         b = self.batch
-        rows = b.rows(b.groups, b.engine.snapshot_inflight())
+        rows = b.rows(b.groups, b.engine.snapshot_inflight()) + b.deferred_rows()
         rows += [t for g in b.reporting + b.completed for t in g.done.values()]
         if not rows and (self.empty or self.kept):
             return  # an idle replica does not rewrite an empty pool every flush interval, nor a kept one
@@ -91,11 +90,8 @@ class PartialPool:
 
     def _restart_fresh(self, resumed: dict[str, list[Trajectory]]) -> None:
         """The start version can no longer be loaded: regenerate those groups from scratch (counted)."""
-        self.counters.tokens_regenerated += sum(len(t.response_ids) for rows in resumed.values() for t in rows)
         self.weights.poll()
         self.weights.load_newest()
-        leases = [Lease(g, rows[0].prompt_id) for g, rows in resumed.items()]
-        self.batch.remember_calls([t for rows in resumed.values() for t in rows])  # completed calls run once
-        log.warning("partial_groups_restarted", replica_id=self.replica_id, groups=len(leases),
+        self.batch.restart_fresh(resumed)  # completed calls run once
+        log.warning("partial_groups_restarted", replica_id=self.replica_id, groups=len(resumed),
                     tokens_regenerated=self.counters.tokens_regenerated)
-        self.batch.admit(leases)

@@ -7,6 +7,7 @@ import json
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import replace
 
 from laminar import metrics as prom
 from laminar.config import RunConfig
@@ -19,6 +20,7 @@ from laminar.messages import (
     ReplicaReport,
     RolloutReplicaResult,
 )
+from laminar.notice import NOTICE, Notice
 from laminar.policy import may_start, min_version, policy_for
 from laminar.refs import SegmentRef
 from laminar.timing import TimeBreakdown
@@ -41,10 +43,12 @@ class RolloutReplica:
     def __init__(self, *, run_id: str, replica_id: str, host_id: str, segment_prefix: str, cfg: RunConfig,
                  store: ObjectStore, control: ControlPort, attempt: int = 1, generation: int = 0,
                  previous_heartbeat: dict | None = None, relay_token: str | None = None,
-                 clock: Callable[[], float] = time.time, timing: ReplicaTiming = TIMING) -> None:
+                 clock: Callable[[], float] = time.time, timing: ReplicaTiming = TIMING,
+                 notice: Notice = NOTICE) -> None:
         self.run_id, self.replica_id, self.host_id, self.cfg, self.store = run_id, replica_id, host_id, cfg, store
         self.segment_prefix = segment_prefix  # attempt-scoped: a zombie never overwrites its retry's segments
         self.control, self.attempt, self.clock, self.timing = control, attempt, clock, timing
+        self.notice = notice  # this process's notice (laminar/notice.py): set, the replica leaves at its next turn
         self.previous_heartbeat = previous_heartbeat or {}  # the failed attempt's last heartbeat details
         self.policy = policy_for(cfg)  # what the run mode lets this replica do (laminar/policy.py)
         seed = zlib.crc32(f"{cfg.run.seed}/{replica_id}/{segment_prefix}".encode())  # sampling differs per incarnation
@@ -63,7 +67,8 @@ class RolloutReplica:
                                self.metrics)
         self.pool = PartialPool(trajectories, run_id, replica_id, (generation, attempt), self.batch, self.weights,
                                 self.counters, self.profile)
-        self.repack = Repack(self.batch, trajectories, run_id, replica_id, self.counters, self.profile)
+        self.repack = Repack(self.batch, trajectories, run_id, replica_id, self.counters, self.profile,
+                             load_version=self.weights.load_version)
         self.seq, self.last_beat, self.profile_written = 0, 0.0, self.profile.started
 
     # -- the loop ------------------------------------------------------------------------------
@@ -100,6 +105,8 @@ class RolloutReplica:
         """Weights, the control plane's answer, the next contact, one engine step, upkeep; the result once the
         replica hands over or stops."""
         now = self.clock()
+        if self.notice.given:  # this worker goes away (laminar/notice.py): leave without waiting to be found dead
+            return self._depart("notice")
         if self.control.cancelled():
             self.pool.write()
             self._write_profile()
@@ -126,8 +133,12 @@ class RolloutReplica:
         if kind == "claim":
             self.weights.relays = res.relays or self.weights.relays
             self.weights.newest_known = max(self.weights.newest_known, res.newest_policy_version)
-        if res.stop or res.handover:
-            return self._hand_over(res.stop)
+        if res.stop:
+            return self._hand_over(True)
+        if res.leave:  # `laminar scale` removed it
+            return self._depart("removed")
+        if res.handover:
+            return self._hand_over(False)
         if kind == "claim":
             self.batch.pending += res.leases
             self.contacts.claimed(len(res.leases), res.paused)
@@ -202,6 +213,10 @@ class RolloutReplica:
         """Start the pending leases the run mode lets this replica start now; the others keep waiting (for
         the drain to end, or for the version their batch needs)."""
         newer, b = self.weights.newer_available(), self.batch
+        b.resume_deferred()
+        if resumes := [lease for lease in b.pending if lease.resume is not None]:
+            b.pending = [lease for lease in b.pending if lease.resume is None]
+            self.repack.take_leases(resumes)  # under the version they started on: no run-mode wait
         start = [lease for lease in b.pending
                  if may_start(self.policy, min_version(self.policy, lease.prompt_id), self.engine.policy_version,
                               newer)]
@@ -259,6 +274,32 @@ class RolloutReplica:
         return RolloutReplicaResult(replica_id=self.replica_id, groups_completed=self.counters.groups_completed,
                                     tokens_generated=self.counters.tokens_generated,
                                     handed_over=len(self.batch.groups))
+
+    def _depart(self, reason: str) -> RolloutReplicaResult:
+        """Leave at once without losing work (a notice, or `laminar scale` removed it): report what is complete,
+        write the pool (should the departure not reach the workflow, the retry resumes from it), stop every
+        unfinished group and send them, as one segment, with a Departure on a last claim. The workflow moves them
+        to a replica of their version or returns them with their prefixes; nothing waits for a heartbeat
+        timeout to find this replica gone."""
+        if self.calls.kind is not None:
+            self._collect(wait=True)
+        if self.batch.completed or self.batch.failed:
+            self._start_report()
+            self._collect(wait=True)
+        self.pool.write()
+        departure, _ = self.repack.depart(reason, f"depart-{self.replica_id}-{self.segment_prefix}")
+        # tokens thrown away since the last report go with the departure: no report follows it
+        departure = replace(departure, tokens_regenerated=departure.tokens_regenerated + self.counters.tokens_regenerated)
+        self.counters.tokens_regenerated = 0
+        handoff, taken = self.repack.outgoing()
+        self.control.claim(ClaimPromptsInput(report=self._report(), max_groups=0, attempt=self.attempt,
+                                             request_id=self.calls.request_id(), handoff=handoff, taken=taken,
+                                             departure=departure))
+        self._write_profile()
+        log.info("replica_departed", replica_id=self.replica_id, reason=reason,
+                 groups=len(departure.segment.group_ids) if departure.segment else 0)
+        return RolloutReplicaResult(replica_id=self.replica_id, groups_completed=self.counters.groups_completed,
+                                    tokens_generated=self.counters.tokens_generated, handed_over=0, departed=reason)
 
     def _write_profile(self) -> None:
         """This incarnation's time breakdown, to the store (read by the run summary)."""

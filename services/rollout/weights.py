@@ -99,6 +99,14 @@ class Weights:
                 return got
         return None
 
+    def load_version(self, version: int) -> bool:
+        """Load one given (older) version to continue groups that started on it; False when no relay holds it."""
+        payload = self.fetch(version)
+        if payload is None:
+            return False
+        self.load(version, payload)
+        return True
+
     def load_newest(self, interrupt: bool = False) -> None:
         """Own host's relay: map the version from its shared memory (no copy through a socket); any other
         relay (own one gone): fetch it over TCP. interrupt (partial rollout): in-flight trajectories stop,
