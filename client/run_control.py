@@ -21,7 +21,7 @@ from client.connect import connect, store_for
 from client.settings import Settings
 from laminar import names, search, watchdog
 from laminar.config import RunConfig
-from laminar.errors import LaminarError
+from laminar.errors import ConfigError, LaminarError
 from laminar.messages import CONTROL_QUEUE, RunStatus, ScaleInput, ScaleResult, workflow_id_for
 from storage import keys
 from storage.objects import ObjectStore
@@ -135,13 +135,18 @@ async def stop_run(settings: Settings, run_id: str) -> str:
     return await send_control(settings, run_id, names.STOP)
 
 
-async def scale_run(settings: Settings, run_id: str, replicas: int,
+async def scale_run(settings: Settings, run_id: str, replicas: int | None = None, relays: int | None = None,
                     timeout_s: float = CONTROL_ANSWER_S) -> ScaleResult:
-    """`laminar scale`: set the run's rollout replica count; new replicas start on free rollout slots (or on
-    workers that join later), removed ones finish their contact, write their pool and return."""
+    """`laminar scale`: set the run's rollout replica count and/or relay count (None: unchanged). New replicas
+    start on free rollout slots (or on workers that join later); removed ones hand their unfinished groups to
+    other replicas and return. A new host's relay joins the chain when its relay worker runs; a removed relay
+    leaves the chain at once."""
+    if replicas is None and relays is None:
+        raise ConfigError("scale: give --replicas N, --relays M, or both")
     handle = await _handle(settings, run_id)
     try:
-        return await handle.execute_update(names.SCALE, ScaleInput(replicas=replicas), result_type=ScaleResult,
+        return await handle.execute_update(names.SCALE, ScaleInput(replicas=replicas, relays=relays),
+                                           result_type=ScaleResult,
                                            rpc_timeout=timedelta(seconds=timeout_s))
     except WorkflowUpdateRPCTimeoutOrCancelledError:
         raise _no_answer(run_id, names.SCALE, timeout_s) from None
@@ -178,7 +183,8 @@ def render_status(st: RunStatus) -> Table:
         "replicas (target/running)": f"{st.replicas_target}/{st.replicas_running}"
                                      + (f", {st.scale_groups_returned} groups given back by removed replicas"
                                         if st.scale_groups_returned else ""),
-        "relays": ", ".join(f"{r.relay_id}@{r.address}" for r in st.relays) or "-",
+        "relays (target/in chain)": f"{st.relays_target}/{len(st.relays)}: "
+                                    + (", ".join(f"{r.relay_id}@{r.address}" for r in st.relays) or "-"),
         "latest checkpoint": st.checkpoints[-1].step if st.checkpoints else "-",
     }
     stall = watchdog.stall_line(st, time.time())  # the workflow's `at` times are the server's clock

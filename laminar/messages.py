@@ -430,13 +430,16 @@ class RunStatus:
     replicas_target: int = 0
     replicas_running: int = 0
     scale_groups_returned: int = 0
+    relays_target: int = 0  # the relay (host) count asked for; `relays` is the chain as it stands
 
 
 @dataclass(frozen=True)
 class ScaleInput:
-    """operator -> workflow (`laminar scale`): the rollout replica count the run should have."""
+    """operator -> workflow (`laminar scale`): the rollout replica count the run should have, and optionally its
+    relay count (one per host, `host-<i>`; None: unchanged). replicas None: unchanged (relays only)."""
 
-    replicas: int
+    replicas: int | None = None
+    relays: int | None = None
 
 
 @dataclass(frozen=True)
@@ -444,6 +447,9 @@ class ScaleResult:
     replicas_target: int
     started: list[str]  # replica ids started
     removed: list[str]  # replica ids asked to leave (they return at their next contact)
+    relays_target: int = 0
+    relays_started: list[str] = field(default_factory=list)  # relay (host) ids whose relay joins the chain
+    relays_removed: list[str] = field(default_factory=list)  # relay ids taken out of the chain
 
 
 # -- recovery drills ----------------------------------------------------------------------------

@@ -177,17 +177,23 @@ def stop(
 @app.command()
 def scale(
     run_id: str,
-    replicas: int = typer.Option(..., "--replicas", help="The rollout replica count the run should have (1-1024)."),
+    replicas: int | None = typer.Option(None, "--replicas", help="The rollout replica count the run should have "
+                                        "(1-1024); unset: unchanged."),
+    relays: int | None = typer.Option(None, "--relays", help="The relay count (one per host, host-<i>; 1-1024); "
+                                      "unset: unchanged."),
 ) -> None:
-    """Scale a live run's rollout replicas: new ones start on free rollout slots (or on rollout workers that join
-    later, on any host); removed ones stop admitting, report their complete groups and return, and their
-    unfinished groups go back to the pool."""
+    """Scale a live run: new replicas start on free rollout slots (or on rollout workers that join later, on any
+    host); removed ones stop admitting, hand their unfinished groups to a replica of the same version (or back to
+    the pool with their prefixes) and return. A new host's relay joins the chain once its relay worker runs
+    (`laminar run` starts it); a removed relay leaves the chain at once."""
     from client.run_control import scale_run
 
     with _exit_codes():
-        res = asyncio.run(scale_run(Settings.from_env(), run_id, replicas))
+        res = asyncio.run(scale_run(Settings.from_env(), run_id, replicas, relays))
     console.print(f"run_id={run_id} replicas_target={res.replicas_target} started={','.join(res.started) or '-'} "
-                  f"removed={','.join(res.removed) or '-'}", highlight=False)
+                  f"removed={','.join(res.removed) or '-'} relays_target={res.relays_target} "
+                  f"relays_started={','.join(res.relays_started) or '-'} "
+                  f"relays_removed={','.join(res.relays_removed) or '-'}", highlight=False)
 
 
 @app.command()

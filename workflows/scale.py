@@ -9,11 +9,15 @@ Rules (tests/test_scale.py works them through):
   (an activity id is reused only once its previous holder has returned).
 - Shrinking: remove the replicas that hold the fewest open leases (the least work to give back; ties: the
   highest index first, so a run scaled back down returns to its first replicas' ids).
-- A removed replica leaves gracefully: its next claim or report is answered with a hand-over for that replica
-  alone; it reports its complete groups, writes its pool and returns. Its open leases then go back to the
-  pool (`returned`), the same way a lost replica's do, and any replica regenerates them: the partial pool is
-  per replica id, so a group in flight on a removed replica does not resume elsewhere.
+- A removed replica leaves gracefully: its next claim or report is answered with `leave`; it reports its
+  complete groups, stops the rest and hands them over as one segment (laminar.messages.Departure), which the
+  workflow moves to a replica of their version or returns to the pool with their prefixes
+  (workflows/migrations.py `depart`), and it returns. Whatever it still holds when its activity has returned
+  (it died first) goes back to the pool, the same way a lost replica's does.
 - The target is between 1 and MAX_REPLICAS; equal to the current count, the plan is empty.
+- Relays (`plan_relays`), one per host `host-<i>`: growing starts the lowest free ids (the host's relay worker joins
+  the chain when it polls its queue); shrinking takes the highest ids out of the chain at once (the trainer
+  republishes to the chain that remains), so the master, the first relay, stays.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_REPLICAS = 1024  # the config's bound on rollout.replicas (laminar/config.py)
+MAX_RELAYS = 1024  # ... and on relay.relays
 
 
 @dataclass(frozen=True)
@@ -69,3 +74,23 @@ def plan_scale(active: list[str], leaving: list[str], held: dict[str, int], targ
     remove = order[:len(active) - target]
     keep = [r for r in active if r not in set(remove)]
     return ScalePlan(remove=sorted(remove, key=replica_index), keep=sorted(keep, key=replica_index))
+
+
+def relay_ids(n: int) -> list[str]:
+    return [f"host-{i}" for i in range(n)]
+
+
+def plan_relays(active: list[str], target: int) -> tuple[list[str], list[str]]:
+    """(start, remove) that bring the relay set to `target`: growing adds the lowest free `host-<i>` ids (a new
+    host's relay joins the chain); shrinking removes the highest ids, so the master (the first relay) stays."""
+    if not 1 <= target <= MAX_RELAYS:
+        raise ValueError(f"scale: relays={target} must be between 1 and {MAX_RELAYS}")
+    if target >= len(active):
+        taken, start, k = set(active), [], 0
+        while len(active) + len(start) < target:
+            if f"host-{k}" not in taken:
+                start.append(f"host-{k}")
+            k += 1
+        return start, []
+    order = sorted(active, key=replica_index)
+    return [], order[target:]

@@ -48,7 +48,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import timeouts
     from workflows.ledger import Ledger
     from workflows.migrations import Migrations
-    from workflows.scale import check_target, plan_scale, replica_ids
+    from workflows.scale import check_target, plan_relays, plan_scale, relay_ids, replica_ids, replica_index
     from workflows.state import RunState, TrainingRunInput
 
 __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
@@ -147,10 +147,13 @@ class TrainingRunWorkflow:
 
     # -- relays ------------------------------------------------------------------------------
 
-    def _start_relays(self) -> None:
+    def _relay_ids(self) -> list[str]:
+        """The relays the run should have: relay.relays of them until a `laminar scale --relays`."""
         assert self._cfg is not None
-        for i in range(self._cfg.relay.relays):
-            relay_id = f"host-{i}"
+        return list(self.state.relay_ids) or relay_ids(self._cfg.relay.relays)
+
+    def _start_relays(self) -> None:
+        for relay_id in self._relay_ids():
             self._relay_tasks[relay_id] = asyncio.create_task(self._watch_relay(relay_id))
             if relay_id in self.state.relays:  # inherited from the previous segment
                 self._relay_tasks[f"{relay_id}/rejoin"] = asyncio.create_task(self._expect_rejoin(relay_id))
@@ -208,7 +211,7 @@ class TrainingRunWorkflow:
         only one (it normally inherits the whole chain), and the others rejoin the chain as they come (a dead
         relay never stalls training)."""
         assert self._cfg is not None
-        want = self._cfg.relay.relays if not self.state.trainer_ready else 1
+        want = len(self._relay_ids()) if not self.state.trainer_ready else 1
         try:
             await workflow.wait_condition(lambda: len(self.state.relays) >= want, timeout=timeouts.RELAY_JOIN)
         except TimeoutError:
@@ -220,6 +223,8 @@ class TrainingRunWorkflow:
 
     @workflow.signal(name=names.RELAY_JOINED)
     def relay_joined(self, info: RelayInfo) -> None:
+        if self._cfg is not None and info.relay_id not in self._relay_ids():
+            return  # `laminar scale --relays` removed it: a late join does not put it back in the chain
         known = self.state.relays.get(info.relay_id)
         if known is not None and known.address != info.address:
             # a new incarnation of the relay (its process restarted): the old one is gone
@@ -521,6 +526,11 @@ class TrainingRunWorkflow:
         self._updates += 1
         if not workflow.patched("scale"):
             raise ApplicationError("this run's workers predate `laminar scale`", type="ScaleUnsupported")
+        relays_started, relays_removed = self._scale_relays(inp.relays) if inp.relays is not None else ([], [])
+        if inp.replicas is None:
+            return ScaleResult(replicas_target=len(self._replica_ids()), started=[], removed=[],
+                               relays_target=len(self._relay_ids()), relays_started=relays_started,
+                               relays_removed=relays_removed)
         active = [r for r in self._replica_ids() if r not in self.state.leaving]
         held: dict[str, int] = {}
         for lease in self.state.open_leases.values():
@@ -537,13 +547,40 @@ class TrainingRunWorkflow:
                 self._start_replica(replica_id)
                 self.ledger.note_event("replica_added", replica_id, at)
         # (a segment handing over starts the new ids in the next segment, from state.replica_ids)
-        return ScaleResult(replicas_target=len(plan.active), started=plan.start, removed=plan.remove)
+        return ScaleResult(replicas_target=len(plan.active), started=plan.start, removed=plan.remove,
+                           relays_target=len(self._relay_ids()), relays_started=relays_started,
+                           relays_removed=relays_removed)
+
+    def _scale_relays(self, target: int) -> tuple[list[str], list[str]]:
+        """`laminar scale --relays`: new hosts' relays are watched (each joins the chain when its relay worker
+        polls); removed ones leave the chain at once (their watcher and activity are cancelled, the trainer
+        republishes to the chain that remains)."""
+        start, remove = plan_relays(self._relay_ids(), target)
+        at = workflow.time()
+        self.state.relay_ids = sorted([r for r in self._relay_ids() if r not in remove] + start, key=replica_index)
+        for relay_id in remove:
+            for key in (relay_id, f"{relay_id}/rejoin"):
+                task = self._relay_tasks.pop(key, None)
+                if task is not None and not task.done():
+                    task.cancel()
+            self._lose_relay(relay_id)
+            self.ledger.note_event("relay_removed", relay_id, at)
+        if not self._handover and not self._closing and not self.state.stopping:
+            for relay_id in start:
+                self._relay_tasks[relay_id] = asyncio.create_task(self._watch_relay(relay_id))
+                self.ledger.note_event("relay_added", relay_id, at)
+        return start, remove
 
     @scale.validator
     def _validate_scale(self, inp: ScaleInput) -> None:
         if self._error is not None:
             raise ValueError(f"run failed validation: {self._error}")
-        check_target(inp.replicas)
+        if inp.replicas is None and inp.relays is None:
+            raise ValueError("scale: give replicas, relays or both")
+        if inp.replicas is not None:
+            check_target(inp.replicas)
+        if inp.relays is not None:
+            plan_relays(self._relay_ids(), inp.relays)  # raises on a target out of range
         if self.state.stopping or self._finished:
             raise ValueError(f"scale: run {self.state.run_id} is {self._phase()}; a stopping run is not scaled")
 
@@ -581,7 +618,7 @@ class TrainingRunWorkflow:
         return dataclasses.replace(
             st, replicas_target=len(self._replica_ids()),
             replicas_running=sum(1 for t in self._replicas.values() if not t.done()),
-            scale_groups_returned=self.state.scale_groups_returned)
+            scale_groups_returned=self.state.scale_groups_returned, relays_target=len(self._relay_ids()))
 
     def _watchdog_facts(self) -> dict[str, Any]:
         if self._cfg is None:
