@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -156,10 +155,14 @@ async def test_a_rollout_worker_given_the_notice_hands_its_groups_on_and_exits_0
     proc = launcher.processes[f"rollout-{host}"]
     assert proc.proc is not None and proc.proc.poll() is None
 
+    # `laminar drain rollout-<host>` (a real process) finds the worker by name and gives it the notice (SIGTERM)
     t0 = time.monotonic()
-    proc.proc.send_signal(signal.SIGTERM)
-    code = await asyncio.to_thread(proc.proc.wait, NOTICE_S)
+    env = {**os.environ, "LAMINAR_HOME": str(settings.home), "PYTHONPATH": os.getcwd()}
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "workers.cli", "drain", f"rollout-{host}"],
+                                  env=env, capture_output=True, text=True, timeout=NOTICE_S + 30)
     took = time.monotonic() - t0
+    assert out.returncode == 0 and f"worker=rollout-{host} pid={proc.pid} left in" in out.stdout, (out.stdout, out.stderr)
+    code = await asyncio.to_thread(proc.proc.wait, 5)
     assert code == 0 and took < NOTICE_S, (code, took)
     # the workflow learnt of each departure at once (no heartbeat timeout): its groups moved on or went back
     # with their prefixes

@@ -197,6 +197,26 @@ def scale(
 
 
 @app.command()
+def drain(
+    worker: str = typer.Argument(..., help="The worker to drain: control, trainer, relay-<host> or rollout-<host>."),
+    wait_s: float | None = typer.Option(None, "--wait", help="Seconds to wait for it to leave (default: the "
+                                        "notice, LAMINAR_NOTICE_S, plus 10)."),
+) -> None:
+    """Give a worker the notice, as a preemption warning would: it takes no new work, its activities leave cleanly
+    (replicas hand their groups to others, the trainer checkpoints, a relay leaves the chain) and it exits 0."""
+    from workers.drain import drain as drain_worker
+
+    with _exit_codes():
+        settings = Settings.from_env()
+        out = drain_worker(settings.home, worker, wait_s if wait_s is not None else settings.notice_s + 10)
+    for d in out:
+        left = f"left in {d.left_s:.1f} s" if d.left_s is not None else "still running"
+        console.print(f"worker={d.name} pid={d.pid} {left}", highlight=False)
+    if any(d.left_s is None for d in out):
+        raise typer.Exit(1)
+
+
+@app.command()
 def pause(run_id: str) -> None:
     """Pause a run: no new prompts are leased and the trainer waits."""
     from client.run_control import send_control
