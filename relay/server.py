@@ -125,6 +125,12 @@ class _TCPServer(socketserver.ThreadingTCPServer):
     relay: RelayServer
 
 
+# What relay workers retain older versions for (relay.versions.VersionStore retain_s): a replica that resumes
+# groups started on a version (a departed replica's, a restarted one's pool) restarts within this, even when a fast
+# run publishes a version every few hundred milliseconds.
+RETAIN_S = 60.0
+
+
 class RelayServer:
     """A relay holding the newest `keep_versions` policy versions in shared memory and forwarding new ones.
 
@@ -132,7 +138,8 @@ class RelayServer:
     shm_dir: where version segments live (relay.segments); readers on this host map them from there.
     spare_segments: dropped versions' segments kept to receive new versions into (segments.SparePool),
     so a new version takes no page faults; 0 unlinks every dropped segment at once.
-    max_bytes: bound on the version bytes held across all runs (relay.versions.VersionStore); None is half
+    retain_s: older versions stay this long after they were stored, within max_bytes (VersionStore; workers use
+    RETAIN_S). max_bytes: bound on the version bytes held across all runs (relay.versions.VersionStore); None is half
     the size of the file system under shm_dir, 0 no bound. idle_evict_s: a run with no get, put or poll
     for this long has finished as far as the relay knows; its versions are dropped (0: never).
     """
@@ -151,6 +158,7 @@ class RelayServer:
         spare_segments: int = 2,
         max_bytes: int | None = None,
         idle_evict_s: float = IDLE_EVICT_S,
+        retain_s: float = 0.0,
     ) -> None:
         if keep_versions < 1:
             raise ValueError(f"keep_versions={keep_versions} must be at least 1 (the newest version)")
@@ -169,7 +177,7 @@ class RelayServer:
         self.max_bytes = max_bytes
         self.idle_evict_s = idle_evict_s
         self._store = VersionStore(keep_versions, retire=self._spares.retire, max_bytes=max_bytes,
-                                   idle_evict_s=idle_evict_s)
+                                   idle_evict_s=idle_evict_s, retain_s=retain_s)
         self._receiving: set[Version] = set()
         self._receiving_lock = threading.Lock()
         self._puts_rejected = 0

@@ -118,6 +118,7 @@ class PutOutcome:
 class _Run:
     versions: OrderedDict[int, Version] = field(default_factory=OrderedDict)  # oldest first
     last_used: float = 0.0  # clock() at its last get or put
+    stored_at: dict[int, float] = field(default_factory=dict)  # policy_version -> clock() when it was stored
 
 
 EVICTED_LOG = 32  # evictions kept for the relay's stats
@@ -132,6 +133,9 @@ class VersionStore:
     that leaves the store over the bound (the relay logs it; `over_bytes()` says by how much).
     idle_evict_s: a run with no get or put for this long is dropped whole at the next put or `sweep()`
     (the relay cannot see a run end; a finished run stops asking). 0 disables idle eviction.
+    retain_s: a version older than the newest `keep_versions` stays until it has been held this long (0: none), as
+    long as max_bytes allows: a replica that resumes groups started on it (a departed replica's, a restarted one's
+    pool) can still load it when versions come faster than it restarts.
     clock: monotonic seconds (injected by tests).
 
     A held version it drops (evicted, replaced, idle) goes to `retire` (the relay's SparePool, which
@@ -140,8 +144,11 @@ class VersionStore:
     """
 
     def __init__(self, keep_versions: int, retire: Callable[[Segment], object] = Segment.unlink, *,
-                 max_bytes: int = 0, idle_evict_s: float = 0.0,
+                 max_bytes: int = 0, idle_evict_s: float = 0.0, retain_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if retain_s < 0:
+            raise RelayError(f"retain_s={retain_s} must be 0 (keep only keep_versions) or positive seconds")
+        self._retain_s = retain_s
         if keep_versions < 1:
             raise RelayError(f"keep_versions={keep_versions} must be at least 1 (the newest version)")
         if max_bytes < 0:
@@ -163,12 +170,16 @@ class VersionStore:
     def _idle(self, held: _Run, now: float) -> bool:
         return self._idle_s > 0 and now - held.last_used >= self._idle_s
 
+    def _retained(self, held: _Run, number: int, now: float) -> bool:
+        return self._retain_s > 0 and now - held.stored_at.get(number, now) < self._retain_s
+
     def _bytes(self) -> int:
         return sum(v.size for r in self._runs.values() for v in r.versions.values())
 
     def _evict(self, run: str, number: int, why: str, dropped: list[Version], out: list[tuple[str, int, str]]) -> None:
         held = self._runs[run]
         dropped.append(held.versions.pop(number))
+        held.stored_at.pop(number, None)
         if not held.versions:
             del self._runs[run]
         out.append((run, number, why))
@@ -223,7 +234,8 @@ class VersionStore:
                     unstored.append(version)  # same bytes again: a re-broadcast
                     return PutOutcome(stored=False, newest=newest, evicted=out)
                 versions[version.policy_version] = version
-                while len(versions) > self._keep:
+                held.stored_at[version.policy_version] = now
+                while len(versions) > self._keep and not self._retained(held, next(iter(versions)), now):
                     self._evict(version.run, next(iter(versions)), "keep_versions", dropped, [])
                 self._bound(dropped, out)
                 return PutOutcome(stored=True, newest=version.policy_version, evicted=out)

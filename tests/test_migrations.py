@@ -233,3 +233,21 @@ def test_a_returned_group_with_prefixes_waits_for_a_replica_that_can_continue_it
     got = ledger.lease("replica-1", 2, claimer=busy_on_4, at=214.9)
     assert [lease.group_id for lease in got] == ["g00000004", "g00000006"]  # g0 passed by: 14.9 s < 15 s
     assert ledger.lease("replica-1", 1, claimer=busy_on_4, at=215.0)[0].group_id == "g00000000"
+
+
+def test_an_idle_replica_takes_returned_groups_of_one_version_only() -> None:
+    # Two replicas of one host left at once, on versions 3 and 2: their groups are returned with prefixes. An idle
+    # replica loads one older version to continue groups, so it gets those of the first version it takes (3) and
+    # passes the version-2 group by; a second idle replica then takes that one.
+    ledger, mig = _setup()
+    ledger.note_report(_report("replica-0", 3, 300, 300, 8))
+    ledger.note_report(_report("replica-1", 2, 300, 300, 8))
+    mig.depart("replica-0", _departure(["g00000000", "g00000001"], version=3), [], at=100.0)
+    mig.depart("replica-1", Departure("notice", _segment("depart-replica-1-x", ["g00000002"]), 2), [], at=100.0)
+    idle = _report("replica-5", 5, 0, 0, 0)
+    got = ledger.lease("replica-5", 4, claimer=idle, at=101.0)
+    assert [(lease.group_id, lease.resume_version) for lease in got] == [
+        ("g00000000", 3), ("g00000001", 3), ("g00000003", -1), ("g00000005", -1)]  # g3: replica-1's unstarted
+    assert [(r.group_id, r.resume_version) for r in ledger.state.returned] == [("g00000002", 2)]
+    assert [lease.group_id for lease in ledger.lease("replica-6", 1, claimer=_report("replica-6", 5, 0, 0, 0),
+                                                     at=101.0)] == ["g00000002"]

@@ -68,6 +68,23 @@ def test_byte_bound_evicts_the_least_recently_used_runs_older_versions_first(mak
     assert [e[:2] for e in store.evicted] == [("a", 0), ("a", 1), ("b", 0)]
 
 
+def test_older_versions_are_retained_for_retain_s_within_the_byte_bound(make):
+    clock = Clock()
+    store = VersionStore(2, max_bytes=450, retain_s=60.0, clock=clock)
+    for n in range(4):  # one version a second: 0..3 stored at t=1000..1003
+        store.put(make("a", n, 100))
+        clock.now += 1
+    # keep_versions=2 would hold [2, 3]; 0 and 1 are younger than 60 s and 400 bytes <= 450: all four stay
+    assert store.runs()["a"]["versions"] == [0, 1, 2, 3] and store.get(0, "a") is not None
+    store.put(make("a", 4, 100))  # 500 > 450 at t=1004: the byte bound wins over retention, oldest first
+    assert store.runs()["a"]["versions"] == [1, 2, 3, 4]
+    clock.now = 1061.5  # version 1 (stored at 1001) is 60.5 s old, 2 (1002) 59.5 s: the next put lets 1 go only
+    out = store.put(make("a", 5, 50))
+    assert store.runs()["a"]["versions"] == [2, 3, 4, 5] and out.evicted == []  # (keep_versions evictions: not logged)
+    with pytest.raises(RelayError, match="retain_s=-1"):
+        VersionStore(2, retain_s=-1)
+
+
 def test_live_runs_keep_their_newest_even_over_the_bound(make):
     store = VersionStore(2, max_bytes=250, clock=Clock())
     store.put(make("a", 0, 200))

@@ -114,9 +114,10 @@ async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1
 
 
 async def relay(settings: Settings, allow_faults: bool = False) -> None:
-    from relay.server import RelayServer
+    from relay.server import RETAIN_S, RelayServer
 
-    server = RelayServer(settings.host_id, bind_host=settings.relay_bind, token=settings.relay_token)
+    server = RelayServer(settings.host_id, bind_host=settings.relay_bind, token=settings.relay_token,
+                         retain_s=RETAIN_S)
     address = server.start()
     try:
         client = await connect(settings)

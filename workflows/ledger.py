@@ -99,11 +99,15 @@ class Ledger:
         prompts (None: no bound; the run mode's bound, laminar/policy.py fresh_lease_room). A returned lease with
         prefixes to resume goes to a claimer that can continue them (`_can_resume`); the others pass it by."""
         out: list[Lease] = []
+        loads = -1  # the one older version an idle claimer will load to continue groups (it holds one at a time)
         for old in list(self.state.returned):
             if len(out) >= n:
                 break
-            if claimer is not None and not _can_resume(old, claimer, at):
-                continue
+            if claimer is not None and old.resume is not None and claimer.policy_version != old.resume_version:
+                if not _can_resume(old, claimer, at) or (loads >= 0 and old.resume_version != loads):
+                    continue
+                if at - old.returned_at < RESUME_PREFERENCE_S:
+                    loads = old.resume_version
             self.state.returned.remove(old)
             out.append(self._open(old.group_id, old.prompt_id, replica_id, old.resume, old.resume_version))
         stop_at = n if fresh_room is None else min(n, len(out) + fresh_room)
