@@ -295,6 +295,8 @@ class RolloutReplica:
         self.control.claim(ClaimPromptsInput(report=self._report(), max_groups=0, attempt=self.attempt,
                                              request_id=self.calls.request_id(), handoff=handoff, taken=taken,
                                              departure=departure))
+        # the retry reads the last heartbeat's unsaved tokens as lost: nothing is (the pool was just written)
+        self.control.heartbeat(self._heartbeat_details())
         self._write_profile()
         log.info("replica_departed", replica_id=self.replica_id, reason=reason,
                  groups=len(departure.segment.group_ids) if departure.segment else 0)
