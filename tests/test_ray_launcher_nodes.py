@@ -7,14 +7,16 @@ machine (`ray.cluster_utils.Cluster`, CPU only), against a dev stack with a loca
    give their workers the notice (SIGTERM), the workers exit 0, and once the node is removed they start again on a
    surviving node; the run goes on;
 3. `laminar scale` on Ray: match_replicas adds a rollout worker next to each host's relay (the run's replicas
-   2 x 2 -> 6), match_relays starts a third host's relay and gives it the notice again.
+   2 x 2 -> 6), match_relays starts a third host's relay and gives it the notice again;
+4. the node holding everything but control and trainer is lost: both hosts start again on a second spare node,
+   and the launcher's supervisor starts the added rollout workers again next to their relays.
 At the end: 0 groups lost, 0 consumed twice.
 
 The cluster: a head with no CPU (nothing lands on it, so every worker is on a node the test may remove) and three
 nodes of 2 logical CPUs. Every role reserves 1 CPU (ROLE_CPUS) and a host's relay + rollout are one STRICT_PACK
 placement group of 2 CPUs: the two hosts fill two nodes, control and trainer the third. The spare node (8 CPUs)
 joins after the run started, so it is the only place a lost host's group fits: 2 hosts x 2 CPUs, then 2 added
-rollout workers and a relay, 1 CPU each = 7 of its 8 CPUs.
+rollout workers and a relay, 1 CPU each = 7 of its 8 CPUs; the second spare (8 CPUs) takes the 6 that are left.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from tests.fixtures.waiting import async_wait_until
 from workers.launcher_ray import NAMESPACE, RayLauncher
 from workers.run_command import _spare_slots, make_launcher
 
-pytestmark = pytest.mark.slow  # a 5-node Ray cluster and a run through two node losses: minutes on 2 cores
+pytestmark = pytest.mark.slow  # up to 5 Ray nodes and a run through three node losses: minutes on 2 cores
 
 NODE_CPUS = 2
 SPARE_CPUS = 8
@@ -103,13 +105,15 @@ def _node_of(cluster, node_id: str):
     return next(n for n in cluster.worker_nodes if n.node_id == node_id)
 
 
-async def _moved(launcher: RayLauncher, names: list[str], to: str, before: dict, timeout_s: float = 120) -> dict:
-    """Wait until every named process runs again, in a new actor incarnation on node `to`; their infos."""
+async def _moved(launcher: RayLauncher, names: list[str], to: str, before: dict, timeout_s: float = 120,
+                 restarted: bool = True) -> dict:
+    """Wait until every named process runs again on node `to`, with a new pid, in its actor restarted by Ray
+    (restarted) or in a new actor (the launcher's supervisor); their infos."""
 
     async def check() -> dict | None:
         info = await asyncio.to_thread(launcher.info, 2.0, names)
         ok = all(n in info and info[n]["node_id"] == to and info[n]["pid"] != before[n]["pid"]
-                 and info[n]["restarted"] and info[n]["exit_code"] is None for n in names)
+                 and info[n]["restarted"] == restarted and info[n]["exit_code"] is None for n in names)
         return info if ok else None
 
     return await async_wait_until(check, timeout_s, f"{names} running again on the spare node", interval_s=1.0)
@@ -160,6 +164,8 @@ async def test_lost_and_drained_nodes_and_scale_on_ray(ray_nodes, tmp_path):
         cluster.remove_node(_node_of(cluster, nodes[0]))
         await _moved(launcher, lost, spare.node_id, info)
         figures["lost_node_replaced_s"] = time.monotonic() - t0
+        figures["lost_node_steps_until_replaced"] = (await _status(handle)).step - at
+        assert figures["lost_node_steps_until_replaced"] >= 1, "training stopped while host-0 was down"
         await _steps_past(handle, at + 3, "3 steps after the node loss")
         figures["lost_node_3_steps_s"] = time.monotonic() - t0
         await async_wait_until(lambda: _relays_back(handle, 2), 90, "host-0's new relay back in the chain")
@@ -212,6 +218,25 @@ async def test_lost_and_drained_nodes_and_scale_on_ray(ray_nodes, tmp_path):
         launcher._retiring[-1].join(timeout=NOTICE_S + 30)
         text = relay2.read_text()
         assert "notice_received" in text and "worker_stopped" in text, text[-2000:]
+
+        # 4. The spare node, which holds both hosts and the two added rollout workers now, is lost: Ray moves both
+        # hosts' groups to a second spare node; Ray gives up the added workers (hard affinity to the lost node) and
+        # the launcher's supervisor starts them again next to their relays.
+        spare2 = cluster.add_node(num_cpus=SPARE_CPUS, object_store_memory=100 * MIB)
+        cluster.wait_for_nodes()
+        info = launcher.info()
+        at = (await _status(handle)).step
+        for name in [*lost, *drained, *started]:
+            os.kill(info[name]["pid"], signal.SIGKILL)
+        t0 = time.monotonic()
+        cluster.remove_node(spare)
+        await _moved(launcher, [*lost, *drained], spare2.node_id, info)
+        await _moved(launcher, started, spare2.node_id, info, restarted=False)
+        figures["spare_lost_replaced_s"] = time.monotonic() - t0
+        await _steps_past(handle, at + 3, "3 steps after the spare node's loss")
+        await async_wait_until(six_running, 120, "6 replicas running again", interval_s=1.0)
+        await async_wait_until(lambda: _relays_back(handle, 2), 90, "both relays back in the chain")
+        figures["spare_lost_recovered_s"] = time.monotonic() - t0
 
         await stop_run(settings, run_id)
         final: RunStatus = await handle.result()
