@@ -100,6 +100,7 @@ class LocalLauncher:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._retired: list[ManagedProcess] = []  # given the notice by match_relays, no longer supervised
 
     def start_supervision(self, interval_s: float = 0.5) -> None:
         """Supervise from a background thread until stop_all()."""
@@ -143,6 +144,47 @@ class LocalLauncher:
                 self._start(p)
                 started.append(name)
         return started
+
+    def match_relays(self, relays: int, notice_s: float = 30.0) -> tuple[list[str], list[str]]:
+        """`laminar scale --relays M`: one relay per host host-0 .. host-(M-1). Starts the relay of each host that
+        has none (same argv and settings as host-0's relay, its own LAMINAR_HOST_ID); gives a host beyond M the
+        notice (SIGTERM: its relay leaves the chain, its rollout workers hand their groups over) and SIGKILLs what
+        is left after notice_s, without restarting it. Returns (started, stopped) process names. Call
+        match_replicas(replicas, relays, ...) after it: a new host's rollout slots and a gone host's share."""
+        if relays < 1:
+            raise ValueError(f"relays={relays}: a run needs at least one relay (one per host)")
+        started, stopped = [], []
+        with self._lock:
+            template = next((p for n, p in sorted(self.processes.items()) if n.startswith("relay-host-")), None)
+            if template is None or self._stop.is_set():
+                return started, stopped
+            for i in range(relays):
+                name = f"relay-host-{i}"
+                if name in self.processes:
+                    continue
+                env = {**template.env, "LAMINAR_HOST_ID": f"host-{i}"}
+                if env.get("LAMINAR_METRICS_PORT", "0") not in ("", "0"):
+                    env["LAMINAR_METRICS_PORT"] = str(free_port(env.get("LAMINAR_METRICS_BIND", "127.0.0.1")))
+                p = ManagedProcess(name, list(template.argv), env, template.log_path.with_name(f"{name}.log"))
+                self.processes[name] = p
+                self._start(p)
+                started.append(name)
+            for name, p in list(self.processes.items()):
+                host = p.env.get("LAMINAR_HOST_ID", "")
+                if (host.startswith("host-") and int(host.removeprefix("host-")) >= relays
+                        and name.split("-", 1)[0] in ("relay", "rollout")):
+                    del self.processes[name]  # no longer supervised: never restarted
+                    self._retired.append(p)
+                    if p.proc is not None and p.proc.poll() is None:
+                        _signal(p, signal.SIGTERM)
+                        threading.Thread(target=_kill_after, args=(p, notice_s), name=f"retire-{name}",
+                                         daemon=True).start()
+                    stopped.append(name)
+        for name in started:
+            log.info("relay_started", name=name)
+        for name in stopped:
+            log.info("host_retired", name=name, notice_s=notice_s)
+        return started, stopped
 
     def _start(self, p: ManagedProcess) -> None:
         p.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,7 +238,7 @@ class LocalLauncher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        live = [p for p in self.processes.values() if p.proc is not None and p.proc.poll() is None]
+        live = [p for p in [*self.processes.values(), *self._retired] if p.proc is not None and p.proc.poll() is None]
         for p in live:
             _signal(p, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
@@ -224,6 +266,16 @@ def _die_with_parent() -> None:
     worker outlives its launcher (a `laminar run` started again attaches with a fresh set of processes)."""
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _kill_after(p: ManagedProcess, timeout_s: float) -> None:
+    """Wait for a process given the notice to exit; SIGKILL it after timeout_s."""
+    assert p.proc is not None
+    try:
+        p.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _signal(p, signal.SIGKILL)
+        p.proc.wait(timeout=5)
 
 
 def _signal(p: ManagedProcess, sig: int) -> None:
