@@ -183,9 +183,16 @@ async def _watch(handle: WorkflowHandle, cfg: RunConfig, console: Console, t0: f
         task = bar.add_task("train", total=cfg.run.steps, info="starting workers")
 
         def show(st: RunStatus | None, note: str) -> None:
-            if st is not None and st.replicas_target and isinstance(launcher, LocalLauncher):
-                # `laminar scale` upward: rollout workers for the slots the new replicas need
-                for name in launcher.match_replicas(st.replicas_target, cfg.relay.relays, _spare_slots(cfg)):
+            if st is not None and st.replicas_target and launcher is not None:
+                # `laminar scale`: a relay per host (a host beyond the count gets the notice), then rollout workers
+                # for the slots the replicas need on those hosts
+                relays = st.relays_target or cfg.relay.relays
+                started, stopped = launcher.match_relays(relays)
+                for name in started:
+                    console.print(f"scale: started {name} for {relays} relays", highlight=False)
+                for name in stopped:
+                    console.print(f"scale: gave {name} the notice ({relays} relays)", highlight=False)
+                for name in launcher.match_replicas(st.replicas_target, relays, _spare_slots(cfg)):
                     console.print(f"scale: started {name} for {st.replicas_target} replicas", highlight=False)
             fields = {"total": st.total_steps, "completed": st.step} if st else {}
             bar.update(task, info=note or _progress_line(st, time.time() - t0), **fields)
