@@ -144,6 +144,7 @@ class ClaimPromptsResult:
     stop: bool = False  # the run is over: finish and return
     handover: bool = False  # continue-as-new pending: write in-flight to the partial pool and return
     leave: bool = False  # `laminar scale` removed this replica: hand its groups to others (Departure) and return
+    departed: bool = False  # (first claim) the previous incarnation departed: it handed everything on, lost nothing
     paused: bool = False
     resume_ok: list[str] = field(default_factory=list)  # of `resuming`: still leased to this replica
     migrate: MigrationOrder | None = None  # repack: this replica is a source

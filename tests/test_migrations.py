@@ -166,6 +166,8 @@ def test_a_departure_moves_its_groups_to_the_replica_of_its_version_with_the_mos
     assert [(r.group_id, r.resume) for r in ledger.state.returned] == [("g00000001", None)]
     assert "g00000001" not in ledger.state.open_leases
     assert ledger.state.tokens_regenerated == 7  # its groups of another version, thrown away
+    # its next incarnation is told (first claim) that it lost nothing, and it is no destination meanwhile
+    assert ledger.state.departed == ["replica-0"] and "replica-0" not in ledger.state.replicas
     # the destination takes it: a plain migration from here on
     mig.take("replica-2", [Taken("d000001", ok=True)], at=6.0)
     assert _owners(ledger)["g00000000"] == "replica-2" and ledger.state.repack_groups == 1

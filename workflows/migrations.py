@@ -127,6 +127,8 @@ class Migrations:
         is. Returns (destination or "", the groups in the segment). A retried claim finds nothing held: no-op."""
         self.forget(source)
         self.state.replicas.pop(source, None)  # gone until its next claim: never a destination meanwhile
+        if source not in self.state.departed:
+            self.state.departed.append(source)  # its next incarnation lost nothing (ClaimPromptsResult.departed)
         self.state.tokens_regenerated += departure.tokens_regenerated
         seg = departure.segment
         moving = [] if seg is None else self.ledger.held_by(source, seg.group_ids)

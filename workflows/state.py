@@ -114,6 +114,7 @@ class RunState:
     replica_ids: list[str] = field(default_factory=list)
     leaving: list[str] = field(default_factory=list)
     scale_groups_returned: int = 0
+    departed: list[str] = field(default_factory=list)  # replicas that handed their groups on, until their next first claim
     relay_ids: list[str] = field(default_factory=list)  # the relays (hosts) the run has; empty: relay.relays of them
 
 

@@ -431,7 +431,10 @@ class TrainingRunWorkflow:
         self.ledger.note_report(inp.report, at=workflow.time())
         self._note_version_missing(inp.report)
         resume_ok: list[str] = []
+        departed = inp.first_claim and replica_id in self.state.departed
         if inp.first_claim:
+            if departed:
+                self.state.departed.remove(replica_id)
             self.migrations.forget(replica_id)
             self.ledger.release_leases_of(replica_id, keep=set(inp.resuming))
             resume_ok = self.ledger.held_by(replica_id, inp.resuming)
@@ -464,6 +467,7 @@ class TrainingRunWorkflow:
             leave=leave,
             paused=self.state.paused,
             resume_ok=resume_ok,
+            departed=departed,
             **self._hints(replica_id),
         )
 

@@ -87,12 +87,14 @@ class RolloutReplica:
         """Resume the previous incarnation's pool as the first claim's answer allows; returns at once when the
         run hands over (the pool is kept for the next incarnation)."""
         resumed = self.pool.read()
-        self.counters.tokens_regenerated += self._tokens_lost_by_previous_attempt()
+        lost = self._tokens_lost_by_previous_attempt()
         first = self.control.claim(
             ClaimPromptsInput(report=self._report(), max_groups=0, resuming=sorted(resumed), first_claim=True,
                               attempt=self.attempt, request_id=self.calls.request_id())
         )
         self.weights.relays = first.relays
+        # a previous incarnation that departed handed everything on (its last heartbeat may predate that)
+        self.counters.tokens_regenerated += 0 if first.departed else lost
         if first.stop or first.handover:
             self.pool.keep(resumed)
             return self._hand_over(first.stop)
