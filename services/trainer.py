@@ -11,7 +11,9 @@ while the trainer goes back to work.
 On notice (laminar/notice.py: SIGTERM, a preemption warning), the step in flight finishes and writes a deadline
 checkpoint, which its result carries, so the workflow commits it as any other; a trainer told while no step
 runs writes one when its worker has stopped (`deadline_checkpoint`) and the process signals it to the workflow.
-Either way the successor restores the step the workflow is at and redoes none.
+Either way the successor restores the step the workflow is at and redoes none; a step the workflow scheduled
+before the signal reached it names the older restore point, and the successor then finds the deadline checkpoint
+at the step asked for and uses it once it checks it against the batches it would replay (_deadline_checkpoint_for).
 """
 
 from __future__ import annotations
@@ -227,7 +229,9 @@ class TrainerService:
         Returns (steps replayed, steps of the committed checkpoints skipped because they failed verification).
         """
         cfg = RunConfig.from_json(inp.config)
-        if inp.checkpoint is None:
+        if (deadline := self._deadline_checkpoint_for(inp)) is not None:
+            loaded, replay, corrupt = deadline, [], []
+        elif inp.checkpoint is None:
             loaded, replay, corrupt = None, inp.replay, []
         else:
             loaded, replay, corrupt = self._newest_verified(inp)
@@ -247,6 +251,30 @@ class TrainerService:
             heartbeat()
         log.info("trainer_replayed", run_id=inp.run_id, from_step=start, to_step=self.step, steps=len(replay))
         return len(replay), corrupt
+
+    def _deadline_checkpoint_for(self, inp: TrainStepInput) -> LoadedCheckpoint | None:
+        """The deadline checkpoint a predecessor left on notice at exactly the step asked for, when the input
+        names an older restore point: the workflow may have scheduled this step before the checkpoint's signal
+        reached it (workers/processes.py). It is used only if it verifies and holds the committed history: its
+        consumed set has every group of the batches the input would replay and none of this step's batch, so
+        restoring it is what replaying those batches computes. None otherwise (then the input's restore point)."""
+        if not inp.replay:
+            return None
+        ref = self.checkpoints.verified_at(inp.run_id, inp.step)
+        if ref is None:
+            return None
+        try:
+            loaded = self.checkpoints.load(ref)
+        except CorruptDataError:
+            return None
+        consumed = set(loaded.meta.get("consumed", []))
+        replayed = {g for batch in inp.replay for part in batch for g in part.group_ids}
+        now = {g for part in inp.batch for g in part.group_ids}
+        if int(loaded.meta.get("step", -1)) != inp.step or not replayed <= consumed or now & consumed:
+            log.warning("deadline_checkpoint_unused", run_id=inp.run_id, step=inp.step)
+            return None
+        log.info("deadline_checkpoint_restored", run_id=inp.run_id, step=inp.step, replay_skipped=len(inp.replay))
+        return loaded
 
     def _newest_verified(self, inp: TrainStepInput) -> tuple[LoadedCheckpoint | None, list[list[BatchPart]], list[int]]:
         """(checkpoint, batches from it to inp.step, corrupt checkpoint steps) for the newest restore point

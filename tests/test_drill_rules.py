@@ -210,3 +210,16 @@ def test_tokens_lost_come_from_the_runs_counter_before_and_after():
     report = rules.build_report("d", "preempt", "trainer", 100.0, status(tokens_regenerated=1000),
                                 status(tokens_regenerated=1838), 100.0, 112.0, [112.0], 130.0, "", 129.0)
     assert (report.tokens_lost, report.throughput_restored_at) == (838, 129.0)
+
+
+def test_laminar_drill_rejects_a_bad_preempt_target_before_starting_anything(tmp_path):
+    import asyncio
+
+    from client.settings import Settings
+    from laminar.messages import DrillInput
+    from workers.drill_command import run_drill
+
+    settings = Settings.from_env({"LAMINAR_HOME": str(tmp_path)})  # nothing listens there: no connection is made
+    for target in ("", "store", "trainer:2"):
+        with pytest.raises(ConfigError, match=f"--fault preempt --target {target!r}: use one of rollout, relay"):
+            asyncio.run(run_drill(settings, DrillInput(run_id="r", drill_id="", fault="preempt", target=target)))

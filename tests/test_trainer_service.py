@@ -234,3 +234,25 @@ def test_on_notice_between_steps_the_trainer_checkpoints_its_policy(setup):
     successor = TrainerService(store, home)
     after = successor.train_step(_input("r", 3, batches[3], checkpoint=ref))
     assert (after.step, after.steps_redone, after.metrics.consumed_twice) == (4, 0, 0)
+
+
+def test_a_successor_uses_the_deadline_checkpoint_the_input_does_not_name_yet(setup):
+    """The workflow scheduled step 3 (restore point: nothing, replay batches 0..2) before the deadline checkpoint's
+    signal reached it. The successor finds the checkpoint at step 3, checks it consumed every replayed group and
+    none of this step's, and restores it: 0 steps redone instead of 3. A checkpoint of a different history (its
+    consumed set lacks a replayed group) is not used: the 3 steps are replayed."""
+    from laminar.notice import Notice
+
+    store, trajs, home = setup
+    notice = Notice()
+    batches = [_batch(trajs, "r", 10 * i) for i in range(5)]
+    svc = TrainerService(store, home, notice=notice)
+    for i in range(3):
+        svc.train_step(_input("r", i, batches[i], replay=batches[:i]))
+    notice.give(30.0, "SIGTERM")
+    assert svc.deadline_checkpoint().step == 3
+    res = TrainerService(store, home).train_step(_input("r", 3, batches[3], replay=batches[:3]))
+    assert (res.step, res.steps_redone, res.restored, res.metrics.consumed_twice) == (4, 0, True, 0)
+    # another history: the input says step 3 came from batches 0, 1 and 4 (not 2): the checkpoint is not it
+    other = TrainerService(store, home).train_step(_input("r", 3, batches[3], replay=[*batches[:2], batches[4]]))
+    assert (other.step, other.steps_redone) == (4, 3)
