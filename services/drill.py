@@ -25,7 +25,8 @@ use its kind, "preempt-<role>" (rule_kind).
 
 Throughput restored (throughput_restored_at): the baseline is the trainer's mean tokens/s over the minute before
 the fault (from its step records: tokens and completion time); the run is back at the end of the first sliding
-window of THROUGHPUT_WINDOW_S seconds, wholly after the fault, whose tokens/s is at least 90 % of it.
+window wholly after the fault whose tokens/s is at least 90 % of it. The window is 5 of the mean step intervals
+before the fault, at least 10 s.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from laminar import names
 from laminar.errors import ConfigError
 from laminar.messages import FAULTS, PREEMPT_ROLES, DrillReport, RunStatus
 
-THROUGHPUT_WINDOW_S = 10.0  # the sliding window of throughput_restored_at (several steps of the default example)
+THROUGHPUT_WINDOW_S = 10.0  # the sliding window of throughput_restored_at: at least this long ...
+THROUGHPUT_WINDOW_STEPS = 5  # ... and at least this many of the steps before the fault (one step is no rate)
 THROUGHPUT_BEFORE_S = 60.0  # the baseline: the trainer's mean tokens/s over this long before the fault
 THROUGHPUT_FRACTION = 0.9  # back when the window's tokens/s is at least this fraction of the baseline
 
@@ -156,17 +158,32 @@ def baseline_tokens_per_s(steps: list[tuple[float, int]], injected_at: float,
     return tokens / (injected_at - start) if tokens and injected_at > start else None
 
 
+def throughput_window_s(steps: list[tuple[float, int]], injected_at: float, before_s: float = THROUGHPUT_BEFORE_S,
+                        min_s: float = THROUGHPUT_WINDOW_S, window_steps: int = THROUGHPUT_WINDOW_STEPS) -> float:
+    """The sliding window: window_steps mean step intervals of the baseline span (as baseline_tokens_per_s
+    measures it), at least min_s, so that one step completing never makes a rate on its own at a slow step
+    rate."""
+    times = [t for t, _ in steps if t <= injected_at]
+    if not times:
+        return min_s
+    start = max(injected_at - before_s, min(times))
+    count = sum(1 for t in times if t > start)
+    return max(min_s, window_steps * (injected_at - start) / count) if count else min_s
+
+
 def throughput_restored_at(steps: list[tuple[float, int]], injected_at: float, observed_until: float,
-                           window_s: float = THROUGHPUT_WINDOW_S, before_s: float = THROUGHPUT_BEFORE_S,
+                           window_s: float | None = None, before_s: float = THROUGHPUT_BEFORE_S,
                            fraction: float = THROUGHPUT_FRACTION) -> float | None:
-    """The first time t, at least `window_s` after injection (the window holds only what came after the
-    fault) and no later than observed_until, at which the tokens of the steps completed in (t - window_s, t],
-    over window_s, reach `fraction` of baseline_tokens_per_s. A window's rate rises only when a step
-    completes, so the candidates are injected_at + window_s and each later completion time. None when no
-    baseline or no such time."""
+    """The first time t, at least `window_s` (default: throughput_window_s) after injection (the window holds
+    only what came after the fault) and no later than observed_until, at which the tokens of the steps
+    completed in (t - window_s, t], over window_s, reach `fraction` of baseline_tokens_per_s. A window's rate
+    rises only when a step completes, so the candidates are injected_at + window_s and each later completion
+    time. None when no baseline or no such time."""
     base = baseline_tokens_per_s(steps, injected_at, before_s)
     if base is None:
         return None
+    if window_s is None:
+        window_s = throughput_window_s(steps, injected_at, before_s)
     first = injected_at + window_s
     for c in [first] + sorted(t for t, _ in steps if t > first):
         if c > observed_until:

@@ -205,6 +205,22 @@ def test_throughput_is_restored_at_the_end_of_the_first_good_window_after_the_fa
     assert rules.throughput_restored_at(after, 100.0, observed_until=200.0) is None
 
 
+def test_the_throughput_window_spans_several_steps_at_a_slow_step_rate():
+    # 2 s steps: the minute before the fault holds 30 -> mean interval 2 s, 5 of them = 10 s (the minimum)
+    assert rules.throughput_window_s([(2.0 * i, 100) for i in range(1, 51)], 100.0) == pytest.approx(10.0)
+    # a step of 300 tokens every 6 s up to the fault at 102 (6, 12, ..., 102): the minute (42, 102] holds
+    # 48..102, 10 steps -> baseline 3000 / 60 = 50 tokens/s, interval 6 s, window 5 * 6 = 30 s
+    before = [(6.0 * i, 300) for i in range(1, 18)]
+    assert rules.throughput_window_s(before, 102.0) == pytest.approx(30.0)
+    # the trainer comes back at 130 and steps every 6 s: 130, 136, ... A 10 s window would call it back at
+    # 136 on two steps ((126, 136]: 600 tokens = 60/s >= 45), a rate no 6 s stepping sustains. With the
+    # 30 s window, the 90 % bar is 45/s = 1350 tokens: (118, 148] holds 130..148, 4 steps = 1200 < 1350;
+    # (124, 154] holds 130..154, 5 steps = 1500 >= 1350 -> back at 154
+    after = [(130.0 + 6.0 * i, 300) for i in range(0, 10)]
+    assert rules.throughput_restored_at(before + after, 102.0, observed_until=300.0) == 154.0
+    assert rules.throughput_restored_at(before + after, 102.0, observed_until=300.0, window_s=10.0) == 136.0
+
+
 def test_tokens_lost_come_from_the_runs_counter_before_and_after():
     # 838 tokens thrown away during the drill: 1000 counted before it, 1838 after
     report = rules.build_report("d", "preempt", "trainer", 100.0, status(tokens_regenerated=1000),
