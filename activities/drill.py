@@ -78,9 +78,10 @@ class DrillActivities:
         final = plan.baseline
         kind = rules.rule_kind(plan.fault, plan.process)
         steps = StepClock(self.store, run_id, plan.baseline.step)
-        await asyncio.to_thread(steps.read_before, injected_at - rules.THROUGHPUT_BEFORE_S)
         while time.time() < deadline:
             activity.heartbeat(detected, recovered)
+            # the baseline's records, a few per round (a loaded store must not hold up the heartbeat)
+            await asyncio.to_thread(steps.read_before, injected_at - rules.THROUGHPUT_BEFORE_S)
             st = await self._try_status(run_id)
             if st is not None:
                 final = st
@@ -90,7 +91,8 @@ class DrillActivities:
                 recovered = rules.recovered_at(kind, plan.target, injected_at, detected, st,
                                                steps.recovery_candidates(plan.fault, injected_at),
                                                len(plan.baseline.relays))
-                throughput_at = rules.throughput_restored_at(steps.tokens(), injected_at, time.time())
+                throughput_at = (rules.throughput_restored_at(steps.tokens(), injected_at, time.time())
+                                 if steps.baseline_read else None)
                 settled = recovered is not None and sum(t > recovered for t in times) >= SETTLE_STEPS
                 # the throughput figure needs a window after the fault: watch on for it, a bounded while
                 watched = throughput_at is not None or time.time() > (recovered or 0.0) + THROUGHPUT_WATCH_S
@@ -134,20 +136,25 @@ class StepClock:
         self.scheduled: dict[int, float | None] = {}  # when the workflow scheduled each step
         self.step_tokens: dict[int, int] = {}  # tokens each step trained on (throughput_restored_at)
         self.before: dict[int, tuple[float, int]] = {}  # steps up to after_step: (completion time, tokens)
+        self._before_from, self._before_done = after_step, False  # the next older step to read; reached `since`
 
-    def read_before(self, since: float) -> None:
-        """The records of the steps up to after_step that completed after `since`, newest first (the throughput
-        baseline: the minute before the fault)."""
-        n = self.next_step - 1
-        while n >= 1:
+    def read_before(self, since: float, limit: int = 20) -> None:
+        """Up to `limit` more records of the steps up to after_step, newest first, until one completed at or
+        before `since` or step 1 is read (the throughput baseline: the minute before the fault)."""
+        for _ in range(limit):
+            if self._before_from < 1 or self._before_done:
+                return
             try:
-                record = json.loads(self.store.get(keys.step_metrics(self.run_id, n)))
-            except StoreError:
-                break
-            self.before[n] = (float(record["time"]), int(record.get("tokens", 0)))
-            if self.before[n][0] <= since:
-                break
-            n -= 1
+                record = json.loads(self.store.get(keys.step_metrics(self.run_id, self._before_from)))
+            except StoreError:  # the store is down (a store drill): next round
+                return
+            self.before[self._before_from] = (float(record["time"]), int(record.get("tokens", 0)))
+            self._before_done = self.before[self._before_from][0] <= since
+            self._before_from -= 1
+
+    @property
+    def baseline_read(self) -> bool:
+        return self._before_done or self._before_from < 1
 
     def tokens(self) -> list[tuple[float, int]]:
         """(completion time, tokens) of every step read, before and after after_step."""

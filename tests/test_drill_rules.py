@@ -239,3 +239,30 @@ def test_laminar_drill_rejects_a_bad_preempt_target_before_starting_anything(tmp
     for target in ("", "store", "trainer:2"):
         with pytest.raises(ConfigError, match=f"--fault preempt --target {target!r}: use one of rollout, relay"):
             asyncio.run(run_drill(settings, DrillInput(run_id="r", drill_id="", fault="preempt", target=target)))
+
+
+def test_the_step_clock_reads_the_minute_before_the_fault_a_few_records_a_round(tmp_path):
+    import json
+
+    from activities.drill import StepClock
+    from storage import keys
+    from storage.objects import open_store
+
+    store = open_store((tmp_path / "store").as_uri())
+    # steps 1..30 completed every 4 s (4, 8, ..., 120), 50 tokens each; the drill planned at step 30 and the
+    # fault came at 121: the minute before it starts at 61, so the reads stop at step 15 (t=60 <= 61)
+    for step in range(1, 31):
+        store.put(keys.step_metrics("r", step), json.dumps({"time": 4.0 * step, "tokens": 50}).encode())
+    clock = StepClock(store, "r", after_step=30)
+    clock.read_before(61.0, limit=10)  # steps 30..21
+    assert not clock.baseline_read and sorted(clock.before) == list(range(21, 31))
+    clock.read_before(61.0, limit=10)  # steps 20..15: 15 completed at 60 <= 61, done
+    assert clock.baseline_read and sorted(clock.before) == list(range(15, 31))
+    clock.read_before(61.0)  # nothing more to read
+    assert len(clock.before) == 16
+    store.put(keys.step_metrics("r", 31), json.dumps({"time": 124.0, "tokens": 50}).encode())
+    clock.times_until(31)
+    # (completion time, tokens) of steps 15..31; the baseline: steps 16..30 in (61, 121], 15 x 50 = 750 tokens
+    # over 60 s = 12.5 tokens/s
+    assert sorted(clock.tokens()) == [(4.0 * s, 50) for s in range(15, 32)]
+    assert rules.baseline_tokens_per_s(clock.tokens(), 121.0) == pytest.approx(12.5)
