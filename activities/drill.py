@@ -29,6 +29,7 @@ from storage.objects import ObjectStore
 
 POLL_S = 0.5
 SETTLE_STEPS = 1  # steps to watch after recovery so that the accounting has settled
+STATUS_TIMEOUT_S = 4.0  # a status query unanswered this long counts as no answer (well inside the 10 s heartbeat)
 THROUGHPUT_WATCH_S = 60.0  # after recovery, watch this long more for the throughput to come back
 
 
@@ -43,8 +44,10 @@ class DrillActivities:
         return await handle.query(names.STATUS, result_type=RunStatus)
 
     async def _try_status(self, run_id: str) -> RunStatus | None:
+        """None while the run cannot answer. Bounded: with the control worker down a query waits for the server's
+        own timeout, longer than this activity's heartbeat timeout (a control drill's observer was retried so)."""
         try:
-            return await self._status(run_id)
+            return await asyncio.wait_for(self._status(run_id), STATUS_TIMEOUT_S)
         except Exception:  # the control worker may be down: that is what some drills do
             return None
 
