@@ -109,7 +109,10 @@ async def _leave_trainer(client, service) -> None:
     if ref is None or service.run_id is None:
         return
     try:
-        await client.get_workflow_handle(workflow_id_for(service.run_id)).signal(names.TRAINER_CHECKPOINTED, ref)
+        # bounded: with the Temporal server gone the client would retry past the notice
+        await asyncio.wait_for(
+            client.get_workflow_handle(workflow_id_for(service.run_id)).signal(names.TRAINER_CHECKPOINTED, ref),
+            timeout=max(1.0, min(10.0, NOTICE.remaining_s())))
         log.info("deadline_checkpoint_signalled", run_id=service.run_id, step=ref.step)
     except Exception as e:  # the run ended meanwhile: nothing to commit it to, the successor replays instead
         log.warning("deadline_checkpoint_not_signalled", run_id=service.run_id, step=ref.step, error=str(e))
