@@ -1,6 +1,7 @@
 """Fault delivery for recovery drills: every worker process started with --allow-faults polls its own
 fault queue, so a fault reaches exactly the process that must die, and a drill can only kill processes
-the run's launcher started."""
+the run's launcher started. A `preempt` fault sends SIGTERM instead: the notice (laminar/notice.py), after
+which the process leaves cleanly and exits 0."""
 
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ class FaultActivities:
 
     @activity.defn(name=names.INJECT_FAULT)
     async def inject_fault(self, inp: InjectFaultInput) -> InjectFaultResult:
-        """Acknowledge, then SIGKILL this process after delay_s (no cleanup: a real crash)."""
+        """Acknowledge, then signal this process after delay_s: SIGKILL (no cleanup: a real crash), or for
+        `preempt` SIGTERM (the notice a spot machine gets: the worker leaves within its notice)."""
         pid = os.getpid()
+        sig = signal.SIGTERM if inp.fault == "preempt" else signal.SIGKILL
         log.warning("fault_injected", drill_id=inp.drill_id, fault=inp.fault, target=inp.target, pid=pid,
-                    process=self.process, delay_s=inp.delay_s)
-        asyncio.get_running_loop().call_later(inp.delay_s, os.kill, pid, signal.SIGKILL)
+                    process=self.process, delay_s=inp.delay_s, signal=sig.name)
+        asyncio.get_running_loop().call_later(inp.delay_s, os.kill, pid, sig)
         return InjectFaultResult(process=self.process, pid=pid, injected_at=time.time() + inp.delay_s)

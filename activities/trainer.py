@@ -49,9 +49,10 @@ class TrainerActivities:
         with background_heartbeat() as progress, permanent_errors(CorruptDataError):
             info = activity.info()
             queued_s = (info.started_time - info.current_attempt_scheduled_time).total_seconds()
+            steps = inp.inputs()
             return [self.service.train_step(step, heartbeat=progress.tick, schedule_to_start_s=queued_s if i == 0 else None,
-                                            scheduled_at=info.scheduled_time.timestamp())
-                    for i, step in enumerate(inp.inputs())]
+                                            scheduled_at=info.scheduled_time.timestamp(), last=i == len(steps) - 1)
+                    for i, step in enumerate(steps)]
 
     @activity.defn(name=names.REPUBLISH)
     def republish(self, inp: RepublishInput) -> int:

@@ -455,7 +455,9 @@ class ScaleResult:
 
 # -- recovery drills ----------------------------------------------------------------------------
 
-FAULTS = ("rollout", "relay", "master-relay", "trainer", "control", "store")
+FAULTS = ("rollout", "relay", "master-relay", "trainer", "control", "store", "preempt")
+# `--fault preempt --target ROLE[:ID]`: the notice (SIGTERM, laminar/notice.py) instead of SIGKILL, to one of these
+PREEMPT_ROLES = ("rollout", "relay", "trainer")
 
 
 def fault_queue(process: str) -> str:
@@ -470,7 +472,7 @@ class DrillInput:
     run_id: str
     drill_id: str
     fault: str  # one of FAULTS
-    target: str = ""  # replica id (rollout) or relay id (relay); empty: pick one
+    target: str = ""  # replica id (rollout) or relay id (relay); empty: pick one. preempt: ROLE[:ID], ROLE one of PREEMPT_ROLES
     at_step: int = 0  # inject once the run has completed this many steps
     runner_queue: str = ""  # queue of the `laminar drill` process that observes the run
     timeout_s: float = 300.0  # give up waiting for recovery after this long (s)
@@ -529,3 +531,7 @@ class DrillReport:
     steps_redone: int
     recovered: bool
     notes: str = ""
+    # the first time the trainer's tokens/s over a sliding window was back to 90 % of its mean over the minute
+    # before the fault (services/drill.py throughput_restored_at); None: not within the observation
+    throughput_restored_at: float | None = None
+    tokens_lost: int = 0  # generated tokens thrown away (not in a flush, or not resumable), from the run's counters

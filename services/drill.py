@@ -18,6 +18,15 @@ How each fault is detected and when it counts as recovered:
 | trainer      | the train_step heartbeat timeout (its retry)              | the first step completed by the restored trainer        |
 | control      | at injection (workflow tasks wait in their queue)         | the first step the workflow scheduled after the fault, completed |
 | store        | at injection (every store call retries with backoff)      | the first trainer step after the store is back          |
+| preempt      | at injection (the notice is the warning: the process says it goes) | rollout: as rollout; relay: the first trainer step after its new incarnation joined the chain; trainer: the first step of the restored trainer |
+
+`preempt` sends the notice (SIGTERM) instead of SIGKILL to the process of `--target ROLE[:ID]`; the rules above
+use its kind, "preempt-<role>" (rule_kind).
+
+Throughput restored (throughput_restored_at): the baseline is the trainer's mean tokens/s over the minute before
+the fault (from its step records: tokens and completion time); the run is back at the end of the first sliding
+window wholly after the fault whose tokens/s is at least 90 % of it. The window is 5 of the mean step intervals
+before the fault, at least 10 s.
 """
 
 from __future__ import annotations
@@ -26,7 +35,12 @@ from dataclasses import dataclass
 
 from laminar import names
 from laminar.errors import ConfigError
-from laminar.messages import FAULTS, DrillReport, RunStatus
+from laminar.messages import FAULTS, PREEMPT_ROLES, DrillReport, RunStatus
+
+THROUGHPUT_WINDOW_S = 10.0  # the sliding window of throughput_restored_at: at least this long ...
+THROUGHPUT_WINDOW_STEPS = 5  # ... and at least this many of the steps before the fault (one step is no rate)
+THROUGHPUT_BEFORE_S = 60.0  # the baseline: the trainer's mean tokens/s over this long before the fault
+THROUGHPUT_FRACTION = 0.9  # back when the window's tokens/s is at least this fraction of the baseline
 
 
 @dataclass
@@ -46,6 +60,9 @@ def resolve_target(fault: str, target: str, status: RunStatus, during: str = "")
         raise ConfigError(f"--fault {fault!r} is not one of {', '.join(FAULTS)}")
     if during not in ("", "migration"):
         raise ConfigError(f"--during {during!r}: use migration (or leave it out)")
+    if fault == "preempt":
+        role, ident = parse_preempt_target(target)
+        return resolve_target(role, ident, status, during)
     if fault == "rollout":
         replicas = {r.replica_id: r for r in status.replicas}
         if not replicas:
@@ -68,10 +85,25 @@ def resolve_target(fault: str, target: str, status: RunStatus, during: str = "")
     return fault, fault  # trainer, control, store: one of each
 
 
+def parse_preempt_target(target: str) -> tuple[str, str]:
+    """`--target ROLE[:ID]` of a preempt drill: (role, id or ""); ConfigError naming the roles otherwise."""
+    role, _, ident = target.partition(":")
+    if role not in PREEMPT_ROLES or (role == "trainer" and ident):
+        raise ConfigError(f"--fault preempt --target {target!r}: use one of {', '.join(PREEMPT_ROLES)} "
+                          f"(rollout and relay may name one: rollout:replica-1, relay:host-0)")
+    return role, ident
+
+
+def rule_kind(fault: str, process: str) -> str:
+    """The detection and recovery rules a fault follows: its own, or for preempt "preempt-<role>", the role
+    taken from the process that receives the notice (rollout-<host>, relay-<host>, trainer)."""
+    return f"preempt-{process.split('-', 1)[0]}" if fault == "preempt" else fault
+
+
 def detected_at(fault: str, target: str, injected_at: float, status: RunStatus,
                 activities: list[ActivityView]) -> float | None:
-    """When the control plane noticed the fault, or None if it has not yet."""
-    if fault in ("control", "store"):
+    """When the control plane noticed the fault, or None if it has not yet. fault: rule_kind's."""
+    if fault in ("control", "store") or fault.startswith("preempt-"):
         return injected_at
     if fault in ("relay", "master-relay"):
         return _first_event(status, "relay_lost", target, injected_at)
@@ -88,10 +120,15 @@ def detected_at(fault: str, target: str, injected_at: float, status: RunStatus,
 def recovered_at(fault: str, target: str, injected_at: float, detected: float | None, status: RunStatus,
                  step_times: list[float], chain_len: int) -> float | None:
     """When the run was whole again, or None. step_times: completion times of the steps since injection;
-    chain_len: relays in the chain before the fault."""
+    chain_len: relays in the chain before the fault. fault: rule_kind's."""
     if detected is None:
         return None
-    if fault == "rollout":
+    if fault == "preempt-trainer":  # the successor's first step commits as restored (from the deadline checkpoint)
+        return _first_event(status, "trainer_restored", "trainer", injected_at)
+    if fault == "preempt-relay":  # whole again once its new incarnation joined the chain
+        rejoined = _first_event(status, "relay_joined", target, injected_at)
+        return None if rejoined is None else next((t for t in sorted(step_times) if t > rejoined), None)
+    if fault in ("rollout", "preempt-rollout"):
         return _first_event(status, "replica_recovered", target, detected)
     after = max(injected_at, detected)
     if fault in ("relay", "master-relay") and chain_len <= 1:  # no chain left until the relay is back
@@ -108,6 +145,54 @@ def trainer_stall_s(step_times: list[float], start: float, end: float) -> float:
     return max((b - a for a, b in zip(marks, marks[1:], strict=False)), default=0.0)
 
 
+def baseline_tokens_per_s(steps: list[tuple[float, int]], injected_at: float,
+                          before_s: float = THROUGHPUT_BEFORE_S) -> float | None:
+    """The trainer's mean tokens/s over the `before_s` seconds before injection. steps: (completion time, tokens)
+    of each step. A run younger than that is measured from its first step's completion (whose tokens were
+    produced before it, so they are left out). None without a step in that span."""
+    times = [t for t, _ in steps if t <= injected_at]
+    if not times:
+        return None
+    start = max(injected_at - before_s, min(times))
+    tokens = sum(n for t, n in steps if start < t <= injected_at)
+    return tokens / (injected_at - start) if tokens and injected_at > start else None
+
+
+def throughput_window_s(steps: list[tuple[float, int]], injected_at: float, before_s: float = THROUGHPUT_BEFORE_S,
+                        min_s: float = THROUGHPUT_WINDOW_S, window_steps: int = THROUGHPUT_WINDOW_STEPS) -> float:
+    """The sliding window: window_steps mean step intervals of the baseline span (as baseline_tokens_per_s
+    measures it), at least min_s, so that one step completing never makes a rate on its own at a slow step
+    rate."""
+    times = [t for t, _ in steps if t <= injected_at]
+    if not times:
+        return min_s
+    start = max(injected_at - before_s, min(times))
+    count = sum(1 for t in times if t > start)
+    return max(min_s, window_steps * (injected_at - start) / count) if count else min_s
+
+
+def throughput_restored_at(steps: list[tuple[float, int]], injected_at: float, observed_until: float,
+                           window_s: float | None = None, before_s: float = THROUGHPUT_BEFORE_S,
+                           fraction: float = THROUGHPUT_FRACTION) -> float | None:
+    """The first time t, at least `window_s` (default: throughput_window_s) after injection (the window holds
+    only what came after the fault) and no later than observed_until, at which the tokens of the steps
+    completed in (t - window_s, t], over window_s, reach `fraction` of baseline_tokens_per_s. A window's rate
+    rises only when a step completes, so the candidates are injected_at + window_s and each later completion
+    time. None when no baseline or no such time."""
+    base = baseline_tokens_per_s(steps, injected_at, before_s)
+    if base is None:
+        return None
+    if window_s is None:
+        window_s = throughput_window_s(steps, injected_at, before_s)
+    first = injected_at + window_s
+    for c in [first] + sorted(t for t, _ in steps if t > first):
+        if c > observed_until:
+            return None
+        if sum(n for t, n in steps if c - window_s < t <= c) / window_s >= fraction * base:
+            return c
+    return None
+
+
 def groups_lost(status: RunStatus) -> int:
     """Prompt groups issued but neither consumed, waiting, leased nor queued for re-lease."""
     accounted = status.groups_consumed + status.ready_groups + status.open_leases + status.returned_leases
@@ -116,7 +201,7 @@ def groups_lost(status: RunStatus) -> int:
 
 def build_report(drill_id: str, fault: str, target: str, injected_at: float, baseline: RunStatus,
                  final: RunStatus, detected: float | None, recovered: float | None, step_times: list[float],
-                 observed_until: float, notes: str = "") -> DrillReport:
+                 observed_until: float, notes: str = "", throughput_at: float | None = None) -> DrillReport:
     """The report. Without recovery the outage lasts until the observation ended, so the stall and the
     steps counted are what really happened up to then (never a window that ends before the fault)."""
     end = recovered if recovered is not None else max(observed_until, injected_at)
@@ -137,7 +222,17 @@ def build_report(drill_id: str, fault: str, target: str, injected_at: float, bas
         steps_redone=final.steps_redone - baseline.steps_redone,
         recovered=recovered is not None,
         notes=notes,
+        throughput_restored_at=None if throughput_at is None else round(throughput_at, 3),
+        tokens_lost=tokens_lost(baseline, final),
     )
+
+
+def tokens_lost(baseline: RunStatus, final: RunStatus) -> int:
+    """Generated tokens thrown away between the two snapshots, from the run's durable counter of them: those a
+    dead incarnation had not flushed to its partial pool (as its last heartbeat counted them: what it generated
+    after that heartbeat is known to no one, so after a SIGKILL this is a lower bound) and flushed prefixes that
+    could not be resumed (their start version was gone), plus the tries of groups that failed a task check."""
+    return final.tokens_regenerated - baseline.tokens_regenerated
 
 
 def _first_event(status: RunStatus, kind: str, subject: str, after: float) -> float | None:

@@ -7,12 +7,20 @@ skipped for the newest older one the workflow retains, replaying from there. The
 group consumed twice is detected and counted (it must stay 0), never silently trained on again.
 After each step the new version is pushed to the master relay, which broadcasts it down the chain
 while the trainer goes back to work.
+
+On notice (laminar/notice.py: SIGTERM, a preemption warning), the step in flight finishes and writes a deadline
+checkpoint, which its result carries, so the workflow commits it as any other; a trainer told while no step
+runs writes one when its worker has stopped (`deadline_checkpoint`) and the process signals it to the workflow.
+Either way the successor restores the step the workflow is at and redoes none; a step the workflow scheduled
+before the signal reached it names the older restore point, and the successor then finds the deadline checkpoint
+at the step asked for and uses it once it checks it against the batches it would replay (_deadline_checkpoint_for).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import asdict
@@ -32,6 +40,7 @@ from laminar.messages import (
     TrainStepInput,
     TrainStepResult,
 )
+from laminar.notice import NOTICE, Notice
 from laminar.records import Trajectory
 from laminar.refs import CheckpointRef
 from laminar.timing import TimeBreakdown
@@ -56,7 +65,11 @@ PROFILE_EVERY_S = 5.0  # how often the trainer writes its time breakdown to the 
 
 
 class TrainerService:
-    def __init__(self, store: ObjectStore, home: Path, relay_token: str | None = None) -> None:
+    def __init__(self, store: ObjectStore, home: Path, relay_token: str | None = None,
+                 notice: Notice = NOTICE) -> None:
+        self.notice = notice  # the process's (tests pass their own)
+        self._busy = threading.Lock()  # a step, or the deadline checkpoint: never both at once
+        self.checkpointed_step = -1  # the step of the newest checkpoint of the in-memory policy (saved or loaded)
         self.relay_token = relay_token
         self.store = store
         self.home = home
@@ -124,16 +137,40 @@ class TrainerService:
         if run_id != self.run_id:  # a worker that serves another run profiles it from scratch
             self.profile, self._profile_written = TimeBreakdown(), time.perf_counter()
         self.run_id, self.cfg, self.trainer, self.step, self.consumed = run_id, cfg, trainer, step, consumed
+        self.checkpointed_step = step if loaded is not None else -1
         self.policy = policy
         log.info("trainer_restored", run_id=run_id, step=step, checkpoint=loaded.ref.step if loaded else None)
 
     # -- one step ------------------------------------------------------------------------------
 
     def train_step(self, inp: TrainStepInput, heartbeat=lambda: None,
-                   schedule_to_start_s: float | None = None, scheduled_at: float | None = None) -> TrainStepResult:
+                   schedule_to_start_s: float | None = None, scheduled_at: float | None = None,
+                   last: bool = True) -> TrainStepResult:
         """schedule_to_start_s: how long the activity waited on the task queue (control-plane latency);
         scheduled_at: when the workflow scheduled the step (its record carries it: a drill of the control
-        worker counts only steps scheduled after the fault)."""
+        worker counts only steps scheduled after the fault). last: the activity's last step; after a notice it
+        writes the deadline checkpoint."""
+        with self._busy:
+            return self._train_step(inp, heartbeat, schedule_to_start_s, scheduled_at, last)
+
+    def deadline_checkpoint(self) -> CheckpointRef | None:
+        """On notice, with no step in flight: a checkpoint of the in-memory policy unless its step has one
+        already (or nothing is loaded); the caller signals it to the workflow, which commits it when it is still
+        at that step. Deletes nothing (the workflow's retained checkpoints are the next step's to prune). Waits
+        for a step still running at most until the notice's deadline; None if it did not end by then."""
+        if not self._busy.acquire(timeout=min(self.notice.remaining_s(), 3600.0)):
+            return None
+        try:
+            if self.trainer is None or self.run_id is None or self.step <= max(0, self.checkpointed_step):
+                return None
+            ref = self._save_checkpoint()
+            log.info("deadline_checkpoint", run_id=self.run_id, step=self.step, in_step=False)
+            return ref
+        finally:
+            self._busy.release()
+
+    def _train_step(self, inp: TrainStepInput, heartbeat, schedule_to_start_s: float | None,
+                    scheduled_at: float | None, last: bool) -> TrainStepResult:
         t_start = time.time()
         wait_s = 0.0 if self.last_step_end is None else t_start - self.last_step_end
         prof = self.profile
@@ -158,7 +195,7 @@ class TrainerService:
         self.consumed.update(g for part in inp.batch for g in part.group_ids)
         heartbeat()
         with prof.measure("checkpoint"):
-            ckpt = self._maybe_checkpoint(keep_from_step=_replay_base(inp))
+            ckpt = self._maybe_checkpoint(keep_from_step=_replay_base(inp), deadline=last and self.notice.given)
         stall_s = 0.0
         if publishes(self.policy, self.step):  # stream: the version is complete after a batch's last minibatch
             with prof.measure("publish"):
@@ -192,7 +229,9 @@ class TrainerService:
         Returns (steps replayed, steps of the committed checkpoints skipped because they failed verification).
         """
         cfg = RunConfig.from_json(inp.config)
-        if inp.checkpoint is None:
+        if (deadline := self._deadline_checkpoint_for(inp)) is not None:
+            loaded, replay, corrupt = deadline, [], []
+        elif inp.checkpoint is None:
             loaded, replay, corrupt = None, inp.replay, []
         else:
             loaded, replay, corrupt = self._newest_verified(inp)
@@ -212,6 +251,30 @@ class TrainerService:
             heartbeat()
         log.info("trainer_replayed", run_id=inp.run_id, from_step=start, to_step=self.step, steps=len(replay))
         return len(replay), corrupt
+
+    def _deadline_checkpoint_for(self, inp: TrainStepInput) -> LoadedCheckpoint | None:
+        """The deadline checkpoint a predecessor left on notice at exactly the step asked for, when the input
+        names an older restore point: the workflow may have scheduled this step before the checkpoint's signal
+        reached it (workers/processes.py). It is used only if it verifies and holds the committed history: its
+        consumed set has every group of the batches the input would replay and none of this step's batch, so
+        restoring it is what replaying those batches computes. None otherwise (then the input's restore point)."""
+        if not inp.replay:
+            return None
+        ref = self.checkpoints.verified_at(inp.run_id, inp.step)
+        if ref is None:
+            return None
+        try:
+            loaded = self.checkpoints.load(ref)
+        except CorruptDataError:
+            return None
+        consumed = set(loaded.meta.get("consumed", []))
+        replayed = {g for batch in inp.replay for part in batch for g in part.group_ids}
+        now = {g for part in inp.batch for g in part.group_ids}
+        if int(loaded.meta.get("step", -1)) != inp.step or not replayed <= consumed or now & consumed:
+            log.warning("deadline_checkpoint_unused", run_id=inp.run_id, step=inp.step)
+            return None
+        log.info("deadline_checkpoint_restored", run_id=inp.run_id, step=inp.step, replay_skipped=len(inp.replay))
+        return loaded
 
     def _newest_verified(self, inp: TrainStepInput) -> tuple[LoadedCheckpoint | None, list[list[BatchPart]], list[int]]:
         """(checkpoint, batches from it to inp.step, corrupt checkpoint steps) for the newest restore point
@@ -256,17 +319,26 @@ class TrainerService:
 
     # -- outputs -------------------------------------------------------------------------------
 
-    def _maybe_checkpoint(self, keep_from_step: int) -> CheckpointRef | None:
-        """Save a checkpoint every `checkpoint_every` steps and at the last step; then delete the checkpoints
-        older than `keep_from_step`, the oldest restore point the workflow still records."""
-        assert self.cfg is not None and self.trainer is not None and self.run_id is not None
+    def _maybe_checkpoint(self, keep_from_step: int, deadline: bool = False) -> CheckpointRef | None:
+        """Save a checkpoint every `checkpoint_every` steps, at the last step, and (deadline) after a notice;
+        then delete the checkpoints older than `keep_from_step`, the oldest restore point the workflow still
+        records."""
+        assert self.cfg is not None and self.run_id is not None
         tc = self.cfg.trainer
-        if self.step % tc.checkpoint_every != 0 and self.step != self.cfg.run.steps:
+        if self.step % tc.checkpoint_every != 0 and self.step != self.cfg.run.steps and not deadline:
             return None
+        ref = self._save_checkpoint()
+        if deadline:
+            log.info("deadline_checkpoint", run_id=self.run_id, step=self.step, in_step=True)
+        self.checkpoints.retain(self.run_id, keep_from_step)
+        return ref
+
+    def _save_checkpoint(self) -> CheckpointRef:
+        assert self.trainer is not None and self.run_id is not None
         meta = {"step": self.step, "policy_version": self._version(), "consumed": sorted(self.consumed)}
         ref = self.checkpoints.save(self.run_id, self.step, self.trainer.state_parts(), meta,
                                     policy_version=self._version())
-        self.checkpoints.retain(self.run_id, keep_from_step)
+        self.checkpointed_step = self.step
         return ref
 
     def _publish(self, chain: list[str]) -> tuple[float, bytes]:

@@ -119,6 +119,10 @@ class CheckpointStore:
                 steps.add(step)
         return sorted(steps)
 
+    def verified_at(self, run_id: str, step: int) -> CheckpointRef | None:
+        """The ref of the checkpoint of this step if it is committed and every file verifies, else None."""
+        return self._verify(run_id, step)[0]
+
     def latest(self, run_id: str) -> CheckpointRef | None:
         """The newest committed checkpoint whose files all verify, or None if there is none.
 

@@ -25,6 +25,8 @@ GOOD = {"run_id": "no-such-run", "drill_id": "d", "fault": "rollout", "runner_qu
     ({"fault": "disk"}, "drill input fault='disk' is not allowed: use one of rollout"),
     ({"runner_queue": ""}, "drill input runner_queue='' is not allowed"),
     ({"timeout": 30}, "unknown field(s) ['timeout']"),
+    ({"fault": "preempt", "target": "control"}, "drill input target='control' is not allowed with fault=preempt: "
+                                                "use rollout, relay, trainer"),
 ])
 async def test_a_malformed_drill_input_fails_the_drill_naming_the_field(stack, spoil, expected):
     handle = await stack.client.start_workflow(

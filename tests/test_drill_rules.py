@@ -139,3 +139,130 @@ def test_control_recovery_counts_only_steps_the_workflow_scheduled_after_the_fau
     assert rules.recovered_at("control", "control", 100.0, 100.0, st, clock.recovery_candidates("control", 100.0),
                               2) == 111.8
     assert clock.times_until(13) == [100.07, 111.8]  # step 13 has no record yet: read it next time
+
+
+def test_a_preempt_drill_targets_a_role_and_follows_that_roles_rules():
+    st = status()
+    assert rules.resolve_target("preempt", "trainer", st) == ("trainer", "trainer")
+    assert rules.resolve_target("preempt", "rollout", st) == ("replica-1", "rollout-host-1")  # most in flight
+    assert rules.resolve_target("preempt", "rollout:replica-0", st) == ("replica-0", "rollout-host-0")
+    assert rules.resolve_target("preempt", "relay", st) == ("host-1", "relay-host-1")  # the chain's tail
+    assert rules.resolve_target("preempt", "relay:host-0", st) == ("host-0", "relay-host-0")
+    for bad in ("", "control", "store", "trainer:x", "replica-0"):
+        with pytest.raises(ConfigError, match="rollout, relay, trainer"):
+            rules.resolve_target("preempt", bad, st)
+    with pytest.raises(ConfigError, match="replica-0"):
+        rules.resolve_target("preempt", "rollout:replica-9", st)
+    assert [rules.rule_kind("preempt", p) for p in ("trainer", "rollout-host-1", "relay-host-0")] == [
+        "preempt-trainer", "preempt-rollout", "preempt-relay"]
+    assert rules.rule_kind("relay", "relay-host-0") == "relay"
+
+
+def test_preempt_detection_is_the_notice_and_recovery_is_the_roles():
+    # the notice at 100 is its own detection. trainer: the successor's first step committed as restored at 112;
+    # relay host-1: its new incarnation joined at 104, the first step after that is 105
+    st = status(event_times=events(("trainer_restored", "trainer", 112.0), ("trainer_restored", "trainer", 90.0),
+                                   ("relay_joined", "host-1", 104.0), ("relay_joined", "host-1", 50.0)))
+    assert rules.detected_at("preempt-trainer", "trainer", 100.0, st, []) == 100.0
+    assert rules.recovered_at("preempt-trainer", "trainer", 100.0, 100.0, st, [101.0, 112.0], 2) == 112.0
+    assert rules.recovered_at("preempt-relay", "host-1", 100.0, 100.0, st, [101.0, 103.0, 105.0], 2) == 105.0
+    # not re-joined yet (only the join before the fault): not recovered
+    assert rules.recovered_at("preempt-relay", "host-0", 100.0, 100.0, st, [101.0], 2) is None
+
+
+def test_the_throughput_baseline_is_the_minute_before_the_fault():
+    # a step of 100 tokens every 2 s from t=2 to t=100, fault at 100: the minute (40, 100] holds the steps at
+    # 42, 44, ..., 100: 30 steps, 3000 tokens over 60 s -> 50 tokens/s (the step at 40 is outside)
+    steps = [(2.0 * i, 100) for i in range(1, 51)]
+    assert rules.baseline_tokens_per_s(steps, 100.0) == pytest.approx(50.0)
+    # a run 20 s old at the fault: its first step (t=82, tokens made before it) starts the span, so the steps
+    # at 84..100 (9 steps, 900 tokens) over 18 s -> 50 tokens/s
+    young = [(80.0 + 2.0 * i, 100) for i in range(1, 11)]
+    assert rules.baseline_tokens_per_s(young, 100.0) == pytest.approx(50.0)
+    assert rules.baseline_tokens_per_s([(100.0, 100)], 100.0) is None  # one step: no span
+    assert rules.baseline_tokens_per_s([(101.0, 100)], 100.0) is None  # nothing before the fault
+
+
+def test_throughput_is_restored_at_the_end_of_the_first_good_window_after_the_fault():
+    # baseline 50 tokens/s (as above: 100 tokens every 2 s up to the fault at 100). The trainer stalls until
+    # 120, then steps every 2 s again from 121: 121, 123, ... With a 10 s window and the 90 % bar (45 tokens/s,
+    # 450 tokens in the window), candidate window ends are 110 and each step after it:
+    #   (111, 121]: 1 step -> 10/s; (113, 123]: 2 -> 20/s; ... (119, 129]: 5 steps -> 500 tokens = 50/s >= 45
+    # so throughput is back at 129.
+    before = [(2.0 * i, 100) for i in range(1, 51)]
+    after = [(121.0 + 2.0 * i, 100) for i in range(0, 20)]
+    assert rules.throughput_restored_at(before + after, 100.0, observed_until=200.0) == 129.0
+    # observed only up to 128: not yet
+    assert rules.throughput_restored_at(before + after, 100.0, observed_until=128.0) is None
+    # no stall at all (steps go on every 2 s): the first window wholly after the fault, (100, 110], holds
+    # 102..110: 5 steps -> 50/s, back at 110 (injection + window: the earliest the figure can say)
+    steady = [(2.0 * i, 100) for i in range(1, 101)]
+    assert rules.throughput_restored_at(steady, 100.0, observed_until=200.0) == 110.0
+    # back at only 80 % (a step of 80 tokens every 2 s = 40/s < 45): never restored
+    slower = before + [(100.0 + 2.0 * i, 80) for i in range(1, 50)]
+    assert rules.throughput_restored_at(slower, 100.0, observed_until=200.0) is None
+    # no baseline (the fault came before any step): None
+    assert rules.throughput_restored_at(after, 100.0, observed_until=200.0) is None
+
+
+def test_the_throughput_window_spans_several_steps_at_a_slow_step_rate():
+    # 2 s steps: the minute before the fault holds 30 -> mean interval 2 s, 5 of them = 10 s (the minimum)
+    assert rules.throughput_window_s([(2.0 * i, 100) for i in range(1, 51)], 100.0) == pytest.approx(10.0)
+    # a step of 300 tokens every 6 s up to the fault at 102 (6, 12, ..., 102): the minute (42, 102] holds
+    # 48..102, 10 steps -> baseline 3000 / 60 = 50 tokens/s, interval 6 s, window 5 * 6 = 30 s
+    before = [(6.0 * i, 300) for i in range(1, 18)]
+    assert rules.throughput_window_s(before, 102.0) == pytest.approx(30.0)
+    # the trainer comes back at 130 and steps every 6 s: 130, 136, ... A 10 s window would call it back at
+    # 136 on two steps ((126, 136]: 600 tokens = 60/s >= 45), a rate no 6 s stepping sustains. With the
+    # 30 s window, the 90 % bar is 45/s = 1350 tokens: (118, 148] holds 130..148, 4 steps = 1200 < 1350;
+    # (124, 154] holds 130..154, 5 steps = 1500 >= 1350 -> back at 154
+    after = [(130.0 + 6.0 * i, 300) for i in range(0, 10)]
+    assert rules.throughput_restored_at(before + after, 102.0, observed_until=300.0) == 154.0
+    assert rules.throughput_restored_at(before + after, 102.0, observed_until=300.0, window_s=10.0) == 136.0
+
+
+def test_tokens_lost_come_from_the_runs_counter_before_and_after():
+    # 838 tokens thrown away during the drill: 1000 counted before it, 1838 after
+    report = rules.build_report("d", "preempt", "trainer", 100.0, status(tokens_regenerated=1000),
+                                status(tokens_regenerated=1838), 100.0, 112.0, [112.0], 130.0, "", 129.0)
+    assert (report.tokens_lost, report.throughput_restored_at) == (838, 129.0)
+
+
+def test_laminar_drill_rejects_a_bad_preempt_target_before_starting_anything(tmp_path):
+    import asyncio
+
+    from client.settings import Settings
+    from laminar.messages import DrillInput
+    from workers.drill_command import run_drill
+
+    settings = Settings.from_env({"LAMINAR_HOME": str(tmp_path)})  # nothing listens there: no connection is made
+    for target in ("", "store", "trainer:2"):
+        with pytest.raises(ConfigError, match=f"--fault preempt --target {target!r}: use one of rollout, relay"):
+            asyncio.run(run_drill(settings, DrillInput(run_id="r", drill_id="", fault="preempt", target=target)))
+
+
+def test_the_step_clock_reads_the_minute_before_the_fault_a_few_records_a_round(tmp_path):
+    import json
+
+    from activities.drill import StepClock
+    from storage import keys
+    from storage.objects import open_store
+
+    store = open_store((tmp_path / "store").as_uri())
+    # steps 1..30 completed every 4 s (4, 8, ..., 120), 50 tokens each; the drill planned at step 30 and the
+    # fault came at 121: the minute before it starts at 61, so the reads stop at step 15 (t=60 <= 61)
+    for step in range(1, 31):
+        store.put(keys.step_metrics("r", step), json.dumps({"time": 4.0 * step, "tokens": 50}).encode())
+    clock = StepClock(store, "r", after_step=30)
+    clock.read_before(61.0, limit=10)  # steps 30..21
+    assert not clock.baseline_read and sorted(clock.before) == list(range(21, 31))
+    clock.read_before(61.0, limit=10)  # steps 20..15: 15 completed at 60 <= 61, done
+    assert clock.baseline_read and sorted(clock.before) == list(range(15, 31))
+    clock.read_before(61.0)  # nothing more to read
+    assert len(clock.before) == 16
+    store.put(keys.step_metrics("r", 31), json.dumps({"time": 124.0, "tokens": 50}).encode())
+    clock.times_until(31)
+    # (completion time, tokens) of steps 15..31; the baseline: steps 16..30 in (61, 121], 15 x 50 = 750 tokens
+    # over 60 s = 12.5 tokens/s
+    assert sorted(clock.tokens()) == [(4.0 * s, 50) for s in range(15, 32)]
+    assert rules.baseline_tokens_per_s(clock.tokens(), 121.0) == pytest.approx(12.5)

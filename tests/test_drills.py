@@ -156,6 +156,27 @@ async def test_trainer_drill(drill_stack, tmp_path):
     await _finish(handle)
 
 
+@pytest.mark.slow
+async def test_trainer_preempt_redoes_no_step_and_a_kill_does(drill_stack, tmp_path):
+    """Both on one run, with a checkpoint only at the run's last step (checkpoint_every=1000), so that nothing
+    but the notice writes one. Preempt (SIGTERM) at step >= P: the trainer finishes the step in flight and writes
+    a deadline checkpoint, carried by that step's result (or, when no step was in flight, signalled to the
+    workflow), so the successor's first step restores the step the run is at: 0 steps redone. Then SIGKILL at
+    step K >= the preempt drill's last observed step + 2: the retried step (the run at step >= K) restores the
+    deadline checkpoint (step <= that last observed step) and replays every step since: >= 2 steps redone."""
+    handle = await _start_run(drill_stack, "trainer.checkpoint_every=1000")
+    preempt = await _drill(drill_stack, handle, "preempt", tmp_path, target="trainer")
+    _assert_recovered(preempt, "preempt")
+    assert preempt.target == "trainer"
+    assert preempt.steps_redone == 0, preempt
+    assert preempt.tokens_lost == 0, preempt  # no replica was touched
+    kill = await _drill(drill_stack, handle, "trainer", tmp_path)
+    _assert_recovered(kill, "trainer")
+    assert kill.steps_redone >= 2, kill
+    final = await _finish(handle)
+    assert final.steps_redone == kill.steps_redone
+
+
 async def test_control_worker_drill(drill_stack, tmp_path):
     handle = await _start_run(drill_stack)
     report = await _drill(drill_stack, handle, "control", tmp_path)

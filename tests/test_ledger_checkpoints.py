@@ -90,3 +90,26 @@ def test_a_fallback_is_recorded_and_the_corrupt_checkpoint_forgotten() -> None:
     assert (inp.step, inp.checkpoint.step, inp.fallbacks) == (6, 2, [])
     assert inp.replay == batches[2:6] and inp.fallback_replay == batches[0:2]
     assert [c.step for c in ledger.state.checkpoints] == [2]
+
+
+def test_a_deadline_checkpoint_of_the_current_step_becomes_the_restore_point() -> None:
+    """The trainer left on notice between steps: its checkpoint of the step the run is at is committed, and the
+    next step's input restores it with nothing to replay (the successor redoes no step)."""
+    cfg = RunConfig.load(None, ["trainer.groups_per_step=1", "trainer.checkpoint_every=4", "trainer.keep_last=2"])
+    ledger = Ledger(RunState(run_id=RUN))
+    batches = [_step(ledger, cfg) for _ in range(6)]  # checkpoint at step 4; steps 5 and 6 uncommitted
+    before = ledger.next_train_input(cfg, [])
+    assert (before.step, before.checkpoint.step, len(before.replay)) == (6, 4, 2)
+    # a checkpoint of another step (the run moved on), of another run, or no newer than the restore point: ignored
+    assert not ledger.commit_deadline_checkpoint(_ckpt(5), cfg.trainer.keep_last, at=7.0)
+    assert not ledger.commit_deadline_checkpoint(CheckpointRef("other", 6, "k", "s"), cfg.trainer.keep_last)
+    assert ledger.commit_deadline_checkpoint(_ckpt(6), cfg.trainer.keep_last, at=7.5)
+    assert not ledger.commit_deadline_checkpoint(_ckpt(6), cfg.trainer.keep_last)  # a second signal: no change
+    after = ledger.next_train_input(cfg, [])
+    # step 6 restores checkpoint 6 and replays nothing; checkpoint 4 stays a fallback. keep_last=2 holds
+    # checkpoints 4 and 6, and none has left the window yet, so step 0 is still the oldest restore point: the
+    # batches of steps 1..6 (batches[0:6]) are kept to rebuild from it
+    assert (after.step, after.checkpoint.step, after.replay) == (6, 6, [])
+    assert [f.step for f in after.fallbacks] == [4]
+    assert after.fallback_replay == batches[0:6]
+    assert ledger.state.event_times["deadline_checkpoint/trainer"] == [7.5]

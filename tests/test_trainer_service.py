@@ -194,3 +194,65 @@ def test_no_checkpoint_that_verifies_is_a_permanent_corrupt_data_error(setup):
                                                r"step-4 part model-00001.safetensors: sha256 mismatch") as info:
         TrainerService(store, home).train_step(_next_input(ledger, cfg, trajs))
     assert "trainer.keep_last >= 2" in str(info.value)
+
+
+def test_on_notice_the_step_in_flight_writes_a_deadline_checkpoint(setup):
+    """checkpoint_every=2: without a notice step 3 writes none. With the notice given, the step's result carries
+    a checkpoint of step 3, so a successor asked for step 3 restores it and redoes nothing."""
+    from laminar.notice import Notice
+
+    store, trajs, home = setup
+    notice = Notice()
+    batches = [_batch(trajs, "r", 10 * i) for i in range(4)]
+    svc = TrainerService(store, home, notice=notice)
+    results = [svc.train_step(_input("r", i, batches[i])) for i in range(2)]  # steps 1, 2 (checkpoint at 2)
+    notice.give(30.0, "SIGTERM")
+    res = svc.train_step(_input("r", 2, batches[2], checkpoint=results[1].checkpoint))
+    assert res.step == 3 and res.checkpoint is not None and res.checkpoint.step == 3
+    assert svc.deadline_checkpoint() is None  # the policy's step has its checkpoint already
+    successor = TrainerService(store, home)
+    after = successor.train_step(_input("r", 3, batches[3], checkpoint=res.checkpoint))
+    assert (after.step, after.steps_redone, after.restored) == (4, 0, True)
+
+
+def test_on_notice_between_steps_the_trainer_checkpoints_its_policy(setup):
+    """Steps 1..3 with checkpoint_every=2 leave step 3 past the last checkpoint (step 2): deadline_checkpoint
+    saves step 3, and the ledger-style successor input (checkpoint 3, nothing to replay) redoes no step."""
+    from laminar.notice import Notice
+
+    store, trajs, home = setup
+    notice = Notice()
+    batches = [_batch(trajs, "r", 10 * i) for i in range(4)]
+    svc = TrainerService(store, home, notice=notice)
+    assert svc.deadline_checkpoint() is None  # nothing loaded yet
+    results = [svc.train_step(_input("r", i, batches[i], checkpoint=None, replay=batches[:i])) for i in range(3)]
+    assert [r.checkpoint is not None for r in results] == [False, True, False]
+    notice.give(30.0, "SIGTERM")
+    ref = svc.deadline_checkpoint()
+    assert ref is not None and (ref.run_id, ref.step) == ("r", 3)
+    assert CheckpointStore(store).load(ref).meta["step"] == 3
+    successor = TrainerService(store, home)
+    after = successor.train_step(_input("r", 3, batches[3], checkpoint=ref))
+    assert (after.step, after.steps_redone, after.metrics.consumed_twice) == (4, 0, 0)
+
+
+def test_a_successor_uses_the_deadline_checkpoint_the_input_does_not_name_yet(setup):
+    """The workflow scheduled step 3 (restore point: nothing, replay batches 0..2) before the deadline checkpoint's
+    signal reached it. The successor finds the checkpoint at step 3, checks it consumed every replayed group and
+    none of this step's, and restores it: 0 steps redone instead of 3. A checkpoint of a different history (its
+    consumed set lacks a replayed group) is not used: the 3 steps are replayed."""
+    from laminar.notice import Notice
+
+    store, trajs, home = setup
+    notice = Notice()
+    batches = [_batch(trajs, "r", 10 * i) for i in range(5)]
+    svc = TrainerService(store, home, notice=notice)
+    for i in range(3):
+        svc.train_step(_input("r", i, batches[i], replay=batches[:i]))
+    notice.give(30.0, "SIGTERM")
+    assert svc.deadline_checkpoint().step == 3
+    res = TrainerService(store, home).train_step(_input("r", 3, batches[3], replay=batches[:3]))
+    assert (res.step, res.steps_redone, res.restored, res.metrics.consumed_twice) == (4, 0, True, 0)
+    # another history: the input says step 3 came from batches 0, 1 and 4 (not 2): the checkpoint is not it
+    other = TrainerService(store, home).train_step(_input("r", 3, batches[3], replay=[*batches[:2], batches[4]]))
+    assert (other.step, other.steps_redone) == (4, 3)

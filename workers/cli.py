@@ -239,8 +239,10 @@ def resume(run_id: str) -> None:
 @app.command()
 def drill(
     run_id: str = typer.Argument(..., help="The live run to inject the fault into."),
-    fault: str = typer.Option(..., help="rollout | relay | master-relay | trainer | control | store"),
-    target: str = typer.Option("", help="Replica id (rollout) or relay id (relay); default: picked."),
+    fault: str = typer.Option(..., help="rollout | relay | master-relay | trainer | control | store | preempt "
+                              "(preempt: the notice, SIGTERM, instead of SIGKILL)"),
+    target: str = typer.Option("", help="Replica id (rollout) or relay id (relay); default: picked. preempt: "
+                               "rollout | relay | trainer, optionally :ID (rollout:replica-1)."),
     at_step: int = typer.Option(0, "--at-step", help="Inject once the run has completed this many steps."),
     report: Path | None = typer.Option(None, help="Also write the report here as JSON."),
     timeout_s: float = typer.Option(300.0, "--timeout-s", help="Give up waiting for recovery after (s)."),

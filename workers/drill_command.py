@@ -23,6 +23,7 @@ from devstack.stack import DevStack
 from laminar import names
 from laminar.errors import ConfigError
 from laminar.messages import CONTROL_QUEUE, FAULTS, DrillInput, DrillReport
+from services.drill import parse_preempt_target
 
 
 async def run_drill(settings: Settings, inp: DrillInput, report_path: Path | None = None) -> DrillReport:
@@ -30,6 +31,8 @@ async def run_drill(settings: Settings, inp: DrillInput, report_path: Path | Non
         raise ConfigError(f"--fault {inp.fault!r} is not one of {', '.join(FAULTS)}")
     if inp.during not in ("", "migration"):
         raise ConfigError(f"--during {inp.during!r}: use migration (or leave it out)")
+    if inp.fault == "preempt":
+        parse_preempt_target(inp.target)  # a bad --target fails here, before anything starts
     drill_id = inp.drill_id or f"{inp.fault}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
     inp = dataclasses.replace(inp, drill_id=drill_id, runner_queue=f"laminar-drill-{drill_id}-{os.getpid()}")
     client = await connect(settings)
@@ -59,7 +62,8 @@ def render_report(r: DrillReport) -> Table:
         ("detected at", rel(r.detected_at)), ("recovered at", rel(r.recovered_at)),
         ("trainer steps during outage", r.steps_during_outage), ("trainer stall (s)", r.trainer_stall_s),
         ("groups lost", r.groups_lost), ("groups consumed twice", r.groups_consumed_twice),
-        ("tokens regenerated", r.tokens_regenerated), ("trainer steps redone", r.steps_redone),
+        ("tokens regenerated", r.tokens_regenerated), ("tokens lost", r.tokens_lost),
+        ("throughput restored at", rel(r.throughput_restored_at)), ("trainer steps redone", r.steps_redone),
         ("recovered", r.recovered),
     ]
     if r.notes:

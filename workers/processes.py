@@ -22,8 +22,16 @@ from activities.heartbeat import HEARTBEAT_THROTTLE
 from activities.relay import RelayActivities
 from client.connect import connect, store_for
 from client.settings import Settings
+from laminar import names
 from laminar.logs import get_logger
-from laminar.messages import CONTROL_QUEUE, ROLLOUT_QUEUE, TRAINER_QUEUE, fault_queue, relay_queue
+from laminar.messages import (
+    CONTROL_QUEUE,
+    ROLLOUT_QUEUE,
+    TRAINER_QUEUE,
+    fault_queue,
+    relay_queue,
+    workflow_id_for,
+)
 from laminar.notice import NOTICE
 from workflows.recovery_drill import RecoveryDrillWorkflow
 from workflows.training_run import TrainingRunWorkflow
@@ -89,6 +97,25 @@ async def trainer(settings: Settings, allow_faults: bool = False) -> None:
         graceful_shutdown_timeout=timedelta(seconds=settings.notice_s),
     )
     await _serve(worker, "trainer", "trainer", allow_faults, settings.notice_s, host_id=settings.host_id)
+    if NOTICE.given:
+        await _leave_trainer(client, acts.service)
+
+
+async def _leave_trainer(client, service) -> None:
+    """The trainer on notice, its worker stopped: a step that was running wrote its deadline checkpoint and
+    its result carried it. Otherwise the policy may be steps past its last checkpoint: write one now and signal
+    it to the run's workflow, which commits it while it is still at that step (services/trainer.py)."""
+    ref = await asyncio.to_thread(service.deadline_checkpoint)
+    if ref is None or service.run_id is None:
+        return
+    try:
+        # bounded: with the Temporal server gone the client would retry past the notice
+        await asyncio.wait_for(
+            client.get_workflow_handle(workflow_id_for(service.run_id)).signal(names.TRAINER_CHECKPOINTED, ref),
+            timeout=max(1.0, min(10.0, NOTICE.remaining_s())))
+        log.info("deadline_checkpoint_signalled", run_id=service.run_id, step=ref.step)
+    except Exception as e:  # the run ended meanwhile: nothing to commit it to, the successor replays instead
+        log.warning("deadline_checkpoint_not_signalled", run_id=service.run_id, step=ref.step, error=str(e))
 
 
 async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1) -> None:

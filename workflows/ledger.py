@@ -30,7 +30,7 @@ from laminar.messages import (
     next_step_input,
 )
 from laminar.policy import Policy, policy_for, trainer_batch, version_of
-from laminar.refs import SegmentRef
+from laminar.refs import CheckpointRef, SegmentRef
 from workflows.state import (
     EVENTS_PER_KEY,
     RECENT_EVENTS,
@@ -285,14 +285,7 @@ class Ledger:
         if res.restored:
             self.note_event("trainer_restored", "trainer", at, res.steps_redone)
         if res.checkpoint is not None:
-            base = self._replay_base()
-            self.state.committed_batches += self.state.uncommitted
-            self.state.checkpoint = res.checkpoint
-            self.state.uncommitted = []
-            full = len(self.state.checkpoints) >= keep_last
-            self.state.checkpoints = (self.state.checkpoints + [res.checkpoint])[-keep_last:]
-            if full:  # the oldest checkpoint (and step 0 with it) left the window: its batches go too
-                self.state.committed_batches = self.state.committed_batches[max(0, self.state.checkpoints[0].step - base):]
+            self._commit_checkpoint(res.checkpoint, keep_last)
         m = res.metrics
         self.state.groups_consumed += len(consumed)
         self.state.groups_consumed_twice += m.consumed_twice
@@ -301,6 +294,31 @@ class Ledger:
         self.state.reward_recent = (self.state.reward_recent + [m.reward_mean])[-RECENT_REWARDS:]
         for gap, n in m.staleness.items():
             self.state.staleness_histogram[gap] = self.state.staleness_histogram.get(gap, 0) + n
+
+    def _commit_checkpoint(self, ref: CheckpointRef, keep_last: int) -> None:
+        """ref, a checkpoint of the step the run is at, becomes the restore point; the batches since the old one
+        join committed_batches, and those of a checkpoint that leaves the keep_last window go."""
+        base = self._replay_base()
+        self.state.committed_batches += self.state.uncommitted
+        self.state.checkpoint = ref
+        self.state.uncommitted = []
+        full = len(self.state.checkpoints) >= keep_last
+        self.state.checkpoints = (self.state.checkpoints + [ref])[-keep_last:]
+        if full:  # the oldest checkpoint (and step 0 with it) left the window: its batches go too
+            self.state.committed_batches = self.state.committed_batches[max(0, self.state.checkpoints[0].step - base):]
+
+    def commit_deadline_checkpoint(self, ref: CheckpointRef, keep_last: int, at: float = 0.0) -> bool:
+        """The trainer left on notice between steps and checkpointed its policy (services/trainer.py
+        deadline_checkpoint): commit it if it is of the step the run is at and newer than the restore point.
+        A step that committed meanwhile moved the run past it (that step's batch is not in it): ignored, the
+        successor replays from the restore point as after a crash. A step still in flight commits on top of it
+        as usual (its batch goes to `uncommitted`). True when committed."""
+        s = self.state
+        if ref.run_id != s.run_id or ref.step != s.step or (s.checkpoint is not None and ref.step <= s.checkpoint.step):
+            return False
+        self._commit_checkpoint(ref, keep_last)
+        self.note_event("deadline_checkpoint", "trainer", at, ref.step)
+        return True
 
     def _fall_back(self, corrupt: list[int], at: float) -> None:
         """The trainer found these committed checkpoints corrupt and restored from the newest older restore

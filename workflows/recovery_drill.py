@@ -24,6 +24,7 @@ with workflow.unsafe.imports_passed_through():
     from laminar.errors import ConfigError
     from laminar.messages import (
         FAULTS,
+        PREEMPT_ROLES,
         DrillInput,
         DrillPlan,
         DrillReport,
@@ -102,4 +103,7 @@ def parse_drill_input(raw: Any) -> DrillInput:
     for name, (check, allowed) in _ALLOWED.items():
         if not check(getattr(inp, name)):
             raise ConfigError(f"drill input {name}={getattr(inp, name)!r:.80} is not allowed: use {allowed}")
+    if inp.fault == "preempt" and inp.target.partition(":")[0] not in PREEMPT_ROLES:
+        raise ConfigError(f"drill input target={inp.target!r:.80} is not allowed with fault=preempt: use "
+                          f"{', '.join(PREEMPT_ROLES)} (rollout and relay may name one: rollout:replica-1)")
     return inp

@@ -45,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
         relay_queue,
     )
     from laminar.policy import Policy, fresh_lease_room, policy_for, steps_to_publish
+    from laminar.refs import CheckpointRef
     from workflows import timeouts
     from workflows.ledger import Ledger
     from workflows.migrations import Migrations
@@ -234,6 +235,15 @@ class TrainingRunWorkflow:
         self.state.relays[info.relay_id] = info
         self._rejoined_relays.add(info.relay_id)
         self.ledger.note_event("relay_joined", info.relay_id, workflow.time())
+
+    @workflow.signal(name=names.TRAINER_CHECKPOINTED)
+    def trainer_checkpointed(self, ref: CheckpointRef) -> None:
+        """The trainer left on notice between steps and wrote a deadline checkpoint (workers/processes.py): the
+        ledger commits it if the run is still at its step, so the successor redoes no step. No patch: the
+        handler issues no command, and only trainers of this code send the signal, so no recorded history
+        holds it."""
+        if self._cfg is not None:
+            self.ledger.commit_deadline_checkpoint(ref, self._cfg.trainer.keep_last, workflow.time())
 
     # -- trainer -----------------------------------------------------------------------------
 
