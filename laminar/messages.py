@@ -231,6 +231,9 @@ class TrainStepInput:
     relay_chain: list[str]
     fallbacks: list[CheckpointRef] = field(default_factory=list)
     fallback_replay: list[list[BatchPart]] = field(default_factory=list)
+    # relays the workflow took out of the chain for failing their data-plane checks (workflows/relay_health.py):
+    # the trainer probes them in the background and reports those that pass (TrainStepResult.relays_passed)
+    relays_out: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -289,6 +292,11 @@ class TrainStepResult:
     # steps of the committed checkpoints that failed verification when restoring, newest first; the trainer
     # restored from the newest retained restore point older than all of them
     corrupt_checkpoints: list[int] = field(default_factory=list)
+    # data-plane checks (relay.breaker): relays of the chain or of relays_out the trainer could not reach (its
+    # breaker is open), and relays of relays_out whose probe passed since; the workflow takes the first out of
+    # the chain and the second back in (workflows/relay_health.py)
+    relays_failed: list[str] = field(default_factory=list)
+    relays_passed: list[str] = field(default_factory=list)
 
 
 # -- rollout / relay activities ---------------------------------------------------------------
