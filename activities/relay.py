@@ -68,7 +68,11 @@ class RelayActivities:
     async def _leave(self, handle, info: RelayInfo, inp: RunRelayInput) -> str:
         """Leave the chain on notice, then serve until nothing is in flight (bounded by the notice)."""
         t0 = time.monotonic()
-        dropped = await handle.execute_update(names.RELAY_LEAVING, info, result_type=bool)
+        try:
+            dropped = await handle.execute_update(names.RELAY_LEAVING, info, result_type=bool)
+        except Exception as e:  # noqa: BLE001 - the run ended, or its control plane is away: leave all the same
+            log.warning("relay_leaving_not_acknowledged", relay_id=self.relay_id, run_id=inp.run_id, error=str(e))
+            dropped = False
         log.info("relay_leaving", relay_id=self.relay_id, run_id=inp.run_id, dropped=dropped,
                  notice=self._notice.reason, update_s=round(time.monotonic() - t0, 3))
         linger_until = time.monotonic() + LEAVE_MIN_LINGER_S
