@@ -69,7 +69,9 @@ class RelayActivities:
         """Leave the chain on notice, then serve until nothing is in flight (bounded by the notice)."""
         t0 = time.monotonic()
         try:
-            dropped = await handle.execute_update(names.RELAY_LEAVING, info, result_type=bool)
+            # bounded: a control plane that is away must not hold the relay past its notice
+            dropped = await asyncio.wait_for(handle.execute_update(names.RELAY_LEAVING, info, result_type=bool),
+                                             timeout=max(0.5, self._notice.remaining_s() / 2))
         except Exception as e:  # noqa: BLE001 - the run ended, or its control plane is away: leave all the same
             log.warning("relay_leaving_not_acknowledged", relay_id=self.relay_id, run_id=inp.run_id, error=str(e))
             dropped = False
