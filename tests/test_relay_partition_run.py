@@ -89,6 +89,7 @@ def _relay_pid(home: Path, host: str) -> int | None:
 def drive(steps: int) -> dict:
     home = Path(os.environ["LAMINAR_HOME"])
     run_id = f"partition-{int(time.time())}"
+    home.mkdir(parents=True, exist_ok=True)
     logs = home / "logs" / run_id
     laminar = str(Path(sys.executable).parent / "laminar")
     env = {**os.environ, "LAMINAR_LOG_FORMAT": "json"}
