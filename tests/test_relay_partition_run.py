@@ -138,7 +138,9 @@ def drive(steps: int) -> dict:
         # Back in the chain: the trainer pushes to it as master again (it is first by relay id).
         back = [e["t"] for e in _events(trainer, "weights_published") if e["t"] > t_heal and e.get("address") == master]
         out["master_again_after_heal_s"] = round(back[0] - t_heal, 2) if back else None
-        # Notice, then kill, of the master relay's worker (host-0): the longest step gap in the 20 s after each.
+        # Notice, then kill, of the master relay's worker (host-0): the longest step gap in the 5 s after each (the
+        # fault itself) and in the 20 s after (the restarted relay's rejoin and republish included), the failed
+        # pushes and the publish stall summed over the 20 s.
         for sig in (signal.SIGTERM, signal.SIGKILL):
             _wait("host-0's relay worker", lambda: _relay_pid(home, "host-0"), 120)
             time.sleep(15)  # it rejoined (or is back after the previous fault) and holds the newest version
@@ -148,8 +150,12 @@ def drive(steps: int) -> dict:
             os.kill(pid, sig)
             time.sleep(20)
             s = _steps(trainer)
-            out[f"gap_{sig.name}_s"] = _longest_gap(s, t0, t0 + 20)
-            out[f"steps_{sig.name}"] = sum(1 for t, _ in s if t0 < t < t0 + 20)
+            out[f"gap_{sig.name}_5s"] = round(_longest_gap(s, t0, t0 + 5), 3)
+            out[f"gap_{sig.name}_20s"] = round(_longest_gap(s, t0, t0 + 20), 3)
+            out[f"steps_{sig.name}_20s"] = sum(1 for t, _ in s if t0 < t < t0 + 20)
+            out[f"push_failed_{sig.name}"] = sum(1 for e in _events(trainer, "relay_push_failed") if t0 < e["t"] < t0 + 20)
+            out[f"stall_{sig.name}_20s"] = round(sum(e.get("stall_s", 0) for e in _events(trainer, "train_step_completed")
+                                                     if t0 < e["t"] < t0 + 20), 3)
         out["relay_exits"] = [(e.get("name"), e.get("code")) for e in _events(home / "run.log", "process_exited")]
         out["notice_left"] = [(round(e["t"], 1), e.get("spent_s"), e.get("busy"))
                               for e in _events(logs / "relay-host-0.log", "relay_left")]
@@ -185,10 +191,13 @@ def test_master_relay_partitioned_for_30_s_stalls_the_trainer_at_most_2_s(tmp_pa
     # The workflow took the master out of the chain, and back after the heal (probes back off to 8 s).
     assert m["control_relay_out"] >= 1
     assert m["master_again_after_heal_s"] is not None and m["master_again_after_heal_s"] <= 15
-    # A relay on notice left the chain by its update and exited 0 (the launcher restarted it), and stalled the
-    # trainer no longer than a killed one (1 s of slack: one step's time on this machine, gap_before_s).
+    # A relay on notice left the chain by its update and exited 0 (the launcher restarted it): no push failed (it
+    # was out of the chain before it stopped serving), and the trainer stalled no longer than when it was killed.
+    # Steps come 0.3-2 s apart on this shared machine (gap_before_s), so a gap is compared with the longer of
+    # the kill's and the quiet one's, plus 0.5 s.
     assert m["notice_update"] and ["relay-host-0", 0] in m["relay_exits"]
-    assert m["gap_SIGTERM_s"] <= m["gap_SIGKILL_s"] + 1.0
+    assert m["push_failed_SIGTERM"] == 0
+    assert m["gap_SIGTERM_5s"] <= max(m["gap_SIGKILL_5s"], m["gap_before_s"]) + 0.5
 
 
 if __name__ == "__main__":
