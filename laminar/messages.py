@@ -342,7 +342,9 @@ class RunEvent:
     checkpoint_fallback (subject: the corrupt checkpoint steps; count: the step restored from instead),
     repack_ordered / repack_moved / repack_declined (subject: "<source>-><destination>"; count: trajectories
     ordered / groups moved / groups sent back to the pool), stall (subject: what the run waits for, "weights",
-    "groups", "replicas" or "trainer"; laminar/watchdog.py).
+    "groups", "replicas" or "trainer"; laminar/watchdog.py), relay_out / relay_back (subject: the relay's address,
+    taken out of the chain for failing its data-plane checks, or back; workflows/relay_health.py), relay_leaving
+    (a relay on notice left the chain by itself).
     """
 
     kind: str
