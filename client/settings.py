@@ -20,6 +20,8 @@ that depend on the state dir (dev.json).
 | LAMINAR_METRICS_PORT      | `0`: no Prometheus endpoint (`laminar run` gives each process a free port) |
 | LAMINAR_METRICS_BIND      | `127.0.0.1`: the interface the metrics endpoint listens on       |
 | LAMINAR_NOTICE_S          | `30`: a worker told to leave (SIGTERM, `laminar drain`) finishes within this (s) |
+| LAMINAR_RELAY_CONNECT_TIMEOUT_S | `1`: connecting to a relay gives up after this (s); then the next relay is used |
+| LAMINAR_RELAY_IO_TIMEOUT_S | `2`: a relay connection idle this long (no byte read or written) has failed (s) |
 | LAMINAR_TEMPORAL_TLS      | `false`; on by itself when any variable below is set             |
 | LAMINAR_TEMPORAL_TLS_CERT | none: the client certificate (PEM file) for mTLS; with _KEY      |
 | LAMINAR_TEMPORAL_TLS_KEY  | none: its private key (PEM file)                                 |
@@ -95,6 +97,8 @@ _FIXES = {
     "metrics_port": "use a port number 1-65535, or 0 to turn the metrics endpoint off",
     "metrics_bind": "use an IP address or host name, without a port",
     "notice_s": "use seconds between 1 and 3600 (a preemption warning is typically 30-120 s)",
+    "relay_connect_timeout_s": "use seconds between 0.01 and 600; about 1 on a LAN (a connect takes < 1 ms there)",
+    "relay_io_timeout_s": "use seconds between 0.01 and 600; a few on a LAN (the longest a healthy relay is silent)",
     "temporal_tls": "use true or false (TLS turns on by itself when a LAMINAR_TEMPORAL_TLS_* variable or "
     "LAMINAR_TEMPORAL_API_KEY is set)",
     "temporal_tls_server_name": "use the host name on the server's certificate, without a port",
@@ -130,6 +134,8 @@ class _Variables(BaseSettings):
     metrics_port: int = Field(0, ge=0, le=65535)
     metrics_bind: Annotated[str, AfterValidator(_host)] = "127.0.0.1"
     notice_s: float = Field(30.0, ge=1.0, le=3600.0)
+    relay_connect_timeout_s: float = Field(1.0, ge=0.01, le=600.0)
+    relay_io_timeout_s: float = Field(2.0, ge=0.01, le=600.0)
     temporal_tls: bool | None = None
     temporal_tls_cert: str | None = None
     temporal_tls_key: str | None = None
@@ -178,6 +184,8 @@ class Settings:
     metrics_port: int = 0  # Prometheus endpoint of this process (laminar.metrics); 0: off
     metrics_bind: str = "127.0.0.1"
     notice_s: float = 30.0  # a worker told to leave (laminar/notice.py) lets its work finish within this
+    relay_connect_timeout_s: float = 1.0  # relay.client.TIMEOUTS: bounded by what the network needs, not 30 s
+    relay_io_timeout_s: float = 2.0
     # Temporal over TLS (client/connect.py): on/off; mTLS client cert + key, the server's CA, the name on its
     # certificate (absolute paths, checked to exist and hold PEM); or an API key (kept out of repr and errors).
     temporal_tls: bool = False
@@ -212,6 +220,8 @@ class Settings:
             metrics_port=v.metrics_port,
             metrics_bind=v.metrics_bind,
             notice_s=v.notice_s,
+            relay_connect_timeout_s=v.relay_connect_timeout_s,
+            relay_io_timeout_s=v.relay_io_timeout_s,
             **tls,
         )
 
@@ -229,6 +239,8 @@ class Settings:
             "LAMINAR_METRICS_PORT": str(self.metrics_port),
             "LAMINAR_METRICS_BIND": self.metrics_bind,
             "LAMINAR_NOTICE_S": f"{self.notice_s:g}",
+            "LAMINAR_RELAY_CONNECT_TIMEOUT_S": f"{self.relay_connect_timeout_s:g}",
+            "LAMINAR_RELAY_IO_TIMEOUT_S": f"{self.relay_io_timeout_s:g}",
         }
         if self.s3_endpoint is not None:
             env["LAMINAR_S3_ENDPOINT"] = self.s3_endpoint

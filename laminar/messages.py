@@ -253,6 +253,9 @@ class TrainStepInput:
     relay_chain: list[str]
     fallbacks: list[CheckpointRef] = field(default_factory=list)
     fallback_replay: list[list[BatchPart]] = field(default_factory=list)
+    # relays the workflow took out of the chain for failing their data-plane checks (workflows/relay_health.py):
+    # the trainer probes them in the background and reports those that pass (TrainStepResult.relays_passed)
+    relays_out: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -311,6 +314,11 @@ class TrainStepResult:
     # steps of the committed checkpoints that failed verification when restoring, newest first; the trainer
     # restored from the newest retained restore point older than all of them
     corrupt_checkpoints: list[int] = field(default_factory=list)
+    # data-plane checks (relay.breaker): relays of the chain or of relays_out the trainer could not reach (its
+    # breaker is open), and relays of relays_out whose probe passed since; the workflow takes the first out of
+    # the chain and the second back in (workflows/relay_health.py)
+    relays_failed: list[str] = field(default_factory=list)
+    relays_passed: list[str] = field(default_factory=list)
 
 
 # -- rollout / relay activities ---------------------------------------------------------------
@@ -357,7 +365,9 @@ class RunEvent:
     checkpoint_fallback (subject: the corrupt checkpoint steps; count: the step restored from instead),
     repack_ordered / repack_moved / repack_declined (subject: "<source>-><destination>"; count: trajectories
     ordered / groups moved / groups sent back to the pool), stall (subject: what the run waits for, "weights",
-    "groups", "replicas" or "trainer"; laminar/watchdog.py).
+    "groups", "replicas" or "trainer"; laminar/watchdog.py), relay_out / relay_back (subject: the relay's address,
+    taken out of the chain for failing its data-plane checks, or back; workflows/relay_health.py), relay_leaving
+    (a relay on notice left the chain by itself).
     """
 
     kind: str

@@ -4,17 +4,47 @@ memory on the relay's host, poll, stats.
 Every call opens one TCP connection, runs the handshake (relay.auth; pass the run token when relays
 require one), sends one request and reads one reply. Calls block; from an asyncio loop run them with
 `asyncio.to_thread`. Every failure raises laminar.errors.RelayError naming the relay address.
+
+Two timeouts bound every call, both sized to the network, not to the transfer: the connect timeout (a relay whose
+port drops packets costs this, once; relay.breaker then skips it) and the idle timeout (each socket read or write;
+a stream that makes progress never hits it, however large the version). `configure()` sets the process's defaults
+(workers read LAMINAR_RELAY_CONNECT_TIMEOUT_S and LAMINAR_RELAY_IO_TIMEOUT_S); a call's `timeout_s` overrides the
+idle timeout.
 """
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from laminar.errors import RelayError
 from relay import auth, protocol, segments
+
+DEFAULT_CONNECT_TIMEOUT_S = 1.0  # a LAN connect takes well under 1 ms; 1 s leaves room for a loaded host
+DEFAULT_IO_TIMEOUT_S = 2.0  # idle: a peer that neither reads nor writes for this long is gone or wedged
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    io_s: float = DEFAULT_IO_TIMEOUT_S
+
+
+TIMEOUTS = Timeouts()  # this process's; configure() replaces it
+
+
+def configure(connect_timeout_s: float, io_timeout_s: float) -> Timeouts:
+    """Set this process's relay timeouts (seconds); ValueError naming the bad one."""
+    global TIMEOUTS
+    for name, value in (("connect_timeout_s", connect_timeout_s), ("io_timeout_s", io_timeout_s)):
+        if not (isinstance(value, int | float) and math.isfinite(value) and 0.01 <= value <= 600):
+            raise ValueError(f"relay {name}={value!r}: use seconds between 0.01 and 600 (about 1 s on a LAN)")
+    TIMEOUTS = Timeouts(float(connect_timeout_s), float(io_timeout_s))
+    return TIMEOUTS
 
 
 def _connect(addr: str, timeout_s: float) -> socket.socket:
@@ -35,9 +65,12 @@ def _connect(addr: str, timeout_s: float) -> socket.socket:
     return sock
 
 
-def open_connection(addr: str, timeout_s: float = 30.0, *, token: str | None = None) -> socket.socket:
-    """A connected, authenticated socket to the relay at addr (the caller closes it)."""
-    sock = _connect(addr, timeout_s)
+def open_connection(addr: str, timeout_s: float | None = None, *, token: str | None = None,
+                    connect_timeout_s: float | None = None) -> socket.socket:
+    """A connected, authenticated socket to the relay at addr (the caller closes it). connect_timeout_s bounds the
+    connect, timeout_s each later read or write (the handshake's too); None: this process's TIMEOUTS."""
+    sock = _connect(addr, connect_timeout_s or TIMEOUTS.connect_s)
+    sock.settimeout(timeout_s or TIMEOUTS.io_s)
     try:
         auth.client_handshake(sock, addr, token)
     except RelayError as exc:
@@ -64,12 +97,13 @@ def _reply(sock: socket.socket, addr: str, op: str) -> tuple[dict[str, Any], byt
 
 
 def request(
-    addr: str, header: dict[str, Any], payload: bytes | memoryview = b"", timeout_s: float = 30.0,
+    addr: str, header: dict[str, Any], payload: bytes | memoryview = b"", timeout_s: float | None = None,
     *, token: str | None = None,
 ) -> tuple[dict[str, Any], bytes]:
     """Send one request frame and return the reply (header, payload); ok=false replies raise RelayError.
 
-    timeout_s bounds the connect and each socket read or write (an idle timeout, not a total one).
+    The connect is bounded by TIMEOUTS.connect_s; timeout_s (default TIMEOUTS.io_s) bounds each socket read or
+    write (an idle timeout, not a total one).
     """
     sock = open_connection(addr, timeout_s, token=token)
     try:
@@ -138,7 +172,7 @@ def push(
     policy_version: int,
     payload: bytes,
     chain: list[str],
-    timeout_s: float = 30.0,
+    timeout_s: float | None = None,
     *,
     digest: str | None = None,
     run: str = "",
@@ -187,7 +221,7 @@ def _verified(addr: str, reply: dict[str, Any], body: bytes) -> bytes:
     return body
 
 
-def fetch_latest(addr: str, timeout_s: float = 30.0, *, run: str = "",
+def fetch_latest(addr: str, timeout_s: float | None = None, *, run: str = "",
                  token: str | None = None) -> tuple[int | None, bytes | None]:
     """(policy_version, payload) of the newest complete version of `run` the relay holds, or (None, None)."""
     reply, body = request(addr, {"op": protocol.OP_LATEST, "run": run}, timeout_s=timeout_s, token=token)
@@ -196,7 +230,7 @@ def fetch_latest(addr: str, timeout_s: float = 30.0, *, run: str = "",
     return reply["policy_version"], _verified(addr, reply, body)
 
 
-def fetch_version(addr: str, policy_version: int, timeout_s: float = 30.0, *, run: str = "",
+def fetch_version(addr: str, policy_version: int, timeout_s: float | None = None, *, run: str = "",
                   token: str | None = None) -> bytes:
     """Payload of `policy_version` of `run`; RelayError if the relay no longer (or never) held it."""
     header = {"op": protocol.OP_GET, "policy_version": policy_version, "run": run}
@@ -204,13 +238,13 @@ def fetch_version(addr: str, policy_version: int, timeout_s: float = 30.0, *, ru
     return _verified(addr, reply, body)
 
 
-def latest_version(addr: str, timeout_s: float = 5.0, *, run: str = "", token: str | None = None) -> int | None:
+def latest_version(addr: str, timeout_s: float | None = None, *, run: str = "", token: str | None = None) -> int | None:
     """Newest complete policy_version of `run` the relay holds (None if none); a cheap poll, no payload."""
     reply, _ = request(addr, {"op": protocol.OP_VERSION, "run": run}, timeout_s=timeout_s, token=token)
     return reply.get("policy_version")
 
 
-def stats(addr: str, timeout_s: float = 5.0, *, token: str | None = None) -> dict[str, Any]:
+def stats(addr: str, timeout_s: float | None = None, *, token: str | None = None) -> dict[str, Any]:
     """The relay's counters: relay_id, versions, bytes_held, completed_at, forwards_done/failed/..."""
     reply, _ = request(addr, {"op": protocol.OP_STATS}, timeout_s=timeout_s, token=token)
     return {k: v for k, v in reply.items() if k not in ("ok", "payload_bytes")}
@@ -257,7 +291,7 @@ class LocalPull:
 
 
 def pull_local(addr: str, *, run: str = "", token: str | None = None, policy_version: int | None = None,
-               timeout_s: float = 5.0) -> LocalPull | None:
+               timeout_s: float | None = None) -> LocalPull | None:
     """Map the newest (or the given) version of `run` from the shared memory of the relay on this host.
 
     No bytes cross the socket: the relay names its segment and this process maps it read-only. Returns

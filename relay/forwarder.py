@@ -8,6 +8,12 @@ the segment, however far behind the forwarder is. If the next relay fails part
 way (connection reset, timeout, refusal), the forwarder skips it and streams the version from chunk 0 to
 the one after it, which gets the rest of the chain. If the version itself fails upstream, the downstream
 connection is closed without an end frame and every relay below discards its partial copy.
+
+Downstream connections use the process's relay timeouts (relay.client.TIMEOUTS: about 1 s to connect, a few
+seconds idle), and the process's circuit breakers (relay.breaker.BREAKERS): a next relay that failed is skipped at
+once for the one after it, and probed again in the background with backoff, so a relay whose port drops packets
+costs the chain one connect timeout, not one per version. The forwarder's own timeout_s bounds only the wait for
+the chunks still arriving from upstream.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from laminar import metrics as prom
 from laminar.errors import RelayError
 from laminar.logs import get_logger
 from relay import client, protocol
+from relay.breaker import BREAKERS
 from relay.versions import UpstreamFailedError, Version
 
 log = get_logger("relay")
@@ -97,9 +104,15 @@ class Forwarder:
                 with self.counters.lock:
                     self.counters.in_flight = False
 
+    def _probe(self, addr: str) -> None:
+        client.latest_version(addr, token=self._token)
+
     def _forward(self, version: Version, chain: list[str]) -> None:
-        for i, target in enumerate(chain):
-            downstream = chain[i + 1:]
+        usable = [a for a in chain if BREAKERS.usable(a, self._probe)]
+        if not usable:  # every next relay failed lately: try them all rather than drop the version
+            usable = list(chain)
+        for i, target in enumerate(usable):
+            downstream = usable[i + 1:]
             start = time.perf_counter()
             try:
                 self._stream(version, target, downstream)
@@ -110,17 +123,19 @@ class Forwarder:
                             policy_version=version.policy_version, error=str(exc))
                 return
             except RelayError as exc:
+                BREAKERS.failure(target)
                 with self.counters.lock:
                     self.counters.failed += 1
                 log.warning("relay_forward_failed", relay_id=self._relay_id, target=target,
                             policy_version=version.policy_version, error=str(exc),
                             next_target=downstream[0] if downstream else None)
                 continue
+            BREAKERS.success(target)
             with self.counters.lock:
                 self.counters.done += 1
             prom.RELAY_FORWARDED.labels(self._relay_id).inc(version.size)
             log.info("relay_version_forwarded", relay_id=self._relay_id, target=target,
-                     policy_version=version.policy_version, bytes=version.size, skipped=i,
+                     policy_version=version.policy_version, bytes=version.size, skipped=len(chain) - len(usable) + i,
                      spent_s=round(time.perf_counter() - start, 4))
             return
         log.error("relay_chain_exhausted", relay_id=self._relay_id, policy_version=version.policy_version,
@@ -133,7 +148,7 @@ class Forwarder:
         if not version.segment.acquire(version.generation):  # pinned: its segment is not reused meanwhile
             raise UpstreamFailedError(f"policy_version {version.policy_version} was dropped before it was forwarded")
         try:
-            sock = client.open_connection(target, self._timeout_s, token=self._token)
+            sock = client.open_connection(target, token=self._token)  # the network's timeouts (client.TIMEOUTS)
             try:
                 client.send_version(sock, target, header, lambda i: version.wait_chunk(i, self._timeout_s),
                                     version.n_chunks, lambda: version.wait_complete(self._timeout_s),

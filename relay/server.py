@@ -239,6 +239,14 @@ class RelayServer:
         self._spares.clear()
         log.info("relay_stopped", relay_id=self.relay_id, addr=self.addr)
 
+    def busy(self) -> bool:
+        """A put is arriving, a version is being forwarded or waits to be, or a request is being served: a relay
+        leaving on notice (activities/relay.py) keeps serving until this is False."""
+        with self._forwarder.counters.lock:
+            forwarding = self._forwarder.counters.in_flight or self._forwarder.counters.pending > 0
+        with self._receiving_lock, self._conns_lock:
+            return forwarding or bool(self._receiving) or bool(self._conns)
+
     def __enter__(self) -> RelayServer:
         self.start()
         return self

@@ -14,6 +14,11 @@ runs writes one when its worker has stopped (`deadline_checkpoint`) and the proc
 Either way the successor restores the step the workflow is at and redoes none; a step the workflow scheduled
 before the signal reached it names the older restore point, and the successor then finds the deadline checkpoint
 at the step asked for and uses it once it checks it against the batches it would replay (_deadline_checkpoint_for).
+
+A relay that fails once (connect or idle timeout of about a second, relay.client.TIMEOUTS) is skipped at once for
+the next one in the chain, and skipped by later pushes until a background probe passes (relay.breaker); the step
+reports the relays it could not reach, and those taken out of the chain whose probe passed, for the workflow to
+take out or back (workflows/relay_health.py).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from laminar.records import Trajectory
 from laminar.refs import CheckpointRef
 from laminar.timing import TimeBreakdown
 from relay import client as relay_client
+from relay.breaker import BREAKERS
 from rl.factory import build_trainer
 from rl.model import state_dict_to_bytes
 from rl.tools import turn_counts
@@ -221,7 +227,7 @@ class TrainerService:
                  staleness=metrics.staleness, stall_s=round(stall_s, 4), checkpoint=ckpt is not None)
         return TrainStepResult(step=self.step, policy_version=self._version(), metrics=metrics, checkpoint=ckpt,
                                steps_redone=redone, publish_stall_s=stall_s, restored=restored,
-                               corrupt_checkpoints=corrupt)
+                               corrupt_checkpoints=corrupt, **self._relay_checks(inp))
 
     def _rewind(self, inp: TrainStepInput, heartbeat) -> tuple[int, list[int]]:
         """Restore the newest retained checkpoint that verifies and replay the batches consumed since it.
@@ -353,19 +359,42 @@ class TrainerService:
         stall = self._push(chain, self.run_id, self._version(), payload)
         return (0.0 if stall is None else stall + self.trainer.push_stall(self.policy.global_sync)), payload
 
+    def _probe(self, addr: str) -> None:
+        """A relay's data-plane check: a version poll (connect, handshake, one small reply)."""
+        relay_client.latest_version(addr, token=self.relay_token)
+
+    def _relay_checks(self, inp: TrainStepInput) -> dict[str, list[str]]:
+        """What this process's breakers say of the input's relays: those of the chain or taken out that it cannot
+        reach now, and those taken out whose check passed (each taken-out one is probed in the background, with
+        backoff, so a healed relay passes within relay.breaker.MAX_BACKOFF_S)."""
+        for addr in inp.relays_out:
+            BREAKERS.check(addr, self._probe)
+        return {"relays_failed": BREAKERS.failing([*inp.relay_chain, *inp.relays_out]),
+                "relays_passed": [a for a in inp.relays_out if BREAKERS.passed(a)]}
+
     def _push(self, chain: list[str], run_id: str, version: int, payload: bytes) -> float | None:
-        """Push one version of a run to the first relay of the chain that accepts it (a dead master is
-        skipped); the trainer's stall in seconds, None when no relay took it."""
+        """Push one version of a run to the first relay of the chain that accepts it; the trainer's stall in
+        seconds, None when no relay took it. A relay that fails is skipped at once for the next (one connect
+        timeout, about a second); relays whose breaker is open are left out, of the push and of the chain it
+        carries, unless every relay's is."""
         if not chain:
             log.warning("publish_skipped", reason="no relays joined", run_id=run_id, policy_version=version)
             return None
-        for i, addr in enumerate(chain):  # a dead master is skipped: the next relay becomes master
+        usable = [a for a in chain if BREAKERS.usable(a, self._probe)]
+        if len(usable) < len(chain):
+            log.info("relays_skipped", run_id=run_id, skipped=[a for a in chain if a not in usable])
+        usable = usable or list(chain)  # every relay failed lately: try them all rather than publish nothing
+        t0 = time.perf_counter()
+        for i, addr in enumerate(usable):  # a dead master is skipped: the next relay becomes master
             try:
-                stall = relay_client.push(addr, version, payload, chain[i + 1:], run=run_id, token=self.relay_token)
+                relay_client.push(addr, version, payload, usable[i + 1:], run=run_id, token=self.relay_token)
+                stall = time.perf_counter() - t0  # the failed attempts before it included
+                BREAKERS.success(addr)
                 log.info("weights_published", run_id=run_id, policy_version=version, bytes=len(payload),
-                         stall_s=round(stall, 4))
+                         stall_s=round(stall, 4), address=addr)
                 return stall
             except RelayError as e:
+                BREAKERS.failure(addr)
                 log.warning("relay_push_failed", address=addr, error=str(e))
         # Never fail the step for it: the chain in this input may be stale (a relay restarted on a new port,
         # and a retry would carry the same stale chain forever). Replicas keep generating on the version they

@@ -1,1 +1,14 @@
 pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.waiting", "tests.fixtures.temporal", "tests.fixtures.stack"]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_relay_breakers():
+    """Each test starts with no relay verdicts: the breaker registry is process-wide (relay/breaker.py), and a port
+    a stopped relay leaves behind may be reused by the next test's relay."""
+    from relay.breaker import BREAKERS
+
+    BREAKERS.clear()
+    yield

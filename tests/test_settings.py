@@ -185,3 +185,25 @@ def test_every_invalid_variable_is_reported_at_once(tmp_path):
     with pytest.raises(ConfigError) as info:
         Settings.from_env({"LAMINAR_HOST_ID": "a b", "LAMINAR_LOG_FORMAT": "xml"}, cwd=tmp_path)
     assert "LAMINAR_HOST_ID='a b'" in str(info.value) and "LAMINAR_LOG_FORMAT='xml'" in str(info.value)
+
+
+def test_relay_timeouts_default_to_about_a_second_and_bad_ones_name_the_fix(tmp_path):
+    from relay import client
+
+    s = Settings.from_env({"LAMINAR_HOME": str(tmp_path)})
+    assert (s.relay_connect_timeout_s, s.relay_io_timeout_s) == (1.0, 2.0)  # not the 30 s of a blocked push
+    s = Settings.from_env({"LAMINAR_HOME": str(tmp_path), "LAMINAR_RELAY_CONNECT_TIMEOUT_S": "0.25",
+                           "LAMINAR_RELAY_IO_TIMEOUT_S": "5"})
+    assert (s.relay_connect_timeout_s, s.relay_io_timeout_s) == (0.25, 5.0)
+    assert Settings.from_env(s.to_env()) == s
+    with pytest.raises(ConfigError, match=r"LAMINAR_RELAY_CONNECT_TIMEOUT_S='0' is invalid; use seconds between 0.01"):
+        Settings.from_env({"LAMINAR_HOME": str(tmp_path), "LAMINAR_RELAY_CONNECT_TIMEOUT_S": "0"})
+    with pytest.raises(ConfigError, match=r"LAMINAR_RELAY_IO_TIMEOUT_S='soon' is invalid"):
+        Settings.from_env({"LAMINAR_HOME": str(tmp_path), "LAMINAR_RELAY_IO_TIMEOUT_S": "soon"})
+    before = client.TIMEOUTS
+    try:
+        assert client.configure(0.5, 3) == client.Timeouts(0.5, 3.0) == client.TIMEOUTS
+        with pytest.raises(ValueError, match=r"relay io_timeout_s=nan: use seconds between 0.01 and 600"):
+            client.configure(1.0, float("nan"))
+    finally:
+        client.TIMEOUTS = before

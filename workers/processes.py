@@ -38,6 +38,14 @@ from workflows.training_run import TrainingRunWorkflow
 
 log = get_logger(__name__)
 
+
+def _relay_timeouts(settings: Settings) -> None:
+    """This process's relay connect and idle timeouts (relay.client.TIMEOUTS), from the settings."""
+    from relay import client as relay_client
+
+    relay_client.configure(settings.relay_connect_timeout_s, settings.relay_io_timeout_s)
+
+
 def _on_notice(stop: asyncio.Event, notice_s: float, role: str, sig: int) -> None:
     """SIGTERM/SIGINT: the notice (laminar/notice.py). The worker stops polling at once and its running
     activities leave cleanly within notice_s (the Worker's graceful_shutdown_timeout); then it exits 0. A second
@@ -85,6 +93,7 @@ async def trainer(settings: Settings, allow_faults: bool = False) -> None:
     from services.trainer import TrainerService
 
     torch.set_num_threads(1)
+    _relay_timeouts(settings)
     client = await connect(settings)
     acts = TrainerActivities(TrainerService(store_for(settings), settings.home, relay_token=settings.relay_token))
     worker = Worker(
@@ -124,6 +133,7 @@ async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1
     from activities.rollout import RolloutActivities
 
     torch.set_num_threads(1)
+    _relay_timeouts(settings)
     client = await connect(settings)
     acts = RolloutActivities(client, asyncio.get_running_loop(), store_for(settings), settings.host_id,
                              relay_token=settings.relay_token)
@@ -143,12 +153,13 @@ async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1
 async def relay(settings: Settings, allow_faults: bool = False) -> None:
     from relay.server import RETAIN_S, RelayServer
 
+    _relay_timeouts(settings)
     server = RelayServer(settings.host_id, bind_host=settings.relay_bind, token=settings.relay_token,
                          retain_s=RETAIN_S)
     address = server.start()
     try:
         client = await connect(settings)
-        acts = RelayActivities(settings.host_id, settings.host_id, address)
+        acts = RelayActivities(settings.host_id, settings.host_id, address, busy=server.busy)
         worker = Worker(client, task_queue=relay_queue(settings.host_id), activities=[acts.run_relay],
                         max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
                         graceful_shutdown_timeout=timedelta(seconds=settings.notice_s))

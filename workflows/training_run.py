@@ -49,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import timeouts
     from workflows.ledger import Ledger
     from workflows.migrations import Migrations
+    from workflows.relay_health import RelayHealth
     from workflows.scale import check_target, plan_relays, plan_scale, relay_ids, replica_ids, replica_index
     from workflows.state import RunState, TrainingRunInput
 
@@ -72,6 +73,7 @@ class TrainingRunWorkflow:
         self._finished = False
         self._updates = 0  # updates handled in this history segment (the server caps them per run)
         self._rejoined_relays: set[str] = set()  # relays that joined in this segment
+        self._relay_health = RelayHealth()  # relays out of the chain for failing data-plane checks (this segment)
         self._training = False  # a train_step activity is in flight
         self._republish_wanted = False  # the chain changed: push the current version again (see _republish)
         self._version_pushed_at = workflow.time()  # the last publish or republish (see _note_version_missing)
@@ -190,7 +192,8 @@ class TrainingRunWorkflow:
             await workflow.sleep(timedelta(seconds=min(timeouts.RELAY_BACKOFF_MAX_S, 2**failures)))
 
     def _lose_relay(self, relay_id: str) -> None:
-        if self.state.relays.pop(relay_id, None) is not None:
+        if (lost := self.state.relays.pop(relay_id, None)) is not None:
+            self._relay_health.forget(lost.address)
             self._republish_wanted = self.state.trainer_ready  # the master may have died mid-broadcast
             self.ledger.note_event("relay_lost", relay_id, workflow.time())
             workflow.logger.warning("relay_lost", extra={"relay_id": relay_id})
@@ -219,8 +222,43 @@ class TrainingRunWorkflow:
             workflow.logger.warning("relays_missing", extra={"joined": sorted(self.state.relays), "wanted": want})
             await workflow.wait_condition(lambda: len(self.state.relays) >= 1)
 
-    def _chain(self) -> list[str]:
+    def _joined(self) -> list[str]:
         return [r.address for _, r in sorted(self.state.relays.items())]
+
+    def _chain(self) -> list[str]:
+        """The relays that joined, by relay id, less those out for failing data-plane checks (relay_health)."""
+        return self._relay_health.chain(self._joined())
+
+    def _note_relay_checks(self, results: list[TrainStepResult]) -> None:
+        """The trainer's data-plane checks (workflows/relay_health.py): a relay it could not reach leaves the chain
+        even while it heartbeats; one that passes again comes back, and the trainer pushes the current version
+        again so that it holds it. No patch: only trainers of this code report checks (a recorded history's results
+        carry none), so no recorded history takes these branches."""
+        joined = self._joined()
+        for res in results:
+            if not (res.relays_failed or res.relays_passed):
+                continue
+            taken, back = self._relay_health.report(joined, res.relays_failed, res.relays_passed, workflow.time())
+            for address in taken:
+                self.ledger.note_event("relay_out", address, workflow.time())
+                workflow.logger.warning("relay_out", extra={"address": address, "reason": "failed data-plane check"})
+            for address in back:
+                self.ledger.note_event("relay_back", address, workflow.time())
+                workflow.logger.info("relay_back", extra={"address": address})
+                self._republish_wanted = self.state.trainer_ready
+
+    @workflow.update(name=names.RELAY_LEAVING)
+    def relay_leaving(self, info: RelayInfo) -> bool:
+        """A relay on notice (laminar/notice.py) leaves the chain at once instead of by heartbeat timeout; the
+        trainer pushes the current version again to the chain without it. False: that incarnation had left
+        already. Its run_relay activity then returns; the watcher waits for the relay's worker to come back."""
+        self._updates += 1
+        known = self.state.relays.get(info.relay_id)
+        if known is None or known.address != info.address:
+            return False
+        self._lose_relay(info.relay_id)
+        self.ledger.note_event("relay_leaving", info.relay_id, workflow.time())
+        return True
 
     @workflow.signal(name=names.RELAY_JOINED)
     def relay_joined(self, info: RelayInfo) -> None:
@@ -356,6 +394,8 @@ class TrainingRunWorkflow:
         assert self._cfg is not None and self._policy is not None
         limit = min(steps_to_publish(self._policy, self.state.step), self._cfg.run.steps - self.state.step)
         inputs = self.ledger.next_train_inputs(self._cfg, self._chain(), limit)
+        if relays_out := self._relay_health.relays_out(self._joined()):  # the trainer probes them
+            inputs = [dataclasses.replace(i, relays_out=relays_out) for i in inputs]
         if len(inputs) > 1 and not workflow.patched("train-steps"):
             inputs = inputs[:1]
         first = inputs[0]
@@ -385,6 +425,7 @@ class TrainingRunWorkflow:
         self.state.trainer_busy_s += workflow.time() - t0
         for inp, res in zip(inputs, results, strict=True):
             self.ledger.commit_step(inp, res, keep_last=self._cfg.trainer.keep_last, at=workflow.time())
+        self._note_relay_checks(results)
         self._note_history()
         self._maybe_repack(after_step=True)
 
@@ -471,7 +512,7 @@ class TrainingRunWorkflow:
         return ClaimPromptsResult(
             leases=leases,
             newest_policy_version=self.state.policy_version,
-            relays=[r for _, r in sorted(self.state.relays.items())],
+            relays=[r for _, r in sorted(self.state.relays.items()) if r.address in self._chain()],
             stop=stop,
             handover=handover,
             leave=leave,

@@ -1,5 +1,10 @@
 """Weight loading: which relay to ask (own host's first), when a newer version is there, and loading it
-between batches or, in partial rollout, under in-flight sequences."""
+between batches or, in partial rollout, under in-flight sequences.
+
+Every relay call goes through the process's circuit breakers (relay.breaker.BREAKERS, shared by every replica of
+the worker): a relay that fails one poll or pull (connect or idle timeout of about a second, relay.client.TIMEOUTS)
+is skipped at once, by this replica's next poll and by the other replicas, for the next relay in the order, and
+probed again in the background with backoff until it passes."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from laminar.messages import Lease, RelayInfo
 from laminar.policy import Policy, load_action, min_version
 from laminar.timing import TimeBreakdown
 from relay import client as relay_client
+from relay.breaker import BREAKERS
 from relay.weights import state_dict_from_buffer
 from rl.engine_api import Engine
 from rl.model import bytes_to_state_dict
@@ -48,9 +54,14 @@ class Weights:
                 self.load_newest(interrupt=action == "interrupt")
 
     def relay_order(self) -> list[str]:
-        """Own host's relay first, then the others (a rollout whose relay is gone pulls elsewhere)."""
+        """Own host's relay first, then the others (a rollout whose relay is gone pulls elsewhere); relays whose
+        breaker is open are left out (and probed in the background when due), unless every relay's is."""
         local = self.local_relays()
-        return sorted(local) + [r.address for r in self.relays if r.address not in local]
+        order = sorted(local) + [r.address for r in self.relays if r.address not in local]
+        return [a for a in order if BREAKERS.usable(a, self._probe)] or order
+
+    def _probe(self, addr: str) -> None:
+        relay_client.latest_version(addr, token=self.relay_token)
 
     def local_relays(self) -> set[str]:
         return {r.address for r in self.relays if r.host_id == self.host_id}
@@ -63,8 +74,10 @@ class Weights:
             try:
                 version = relay_client.latest_version(addr, run=self.run_id, token=self.relay_token)
             except RelayError as e:
+                BREAKERS.failure(addr)
                 log.warning("relay_poll_failed", replica_id=self.replica_id, address=addr, error=str(e))
                 continue
+            BREAKERS.success(addr)
             reached = True
             if version is not None:
                 self.newest_at_relay, self.none_held = version, False
@@ -93,7 +106,9 @@ class Weights:
         for addr in self.relay_order():
             try:
                 got = relay_client.fetch_version(addr, version, run=self.run_id, token=self.relay_token)
-            except RelayError:
+            except RelayError as e:
+                if not str(e).startswith(f"relay {addr} refused"):  # not held there is no failure of the relay
+                    BREAKERS.failure(addr)
                 continue
             if got is not None:
                 return got
@@ -123,6 +138,8 @@ class Weights:
                             return
                 version, payload = relay_client.fetch_latest(addr, run=self.run_id, token=self.relay_token)
             except RelayError as e:
+                if not str(e).startswith(f"relay {addr} refused"):
+                    BREAKERS.failure(addr)
                 log.warning("relay_pull_failed", replica_id=self.replica_id, address=addr, error=str(e))
                 continue
             if version is not None and payload is not None:
