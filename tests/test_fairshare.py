@@ -1,0 +1,109 @@
+"""laminar/fairshare.py: worked examples, then the allocator's rules as properties over random pools."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from laminar.fairshare import Ask, allocate, check_quota
+
+
+def _granted(slots: int, asks: list[Ask], engines=None) -> dict[str, int]:
+    return {r: g.granted for r, g in allocate(slots, asks, engines).items()}
+
+
+def test_three_runs_asking_two_share_four_slots():
+    # level L=1 costs 3 slots, L=2 would cost 6 > 4: each gets 1, the one left goes to the oldest run (seq 0)
+    asks = [Ask("b", 2, seq=1), Ask("a", 2, seq=0), Ask("c", 2, seq=2)]
+    grants = allocate(4, asks)
+    assert {r: g.granted for r, g in grants.items()} == {"a": 2, "b": 1, "c": 1}
+    assert grants["a"].note == ""
+    assert grants["b"].note == "granted 1 of 2 asked: 3 runs share 4 slots"
+
+
+def test_a_small_ask_leaves_its_share_to_the_others():
+    # 10 slots, asks 1, 8, 8: L=4 costs 1+4+4=9, L=5 costs 11: 1, 4(+1 to the older), 4
+    assert _granted(10, [Ask("x", 1, seq=0), Ask("y", 8, seq=1), Ask("z", 8, seq=2)]) == {"x": 1, "y": 5, "z": 4}
+
+
+def test_a_finished_run_leaves_its_slots_to_the_others():
+    # the run that had 2 of 4 leaves: the two runs that had 1 each now get their ask of 2
+    assert _granted(4, [Ask("b", 2, seq=1), Ask("c", 2, seq=2)]) == {"b": 2, "c": 2}
+
+
+def test_a_quota_is_a_floor_then_fair_share_above_it():
+    # 8 slots; "q" has quota 5 of ask 6; "a" and "b" ask 4. Floors 5,0,0 -> 3 left at level L=1 (5,1,1 = 7),
+    # L=2 would be 5,2,2 = 9 > 8: the one left goes to the oldest run still at the level ("a", seq 1)
+    grants = allocate(8, [Ask("q", 6, quota=5, seq=0), Ask("a", 4, seq=1), Ask("b", 4, seq=2)])
+    assert {r: g.granted for r, g in grants.items()} == {"q": 5, "a": 2, "b": 1}
+    assert grants["q"].note == "granted 5 of 6 asked: 3 runs share 8 slots (quota 5 met)"
+
+
+def test_a_quota_below_the_fair_share_changes_nothing():
+    assert _granted(6, [Ask("q", 4, quota=1, seq=0), Ask("a", 4, seq=1)]) == {"q": 3, "a": 3}
+
+
+def test_overcommitted_quotas_are_shared_fairly_as_floors():
+    # quotas 3 + 3 = 6 > 4 slots: the floors become 2 and 2, nothing is left above them
+    grants = allocate(4, [Ask("p", 3, quota=3, seq=0), Ask("q", 3, quota=3, seq=1), Ask("r", 2, seq=2)])
+    assert {r: g.granted for r, g in grants.items()} == {"p": 2, "q": 2, "r": 0}
+    assert grants["r"].note == "granted 0 of 2 asked: 3 runs share 4 slots and their quotas (6) exceed them"
+
+
+def test_more_runs_than_slots_the_newest_wait_and_say_why():
+    grants = allocate(2, [Ask(f"r{i}", 1, seq=i) for i in range(3)])
+    assert [grants[f"r{i}"].granted for i in range(3)] == [1, 1, 0]
+    assert grants["r2"].note == "granted 0 of 1 asked: 3 runs share 2 slots"
+
+
+def test_no_slots_reported():
+    assert allocate(0, [Ask("a", 2)])["a"].note == (
+        "granted 0 of 2 asked: the pool has no rollout slots (no `laminar workers` reported any)")
+
+
+def test_a_run_whose_engine_no_worker_serves_gets_nothing():
+    grants = allocate(4, [Ask("v", 1, engine="vllm", seq=0), Ask("t", 2, engine="torch", seq=1)],
+                      frozenset({"torch", "modelled"}))
+    assert grants["v"].granted == 0 and grants["t"].granted == 2
+    assert grants["v"].note == ("granted 0 of 1 asked: no worker in this pool serves rollout.engine='vllm' "
+                                "(served: modelled, torch)")
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="slots=-1"):
+        allocate(-1, [])
+    with pytest.raises(ValueError, match="replicas=-2"):
+        allocate(1, [Ask("a", -2)])
+    with pytest.raises(ValueError, match="asks twice"):
+        allocate(1, [Ask("a", 1), Ask("a", 2)])
+    with pytest.raises(ValueError, match=r"rollout.quota=3 is above rollout.replicas=2"):
+        check_quota(3, 2)
+
+
+_asks = st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=0, max_size=8).map(
+    lambda xs: [Ask(f"run-{i}", r, quota=min(q, r), seq=i) for i, (r, q) in enumerate(xs)])
+
+
+@settings(max_examples=400, deadline=None)
+@given(slots=st.integers(0, 40), asks=_asks, data=st.data())
+def test_properties(slots, asks, data):
+    grants = _granted(slots, asks)
+    g = [grants[a.run_id] for a in asks]
+    assert sum(g) <= slots
+    assert all(0 <= x <= a.replicas for x, a in zip(g, asks, strict=True))  # never above the ask
+    floors = [min(a.replicas, a.quota) for a in asks]
+    if sum(floors) <= slots:
+        assert all(x >= f for x, f in zip(g, floors, strict=True))  # quotas respected when they fit
+        if not any(floors):  # no quotas: nobody below min(ask, fair share)
+            share = slots // len(asks) if asks else 0
+            assert all(x >= min(a.replicas, share) for x, a in zip(g, asks, strict=True))
+    if any(x < a.replicas for x, a in zip(g, asks, strict=True)):
+        assert sum(g) == slots  # work-conserving: no slot idle while a run is short
+    # max-min: a run short of its ask is never two below a run that holds more than its floor
+    for x, a in zip(g, asks, strict=True):
+        if x < a.replicas:
+            assert all(y <= max(x + 1, f) for y, f in zip(g, floors, strict=True))
+    # the order asks come in changes nothing
+    shuffled = data.draw(st.permutations(asks))
+    assert _granted(slots, list(shuffled)) == grants
