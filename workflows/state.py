@@ -111,6 +111,14 @@ class RunState:
     replica_ids: list[str] = field(default_factory=list)
     leaving: list[str] = field(default_factory=list)
     scale_groups_returned: int = 0
+    # a run on a shared worker set (`laminar start`): its slot pool's workflow id (workflows/pool.py; "" for a run
+    # that owns its workers), its ask (0: rollout.replicas until a `laminar scale`), the pool's grant (-1: none
+    # yet) with its reason, and why the pool did not take the run's ask ("" when it did)
+    pool: str = ""
+    replicas_asked: int = 0
+    grant: int = -1
+    grant_note: str = ""
+    pool_error: str = ""
 
 
 @dataclass
@@ -126,3 +134,4 @@ class TrainingRunInput:
 
     config: dict[str, Any]
     state: RunState | None = None
+    pool: str = ""  # a new run's slot pool (workflows/pool.py): `laminar start` sets it
