@@ -5,6 +5,10 @@ their own, so no other test's workers serve them) and the S3 dev server.
 Before relays held versions per run, the second run's version 0 evicted the first run's from every relay and the
 first run's replicas waited for weights forever. Here every run finishes with none lost and none consumed twice,
 and each run's replicas waited for weights only seconds.
+
+The worker set's 4 rollout slots are shared through its slot pool (workflows/pool.py): while the three runs are
+live they are granted 2, 1 and 1 (max-min fair, the odd slot to the oldest), the two short ones say so in their
+status, and a finished run's slots go to the runs still going.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from datetime import timedelta
 from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
 from temporalio.client import Client
 
+from laminar import names
 from laminar.converter import DATA_CONVERTER
-from laminar.messages import RunStatus, workflow_id_for
+from laminar.messages import PoolStatus, RunStatus, pool_workflow_id, workflow_id_for
 from storage import keys
 from storage.objects import S3ObjectStore
 from tests.fixtures.s3 import create_bucket, stop_process
@@ -34,7 +39,10 @@ RUNS = 3
 STEPS = 6
 RUN_TIMEOUT_S = 600  # three runs on one trainer and 4 rollout slots, on a busy 2-core machine
 # The default example's workers: rollout.replicas=2 on relay.relays=2 hosts, one replica each plus one spare slot
-# (workers/run_command.py), so 4 rollout slots for 3 runs asking 2 each: two run at once, the third when slots free.
+# (workers/run_command.py), so 4 rollout slots for 3 runs asking 2 each. Max-min fair: level 1 costs 3 slots,
+# level 2 would cost 6 > 4, so each run gets 1 and the slot left goes to the oldest: 2, 1, 1.
+SLOTS = 4
+SHARED_GRANTS = [2, 1, 1]
 WAIT_WEIGHTS_MAX_S = 10.0  # "a few seconds": replicas waiting for weights poll the relays every 0.5 s
 
 
@@ -75,8 +83,25 @@ async def test_three_runs_share_one_worker_set(temporal_env, moto_server, tmp_pa
                                  *overrides], env=env, capture_output=True, text=True, timeout=120)
             assert started.returncode == 0, started.stdout + started.stderr
         handles = [client.get_workflow_handle(workflow_id_for(r), result_type=RunStatus) for r in run_ids]
+        pool = client.get_workflow_handle(pool_workflow_id())
+        watch = _ShareWatch(pool, handles)
+        watching = asyncio.create_task(watch.run())
         finals: list[RunStatus] = await asyncio.wait_for(
             asyncio.gather(*(h.result(rpc_timeout=None) for h in handles)), RUN_TIMEOUT_S)
+        watching.cancel()
+        shared, notes = watch.shared, watch.notes
+        # while all three were live the pool granted 2, 1, 1 in start order, and the two short runs said why
+        assert shared is not None, "never saw the three runs share the slots"
+        assert shared.slots == SLOTS and [r.run_id for r in shared.runs] == run_ids, shared
+        assert [r.granted for r in shared.runs] == SHARED_GRANTS, shared
+        for run_id in run_ids[1:]:
+            assert f"granted 1 of 2 asked: 3 runs share {SLOTS} slots" in notes[run_id], (run_id, notes[run_id])
+        # a finished run's slots went to the others: a run granted 1 started its second replica later
+        grown = [r for r, f in zip(run_ids[1:], finals[1:], strict=True) if "replica_added/replica-1" in f.event_times]
+        assert grown, [f.event_times.keys() for f in finals]
+        # and every run left the pool as it finished
+        left = await pool.query(names.POOL_STATUS, result_type=PoolStatus)
+        assert left.runs == [] and left.slots == SLOTS, left
         store = S3ObjectStore(bucket, endpoint_url=moto_server)
         waits = {}
         for run_id, final in zip(run_ids, finals, strict=True):
@@ -97,6 +122,30 @@ async def test_three_runs_share_one_worker_set(temporal_env, moto_server, tmp_pa
     finally:
         stop_process(workers, timeout_s=60)  # SIGTERM: `laminar workers` stops its own processes
         print(log_path.read_text(errors="replace")[-3000:])
+
+
+class _ShareWatch:
+    """Until cancelled, every 0.5 s: the pool's grants while all the runs are live (the first such snapshot with every
+    slot granted), and every grant note each run's status showed."""
+
+    def __init__(self, pool, handles) -> None:
+        self.pool, self.handles = pool, handles
+        self.shared: PoolStatus | None = None
+        self.notes: dict[str, set[str]] = {h.id.removeprefix("run/"): set() for h in handles}
+
+    async def run(self) -> None:
+        while True:
+            try:
+                p = await self.pool.query(names.POOL_STATUS, result_type=PoolStatus)
+                if self.shared is None and len(p.runs) == len(self.handles) and sum(r.granted for r in p.runs) == p.slots:
+                    self.shared = p
+                for h in self.handles:
+                    st = await h.query(names.STATUS, result_type=RunStatus)
+                    if st.grant_note:
+                        self.notes[st.run_id].add(st.grant_note)
+            except Exception:  # noqa: BLE001 - a query racing a continue-as-new or a finish: look again
+                pass
+            await asyncio.sleep(0.5)
 
 
 def test_trainer_republishes_a_run_it_has_moved_away_from(tmp_path):

@@ -99,15 +99,15 @@ class TrainingRunWorkflow:
     async def run(self, inp: Any) -> RunStatus:
         if self._error is not None or self._cfg is None:
             raise ApplicationError(self._error or "invalid input", type="InvalidConfig", non_retryable=True)
+        if self.state.pool and workflow.patched("slot-pool"):
+            asyncio.create_task(self._tell_pool())  # the pool hears the ask while the trainer starts
         self._start_relays()
         await self._wait_for_relays()
         if not self.state.trainer_ready:
             await self._init_trainer()
         self._start_replicas()
         self._replicas_started = True
-        if self.state.pool and workflow.patched("slot-pool"):
-            asyncio.create_task(self._tell_pool())
-            self._apply_grant()
+        self._apply_grant()  # a pooled run: the replicas its grant allows
         if workflow.patched("watchdog"):
             self._watchdog_task = asyncio.create_task(self._watchdog())
         self._upsert_search_attributes()
@@ -663,8 +663,8 @@ class TrainingRunWorkflow:
     def _apply_grant(self) -> ScaleResult | None:
         """Start or retire replicas so that min(ask, grant) run, by `laminar scale`'s own path (retired ones leave
         gracefully). Before run() has started the replicas, or while the run stops, only the grant is kept."""
-        if (self._cfg is None or self._error is not None or not self._replicas_started or self.state.stopping
-                or self._finished):
+        if (not self.state.pool or self._cfg is None or self._error is not None or not self._replicas_started
+                or self.state.stopping or self._finished):
             return None
         target = min(self._ask(), max(0, self.state.grant))
         if target == len([r for r in self._replica_ids() if r not in self.state.leaving]):
