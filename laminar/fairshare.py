@@ -113,6 +113,8 @@ def _explained(g: Grant, a: Ask, slots: int, order: list[Ask], overcommitted: bo
             why += f" and their quotas ({sum(min(x.replicas, x.quota) for x in live)}) exceed them"
         elif a.quota and g.granted >= min(a.quota, a.replicas):
             why += f" (quota {a.quota} met)"
+        elif held := sum(min(x.replicas, x.quota) for x in live if x.run_id != a.run_id):
+            why += f", {held} held by other runs' quotas"
     return Grant(g.run_id, g.granted, f"granted {g.granted} of {a.replicas} asked: {why}")
 
 

@@ -40,6 +40,13 @@ def test_a_quota_is_a_floor_then_fair_share_above_it():
     assert grants["q"].note == "granted 5 of 6 asked: 3 runs share 8 slots (quota 5 met)"
 
 
+def test_a_quota_can_leave_another_run_nothing_and_it_says_so():
+    # 2 slots; "q" asks 2 with quota 2 (floor 2), "b" asks 1: floors fill the pool, "b" waits
+    grants = allocate(2, [Ask("q", 2, quota=2, seq=0), Ask("b", 1, seq=1)])
+    assert (grants["q"].granted, grants["b"].granted) == (2, 0)
+    assert grants["b"].note == "granted 0 of 1 asked: 2 runs share 2 slots, 2 held by other runs' quotas"
+
+
 def test_a_quota_below_the_fair_share_changes_nothing():
     assert _granted(6, [Ask("q", 4, quota=1, seq=0), Ask("a", 4, seq=1)]) == {"q": 3, "a": 3}
 

@@ -99,6 +99,8 @@ async def test_three_runs_share_one_worker_set(temporal_env, moto_server, tmp_pa
         # a finished run's slots went to the others: a run granted 1 started its second replica later
         grown = [r for r, f in zip(run_ids[1:], finals[1:], strict=True) if "replica_added/replica-1" in f.event_times]
         assert grown, [f.event_times.keys() for f in finals]
+        print("shared", [(r.run_id, r.asked, r.granted) for r in shared.runs], "grown", grown,
+              "replica_leaving", [sorted(k for k in f.event_times if k.startswith("replica_leaving/")) for f in finals])
         # and every run left the pool as it finished
         left = await pool.query(names.POOL_STATUS, result_type=PoolStatus)
         assert left.runs == [] and left.slots == SLOTS, left
@@ -146,6 +148,70 @@ class _ShareWatch:
             except Exception:  # noqa: BLE001 - a query racing a continue-as-new or a finish: look again
                 pass
             await asyncio.sleep(0.5)
+
+
+STARVED_WARN_S = 3  # run.stall_warn_s of the run the quota leaves without a slot: the watchdog names it after this
+Q_STEPS = 12  # the quota run is still going when the starved one's trainer is ready and STARVED_WARN_S have passed
+
+
+async def test_a_run_left_no_slot_says_why_then_runs(temporal_env, moto_server, tmp_path):
+    # Workers for rollout.replicas=1 on relay.relays=1: 1 slot + 1 spare = 2 slots. Run "q" asks 2 with rollout.quota=2:
+    # its floor is both slots. Run "w" asks 1 and is granted 0 (floors 2 + 0 fit in 2 slots; level 0 leaves nothing):
+    # `laminar status` says so at once, the watchdog names it after run.stall_warn_s, and once "q" finishes and leaves,
+    # "w" is granted its slot and finishes. Neither loses a group or consumes one twice.
+    namespace = await _namespace(temporal_env.client)
+    bucket = create_bucket(moto_server)
+    env = {**os.environ, "LAMINAR_HOME": str(tmp_path / "home"),
+           "LAMINAR_TEMPORAL_ADDRESS": temporal_address(temporal_env.client), "LAMINAR_NAMESPACE": namespace,
+           "LAMINAR_STORE": f"s3://{bucket}", "LAMINAR_S3_ENDPOINT": moto_server, "LAMINAR_LOG_LEVEL": "info"}
+    overrides = [f"--{o}" for o in TEST_OVERRIDES if not o.startswith("run.steps")] + ["--relay.relays=1"]
+    client = await Client.connect(temporal_address(temporal_env.client), namespace=namespace,
+                                  data_converter=DATA_CONVERTER)
+    log_path = tmp_path / "workers.log"
+    with open(log_path, "wb") as log:
+        workers = subprocess.Popen([*LAMINAR, "workers", "examples/tiny.toml", *overrides, "--rollout.replicas=1"],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def start(run_id: str, *extra: str) -> None:
+        done = subprocess.run([*LAMINAR, "start", "examples/tiny.toml", "--run-id", run_id, *overrides, *extra],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    def status(run_id: str) -> dict:
+        done = subprocess.run([*LAMINAR, "status", run_id, "--json"], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return json.loads(done.stdout)
+
+    try:
+        q, w = (f"t-quota-{uuid.uuid4().hex[:6]}-{k}" for k in "qw")
+        await asyncio.to_thread(start, q, "--steps", str(Q_STEPS), "--rollout.replicas=2", "--rollout.quota=2")
+        hq = client.get_workflow_handle(workflow_id_for(q), result_type=RunStatus)
+
+        async def q_granted() -> bool:
+            return (await hq.query(names.STATUS, result_type=RunStatus)).replicas_granted == 2
+        await async_wait_until(q_granted, 120, f"{q} granted 2", interval_s=0.5)
+        await asyncio.to_thread(start, w, "--steps", "3", "--rollout.replicas=1", f"--run.stall_warn_s={STARVED_WARN_S}")
+        note = "granted 0 of 1 asked: 2 runs share 2 slots, 2 held by other runs' quotas"
+
+        def starved() -> dict | None:
+            st = status(w)
+            assert st["phase"] in ("starting", "running"), f"{w} is {st['phase']} before its watchdog line showed"
+            return st if st["watchdog"] and st["phase"] == "running" else None
+        st = await async_wait_until(lambda: asyncio.to_thread(starved), 180, f"{w}'s watchdog line", interval_s=1.0)
+        print("starved status", json.dumps({k: st[k] for k in ("replicas_granted", "grant_note", "watchdog")}))
+        assert st["replicas_granted"] == 0 and st["grant_note"] == note and st["replicas_running"] == 0, st
+        assert st["watchdog"].startswith("waits for replicas: no step for ") and st["watchdog"].endswith(note), st
+        finals = await asyncio.wait_for(asyncio.gather(
+            hq.result(rpc_timeout=None),
+            client.get_workflow_handle(workflow_id_for(w), result_type=RunStatus).result(rpc_timeout=None)), 600)
+        for final in finals:
+            assert final.phase == "finished" and final.step == final.total_steps, (final.run_id, final.phase)
+            assert final.groups_consumed_twice == 0 and final.groups_generated == final.groups_consumed + final.ready_groups
+        assert "stall/replicas" in finals[1].event_times, finals[1].event_times.keys()  # the run event, too
+    finally:
+        stop_process(workers, timeout_s=60)
+        print(log_path.read_text(errors="replace")[-2000:])
 
 
 def test_trainer_republishes_a_run_it_has_moved_away_from(tmp_path):
