@@ -114,3 +114,35 @@ def test_properties(slots, asks, data):
     # the order asks come in changes nothing
     shuffled = data.draw(st.permutations(asks))
     assert _granted(slots, list(shuffled)) == grants
+
+
+def test_the_watchdog_names_the_grant_of_a_stalled_run():
+    # a pooled run granted 0 of 1, trainer ready, no step for 6 s with run.stall_warn_s=3: it waits for replicas, and
+    # the reason is the pool's; the same run with its grant met and replicas silent gets the plain "replicas" reason
+    from laminar.watchdog import Facts, diagnose
+
+    note = "granted 0 of 1 asked: 2 runs share 2 slots, 2 held by other runs' quotas"
+    f = Facts(phase="running", idle_s=6.0, stall_warn_s=3.0, replicas_wanted=1, replicas_granted=0, grant_note=note)
+    assert diagnose(f) == ("replicas", f"no step for 6s: {note}")
+    assert diagnose(Facts(phase="running", idle_s=2.0, stall_warn_s=3.0, replicas_wanted=1, replicas_granted=0,
+                          grant_note=note)) is None  # not stalled yet: `laminar status` shows the note row only
+    met = Facts(phase="running", idle_s=6.0, stall_warn_s=3.0, replicas_wanted=1, replicas_granted=1)
+    assert diagnose(met)[1].startswith("no step for 6s: 0 of 1 replicas reported")
+
+
+def test_status_shows_asked_granted_running_and_why():
+    from dataclasses import replace
+
+    from client.run_control import _grant_rows
+    from laminar.messages import RunStatus
+
+    base = RunStatus(run_id="r", phase="running", step=0, total_steps=3, policy_version=0, ready_groups=0,
+                     open_leases=0, groups_generated=0, groups_consumed=0, groups_consumed_twice=0, tokens_consumed=0,
+                     reward_recent=[], versions_in_use=[], max_versions_in_use=0, staleness_histogram={},
+                     trainer_wait_fraction=0.0, history_events=0, history_events_max=0, continued_as_new=0,
+                     checkpoints=[], relays=[], replicas=[], started_at=0.0)
+    assert _grant_rows(base) == {}  # a run that owns its workers: no pool rows
+    short = replace(base, replicas_target=2, replicas_granted=1, replicas_running=1,
+                    grant_note="granted 1 of 2 asked: 3 runs share 4 slots")
+    assert _grant_rows(short) == {"replicas (asked/granted/running)": "2/1/1",
+                                  "slot pool": "granted 1 of 2 asked: 3 runs share 4 slots"}

@@ -36,7 +36,7 @@ from tests.fixtures.waiting import async_wait_until
 
 LAMINAR = [sys.executable, "-m", "workers.cli"]
 RUNS = 3
-STEPS = 6
+STEPS = [3, 6, 6]  # the first run ends first, so its slots go to the two still going
 RUN_TIMEOUT_S = 600  # three runs on one trainer and 4 rollout slots, on a busy 2-core machine
 # The default example's workers: rollout.replicas=2 on relay.relays=2 hosts, one replica each plus one spare slot
 # (workers/run_command.py), so 4 rollout slots for 3 runs asking 2 each. Max-min fair: level 1 costs 3 slots,
@@ -77,9 +77,9 @@ async def test_three_runs_share_one_worker_set(temporal_env, moto_server, tmp_pa
                                    stderr=subprocess.STDOUT)
     try:
         run_ids = [f"t-multi-{uuid.uuid4().hex[:6]}-{i}" for i in range(RUNS)]
-        for run_id in run_ids:
+        for run_id, steps in zip(run_ids, STEPS, strict=True):
             started = await asyncio.to_thread(
-                subprocess.run, [*LAMINAR, "start", "examples/tiny.toml", "--steps", str(STEPS), "--run-id", run_id,
+                subprocess.run, [*LAMINAR, "start", "examples/tiny.toml", "--steps", str(steps), "--run-id", run_id,
                                  *overrides], env=env, capture_output=True, text=True, timeout=120)
             assert started.returncode == 0, started.stdout + started.stderr
         handles = [client.get_workflow_handle(workflow_id_for(r), result_type=RunStatus) for r in run_ids]
@@ -96,20 +96,22 @@ async def test_three_runs_share_one_worker_set(temporal_env, moto_server, tmp_pa
         assert [r.granted for r in shared.runs] == SHARED_GRANTS, shared
         for run_id in run_ids[1:]:
             assert f"granted 1 of 2 asked: 3 runs share {SLOTS} slots" in notes[run_id], (run_id, notes[run_id])
-        # a finished run's slots went to the others: a run granted 1 started its second replica later
-        grown = [r for r, f in zip(run_ids[1:], finals[1:], strict=True) if "replica_added/replica-1" in f.event_times]
-        assert grown, [f.event_times.keys() for f in finals]
-        print("shared", [(r.run_id, r.asked, r.granted) for r in shared.runs], "grown", grown,
+        # the first run's slots went to the two still going once it finished: the pool granted them 2 each, and the
+        # third run (granted 1 since it arrived) started its second replica then
+        assert watch.after_first == [2, 2], watch.after_first
+        grown = [r for r, f in zip(run_ids, finals, strict=True) if "replica_added/replica-1" in f.event_times]
+        assert run_ids[2] in grown, [sorted(f.event_times) for f in finals]
+        print("shared", [(r.run_id, r.asked, r.granted) for r in shared.runs], "after the first", watch.after_first,
               "replica_leaving", [sorted(k for k in f.event_times if k.startswith("replica_leaving/")) for f in finals])
         # and every run left the pool as it finished
         left = await pool.query(names.POOL_STATUS, result_type=PoolStatus)
         assert left.runs == [] and left.slots == SLOTS, left
         store = S3ObjectStore(bucket, endpoint_url=moto_server)
         waits = {}
-        for run_id, final in zip(run_ids, finals, strict=True):
-            assert final.phase == "finished" and final.step == STEPS, (run_id, final.phase, final.step)
+        for run_id, final, steps in zip(run_ids, finals, STEPS, strict=True):
+            assert final.phase == "finished" and final.step == steps, (run_id, final.phase, final.step)
             # groups_per_step=2: 6 steps consume 12 groups; every group generated is consumed or still ready
-            assert final.groups_consumed == STEPS * 2 and final.groups_consumed_twice == 0
+            assert final.groups_consumed == steps * 2 and final.groups_consumed_twice == 0
             assert final.groups_generated == final.groups_consumed + final.ready_groups  # none lost
             # No replica ever found its run's version gone from every relay (so none needed a republish): with one
             # version store per relay, the runs' versions evicted each other and a run's replicas
@@ -133,6 +135,7 @@ class _ShareWatch:
     def __init__(self, pool, handles) -> None:
         self.pool, self.handles = pool, handles
         self.shared: PoolStatus | None = None
+        self.after_first: list[int] | None = None  # the grants once the first run has left and the others have not
         self.notes: dict[str, set[str]] = {h.id.removeprefix("run/"): set() for h in handles}
 
     async def run(self) -> None:
@@ -141,6 +144,9 @@ class _ShareWatch:
                 p = await self.pool.query(names.POOL_STATUS, result_type=PoolStatus)
                 if self.shared is None and len(p.runs) == len(self.handles) and sum(r.granted for r in p.runs) == p.slots:
                     self.shared = p
+                others = [h.id.removeprefix("run/") for h in self.handles[1:]]
+                if self.shared is not None and [r.run_id for r in p.runs] == others:
+                    self.after_first = [r.granted for r in p.runs]
                 for h in self.handles:
                     st = await h.query(names.STATUS, result_type=RunStatus)
                     if st.grant_note:
