@@ -18,6 +18,9 @@ Rules (tests/test_fairshare.py works them through and checks them as properties)
   (work-conserving).
 - A run whose engine the pool's workers do not serve gets nothing: its replicas would reach a worker that cannot
   run them.
+- Slots unknown (None: no worker set has reported any, e.g. workers started one by one with `laminar worker`, or
+  the `laminar run` that attached to the run): every run gets its ask, and Temporal hands out whatever slots
+  there are, as without a pool.
 """
 
 from __future__ import annotations
@@ -74,9 +77,12 @@ def _water_fill(slots: int, base: list[int], caps: list[int]) -> list[int]:
     return out
 
 
-def allocate(slots: int, asks: list[Ask], engines: frozenset[str] | None = None) -> dict[str, Grant]:
-    """Each run's grant of `slots` rollout slots. `engines`: the rollout engines the pool's workers serve (None:
-    any). Deterministic in its inputs, whatever the order of `asks`."""
+def allocate(slots: int | None, asks: list[Ask], engines: frozenset[str] | None = None) -> dict[str, Grant]:
+    """Each run's grant of `slots` rollout slots (None: not known, so not limited). `engines`: the rollout engines
+    the pool's workers serve (None: any). Deterministic in its inputs, whatever the order of `asks`."""
+    if slots is None:
+        slots = sum(max(0, a.replicas) for a in asks)
+        engines = None
     if not 0 <= slots <= MAX_SLOTS:
         raise ValueError(f"fairshare: slots={slots} must be between 0 and {MAX_SLOTS}")
     for a in asks:

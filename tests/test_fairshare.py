@@ -69,6 +69,12 @@ def test_no_slots_reported():
         "granted 0 of 2 asked: the pool has no rollout slots (no `laminar workers` reported any)")
 
 
+def test_slots_unknown_every_run_gets_its_ask():
+    # no worker set reported (workers started one by one): the pool does not limit, as before it existed
+    grants = allocate(None, [Ask("a", 2, seq=0), Ask("b", 3, seq=1)], frozenset({"torch"}))
+    assert {r: (g.granted, g.note) for r, g in grants.items()} == {"a": (2, ""), "b": (3, "")}
+
+
 def test_a_run_whose_engine_no_worker_serves_gets_nothing():
     grants = allocate(4, [Ask("v", 1, engine="vllm", seq=0), Ask("t", 2, engine="torch", seq=1)],
                       frozenset({"torch", "modelled"}))

@@ -97,14 +97,17 @@ class SlotPoolWorkflow:
     def pool_status(self) -> PoolStatus:
         grants = self._grants()
         return PoolStatus(
-            slots=self._slots(), reporters={r: x.slots for r, x in sorted(self.state.reports.items())},
+            slots=self._slots() or 0, reporters={r: x.slots for r, x in sorted(self.state.reports.items())},
             engines=sorted(self._engines() or []),
             runs=[PoolRun(run_id=r, asked=a.replicas, quota=a.quota, granted=grants[r].granted, note=grants[r].note)
                   for r, a in sorted(self.state.asks.items(), key=lambda kv: self.state.seq[kv[0]])])
 
     # -- allocating and telling the runs -----------------------------------------------------
 
-    def _slots(self) -> int:
+    def _slots(self) -> int | None:
+        """The slots the worker sets reported; None when none has (not limited: laminar/fairshare.py)."""
+        if not self.state.reports:
+            return None
         return min(MAX_SLOTS, sum(r.slots for r in self.state.reports.values()))
 
     def _engines(self) -> frozenset[str] | None:
