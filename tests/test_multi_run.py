@@ -208,6 +208,11 @@ async def test_a_run_left_no_slot_says_why_then_runs(temporal_env, moto_server, 
         print("starved status", json.dumps({k: st[k] for k in ("replicas_granted", "grant_note", "watchdog")}))
         assert st["replicas_granted"] == 0 and st["grant_note"] == note and st["replicas_running"] == 0, st
         assert st["watchdog"].startswith("waits for replicas: no step for ") and st["watchdog"].endswith(note), st
+        shown = subprocess.run([*LAMINAR, "pool", "--json"], env=env, capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        pool = json.loads(shown.stdout)
+        assert pool["slots"] == 2 and [(r["run_id"], r["asked"], r["quota"], r["granted"]) for r in pool["runs"]] == [
+            (q, 2, 2, 2), (w, 1, 0, 0)], pool
         finals = await asyncio.wait_for(asyncio.gather(
             hq.result(rpc_timeout=None),
             client.get_workflow_handle(workflow_id_for(w), result_type=RunStatus).result(rpc_timeout=None)), 600)
