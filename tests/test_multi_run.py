@@ -53,6 +53,18 @@ async def _namespace(client: Client) -> str:
     return name
 
 
+async def _pool_reports(client: Client, slots: int) -> PoolStatus:
+    """Wait until `laminar workers` has reported its slots to the pool (a pool no worker set reports to limits
+    nothing, so runs started before the report would run their full ask until it comes)."""
+    async def reported() -> PoolStatus | None:
+        try:
+            p = await client.get_workflow_handle(pool_workflow_id()).query(names.POOL_STATUS, result_type=PoolStatus)
+        except Exception:  # noqa: BLE001 - not started yet, or no control worker yet
+            return None
+        return p if p.slots == slots else None
+    return await async_wait_until(reported, 120, f"the worker set to report {slots} slots", interval_s=0.5)
+
+
 def _wait_weights_s(store: S3ObjectStore, run_id: str) -> dict[str, float]:
     """Per rollout replica incarnation: seconds it sat idle waiting for weights (laminar.timing's wait_weights)."""
     out = {}
@@ -76,6 +88,7 @@ async def test_three_runs_share_one_worker_set(temporal_env, moto_server, tmp_pa
         workers = subprocess.Popen([*LAMINAR, "workers", "examples/tiny.toml", *overrides], env=env, stdout=log,
                                    stderr=subprocess.STDOUT)
     try:
+        await _pool_reports(client, SLOTS)
         run_ids = [f"t-multi-{uuid.uuid4().hex[:6]}-{i}" for i in range(RUNS)]
         for run_id, steps in zip(run_ids, STEPS, strict=True):
             started = await asyncio.to_thread(
@@ -157,14 +170,14 @@ class _ShareWatch:
 
 
 STARVED_WARN_S = 3  # run.stall_warn_s of the run the quota leaves without a slot: the watchdog names it after this
-Q_STEPS = 12  # the quota run is still going when the starved one's trainer is ready and STARVED_WARN_S have passed
+Q_STEPS = 1000  # the quota run goes on until the test stops it (`laminar stop`), once the starved run said why
 
 
 async def test_a_run_left_no_slot_says_why_then_runs(temporal_env, moto_server, tmp_path):
     # Workers for rollout.replicas=1 on relay.relays=1: 1 slot + 1 spare = 2 slots. Run "q" asks 2 with rollout.quota=2:
     # its floor is both slots. Run "w" asks 1 and is granted 0 (floors 2 + 0 fit in 2 slots; level 0 leaves nothing):
-    # `laminar status` says so at once, the watchdog names it after run.stall_warn_s, and once "q" finishes and leaves,
-    # "w" is granted its slot and finishes. Neither loses a group or consumes one twice.
+    # `laminar status` says so at once, the watchdog names it after run.stall_warn_s, and once "q" is stopped and
+    # leaves, "w" is granted its slot and finishes. Neither loses a group or consumes one twice.
     namespace = await _namespace(temporal_env.client)
     bucket = create_bucket(moto_server)
     env = {**os.environ, "LAMINAR_HOME": str(tmp_path / "home"),
@@ -190,6 +203,7 @@ async def test_a_run_left_no_slot_says_why_then_runs(temporal_env, moto_server, 
         return json.loads(done.stdout)
 
     try:
+        await _pool_reports(client, 2)
         q, w = (f"t-quota-{uuid.uuid4().hex[:6]}-{k}" for k in "qw")
         await asyncio.to_thread(start, q, "--steps", str(Q_STEPS), "--rollout.replicas=2", "--rollout.quota=2")
         hq = client.get_workflow_handle(workflow_id_for(q), result_type=RunStatus)
@@ -213,12 +227,15 @@ async def test_a_run_left_no_slot_says_why_then_runs(temporal_env, moto_server, 
         pool = json.loads(shown.stdout)
         assert pool["slots"] == 2 and [(r["run_id"], r["asked"], r["quota"], r["granted"]) for r in pool["runs"]] == [
             (q, 2, 2, 2), (w, 1, 0, 0)], pool
+        stopped = subprocess.run([*LAMINAR, "stop", q], env=env, capture_output=True, text=True, timeout=60)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         finals = await asyncio.wait_for(asyncio.gather(
             hq.result(rpc_timeout=None),
             client.get_workflow_handle(workflow_id_for(w), result_type=RunStatus).result(rpc_timeout=None)), 600)
         for final in finals:
-            assert final.phase == "finished" and final.step == final.total_steps, (final.run_id, final.phase)
+            assert final.phase == "finished", (final.run_id, final.phase)
             assert final.groups_consumed_twice == 0 and final.groups_generated == final.groups_consumed + final.ready_groups
+        assert finals[1].step == finals[1].total_steps, finals[1].step  # "w" ran all its steps once it had a slot
         assert "stall/replicas" in finals[1].event_times, finals[1].event_times.keys()  # the run event, too
     finally:
         stop_process(workers, timeout_s=60)
