@@ -82,6 +82,9 @@ class SlotPoolWorkflow:
 
     @workflow.signal(name=names.POOL_ASK)
     def pool_ask(self, ask: PoolAsk) -> None:
+        if ask.replicas < 0 or ask.quota < 0 or not ask.run_id:  # never from a run; a hand-sent one must not wedge
+            workflow.logger.warning("pool_ask_ignored", extra={"ask": str(ask)})  # the pool (allocate would raise)
+            return
         if ask.run_id not in self.state.seq:
             self.state.seq[ask.run_id] = self.state.next_seq
             self.state.next_seq += 1
