@@ -42,6 +42,7 @@ RUN_TIMEOUT_S = 600  # three runs on one trainer and 4 rollout slots, on a busy 
 # (workers/run_command.py), so 4 rollout slots for 3 runs asking 2 each. Max-min fair: level 1 costs 3 slots,
 # level 2 would cost 6 > 4, so each run gets 1 and the slot left goes to the oldest: 2, 1, 1.
 SLOTS = 4
+CONTINUE_EVERY = 2  # each run continues as new every 2 steps: its grant and ask carry over, it re-states its ask
 SHARED_GRANTS = [2, 1, 1]
 WAIT_WEIGHTS_MAX_S = 10.0  # "a few seconds": replicas waiting for weights poll the relays every 0.5 s
 
@@ -93,7 +94,8 @@ async def test_three_runs_share_one_worker_set(temporal_env, moto_server, tmp_pa
         for run_id, steps in zip(run_ids, STEPS, strict=True):
             started = await asyncio.to_thread(
                 subprocess.run, [*LAMINAR, "start", "examples/tiny.toml", "--steps", str(steps), "--run-id", run_id,
-                                 *overrides], env=env, capture_output=True, text=True, timeout=120)
+                                 *overrides, f"--run.continue_as_new_every={CONTINUE_EVERY}"], env=env,
+                capture_output=True, text=True, timeout=120)
             assert started.returncode == 0, started.stdout + started.stderr
         handles = [client.get_workflow_handle(workflow_id_for(r), result_type=RunStatus) for r in run_ids]
         pool = client.get_workflow_handle(pool_workflow_id())
@@ -123,6 +125,7 @@ async def test_three_runs_share_one_worker_set(temporal_env, moto_server, tmp_pa
         waits = {}
         for run_id, final, steps in zip(run_ids, finals, STEPS, strict=True):
             assert final.phase == "finished" and final.step == steps, (run_id, final.phase, final.step)
+            assert final.continued_as_new >= 1, (run_id, final.continued_as_new)  # 3 steps: at 2; 6 steps: at 2, 4
             # groups_per_step=2: 6 steps consume 12 groups; every group generated is consumed or still ready
             assert final.groups_consumed == steps * 2 and final.groups_consumed_twice == 0
             assert final.groups_generated == final.groups_consumed + final.ready_groups  # none lost
