@@ -22,9 +22,19 @@ from client.settings import Settings
 from laminar import names, search, watchdog
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, LaminarError
-from laminar.messages import CONTROL_QUEUE, RunStatus, ScaleInput, ScaleResult, workflow_id_for
+from laminar.messages import (
+    CONTROL_QUEUE,
+    PoolStatus,
+    RunStatus,
+    ScaleInput,
+    ScaleResult,
+    SlotReport,
+    pool_workflow_id,
+    workflow_id_for,
+)
 from storage import keys
 from storage.objects import ObjectStore
+from workflows.pool import PoolInput
 from workflows.state import TrainingRunInput
 
 
@@ -35,12 +45,13 @@ def new_run_id() -> str:
 CONTROL_ANSWER_S = 10.0  # how long `laminar status|stop|pause|resume` wait for the control worker
 
 
-async def start_workflow(client: Client, cfg: RunConfig) -> WorkflowHandle:
-    """Start the run's workflow; a run id already used, by a live or a finished run, is an error."""
+async def start_workflow(client: Client, cfg: RunConfig, pool: str = "") -> WorkflowHandle:
+    """Start the run's workflow; a run id already used, by a live or a finished run, is an error. `pool`: the slot
+    pool it shares a worker set through (workflows/pool.py; "" for a run that owns its workers)."""
     try:
         return await client.start_workflow(
             names.TRAINING_RUN_WORKFLOW,
-            TrainingRunInput(config=cfg.to_json()),
+            TrainingRunInput(config=cfg.to_json(), pool=pool),
             id=workflow_id_for(cfg.run.run_id),
             task_queue=CONTROL_QUEUE,
             result_type=RunStatus,
@@ -56,10 +67,52 @@ async def start_workflow(client: Client, cfg: RunConfig) -> WorkflowHandle:
         raise LaminarError(f"could not start run {cfg.run.run_id}: {e}; pick another --run-id") from None
 
 
-async def start_stored_run(client: Client, store: ObjectStore, cfg: RunConfig) -> WorkflowHandle:
+async def start_stored_run(client: Client, store: ObjectStore, cfg: RunConfig, pool: str = "") -> WorkflowHandle:
     """Store the config with the run (runs/<id>/config.json), then start its workflow."""
     store.put(keys.config(cfg.run.run_id), cfg.model_dump_json(indent=2).encode())
-    return await start_workflow(client, cfg)
+    return await start_workflow(client, cfg, pool)
+
+
+async def ensure_pool(client: Client, report: SlotReport | None = None) -> str:
+    """Start the rollout queue's slot pool unless it runs (idempotent; with `report`: signal-with-start of a worker
+    set's slots); returns its workflow id."""
+    pool_id = pool_workflow_id()
+    signal = {"start_signal": names.POOL_SLOTS, "start_signal_args": [report]} if report is not None else {}
+    try:
+        await client.start_workflow(
+            names.SLOT_POOL_WORKFLOW, PoolInput(), id=pool_id, task_queue=CONTROL_QUEUE,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING, **signal)
+    except RPCError as e:
+        raise LaminarError(f"slot pool {pool_id}: could not start it or signal it: {e}") from None
+    return pool_id
+
+
+async def report_slots(settings: Settings, report: SlotReport) -> str:
+    """`laminar workers`: give the pool this worker set's slots (slots=0 on the way out withdraws them)."""
+    return await ensure_pool(await connect(settings), report)
+
+
+async def leave_pool(client: Client, run_id: str) -> None:
+    """Tell the pool a run is gone (`laminar stop --force`: a terminated run cannot say so itself)."""
+    try:
+        await client.get_workflow_handle(pool_workflow_id()).signal(names.POOL_LEAVE, run_id)
+    except RPCError as e:
+        if e.status != RPCStatusCode.NOT_FOUND:  # no pool: nothing to leave
+            raise LaminarError(f"slot pool {pool_workflow_id()}: could not signal that run {run_id} left: {e}") from None
+
+
+async def query_pool(settings: Settings, timeout_s: float = CONTROL_ANSWER_S) -> PoolStatus:
+    """`laminar pool`: the slots, the worker sets that give them, and each run's ask and grant."""
+    handle = (await connect(settings)).get_workflow_handle(pool_workflow_id())
+    try:
+        return await handle.query(names.POOL_STATUS, result_type=PoolStatus, rpc_timeout=timedelta(seconds=timeout_s))
+    except RPCError as e:
+        if e.status == RPCStatusCode.NOT_FOUND:
+            raise LaminarError(f"no slot pool {pool_workflow_id()} in namespace {settings.namespace}: start "
+                               "`laminar workers` (runs of `laminar run` own their workers and share none)") from None
+        if e.status in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):
+            raise _no_answer(pool_workflow_id(), "pool status", timeout_s) from None
+        raise LaminarError(f"slot pool {pool_workflow_id()}: status failed: {e}") from None
 
 
 async def start_or_attach(client: Client, store: ObjectStore, cfg: RunConfig) -> tuple[WorkflowHandle, bool]:
@@ -83,7 +136,9 @@ async def start_run(settings: Settings, cfg: RunConfig) -> str:
     """`laminar start`: give the run an id if it has none, store its config, start it; returns the id."""
     if not cfg.run.run_id:
         cfg = cfg.with_run_id(new_run_id())
-    await start_stored_run(await connect(settings), store_for(settings), cfg)
+    client = await connect(settings)
+    pool = await ensure_pool(client)  # the run shares the worker set's rollout slots through it (workflows/pool.py)
+    await start_stored_run(client, store_for(settings), cfg, pool)
     return cfg.run.run_id
 
 
@@ -156,11 +211,35 @@ async def scale_run(settings: Settings, run_id: str, replicas: int | None = None
 
 async def terminate_run(settings: Settings, run_id: str) -> None:
     """`laminar stop --force`: terminate the workflow through the server alone (no worker needed)."""
-    handle = await _handle(settings, run_id)
+    client = await connect(settings)
+    handle = client.get_workflow_handle(workflow_id_for(run_id))
     try:
         await handle.terminate(reason="laminar stop --force")
     except RPCError as e:
         raise _rpc_failed(settings, run_id, "terminate", e) from None
+    await leave_pool(client, run_id)  # its slots go to the other runs at once
+
+
+def _grant_rows(st: RunStatus) -> dict[str, str]:
+    """A run on a shared worker set: what it asked, what its slot pool granted, what runs, and why it got less."""
+    if st.replicas_granted < 0 and not st.grant_note:
+        return {}
+    granted = "-" if st.replicas_granted < 0 else str(st.replicas_granted)
+    rows = {"replicas (asked/granted/running)": f"{st.replicas_target}/{granted}/{st.replicas_running}"}
+    if st.grant_note:
+        rows["slot pool"] = st.grant_note
+    return rows
+
+
+def render_pool(p: PoolStatus) -> Table:
+    t = Table(title=f"slot pool {pool_workflow_id()}: {p.slots} slots")
+    for col in ("run", "asked", "quota", "granted", "why less"):
+        t.add_column(col)
+    for r in p.runs:
+        t.add_row(r.run_id, str(r.asked), str(r.quota or "-"), str(r.granted), r.note or "")
+    t.caption = ("worker sets: " + (", ".join(f"{k} ({v} slots)" for k, v in p.reporters.items()) or "none")
+                 + (f"; engines served: {', '.join(p.engines)}" if p.engines else ""))
+    return t
 
 
 def render_status(st: RunStatus) -> Table:
@@ -183,6 +262,7 @@ def render_status(st: RunStatus) -> Table:
         "replicas (target/running)": f"{st.replicas_target}/{st.replicas_running}"
                                      + (f", {st.scale_groups_returned} groups given back by removed replicas"
                                         if st.scale_groups_returned else ""),
+        **_grant_rows(st),
         "relays (target/in chain)": f"{st.relays_target}/{len(st.relays)}: "
                                     + (", ".join(f"{r.relay_id}@{r.address}" for r in st.relays) or "-"),
         "latest checkpoint": st.checkpoints[-1].step if st.checkpoints else "-",

@@ -168,6 +168,21 @@ class RolloutSection(_Section):
         description="Peak KV fraction a destination may be packed to, and below which a replica can be in "
         "ramp-down (fraction of KV capacity; assumed, see workflows/repack.py C_MAX).",
     )
+    quota: int = Field(
+        0, ge=0, le=1024,
+        description="On a shared worker set (`laminar start` on `laminar workers`): rollout slots guaranteed to this "
+        "run, at most rollout.replicas (count; 0: its fair share only). Above the quotas, slots are shared max-min "
+        "fairly (laminar/fairshare.py).",
+    )
+
+    @model_validator(mode="after")
+    def _quota_within_ask(self) -> RolloutSection:
+        if self.quota > self.replicas:
+            raise ValueError(
+                f"rollout.quota={self.quota} is above rollout.replicas={self.replicas}: a run is never granted more "
+                f"than it asks; set rollout.quota <= {self.replicas}"
+            )
+        return self
 
 
 class TrainerSection(_Section):

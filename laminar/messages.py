@@ -442,6 +442,10 @@ class RunStatus:
     replicas_running: int = 0
     scale_groups_returned: int = 0
     relays_target: int = 0  # the relay (host) count asked for; `relays` is the chain as it stands
+    # a run on a shared worker set (workflows/pool.py): the slots the pool granted it (-1: not in a pool) and,
+    # when that is less than it asks, the pool's reason
+    replicas_granted: int = -1
+    grant_note: str = ""
 
 
 @dataclass(frozen=True)
@@ -461,6 +465,61 @@ class ScaleResult:
     relays_target: int = 0
     relays_started: list[str] = field(default_factory=list)  # relay (host) ids whose relay joins the chain
     relays_removed: list[str] = field(default_factory=list)  # relay ids taken out of the chain
+
+
+# -- the slot pool (workflows/pool.py) -----------------------------------------------------------
+
+
+def pool_workflow_id(queue: str = ROLLOUT_QUEUE) -> str:
+    """The slot pool of one rollout task queue: every worker polling it shares its slots through this workflow."""
+    return f"pool/{queue}"
+
+
+@dataclass(frozen=True)
+class SlotReport:
+    """worker set -> pool: the rollout slots one worker set (`laminar workers`) gives the queue; 0 withdraws them."""
+
+    reporter: str  # stable per worker set (host and home): a restarted set replaces its own report
+    slots: int
+    engines: list[str] = field(default_factory=list)  # the rollout engines every one of its workers serves
+
+
+@dataclass(frozen=True)
+class PoolAsk:
+    """run -> pool: what the run asks (rollout.replicas, or its `laminar scale` target) and its quota."""
+
+    run_id: str
+    workflow_id: str  # where the pool signals the grant
+    replicas: int
+    quota: int = 0  # rollout.quota: a guaranteed minimum (laminar/fairshare.py)
+    engine: str = ""
+
+
+@dataclass(frozen=True)
+class ReplicaGrant:
+    """pool -> run: the slots it may use, and why that is less than it asks ("" when it is not)."""
+
+    granted: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class PoolRun:
+    run_id: str
+    asked: int
+    quota: int
+    granted: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """The pool's `pool_status` query (`laminar pool`)."""
+
+    slots: int
+    reporters: dict[str, int]
+    engines: list[str]
+    runs: list[PoolRun]
 
 
 # -- recovery drills ----------------------------------------------------------------------------

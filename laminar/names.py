@@ -9,6 +9,7 @@ every name here has a handler and every handler's name is here.
 # workflow types (laminar-control)
 TRAINING_RUN_WORKFLOW = "TrainingRunWorkflow"
 RECOVERY_DRILL_WORKFLOW = "RecoveryDrillWorkflow"
+SLOT_POOL_WORKFLOW = "SlotPoolWorkflow"  # one per rollout queue: shares its slots between runs (workflows/pool.py)
 
 # activities: trainer (laminar-trainer), rollout (laminar-rollout), relay (laminar-relay-<host>)
 INIT_TRAINER = "init_trainer"
@@ -34,10 +35,17 @@ RELAY_JOINED = "relay_joined"
 TRAINER_CHECKPOINTED = "trainer_checkpointed"  # the trainer, leaving on notice between steps
 RELAY_LEAVING = "relay_leaving"
 STATUS = "status"
+# the slot pool: worker sets report slots, runs state their ask and leave (signals to the pool); the pool signals
+# each run its grant; `laminar pool` queries it
+REPLICA_GRANT = "replica_grant"
+POOL_SLOTS = "pool_slots"
+POOL_ASK = "pool_ask"
+POOL_LEAVE = "pool_leave"
+POOL_STATUS = "pool_status"
 
-WORKFLOWS = (TRAINING_RUN_WORKFLOW, RECOVERY_DRILL_WORKFLOW)
+WORKFLOWS = (TRAINING_RUN_WORKFLOW, RECOVERY_DRILL_WORKFLOW, SLOT_POOL_WORKFLOW)
 ACTIVITIES = (INIT_TRAINER, TRAIN_STEP, TRAIN_STEPS, REPUBLISH, RUN_ROLLOUT_REPLICA, RUN_RELAY,
               PLAN_DRILL, INTERRUPT_STORE, OBSERVE_RECOVERY, INJECT_FAULT)
 UPDATES = (CLAIM_PROMPTS, ADD_EXPERIENCE, PAUSE, RESUME, STOP, SCALE, RELAY_LEAVING)
-SIGNALS = (RELAY_JOINED, TRAINER_CHECKPOINTED)
-QUERIES = (STATUS,)
+SIGNALS = (RELAY_JOINED, TRAINER_CHECKPOINTED, REPLICA_GRANT, POOL_SLOTS, POOL_ASK, POOL_LEAVE)
+QUERIES = (STATUS, POOL_STATUS)

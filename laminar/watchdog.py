@@ -6,7 +6,8 @@ Pure and clock-free: `diagnose` takes the run state's facts, with every age alre
 
 - "weights":  a replica still has no policy version (-1) after run.stall_warn_s, or no relay joined;
 - "trainer":  the trainer is not initialised, a step is in flight for too long, or a batch is ready and unused;
-- "replicas": no replica reported within run.stall_warn_s (their worker is stopped or gone);
+- "replicas": no replica reported within run.stall_warn_s (their worker is stopped or gone), or the run's slot pool
+  grants it fewer replicas than it asks (workflows/pool.py: the pool's reason is named);
 - "groups":   replicas report, but not enough complete groups for the next batch came.
 
 None while the run is healthy (a step within run.stall_warn_s, every replica versioned), paused or closing.
@@ -34,6 +35,8 @@ class Facts:
     replicas_wanted: int = 0
     silent_s: dict[str, float] = field(default_factory=dict)  # replica -> seconds since its last report
     unversioned_s: dict[str, float] = field(default_factory=dict)  # replica -> seconds at policy_version -1
+    replicas_granted: int = -1  # slots its pool granted the run (-1: not in a pool)
+    grant_note: str = ""  # the pool's reason when that is less than replicas_wanted
 
 
 def diagnose(f: Facts) -> tuple[str, str] | None:
@@ -59,6 +62,8 @@ def diagnose(f: Facts) -> tuple[str, str] | None:
         return "trainer", f"no step for {f.idle_s:.0f}s: a train step is in flight"
     if f.has_batch:
         return "trainer", f"no step for {f.idle_s:.0f}s with a batch ready ({f.ready_groups} ready groups)"
+    if 0 <= f.replicas_granted < f.replicas_wanted or (f.replicas_granted < 0 and f.grant_note):
+        return "replicas", f"no step for {f.idle_s:.0f}s: {f.grant_note or 'no grant from the slot pool'}"
     if not reporting:
         return "replicas", (f"no step for {f.idle_s:.0f}s: 0 of {f.replicas_wanted} replicas reported in the "
                             f"last {warn:g}s ({f.ready_groups} ready groups, {f.open_leases} leases in flight)")
@@ -82,6 +87,8 @@ def facts_of_status(st: Any, now: float) -> Facts:
         replicas_wanted=st.replicas_wanted,
         silent_s={r: max(0.0, now - at) for r, at in st.replica_seen.items()},
         unversioned_s={r: max(0.0, now - at) for r, at in st.unversioned_since.items()},
+        replicas_granted=st.replicas_granted,
+        grant_note=st.grant_note,
     )
 
 

@@ -20,6 +20,7 @@ from temporalio.worker import Replayer
 from laminar import names
 from laminar.converter import DATA_CONVERTER
 from tests.histories import MAX_FILE_BYTES, count, history_files, load, patch_ids, workflow_type
+from workflows.pool import SlotPoolWorkflow
 from workflows.recovery_drill import RecoveryDrillWorkflow
 from workflows.training_run import TrainingRunWorkflow
 
@@ -27,7 +28,8 @@ WORKFLOWS_DIR = Path(__file__).parents[1] / "workflows"
 FILES = history_files()
 # A training run's shortest history is a few steps: start, relays, init, replicas, steps, drain (> 20 events). A
 # drill's is plan, inject, observe: 3 activities of 3 events each and their workflow tasks (> 10 events).
-MIN_EVENTS = {names.TRAINING_RUN_WORKFLOW: 20, names.RECOVERY_DRILL_WORKFLOW: 10}
+# A slot pool's: a report, two asks, their grants (signals in, external signals out) and the leaves (> 10 events).
+MIN_EVENTS = {names.TRAINING_RUN_WORKFLOW: 20, names.RECOVERY_DRILL_WORKFLOW: 10, names.SLOT_POOL_WORKFLOW: 10}
 
 
 def source_patch_ids(directory: Path = WORKFLOWS_DIR) -> dict[str, str]:
@@ -53,7 +55,8 @@ async def test_golden_history_replays(path: Path):
     kind = workflow_type(history)
     assert kind in MIN_EVENTS, f"{path.name}: workflow type {kind!r} is not one this test replays"
     assert len(history.events) > MIN_EVENTS[kind], f"{path.name} is too short to exercise {kind}"
-    replayer = Replayer(workflows=[TrainingRunWorkflow, RecoveryDrillWorkflow], data_converter=DATA_CONVERTER)
+    replayer = Replayer(workflows=[TrainingRunWorkflow, RecoveryDrillWorkflow, SlotPoolWorkflow],
+                        data_converter=DATA_CONVERTER)
     await replayer.replay_workflow(history)  # nondeterminism raises here, naming the command that differs
 
 

@@ -217,6 +217,20 @@ def drain(
 
 
 @app.command()
+def pool(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Show the slot pool of the shared worker set: its rollout slots, and each `laminar start` run's ask, quota,
+    grant and why it got less."""
+    from client.run_control import query_pool, render_pool
+
+    with _exit_codes():
+        p = asyncio.run(query_pool(Settings.from_env()))
+    if as_json:
+        console.print_json(json.dumps(asdict(p)))
+    else:
+        console.print(render_pool(p))
+
+
+@app.command()
 def pause(run_id: str) -> None:
     """Pause a run: no new prompts are leased and the trainer waits."""
     from client.run_control import send_control

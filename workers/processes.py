@@ -1,6 +1,6 @@
 """Worker process entry points: one process per role (`laminar worker {control,trainer,rollout,relay}`).
 
-- control: TrainingRunWorkflow on `laminar-control` (workflow tasks only; never waits behind GPU work).
+- control: TrainingRunWorkflow (and the slot pool, workflows/pool.py) on `laminar-control` (workflow tasks only; never waits behind GPU work).
 - trainer: `init_trainer` / `train_step` on `laminar-trainer`, one slot, model kept in memory.
 - rollout: `run_rollout_replica` on the shared `laminar-rollout` queue, `slots` replicas at once.
 - relay: a RelayServer (data plane) plus `run_relay` on `laminar-relay-<host_id>`.
@@ -33,6 +33,7 @@ from laminar.messages import (
     workflow_id_for,
 )
 from laminar.notice import NOTICE
+from workflows.pool import SlotPoolWorkflow
 from workflows.recovery_drill import RecoveryDrillWorkflow
 from workflows.training_run import TrainingRunWorkflow
 
@@ -82,7 +83,8 @@ async def _serve(worker: Worker, role: str, process: str, allow_faults: bool, no
 
 async def control(settings: Settings, allow_faults: bool = False) -> None:
     client = await connect(settings)
-    worker = Worker(client, task_queue=CONTROL_QUEUE, workflows=[TrainingRunWorkflow, RecoveryDrillWorkflow])
+    worker = Worker(client, task_queue=CONTROL_QUEUE,
+                    workflows=[TrainingRunWorkflow, RecoveryDrillWorkflow, SlotPoolWorkflow])
     await _serve(worker, "control", "control", allow_faults, settings.notice_s)
 
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -20,19 +21,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 
 from client.connect import connect, store_for
-from client.run_control import new_run_id, start_or_attach
+from client.run_control import new_run_id, report_slots, start_or_attach
 from client.settings import Settings
 from client.watch import watch_run
 from devstack.stack import DevStack
 from laminar.config import RunConfig
-from laminar.errors import ConfigError
-from laminar.messages import RunStatus
+from laminar.errors import ConfigError, LaminarError
+from laminar.logs import get_logger
+from laminar.messages import RunStatus, SlotReport
 from reporting.summary import build_profile, build_summary, format_profile, reward_rise
 from storage import keys
-from workers.launcher import LocalLauncher, metrics_url, plan_processes, process_cpu_s
+from workers.launcher import LocalLauncher, metrics_url, plan_processes, process_cpu_s, rollout_slots
 
 if TYPE_CHECKING:
     from workers.launcher_ray import RayLauncher
+
+log = get_logger(__name__)
 
 
 def check_launcher(kind: str, ray_address: str | None) -> None:
@@ -123,19 +127,46 @@ def serve_workers(cfg: RunConfig, console: Console, launcher_kind: str = "local"
     launcher = make_launcher(launcher_kind, cfg, settings, "workers", ray_address, allow_faults)
     console.print(f"temporal={settings.temporal_address} store={settings.store_url} launcher={launcher_kind}",
                   highlight=False)
+    report = worker_set_slots(cfg, settings.home)
     try:
         launcher.start_all()
         launcher.start_supervision()
         for p in launcher.processes.values():
             console.print(f"worker {p.name} metrics {metrics_url(p)} log {p.log_path}", highlight=False,
                           soft_wrap=True)
+        pool = asyncio.run(report_slots(settings, report))  # runs of `laminar start` share these slots through it
+        console.print(f"slot pool {pool}: {report.slots} rollout slots ({', '.join(report.engines)})",
+                      highlight=False)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         console.print("stopping the workers")
         return 0
     finally:
+        _withdraw_slots(settings, report)
         launcher.stop_all()
+
+
+def engines_served(cfg: RunConfig) -> list[str]:
+    """The rollout engines every worker of a set started for `cfg` serves: the torch and modelled engines run in any
+    rollout worker; vLLM only in a set started for it (rl/vllm_engine.py)."""
+    return sorted({"modelled", "torch", cfg.rollout.engine})
+
+
+def worker_set_slots(cfg: RunConfig, home: Path) -> SlotReport:
+    """What a `laminar workers` set gives its slot pool: its rollout slots (spares included: docs/decisions.md) and
+    engines, under a name stable for this host and home, so a restarted set replaces its own report."""
+    slots = sum(rollout_slots(cfg.rollout.replicas, cfg.relay.relays, _spare_slots(cfg)))
+    return SlotReport(reporter=f"{socket.gethostname()}:{home}", slots=slots, engines=engines_served(cfg))
+
+
+def _withdraw_slots(settings: Settings, report: SlotReport) -> None:
+    """On the way out: the pool stops granting these slots (best effort; a set that cannot say so is replaced by
+    its next start, which reports under the same name)."""
+    try:
+        asyncio.run(asyncio.wait_for(report_slots(settings, SlotReport(report.reporter, 0, report.engines)), 10.0))
+    except (LaminarError, OSError, RuntimeError, TimeoutError) as e:
+        log.warning("slots_not_withdrawn", reporter=report.reporter, error=str(e))
 
 
 async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher | RayLauncher, summary_path: Path | None,

@@ -50,16 +50,18 @@ def replica_ids(n: int) -> list[str]:
     return [f"replica-{i}" for i in range(n)]
 
 
-def check_target(replicas: int) -> None:
-    if not 1 <= replicas <= MAX_REPLICAS:
+def check_target(replicas: int, least: int = 1) -> None:
+    if not least <= replicas <= MAX_REPLICAS:
         raise ValueError(f"scale: replicas={replicas} must be between 1 and {MAX_REPLICAS}; "
                          f"use `laminar stop` to end a run")
 
 
-def plan_scale(active: list[str], leaving: list[str], held: dict[str, int], target: int) -> ScalePlan:
+def plan_scale(active: list[str], leaving: list[str], held: dict[str, int], target: int,
+               least: int = 1) -> ScalePlan:
     """The plan that brings `active` replicas to `target`. `leaving`: removed replicas that have not returned
-    yet (their ids are not reused); `held`: open leases per replica id (absent: 0)."""
-    check_target(target)
+    yet (their ids are not reused); `held`: open leases per replica id (absent: 0). `least`: the smallest target
+    (0 for a slot pool's grant: a run granted no slot runs no replica)."""
+    check_target(target, least)
     if target >= len(active):
         taken = set(active) | set(leaving)
         start: list[str] = []

@@ -116,6 +116,14 @@ class RunState:
     scale_groups_returned: int = 0
     departed: list[str] = field(default_factory=list)  # replicas that handed their groups on, until their next first claim
     relay_ids: list[str] = field(default_factory=list)  # the relays (hosts) the run has; empty: relay.relays of them
+    # a run on a shared worker set (`laminar start`): its slot pool's workflow id (workflows/pool.py; "" for a run
+    # that owns its workers), its ask (0: rollout.replicas until a `laminar scale`), the pool's grant (-1: none
+    # yet) with its reason, and why the pool did not take the run's ask ("" when it did)
+    pool: str = ""
+    replicas_asked: int = 0
+    grant: int = -1
+    grant_note: str = ""
+    pool_error: str = ""
 
 
 @dataclass
@@ -131,3 +139,4 @@ class TrainingRunInput:
 
     config: dict[str, Any]
     state: RunState | None = None
+    pool: str = ""  # a new run's slot pool (workflows/pool.py): `laminar start` sets it

@@ -63,3 +63,4 @@ STORE_RESTART_MARGIN_S = 120
 FAULT_DELIVERY = timedelta(seconds=60)
 # A fault is injected at most once: a retried kill would hit the process that replaced the killed one.
 DRILL_ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
+POOL_RETRY_S = 10.0  # a run whose slot pool did not take its ask asks again after this long

@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 with workflow.unsafe.imports_passed_through():
     from temporalio.converter import value_to_type
@@ -30,7 +30,9 @@ with workflow.unsafe.imports_passed_through():
         AddExperienceResult,
         ClaimPromptsInput,
         ClaimPromptsResult,
+        PoolAsk,
         RelayInfo,
+        ReplicaGrant,
         ReplicaReport,
         RepublishInput,
         RolloutReplicaInput,
@@ -79,11 +81,13 @@ class TrainingRunWorkflow:
         self._version_pushed_at = workflow.time()  # the last publish or republish (see _note_version_missing)
         self._search_upserted: tuple[str, float] = ("", 0.0)  # (phase, workflow time) of the last upsert
         self._watchdog_task: Any = None  # _watchdog's timer loop (patch `watchdog`)
+        self._replicas_started = False  # run() started the replicas: a grant (slot pool) is applied from then on
+        self._ask_unsent = True  # the slot pool has not heard this segment's ask yet (see _tell_pool)
         try:
             self._cfg, state = _parse_input(inp)
             self._policy = policy_for(self._cfg)
             run_id = self._cfg.run.run_id or workflow.info().workflow_id.removeprefix("run/")
-            self.state = state or RunState(run_id=run_id, started_at=workflow.time())
+            self.state = state or RunState(run_id=run_id, started_at=workflow.time(), pool=_pool_of(inp))
             self._segment_first_step = self.state.step
         except ConfigError as e:
             self._error = str(e)
@@ -98,11 +102,15 @@ class TrainingRunWorkflow:
     async def run(self, inp: Any) -> RunStatus:
         if self._error is not None or self._cfg is None:
             raise ApplicationError(self._error or "invalid input", type="InvalidConfig", non_retryable=True)
+        if self.state.pool and workflow.patched("slot-pool"):
+            asyncio.create_task(self._tell_pool())  # the pool hears the ask while the trainer starts
         self._start_relays()
         await self._wait_for_relays()
         if not self.state.trainer_ready:
             await self._init_trainer()
         self._start_replicas()
+        self._replicas_started = True
+        self._apply_grant()  # a pooled run: the replicas its grant allows
         if workflow.patched("watchdog"):
             self._watchdog_task = asyncio.create_task(self._watchdog())
         self._upsert_search_attributes()
@@ -449,6 +457,8 @@ class TrainingRunWorkflow:
     def _replica_ids(self) -> list[str]:
         """The replicas the run should have: rollout.replicas of them until a `laminar scale` (workflows/scale.py)."""
         assert self._cfg is not None
+        if self.state.pool:  # a run in a slot pool runs only what it is granted (none before its first grant)
+            return list(self.state.replica_ids)
         return list(self.state.replica_ids) or replica_ids(self._cfg.rollout.replicas)
 
     def _start_replicas(self) -> None:
@@ -583,14 +593,22 @@ class TrainingRunWorkflow:
             raise ApplicationError("this run's workers predate `laminar scale`", type="ScaleUnsupported")
         relays_started, relays_removed = self._scale_relays(inp.relays) if inp.relays is not None else ([], [])
         if inp.replicas is None:
-            return ScaleResult(replicas_target=len(self._replica_ids()), started=[], removed=[],
-                               relays_target=len(self._relay_ids()), relays_started=relays_started,
-                               relays_removed=relays_removed)
+            res = ScaleResult(replicas_target=len(self._replica_ids()), started=[], removed=[])
+        elif self.state.pool:
+            res = self._scale_ask(inp.replicas)
+        else:
+            res = self._scale_to(inp.replicas)
+        return dataclasses.replace(res, relays_target=len(self._relay_ids()), relays_started=relays_started,
+                                   relays_removed=relays_removed)
+
+    def _scale_to(self, target: int) -> ScaleResult:
+        """Bring the running replicas to `target` (`laminar scale`, or a slot pool's grant): start new ones, or ask the
+        chosen ones to leave (workflows/scale.py)."""
         active = [r for r in self._replica_ids() if r not in self.state.leaving]
         held: dict[str, int] = {}
         for lease in self.state.open_leases.values():
             held[lease.replica_id] = held.get(lease.replica_id, 0) + 1
-        plan = plan_scale(active, list(self.state.leaving), held, inp.replicas)
+        plan = plan_scale(active, list(self.state.leaving), held, target, least=0 if self.state.pool else 1)
         at = workflow.time()
         for replica_id in plan.remove:
             self.state.leaving.append(replica_id)
@@ -602,9 +620,7 @@ class TrainingRunWorkflow:
                 self._start_replica(replica_id)
                 self.ledger.note_event("replica_added", replica_id, at)
         # (a segment handing over starts the new ids in the next segment, from state.replica_ids)
-        return ScaleResult(replicas_target=len(plan.active), started=plan.start, removed=plan.remove,
-                           relays_target=len(self._relay_ids()), relays_started=relays_started,
-                           relays_removed=relays_removed)
+        return ScaleResult(replicas_target=len(plan.active), started=plan.start, removed=plan.remove)
 
     def _scale_relays(self, target: int) -> tuple[list[str], list[str]]:
         """`laminar scale --relays`: new hosts' relays are watched (each joins the chain when its relay worker
@@ -671,7 +687,7 @@ class TrainingRunWorkflow:
         if self._cfg is None:
             return st
         return dataclasses.replace(
-            st, replicas_target=len(self._replica_ids()),
+            st, replicas_target=self._ask() if self.state.pool else len(self._replica_ids()),
             replicas_running=sum(1 for t in self._replicas.values() if not t.done()),
             scale_groups_returned=self.state.scale_groups_returned, relays_target=len(self._relay_ids()))
 
@@ -679,7 +695,7 @@ class TrainingRunWorkflow:
         if self._cfg is None:
             return {}
         return {"stall_warn_s": self._cfg.run.stall_warn_s, "replicas_wanted": self._cfg.rollout.replicas,
-                "has_batch": self._has_batch()}
+                "has_batch": self._has_batch(), **self._grant_facts()}
 
     async def _watchdog(self) -> None:
         """Look every run.stall_warn_s / 2 even while nothing reaches the workflow (every worker silent): a timer
@@ -717,6 +733,82 @@ class TrainingRunWorkflow:
         if self.state.paused:
             return "paused"
         return "running" if self.state.trainer_ready else "starting"
+
+    # -- the slot pool: a run on a shared worker set runs min(ask, grant) replicas (workflows/pool.py) ------
+
+    def _ask(self) -> int:
+        """The replicas the run asks for: rollout.replicas, or its last `laminar scale` target."""
+        assert self._cfg is not None
+        return self.state.replicas_asked or self._cfg.rollout.replicas
+
+    def _scale_ask(self, replicas: int) -> ScaleResult:
+        """`laminar scale` on a pooled run changes its ask: the pool hears it, and the run runs min(ask, grant)."""
+        self.state.replicas_asked = replicas
+        self._ask_unsent = True
+        res = self._apply_grant()
+        return ScaleResult(replicas_target=replicas, started=res.started if res else [],
+                           removed=res.removed if res else [])
+
+    @workflow.signal(name=names.REPLICA_GRANT)
+    def replica_grant(self, grant: ReplicaGrant) -> None:
+        if not self.state.pool:
+            return  # not a pooled run: a stray signal changes nothing
+        self.state.grant, self.state.grant_note = max(0, grant.granted), grant.note
+        self._apply_grant()
+
+    def _apply_grant(self) -> ScaleResult | None:
+        """Start or retire replicas so that min(ask, grant) run, by `laminar scale`'s own path (retired ones leave
+        gracefully). Before run() has started the replicas, or while the run stops, only the grant is kept."""
+        if (not self.state.pool or self._cfg is None or self._error is not None or not self._replicas_started
+                or self.state.stopping or self._finished):
+            return None
+        target = min(self._ask(), max(0, self.state.grant))
+        if target == len([r for r in self._replica_ids() if r not in self.state.leaving]):
+            return None
+        return self._scale_to(target)
+
+    async def _tell_pool(self) -> None:
+        """State the run's ask to its slot pool at the start of each segment and after each scale; a pool that does
+        not take the signal (it is not running) is asked again every POOL_RETRY_S."""
+        assert self._cfg is not None
+        while not self._closing:
+            await workflow.wait_condition(lambda: self._ask_unsent or self._closing)
+            if self._closing:
+                return
+            self._ask_unsent = False
+            r = self._cfg.rollout
+            ask = PoolAsk(run_id=self.state.run_id, workflow_id=workflow.info().workflow_id, replicas=self._ask(),
+                          quota=min(r.quota, self._ask()), engine=r.engine)
+            try:
+                await workflow.get_external_workflow_handle(self.state.pool).signal(names.POOL_ASK, ask)
+                self.state.pool_error = ""
+            except FailureError as e:
+                self.state.pool_error = f"slot pool {self.state.pool} did not take the run's ask ({e}); asking again"
+                self._ask_unsent = True
+                await workflow.sleep(timedelta(seconds=timeouts.POOL_RETRY_S))
+
+    async def _leave_pool(self) -> None:
+        """A finished or stopped run gives its slots back at once (a failed one: the pool finds it gone)."""
+        if not self.state.pool or not workflow.patched("slot-pool"):
+            return
+        try:
+            await workflow.get_external_workflow_handle(self.state.pool).signal(names.POOL_LEAVE, self.state.run_id)
+        except FailureError as e:
+            workflow.logger.warning("pool_leave_failed", extra={"pool": self.state.pool, "error": str(e)})
+
+    def _grant_note(self) -> str:
+        if not self.state.pool:
+            return ""
+        if self.state.pool_error:
+            return self.state.pool_error
+        if self.state.grant < 0:
+            return f"waiting for a grant from slot pool {self.state.pool}"
+        return self.state.grant_note
+
+    def _grant_facts(self) -> dict[str, Any]:
+        if not self.state.pool:
+            return {}
+        return {"replicas_granted": self.state.grant, "grant_note": self._grant_note(), "replicas_wanted": self._ask()}
 
     # -- continue-as-new and finish ----------------------------------------------------------
 
@@ -787,6 +879,7 @@ class TrainingRunWorkflow:
     async def _finish(self) -> RunStatus:
         self.state.stopping = True
         await self._drain()
+        await self._leave_pool()
         self._note_history()
         self._finished = True
         self._upsert_search_attributes()
@@ -808,6 +901,11 @@ def _fail_run_if_permanent(e: ActivityError, what: str) -> None:
     cause = e.cause
     if isinstance(cause, ApplicationError) and cause.non_retryable:
         raise ApplicationError(f"{what} failed: {cause.message}", type=cause.type, non_retryable=True) from e
+
+
+def _pool_of(inp: Any) -> str:
+    """The slot pool a new run joins (`laminar start` sets it; "" for a run that owns its workers)."""
+    return str(inp.get("pool") or "") if isinstance(inp, dict) else ""
 
 
 def _parse_input(inp: Any) -> tuple[RunConfig, RunState | None]:

@@ -30,7 +30,7 @@ from pathlib import Path
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
 
 from client.connect import connect, store_for
-from client.run_control import start_workflow
+from client.run_control import ensure_pool, start_workflow
 from client.settings import Settings
 from devstack.stack import DevStack, free_port
 from laminar import names
@@ -40,9 +40,11 @@ from laminar.messages import (
     AddExperienceInput,
     ClaimPromptsInput,
     DrillInput,
+    PoolStatus,
     RunStatus,
     ScaleInput,
     ScaleResult,
+    SlotReport,
 )
 from tests.fixtures.stack import TEST_OVERRIDES, quiet_status
 from tests.fixtures.waiting import async_wait_until
@@ -288,11 +290,49 @@ async def scale(rec: Recorder) -> list[Path]:
     return [rec.write("training_run_scale", h)]
 
 
+async def pool(rec: Recorder) -> list[Path]:
+    """Two runs asking 2 replicas each on a slot pool of 3 slots (patch slot-pool): the first is granted 2, the second
+    1; the first stops and leaves, the second is granted 2 and starts its second replica; a `scale` to 1 lowers its
+    ask and retires one; stopped. Records the second run and the pool (still running: it outlives its runs)."""
+    pool_id = await ensure_pool(rec.client, SlotReport("golden", 3, ["modelled", "torch"]))
+
+    def granted(handle: WorkflowHandle, n: int, running: int, step: int = 1) -> Callable[[], Awaitable[RunStatus | None]]:
+        async def check() -> RunStatus | None:
+            st = await rec.status(handle)
+            return st if (st.replicas_granted, st.replicas_running) == (n, running) and st.step >= step else None
+        return check
+    a = await start_workflow(rec.client, rec.config("pool-a", "rollout.replicas=2", "run.steps=1000"), pool_id)
+    await async_wait_until(granted(a, 2, 2, 0), RUN_TIMEOUT_S, "run a granted 2 (alone)", interval_s=0.2)
+    b = await start_workflow(rec.client, rec.config("pool-b", "rollout.replicas=2", "run.steps=1000"), pool_id)
+    await async_wait_until(granted(a, 2, 2), RUN_TIMEOUT_S, "run a granted 2 and a step", interval_s=0.2)
+    st = await async_wait_until(granted(b, 1, 1), RUN_TIMEOUT_S, "run b granted 1 and a step", interval_s=0.2)
+    require(st.grant_note == "granted 1 of 2 asked: 2 runs share 3 slots", f"grant note {st.grant_note!r}")
+    await rec.stop(a)
+    await async_wait_until(granted(b, 2, 2, st.step + 1), RUN_TIMEOUT_S, "run b granted 2 and a step", interval_s=0.2)
+    res = await b.execute_update(names.SCALE, ScaleInput(replicas=1), result_type=ScaleResult)
+    require(res.replicas_target == 1 and len(res.removed) == 1, f"scale to 1 answered {res}")
+    final = await rec.stop(b)
+    (h,) = await rec.chain(b)
+    require("slot-pool" in patch_ids(h), "no slot-pool patch marker")
+    require(count(h, "WORKFLOW_EXECUTION_SIGNALED") >= 2, "fewer than two grants signalled")
+    require(final.groups_consumed_twice == 0, f"groups_consumed_twice={final.groups_consumed_twice}")
+    handle = rec.client.get_workflow_handle(pool_id)
+
+    async def both_left() -> PoolStatus | None:
+        p = await handle.query(names.POOL_STATUS, result_type=PoolStatus)
+        return p if not p.runs else None
+    await async_wait_until(both_left, RUN_TIMEOUT_S, "both runs to leave the pool", interval_s=0.2)
+    ph = await handle.fetch_history()
+    await handle.terminate(reason="recorded")
+    return [rec.write("training_run_pool", h), rec.write("slot_pool", ph)]
+
+
 SCENARIOS: dict[str, Callable[[Recorder], Awaitable[list[Path]]]] = {
     "stream": stream, "repack": repack, "continue_as_new": continue_as_new, "search_attributes": search_attributes,
     "drill_rollout": drill_rollout, "drill_store": drill_store, "failed_groups": failed_groups,
     "watchdog": watchdog,
     "scale": scale,
+    "pool": pool,
 }
 
 
