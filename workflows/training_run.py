@@ -199,10 +199,11 @@ class TrainingRunWorkflow:
             failures = failures + 1 if workflow.time() - started < timeouts.RELAY_FAILING_FAST_S else 0
             await workflow.sleep(timedelta(seconds=min(timeouts.RELAY_BACKOFF_MAX_S, 2**failures)))
 
-    def _lose_relay(self, relay_id: str) -> None:
+    def _lose_relay(self, relay_id: str, republish: bool = True) -> None:
         if (lost := self.state.relays.pop(relay_id, None)) is not None:
             self._relay_health.forget(lost.address)
-            self._republish_wanted = self.state.trainer_ready  # the master may have died mid-broadcast
+            # the master may have died mid-broadcast (a relay that leaves on notice first forwards what it holds)
+            self._republish_wanted = self._republish_wanted or (republish and self.state.trainer_ready)
             self.ledger.note_event("relay_lost", relay_id, workflow.time())
             workflow.logger.warning("relay_lost", extra={"relay_id": relay_id})
 
@@ -258,13 +259,15 @@ class TrainingRunWorkflow:
     @workflow.update(name=names.RELAY_LEAVING)
     def relay_leaving(self, info: RelayInfo) -> bool:
         """A relay on notice (laminar/notice.py) leaves the chain at once instead of by heartbeat timeout; the
-        trainer pushes the current version again to the chain without it. False: that incarnation had left
-        already. Its run_relay activity then returns; the watcher waits for the relay's worker to come back."""
+        trainer's next push goes to the chain without it. No republish: the relay keeps serving until what it was
+        sent has been forwarded, so the chain that remains holds every version it did (a killed relay's leaving
+        does ask for one: it may have died mid-broadcast). False: that incarnation had left already. Its run_relay
+        activity then returns; the watcher waits for the relay's worker to come back."""
         self._updates += 1
         known = self.state.relays.get(info.relay_id)
         if known is None or known.address != info.address:
             return False
-        self._lose_relay(info.relay_id)
+        self._lose_relay(info.relay_id, republish=False)
         self.ledger.note_event("relay_leaving", info.relay_id, workflow.time())
         return True
 
