@@ -82,41 +82,43 @@ def run_chaos(config: Path, overrides: list[str], duration_s: float | None, seed
     argv = [sys.executable, "-m", "workers.cli", "run", str(config), "--run-id", run_id, "--log-format", "json",
             "--summary", str(out / "summary.json"), f"--run.steps={STEPS_UNBOUNDED}", *overrides]
     say(f"chaos run_id={run_id} out={out}", highlight=False)
-    with open(out / "run.log", "ab") as log_file:
-        child = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env={**os.environ, "LAMINAR_HOME": str(home)})
-    nemesis = Nemesis(table_path, stack.interrupt_s3, stack.restart_temporal, partition)
     try:
-        asyncio.run(_wait_training(settings, run_id, table_path, child))
-        names_ = [r["name"] for r in read_table(table_path)["processes"]]
-        if replayed is not None:
-            schedule = replayed
-        else:
-            assert duration_s is not None
-            chosen = kinds or default_kinds(partition)
-            schedule = plan_schedule(seed, duration_s, chosen, targets_for(chosen, names_), rate_per_min, overlaps)
-        (out / "schedule.json").write_text(schedule_to_json(schedule))
-        say(format_schedule(schedule), highlight=False)
-        t0 = time.time()
-        records = _run_nemesis(nemesis, schedule, t0, child, say)
-        final = asyncio.run(_stop_run(settings, run_id))
+        with open(out / "run.log", "ab") as log_file:
+            child = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, "LAMINAR_HOME": str(home)})
+        nemesis = Nemesis(table_path, stack.interrupt_s3, stack.restart_temporal, partition)
         try:
-            child.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            child.terminate()
-            child.wait(timeout=60)
+            asyncio.run(_wait_training(settings, run_id, table_path, child))
+            names_ = [r["name"] for r in read_table(table_path)["processes"]]
+            if replayed is not None:
+                schedule = replayed
+            else:
+                assert duration_s is not None
+                chosen = kinds or default_kinds(partition)
+                schedule = plan_schedule(seed, duration_s, chosen, targets_for(chosen, names_), rate_per_min, overlaps)
+            (out / "schedule.json").write_text(schedule_to_json(schedule))
+            say(format_schedule(schedule), highlight=False)
+            t0 = time.time()
+            records = _run_nemesis(nemesis, schedule, t0, child, say)
+            final = asyncio.run(_stop_run(settings, run_id))
+            try:
+                child.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                child.terminate()
+                child.wait(timeout=60)
+        finally:
+            nemesis.stop()
+            nemesis.heal_all()
+            if child.poll() is None:
+                child.terminate()
+                child.wait(timeout=60)
+        verdict = _judge(settings, run_id, final, table_path, home, records, out / "run.log", t0)
+        (out / "faults.json").write_text(json.dumps([asdict(r) for r in records], indent=2))
+        (out / "verdict.json").write_text(verdict.to_json())
+        (out / "report.md").write_text(format_verdict(verdict) + "\n")
     finally:
-        nemesis.stop()
-        nemesis.heal_all()
-        if child.poll() is None:
-            child.terminate()
-            child.wait(timeout=60)
-    verdict = _judge(settings, run_id, final, table_path, home, records, out / "run.log", t0)
-    (out / "faults.json").write_text(json.dumps([asdict(r) for r in records], indent=2))
-    (out / "verdict.json").write_text(verdict.to_json())
-    (out / "report.md").write_text(format_verdict(verdict) + "\n")
-    if started_stack:
-        stack.down()
+        if started_stack:  # the dev stack this command started (S3 keeps its snapshot)
+            stack.down()
     return verdict, out
 
 
