@@ -288,10 +288,36 @@ def judge(final: RunStatus, steps: dict[int, dict], checkpoints: dict[int, str |
     return Verdict(all(c.ok for c in checks), checks, rows, numbers)
 
 
+def kind_summary(rows: list[dict]) -> list[dict]:
+    """Per fault kind: how many were injected, how many the run noticed, the median seconds from injection to
+    detection, to recovery and to restored throughput, and the tokens lost in all."""
+    def median(xs: list[float]) -> float | None:
+        xs = sorted(xs)
+        return None if not xs else round(xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2, 2)
+
+    out = []
+    for kind in sorted({r["kind"] for r in rows if "injected_s" in r}):
+        mine = [r for r in rows if r["kind"] == kind and "injected_s" in r]
+
+        def since(col: str, mine: list[dict] = mine) -> list[float]:
+            return [r[col] - r["injected_s"] for r in mine if r[col] is not None]
+
+        out.append({"kind": kind, "faults": len(mine), "detected": len(since("detected_s")),
+                    "detect_s_p50": median(since("detected_s")), "recover_s_p50": median(since("recovered_s")),
+                    "restored": len(since("throughput_restored_s")),
+                    "restore_s_p50": median(since("throughput_restored_s")),
+                    "tokens_lost": sum(r["tokens_lost"] or 0 for r in mine)})
+    return out
+
+
 def format_verdict(v: Verdict) -> str:
     """Markdown: the checks, then the fault table (the README's chaos table)."""
     lines = [f"chaos verdict: {'GREEN' if v.green else 'RED'}", "", "| check | ok | detail |", "| --- | --- | --- |"]
     lines += [f"| {c.name} | {'yes' if c.ok else 'NO'} | {c.detail} |" for c in v.checks]
+    lines += ["", "| kind | faults | detected | detect p50 (s) | recovered p50 (s) | throughput restored | restore p50 (s) "
+              "| tokens lost |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {k['kind']} | {k['faults']} | {k['detected']} | {k['detect_s_p50']} | {k['recover_s_p50']} | "
+              f"{k['restored']} | {k['restore_s_p50']} | {k['tokens_lost']:,} |" for k in kind_summary(v.faults)]
     lines += ["", "| # | fault | target | hold (s) | injected | healed | detected | recovered | throughput restored "
               "| tokens lost | overlaps |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 

@@ -19,6 +19,7 @@ from reporting.checker import (
     check_versions,
     detected_at,
     judge,
+    kind_summary,
     throughput_restored,
 )
 
@@ -157,3 +158,18 @@ def test_detection_is_the_first_event_about_the_target_near_the_fault():
     assert detected_at({**f, "kind": "stop", "injected_at": T0 + 10, "healed_at": T0 + 13}, st) is None
     assert detected_at({**f, "target": "relay-host-1"}, st) is None  # the relay event came before the fault
     assert detected_at({**f, "target": "store"}, st) == T0 + 5  # noticed by the next call: at injection
+
+
+def test_kind_summary_medians():
+    rows = [{"kind": "kill", "injected_s": 10.0, "detected_s": 12.0, "recovered_s": 15.0, "throughput_restored_s": None,
+             "tokens_lost": 100},
+            {"kind": "kill", "injected_s": 50.0, "detected_s": 54.0, "recovered_s": 56.0, "throughput_restored_s": 60.0,
+             "tokens_lost": 50},
+            {"kind": "stop", "injected_s": 70.0, "detected_s": None, "recovered_s": 71.0, "throughput_restored_s": 72.0,
+             "tokens_lost": None},
+            {"kind": "store", "index": 3, "skipped": "x"}]
+    kill, stop = kind_summary(rows)
+    # kill: detection after 2 s and 4 s -> median 3; recovery after 5 and 6 -> 5.5; restored once, after 10 s
+    assert kill == {"kind": "kill", "faults": 2, "detected": 2, "detect_s_p50": 3.0, "recover_s_p50": 5.5,
+                    "restored": 1, "restore_s_p50": 10.0, "tokens_lost": 150}
+    assert stop["detected"] == 0 and stop["detect_s_p50"] is None and stop["tokens_lost"] == 0
