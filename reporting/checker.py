@@ -314,15 +314,18 @@ def format_verdict(v: Verdict) -> str:
     """Markdown: the checks, then the fault table (the README's chaos table)."""
     lines = [f"chaos verdict: {'GREEN' if v.green else 'RED'}", "", "| check | ok | detail |", "| --- | --- | --- |"]
     lines += [f"| {c.name} | {'yes' if c.ok else 'NO'} | {c.detail} |" for c in v.checks]
+    def s(x) -> str:
+        return "-" if x is None else (f"+{x:.1f}s" if isinstance(x, float) else f"{x:,}" if isinstance(x, int) else str(x))
+
+    def n(x) -> str:
+        return "-" if x is None else str(x)
+
     lines += ["", "| kind | faults | detected | detect p50 (s) | recovered p50 (s) | throughput restored | restore p50 (s) "
               "| tokens lost |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {k['kind']} | {k['faults']} | {k['detected']} | {k['detect_s_p50']} | {k['recover_s_p50']} | "
-              f"{k['restored']} | {k['restore_s_p50']} | {k['tokens_lost']:,} |" for k in kind_summary(v.faults)]
+    lines += [f"| {k['kind']} | {k['faults']} | {k['detected']} | {n(k['detect_s_p50'])} | {n(k['recover_s_p50'])} | "
+              f"{k['restored']} | {n(k['restore_s_p50'])} | {k['tokens_lost']:,} |" for k in kind_summary(v.faults)]
     lines += ["", "| # | fault | target | hold (s) | injected | healed | detected | recovered | throughput restored "
               "| tokens lost | overlaps |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-
-    def s(x) -> str:
-        return "-" if x is None else (f"+{x:.1f}s" if isinstance(x, float) else str(x))
 
     for r in v.faults:
         if "injected_s" not in r:

@@ -47,6 +47,10 @@ def test_short_chaos_run_is_green(tmp_path, aws_test_env):
     schedule = schedule_from_json((out / "schedule.json").read_text())
     assert schedule.seed == 3 and len(schedule.faults) == len(v["faults"])
     assert "| check | ok | detail |" in (out / "report.md").read_text()
+    # the verdict comes from durable records: judged again from them, after the run, it is the same
+    before = (out / "verdict.json").read_text()
+    again = _chaos(tmp_path / "home", out, "--judge", str(out), timeout_s=300)
+    assert again.returncode == 0 and json.loads((out / "verdict.json").read_text()) == json.loads(before), again.stdout
 
 
 @pytest.mark.slow

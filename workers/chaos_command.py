@@ -99,6 +99,7 @@ def run_chaos(config: Path, overrides: list[str], duration_s: float | None, seed
             (out / "schedule.json").write_text(schedule_to_json(schedule))
             say(format_schedule(schedule), highlight=False)
             t0 = time.time()
+            (out / "chaos.json").write_text(json.dumps({"run_id": run_id, "t0": t0, "home": str(home)}))
             records = _run_nemesis(nemesis, schedule, t0, child, say)
             final = asyncio.run(_stop_run(settings, run_id))
             try:
@@ -120,6 +121,35 @@ def run_chaos(config: Path, overrides: list[str], duration_s: float | None, seed
         if started_stack:  # the dev stack this command started (S3 keeps its snapshot)
             stack.down()
     return verdict, out
+
+
+def rejudge(out: Path) -> Verdict:
+    """Judge a finished chaos run again from its output folder and its records (`laminar chaos --judge DIR`):
+    the same checks on the same durable records, e.g. after the checker changed. Needs the run's dev stack."""
+    try:
+        meta = json.loads((out / "chaos.json").read_text())
+        records = [FaultRecord(**r) for r in json.loads((out / "faults.json").read_text())]
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"--judge {out}: not the output folder of a finished `laminar chaos` run ({e})") from None
+    home = Path(meta["home"])
+    stack = DevStack(home)
+    _, started = stack.ensure_up(s3=True, ui=False)
+    try:
+        settings = Settings.from_env({**os.environ, "LAMINAR_HOME": str(home)})
+        final = asyncio.run(_result(settings, meta["run_id"]))
+        verdict = _judge(settings, meta["run_id"], final, process_table_path(home, meta["run_id"]), home, records,
+                         out / "run.log", meta["t0"])
+    finally:
+        if started:
+            stack.down()
+    (out / "verdict.json").write_text(verdict.to_json())
+    (out / "report.md").write_text(format_verdict(verdict) + "\n")
+    return verdict
+
+
+async def _result(settings: Settings, run_id: str) -> RunStatus:
+    client = await connect(settings, core_logs=False)
+    return await client.get_workflow_handle(workflow_id_for(run_id), result_type=RunStatus).result()
 
 
 def _run_nemesis(nemesis: Nemesis, schedule: Schedule, t0: float, child: subprocess.Popen, say) -> list[FaultRecord]:

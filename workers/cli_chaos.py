@@ -30,16 +30,22 @@ def register(app: typer.Typer) -> None:
         replay: Path | None = typer.Option(None, help="Run this saved schedule (schedule.json of an earlier run)."),
         out: Path | None = typer.Option(None, help="Output folder (default: <LAMINAR_HOME>/chaos/<run_id>)."),
         run_id: str | None = typer.Option(None, "--run-id", help="Run id (default: generated)."),
+        judge: Path | None = typer.Option(None, "--judge", help="Judge a finished chaos run again from its output "
+                                          "folder (its records are read again; nothing is run)."),
     ) -> None:
         """Run CONFIG under a seeded schedule of overlapping faults that all heal; check its records at the end.
 
         Extra `--section.key=value` arguments override config values."""
         from reporting.checker import format_verdict
-        from workers.chaos_command import run_chaos
+        from workers.chaos_command import rejudge, run_chaos
 
         try:
-            verdict, folder = run_chaos(config, list(ctx.args), parse_duration(duration) if duration else None, seed,
-                                        parse_kinds(faults) if faults else None, rate, overlaps, replay, out, run_id)
+            if judge is not None:
+                verdict, folder = rejudge(judge), judge
+            else:
+                verdict, folder = run_chaos(config, list(ctx.args), parse_duration(duration) if duration else None,
+                                            seed, parse_kinds(faults) if faults else None, rate, overlaps, replay,
+                                            out, run_id)
         except ConfigError as e:
             err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
             raise typer.Exit(2) from None
