@@ -270,17 +270,29 @@ def _overlapping(f: dict, faults: list[dict]) -> list[int]:
             and g["injected_at"] <= a1 and (g.get("healed_at") or g["injected_at"]) >= a0]
 
 
-def judge(final: RunStatus, steps: dict[int, dict], checkpoints: dict[int, str | None], table: dict,
-          alive: set[int], strays: list[int], faults: list[dict], exit_codes: dict[int, int], t0: float) -> Verdict:
+def judge(final: RunStatus | None, steps: dict[int, dict], checkpoints: dict[int, str | None], table: dict,
+          alive: set[int], strays: list[int], faults: list[dict], exit_codes: dict[int, int], t0: float,
+          stop_error: str = "") -> Verdict:
+    """All checks. final None: the run did not end (stop_error says why): red, and the checks that need the
+    workflow's result are judged against the step records alone."""
     numbered = [steps[s] for s in sorted(steps) if s > 0]
     rewards = [float(r["reward_mean"]) for r in numbered if "reward_mean" in r]
     points = [(float(r["time"]), int(r.get("tokens", 0))) for r in numbered if "time" in r]
-    checks = [check_accounting(final, steps), check_versions(steps), check_checkpoints(checkpoints),
-              check_steps(steps, final.step), check_reward(rewards), check_processes(table, alive, strays),
-              check_faults(faults, exit_codes)]
+    ended = Check("run ended", final is not None, stop_error or "the workflow returned its final status")
+    last = final.step if final is not None else max((s for s in steps if s > 0), default=0)
+    checks = [ended, check_accounting(final, steps) if final is not None else
+              Check("accounting", False, "no final status to account against"),
+              check_versions(steps), check_checkpoints(checkpoints), check_steps(steps, last), check_reward(rewards),
+              check_processes(table, alive, strays), check_faults(faults, exit_codes)]
+    final = final if final is not None else RunStatus(
+        run_id="", phase="unknown", step=last, total_steps=0, policy_version=0, ready_groups=0, open_leases=0,
+        groups_generated=0, groups_consumed=0, groups_consumed_twice=0, tokens_consumed=0, reward_recent=[],
+        versions_in_use=[], max_versions_in_use=0, staleness_histogram={}, trainer_wait_fraction=0.0,
+        history_events=0, history_events_max=0, continued_as_new=0, checkpoints=[], relays=[], replicas=[],
+        started_at=0.0)
     rows = fault_rows(faults, final, points, t0)
     injected = [r for r in rows if "injected_s" in r]
-    numbers = {"steps": final.step, "groups_consumed": final.groups_consumed,
+    numbers = {"steps": last, "groups_consumed": final.groups_consumed,
                "groups_consumed_twice": final.groups_consumed_twice, "faults_injected": len(injected),
                "fault_kinds": sorted({r["kind"] for r in injected}),
                "faults_overlapping": sum(1 for r in injected if r["overlaps"]),

@@ -173,3 +173,14 @@ def test_kind_summary_medians():
     assert kill == {"kind": "kill", "faults": 2, "detected": 2, "detect_s_p50": 3.0, "recover_s_p50": 5.5,
                     "restored": 1, "restore_s_p50": 10.0, "tokens_lost": 150}
     assert stop["detected"] == 0 and stop["detect_s_p50"] is None and stop["tokens_lost"] == 0
+
+
+def test_a_run_that_did_not_end_is_red_and_still_judged_from_its_records():
+    table = {"stopped": True, "processes": [{"name": "trainer", "pid": 11, "pids": [11]}]}
+    faults = [{"index": 0, "kind": "kill", "target": "trainer", "hold_s": 0.0, "injected_at": T0 + 5,
+               "healed_at": T0 + 6, "pid": 10, "skipped": False}]
+    v = judge(None, steps(), {10: None}, table, set(), [], faults, {}, T0, "run r did not stop within 300s")
+    by = {c.name: c for c in v.checks}
+    assert not v.green and not by["run ended"].ok and "did not stop" in by["run ended"].detail
+    assert not by["accounting"].ok and by["steps"].ok and by["versions"].ok  # steps 1..20 from the records alone
+    assert v.numbers["steps"] == 20

@@ -101,7 +101,10 @@ def run_chaos(config: Path, overrides: list[str], duration_s: float | None, seed
             t0 = time.time()
             (out / "chaos.json").write_text(json.dumps({"run_id": run_id, "t0": t0, "home": str(home)}))
             records = _run_nemesis(nemesis, schedule, t0, child, say)
-            final = asyncio.run(_stop_run(settings, run_id))
+            (out / "faults.json").write_text(json.dumps([asdict(r) for r in records], indent=2))
+            final, stop_error = asyncio.run(_stop_run(settings, run_id))
+            if stop_error:
+                say(f"[red]{stop_error}[/red]", highlight=False)
             try:
                 child.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -113,8 +116,7 @@ def run_chaos(config: Path, overrides: list[str], duration_s: float | None, seed
             if child.poll() is None:
                 child.terminate()
                 child.wait(timeout=60)
-        verdict = _judge(settings, run_id, final, table_path, home, records, out / "run.log", t0)
-        (out / "faults.json").write_text(json.dumps([asdict(r) for r in records], indent=2))
+        verdict = _judge(settings, run_id, final, table_path, home, records, out / "run.log", t0, stop_error)
         (out / "verdict.json").write_text(verdict.to_json())
         (out / "report.md").write_text(format_verdict(verdict) + "\n")
     finally:
@@ -136,9 +138,9 @@ def rejudge(out: Path) -> Verdict:
     _, started = stack.ensure_up(s3=True, ui=False)
     try:
         settings = Settings.from_env({**os.environ, "LAMINAR_HOME": str(home)})
-        final = asyncio.run(_result(settings, meta["run_id"]))
+        final, error = asyncio.run(_result(settings, meta["run_id"]))
         verdict = _judge(settings, meta["run_id"], final, process_table_path(home, meta["run_id"]), home, records,
-                         out / "run.log", meta["t0"])
+                         out / "run.log", meta["t0"], error)
     finally:
         if started:
             stack.down()
@@ -147,9 +149,13 @@ def rejudge(out: Path) -> Verdict:
     return verdict
 
 
-async def _result(settings: Settings, run_id: str) -> RunStatus:
+async def _result(settings: Settings, run_id: str) -> tuple[RunStatus | None, str]:
     client = await connect(settings, core_logs=False)
-    return await client.get_workflow_handle(workflow_id_for(run_id), result_type=RunStatus).result()
+    handle = client.get_workflow_handle(workflow_id_for(run_id), result_type=RunStatus)
+    desc = await handle.describe()
+    if desc.status is None or desc.status.name != "COMPLETED":
+        return None, f"run {run_id} did not end: its workflow is {desc.status.name if desc.status else 'unknown'}"
+    return await handle.result(), ""
 
 
 def _run_nemesis(nemesis: Nemesis, schedule: Schedule, t0: float, child: subprocess.Popen, say) -> list[FaultRecord]:
@@ -194,29 +200,30 @@ async def _status(settings: Settings, run_id: str) -> RunStatus | None:
         return None
 
 
-async def _stop_run(settings: Settings, run_id: str) -> RunStatus:
-    """Send `stop` (retried while Temporal or the control worker comes back) and return the workflow's result."""
+async def _stop_run(settings: Settings, run_id: str) -> tuple[RunStatus | None, str]:
+    """Send `stop` (retried while Temporal or the control worker comes back); the workflow's result, or None and
+    why the run did not end (then the run is left as it is, for its history to be read: the verdict is red)."""
     deadline = time.time() + STOP_TIMEOUT_S
     while True:
         try:
             client = await connect(settings, core_logs=False)
             handle = client.get_workflow_handle(workflow_id_for(run_id), result_type=RunStatus)
             await asyncio.wait_for(handle.execute_update("stop", result_type=str), timeout=30)
-            return await asyncio.wait_for(handle.result(), timeout=max(1.0, deadline - time.time()))
+            return await asyncio.wait_for(handle.result(), timeout=max(1.0, deadline - time.time())), ""
         except Exception as e:
             if time.time() > deadline:
-                raise LaminarError(f"run {run_id} did not stop within {STOP_TIMEOUT_S:.0f}s: {e}") from e
+                return None, f"run {run_id} did not stop within {STOP_TIMEOUT_S:.0f}s: {type(e).__name__}: {e}"
             await asyncio.sleep(2.0)
 
 
-def _judge(settings: Settings, run_id: str, final: RunStatus, table_path: Path, home: Path,
-           records: list[FaultRecord], run_log: Path, t0: float) -> Verdict:
+def _judge(settings: Settings, run_id: str, final: RunStatus | None, table_path: Path, home: Path,
+           records: list[FaultRecord], run_log: Path, t0: float, stop_error: str = "") -> Verdict:
     store = store_for(settings)
     table = read_table(table_path)
     pids = {pid for r in table.get("processes", []) for pid in r.get("pids", [])}
     return judge(final, read_step_records(store, run_id), verify_checkpoints(store, run_id), table,
                  {p for p in pids if _alive(p)}, _strays(home, pids), [asdict(r) for r in records],
-                 exit_codes(run_log), t0)
+                 exit_codes(run_log), t0, stop_error)
 
 
 def _alive(pid: int) -> bool:
