@@ -37,7 +37,8 @@ STORE, TEMPORAL = "store", "temporal"  # the targets of the store and temporal k
 HOLD_S = {"kill": (0.0, 0.0), "stop": (2.0, 12.0), "partition": (5.0, 15.0), "store": (2.0, 6.0),
           "temporal": (0.0, 0.0), "preempt": (0.0, 0.0)}
 # nominal seconds the run needs to come back after a fault of this kind is healed: a fault's window for overlaps
-RECOVERY_S = {"kill": 10.0, "stop": 5.0, "partition": 5.0, "store": 5.0, "temporal": 10.0, "preempt": 10.0}
+# (preempt: the worker may take its whole notice, LAMINAR_NOTICE_S = 30 s by default, to leave, then restarts)
+RECOVERY_S = {"kill": 10.0, "stop": 5.0, "partition": 5.0, "store": 5.0, "temporal": 10.0, "preempt": 35.0}
 SCHEDULE_FORMAT = 1
 
 

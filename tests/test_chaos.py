@@ -33,10 +33,10 @@ def _verdict(out: Path, proc: subprocess.CompletedProcess) -> dict:
 
 def test_short_chaos_run_is_green(tmp_path, aws_test_env):
     out = tmp_path / "out"
-    # 150 s: warm-up min(30, 0.15 * 150) = 22.5 s, settle min(60, 0.2 * 150) = 30 s, longest window 12 s (stop's
-    # hold) -> faults start in [22.5, 108]: round(8 * 85.5 / 60) = 11 faults of the 5 kinds a machine without a
-    # packet filter can inject, at least 3 overlapping (seed 3 plans 5).
-    proc = _chaos(tmp_path / "home", out, "--duration", "150s", "--seed", "3", "--rate", "8", "--overlaps", "3",
+    # 150 s: warm-up min(30, 0.15 * 150) = 22.5 s, settle min(60, 0.2 * 150) = 30 s, longest window 35 s (preempt:
+    # its notice) -> faults start in [22.5, 85]: round(10 * 62.5 / 60) = 10 faults of the 5 kinds a machine without
+    # a packet filter can inject, at least 3 overlapping (seed 3 plans 8).
+    proc = _chaos(tmp_path / "home", out, "--duration", "150s", "--seed", "3", "--rate", "10", "--overlaps", "3",
                   "--faults", "kill,stop,store,temporal,preempt", timeout_s=900)
     v = _verdict(out, proc)
     failed = [c for c in v["checks"] if not c["ok"]]

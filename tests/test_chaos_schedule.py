@@ -31,9 +31,9 @@ def test_same_seed_same_schedule_other_seed_another():
 
 def test_thirty_minutes_count_kinds_and_heals():
     s = plan_schedule(1, 1800, list(KINDS), ALL, rate_per_min=4)
-    # warm-up min(30, 0.15*1800)=30 s, settle min(60, 0.2*1800)=60 s, longest hold/recovery 15 s (partition):
-    # faults start in [30, 1800-60-15=1725]: round(4 * 1695 / 60) = 113 faults.
-    assert len(s.faults) == 113
+    # warm-up min(30, 0.15*1800)=30 s, settle min(60, 0.2*1800)=60 s, longest window 35 s (preempt: the notice):
+    # faults start in [30, 1800-60-35=1705]: round(4 * 1675 / 60) = 112 faults.
+    assert len(s.faults) == 112
     assert {f.kind for f in s.faults} == set(KINDS)
     for f in s.faults:
         lo, hi = HOLD_S[f.kind]
