@@ -412,6 +412,10 @@ class TrainerService:
         record |= {"trajectories": len(trajectories), "tool_calls": sum(c[1] for c in counts),
                    "multi_turn": sum(1 for c in counts if c[0] >= 2),
                    "tool_latency_s": [round(x, 6) for c in counts for x in c[2]]}
+        versions: dict[str, set[int]] = {}  # the groups this step trained on and their policy versions (chaos checker)
+        for t in trajectories:
+            versions.setdefault(t.group_id, set()).add(t.policy_version)
+        record["groups"] = {g: sorted(v) for g, v in sorted(versions.items())}
         self.store.put(keys.step_metrics(self.run_id, self.step), json.dumps(record).encode())
 
 

@@ -144,6 +144,11 @@ class CheckpointStore:
                         falls_back_to=found.step if found else None, error=problem.describe(step))
         return found
 
+    def verify(self, run_id: str, step: int) -> str | None:
+        """None when the committed checkpoint of `step` verifies (every file's size and sha256), else what is wrong."""
+        problem = self._verify(run_id, step)[1]
+        return None if problem is None else problem.describe(step)
+
     def _verify(self, run_id: str, step: int) -> tuple[CheckpointRef | None, _Problem | None]:
         manifest_key = keys.checkpoint_manifest(run_id, step)
         try:

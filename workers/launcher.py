@@ -10,13 +10,14 @@ starts again from 1 s once a process has run for HEALTHY_S, so an old crash neve
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -44,6 +45,7 @@ class ManagedProcess:
     restarts: int = 0  # restarts since the process last ran for healthy_s
     restart_at: float | None = None
     started_at: float = 0.0  # time.monotonic() of the last start
+    pids: list[int] = field(default_factory=list)  # every incarnation's pid, oldest first (the process table)
 
     @property
     def pid(self) -> int | None:
@@ -101,6 +103,7 @@ class LocalLauncher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._retired: list[ManagedProcess] = []  # given the notice by match_relays, no longer supervised
+        self.table_path: Path | None = None  # where publish_table writes the process table (None: nowhere)
 
     def start_supervision(self, interval_s: float = 0.5) -> None:
         """Supervise from a background thread until stop_all()."""
@@ -194,7 +197,9 @@ class LocalLauncher:
         out.close()
         p.restart_at = None
         p.started_at = time.monotonic()
+        p.pids.append(p.proc.pid)
         log.info("process_started", name=p.name, pid=p.proc.pid, log=str(p.log_path))
+        self.publish_table()
 
     def supervise(self) -> list[str]:
         """Restart processes that exited, with backoff; returns the names restarted now."""
@@ -250,6 +255,35 @@ class LocalLauncher:
                 _signal(p, signal.SIGKILL)
                 p.proc.wait(timeout=5)
         log.info("processes_stopped", count=len(live))
+        self.publish_table(stopped=True)
+
+    def publish_table(self, stopped: bool = False) -> None:
+        """Write the process table to table_path (atomically), if set: what `laminar chaos` aims its faults at
+        and checks for leaks against (format: docs/architecture.md, 'Process table')."""
+        if self.table_path is None:
+            return
+        table = process_table(self.processes.values(), stopped)
+        self.table_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.table_path.with_name(f".{self.table_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=2))
+        tmp.replace(self.table_path)
+
+
+def process_table_path(home: Path, run_id: str) -> Path:
+    """`<LAMINAR_HOME>/runs/<run_id>/processes.json`: the local launcher's process table of a `laminar run`."""
+    return home / "runs" / run_id / "processes.json"
+
+
+def process_table(processes, stopped: bool = False) -> dict:
+    """The launcher's processes: name, role, host, current pid and every earlier pid, restarts."""
+    rows = []
+    for p in processes:
+        role = next((a for a in p.argv if a in ("control", "trainer", "relay", "rollout")), "")
+        rows.append({"name": p.name, "role": role, "host_id": p.env.get("LAMINAR_HOST_ID", ""),
+                     "pid": p.pid, "pids": list(p.pids), "restarts": len(p.pids) - 1 if p.pids else 0,
+                     "log": str(p.log_path)})
+    return {"format": 1, "launcher_pid": os.getpid(), "updated_at": round(time.time(), 3), "stopped": stopped,
+            "processes": rows}
 
 
 def process_cpu_s(pid: int) -> float | None:

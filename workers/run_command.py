@@ -31,7 +31,14 @@ from laminar.logs import get_logger
 from laminar.messages import RunStatus, SlotReport
 from reporting.summary import build_profile, build_summary, format_profile, reward_rise
 from storage import keys
-from workers.launcher import LocalLauncher, metrics_url, plan_processes, process_cpu_s, rollout_slots
+from workers.launcher import (
+    LocalLauncher,
+    metrics_url,
+    plan_processes,
+    process_cpu_s,
+    process_table_path,
+    rollout_slots,
+)
 
 if TYPE_CHECKING:
     from workers.launcher_ray import RayLauncher
@@ -99,6 +106,8 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, repor
                   highlight=False)
     _stop_like_ctrl_c()
     launcher = make_launcher(launcher_kind, cfg, settings, cfg.run.run_id, ray_address, allow_faults=True)
+    if isinstance(launcher, LocalLauncher):  # the process table `laminar chaos` reads (docs/architecture.md)
+        launcher.table_path = process_table_path(home, cfg.run.run_id)
     for p in launcher.processes.values():
         console.print(f"metrics {p.name} {metrics_url(p)}", highlight=False, soft_wrap=True)
     try:

@@ -1,0 +1,113 @@
+"""The nemesis against real processes under the real local launcher (sleepers stand in for workers): the launcher
+publishes its process table, the nemesis finds its targets there, injects, and every fault heals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from devstack.stack import free_port
+from laminar.chaos import Fault, Schedule
+from services.nemesis import Nemesis, _partition_commands, data_ports, read_table
+from workers.launcher import LocalLauncher, ManagedProcess
+
+LISTENER = ("import os, socket, time\n"
+            "a = socket.socket(); a.bind(('127.0.0.1', int(os.environ['LAMINAR_METRICS_PORT']))); a.listen()\n"
+            "b = socket.socket(); b.bind(('127.0.0.1', 0)); b.listen()\n"
+            "print(b.getsockname()[1], flush=True); time.sleep(60)")
+SLEEPER = [sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
+           "time.sleep(600)"]
+
+
+@pytest.fixture
+def launcher(tmp_path: Path):
+    procs = [ManagedProcess(name, SLEEPER, {"PATH": "/usr/bin:/bin"}, tmp_path / f"{name}.log")
+             for name in ("trainer", "rollout-host-0")]
+    launcher = LocalLauncher(procs, healthy_s=60.0)
+    launcher.table_path = tmp_path / "runs" / "r" / "processes.json"
+    launcher.start_all()
+    launcher.start_supervision(interval_s=0.1)
+    yield launcher
+    launcher.stop_all(timeout_s=5)
+
+
+def _state(pid: int) -> str:
+    return psutil.Process(pid).status()
+
+
+def test_table_faults_and_heals(launcher, tmp_path):
+    table = read_table(launcher.table_path)
+    assert [r["name"] for r in table["processes"]] == ["trainer", "rollout-host-0"]
+    trainer, rollout = (r["pid"] for r in table["processes"])
+    schedule = Schedule(0, 10, ["kill", "stop", "preempt"], 1, 1, [
+        Fault(0, "stop", "rollout-host-0", 0.0, 1.5),
+        Fault(1, "kill", "trainer", 0.3, 0.0),  # overlaps the stop
+    ])
+    nemesis = Nemesis(launcher.table_path, None, None)
+    t0 = time.time()
+    nemesis.run(schedule, t0)
+    stop, kill = nemesis.records
+    assert stop.pid == rollout and stop.healed_at - stop.injected_at >= 1.5
+    assert _state(rollout) != psutil.STATUS_STOPPED  # continued: the zombie woke up
+    # the first restart comes after the launcher's backoff of 2**0 = 1 s
+    assert kill.pid == trainer and kill.new_pid not in (None, trainer) and kill.healed_at > kill.injected_at
+    row = next(r for r in read_table(launcher.table_path)["processes"] if r["name"] == "trainer")
+    assert row["pids"] == [trainer, kill.new_pid] and row["restarts"] == 1
+    # preempt: SIGTERM; the sleeper exits 0 and the launcher starts it again
+    nemesis = Nemesis(launcher.table_path, None, None)
+    nemesis.run(Schedule(0, 5, ["preempt"], 1, 0, [Fault(0, "preempt", "rollout-host-0", 0.0, 0.0)]), time.time())
+    assert nemesis.records[0].new_pid not in (None, rollout)
+
+
+def test_stopped_process_is_continued_when_the_nemesis_stops_early(launcher):
+    pid = read_table(launcher.table_path)["processes"][1]["pid"]
+    nemesis = Nemesis(launcher.table_path, None, None)
+    schedule = Schedule(0, 60, ["stop"], 1, 0, [Fault(0, "stop", "rollout-host-0", 0.0, 60.0)])
+
+    th = threading.Thread(target=nemesis.run, args=(schedule, time.time()))
+    th.start()
+    deadline = time.time() + 10
+    while _state(pid) != psutil.STATUS_STOPPED and time.time() < deadline:
+        time.sleep(0.05)
+    assert _state(pid) == psutil.STATUS_STOPPED
+    nemesis.stop()  # the chaos run ends (or fails) with the fault held: it is healed at once
+    th.join(timeout=10)
+    assert _state(pid) != psutil.STATUS_STOPPED and nemesis.records[0].healed_at is not None
+
+
+def test_stop_all_marks_the_table_and_every_incarnation_is_gone(launcher):
+    pids = [r["pid"] for r in read_table(launcher.table_path)["processes"]]
+    launcher.stop_all(timeout_s=5)
+    table = json.loads(launcher.table_path.read_text())
+    assert table["stopped"] and not any(psutil.pid_exists(p) and _state(p) != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_unknown_target_is_skipped_with_a_reason(launcher):
+    nemesis = Nemesis(launcher.table_path, None, None)
+    nemesis.run(Schedule(0, 5, ["kill", "store"], 1, 0, [Fault(0, "kill", "relay-host-9", 0.0, 0.0),
+                                                          Fault(1, "store", "store", 0.0, 1.0)]), time.time())
+    assert all(r.skipped for r in nemesis.records)
+    assert "no live process" in nemesis.records[0].detail and "S3" in nemesis.records[1].detail
+
+
+def test_data_ports_leave_out_the_metrics_port_and_partition_rules_are_symmetric(tmp_path):
+    metrics = free_port()
+    child = subprocess.Popen([sys.executable, "-c", LISTENER], env={"LAMINAR_METRICS_PORT": str(metrics)},
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        data = int(child.stdout.readline())  # the child listens on both before it prints
+        assert data_ports(child.pid) == [data]
+    finally:
+        child.kill()
+        child.wait()
+    add, remove = _partition_commands("iptables", 7000, True), _partition_commands("iptables", 7000, False)
+    assert [c[1] for c in add] == ["-I", "-I"] and [c[1] for c in remove] == ["-D", "-D"]
+    assert [c[2:] for c in add] == [c[2:] for c in remove]  # the same rules, removed exactly
+    assert _partition_commands("nft", 7000, False) == [["nft", "delete", "table", "inet", "laminar_chaos_7000"]]
