@@ -19,6 +19,8 @@ that depend on the state dir (dev.json).
 | LAMINAR_LOG_LEVEL         | `info` (debug, info, warning, error, critical)                   |
 | LAMINAR_METRICS_PORT      | `0`: no Prometheus endpoint (`laminar run` gives each process a free port) |
 | LAMINAR_METRICS_BIND      | `127.0.0.1`: the interface the metrics endpoint listens on       |
+| LAMINAR_METRICS_TOKEN     | none: the endpoint asks no token; required off loopback (`Authorization: Bearer`) |
+| LAMINAR_INSECURE          | `false`: a relay or metrics endpoint off loopback without its secret refuses to start |
 | LAMINAR_NOTICE_S          | `30`: a worker told to leave (SIGTERM, `laminar drain`) finishes within this (s) |
 | LAMINAR_TEMPORAL_TLS      | `false`; on by itself when any variable below is set             |
 | LAMINAR_TEMPORAL_TLS_CERT | none: the client certificate (PEM file) for mTLS; with _KEY      |
@@ -94,13 +96,17 @@ _FIXES = {
     "log_level": f"use one of {', '.join(LOG_LEVELS)}",
     "metrics_port": "use a port number 1-65535, or 0 to turn the metrics endpoint off",
     "metrics_bind": "use an IP address or host name, without a port",
+    "metrics_token": "use a secret of at least 16 characters "
+    "(e.g. `python -c 'import secrets; print(secrets.token_hex(16))'`)",
+    "insecure": "use 1 or true to accept listeners off loopback without their secret, 0 or false (the default) "
+    "to refuse them",
     "notice_s": "use seconds between 1 and 3600 (a preemption warning is typically 30-120 s)",
     "temporal_tls": "use true or false (TLS turns on by itself when a LAMINAR_TEMPORAL_TLS_* variable or "
     "LAMINAR_TEMPORAL_API_KEY is set)",
     "temporal_tls_server_name": "use the host name on the server's certificate, without a port",
     "temporal_api_key": "use the API key as issued (no 'Bearer ' prefix, no spaces)",
 }
-_SECRETS = ("relay_token", "temporal_api_key")  # never echoed in an error message
+_SECRETS = ("relay_token", "temporal_api_key", "metrics_token")  # never echoed in an error message
 
 # LAMINAR_TEMPORAL_TLS_* files: variable, what the file must hold, the PEM marker that shows it does.
 _TLS_FILES = {
@@ -129,6 +135,8 @@ class _Variables(BaseSettings):
     log_level: Annotated[Literal[LOG_LEVELS], _Lower] = "info"  # type: ignore[valid-type]
     metrics_port: int = Field(0, ge=0, le=65535)
     metrics_bind: Annotated[str, AfterValidator(_host)] = "127.0.0.1"
+    metrics_token: str | None = Field(None, min_length=16)
+    insecure: bool = False
     notice_s: float = Field(30.0, ge=1.0, le=3600.0)
     temporal_tls: bool | None = None
     temporal_tls_cert: str | None = None
@@ -177,6 +185,10 @@ class Settings:
     log_level: str  # debug | info | warning | error | critical
     metrics_port: int = 0  # Prometheus endpoint of this process (laminar.metrics); 0: off
     metrics_bind: str = "127.0.0.1"
+    # laminar.listeners: the metrics endpoint's bearer token (required off loopback); insecure: accept a relay or
+    # metrics endpoint off loopback without its secret (a warning names the risk) instead of refusing to start
+    metrics_token: str | None = field(default=None, repr=False)
+    insecure: bool = False
     notice_s: float = 30.0  # a worker told to leave (laminar/notice.py) lets its work finish within this
     # Temporal over TLS (client/connect.py): on/off; mTLS client cert + key, the server's CA, the name on its
     # certificate (absolute paths, checked to exist and hold PEM); or an API key (kept out of repr and errors).
@@ -211,6 +223,8 @@ class Settings:
             log_level=v.log_level,
             metrics_port=v.metrics_port,
             metrics_bind=v.metrics_bind,
+            metrics_token=v.metrics_token,
+            insecure=v.insecure,
             notice_s=v.notice_s,
             **tls,
         )
@@ -234,6 +248,9 @@ class Settings:
             env["LAMINAR_S3_ENDPOINT"] = self.s3_endpoint
         if self.relay_token is not None:
             env["LAMINAR_RELAY_TOKEN"] = self.relay_token
+        if self.metrics_token is not None:
+            env["LAMINAR_METRICS_TOKEN"] = self.metrics_token
+        env["LAMINAR_INSECURE"] = "true" if self.insecure else "false"
         env["LAMINAR_TEMPORAL_TLS"] = "true" if self.temporal_tls else "false"
         for name in ("temporal_tls_cert", "temporal_tls_key", "temporal_tls_ca", "temporal_tls_server_name",
                      "temporal_api_key"):

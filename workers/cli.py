@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -237,6 +238,25 @@ def drill(
         raise typer.Exit(1)
 
 
+INSECURE_HELP = ("Accept a relay or metrics endpoint off loopback without its secret (LAMINAR_RELAY_TOKEN, "
+                 "LAMINAR_METRICS_TOKEN); logged as a warning. Same as LAMINAR_INSECURE=1.")
+
+
+def _accept_insecure(insecure: bool) -> None:
+    """--insecure: set LAMINAR_INSECURE=1 here, so Settings and every child process see it."""
+    if insecure:
+        os.environ["LAMINAR_INSECURE"] = "1"
+
+
+def _check_relay_bind(settings: Settings, host: str) -> None:
+    """Refuse up front, before any process starts, to run relays off loopback without a run token."""
+    from laminar.listeners import check_bind
+    from relay.auth import RELAY_RISK
+
+    check_bind("the weight relay", host, secret=settings.relay_token, variable="LAMINAR_RELAY_TOKEN",
+               insecure=settings.insecure, risk=RELAY_RISK)
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def workers(
     ctx: typer.Context,
@@ -244,13 +264,18 @@ def workers(
     launcher: str = typer.Option("local", "--launcher", help="local (child processes) | ray (Ray actors)."),
     ray_address: str | None = typer.Option(None, "--ray-address", help="Ray cluster to use (default: a local Ray)."),
     allow_faults: bool = typer.Option(False, "--allow-faults", help="Every process accepts recovery-drill faults."),
+    insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
 ) -> None:
     """Start every worker process a config needs and keep them until Ctrl-C (start runs with `laminar start`)."""
     from workers.run_command import serve_workers
 
     with _exit_codes():
+        _accept_insecure(insecure)
         cfg = _load_config(config, ctx.args, None, None)
-        configure_logging(Settings.from_env().log_format)
+        settings = Settings.from_env()
+        configure_logging(settings.log_format)
+        on_node_ip = launcher == "ray" and ray_address and not os.environ.get("LAMINAR_RELAY_BIND", "").strip()
+        _check_relay_bind(settings, "the Ray node's address" if on_node_ip else settings.relay_bind)
         code = serve_workers(cfg, console, launcher, ray_address, allow_faults)
     raise typer.Exit(code)
 
@@ -262,11 +287,13 @@ def worker(
     allow_faults: bool = typer.Option(
         False, "--allow-faults", help="Accept recovery-drill faults on this process's own fault queue."
     ),
+    insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
 ) -> None:
     """Run one worker process against any Temporal address and store (LAMINAR_* settings)."""
     from workers import processes
 
     with _exit_codes():
+        _accept_insecure(insecure)
         settings = Settings.from_env()
         if role not in processes.ROLES:
             raise ConfigError(f"worker role {role!r} is not one of {', '.join(processes.ROLES)}")
@@ -276,7 +303,8 @@ def worker(
         from laminar.metrics import serve
 
         process = role if role in ("control", "trainer") else f"{role}-{settings.host_id}"
-        serve(settings.metrics_port, settings.metrics_bind, process, role, settings.host_id)
+        serve(settings.metrics_port, settings.metrics_bind, process, role, settings.host_id,
+              token=settings.metrics_token, insecure=settings.insecure)
         main_fn = processes.ROLES[role]
         if role == "rollout":
             asyncio.run(main_fn(settings, allow_faults, slots))

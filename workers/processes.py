@@ -116,7 +116,8 @@ async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1
 async def relay(settings: Settings, allow_faults: bool = False) -> None:
     from relay.server import RelayServer
 
-    server = RelayServer(settings.host_id, bind_host=settings.relay_bind, token=settings.relay_token)
+    server = RelayServer(settings.host_id, bind_host=settings.relay_bind, token=settings.relay_token,
+                         insecure=settings.insecure)
     address = server.start()
     try:
         client = await connect(settings)
