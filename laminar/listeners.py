@@ -69,7 +69,7 @@ def check_bind(listener: str, host: str, *, secret: str | None, variable: str | 
         log.warning("insecure_listener", listener=listener, bind=host, missing=variable or "no secret exists",
                     risk=risk, accepted_by=INSECURE_HOW)
         return
-    fix = (f"Set {variable} (a secret of at least 16 characters, the same on every process that talks to it), "
+    fix = (f"Set {variable} (a secret of at least 16 characters, which its peers hold too), "
            "or bind to 127.0.0.1," if variable else "It has no secret of its own: bind it to 127.0.0.1,")
     without = f" without {variable}" if variable else ""
     raise ConfigError(f"{listener} would listen on {host}, which is not a loopback address,{without}: {risk}. "
