@@ -71,6 +71,6 @@ def check_bind(listener: str, host: str, *, secret: str | None, variable: str | 
         return
     fix = (f"Set {variable} (a secret of at least 16 characters, which its peers hold too), "
            "or bind to 127.0.0.1," if variable else "It has no secret of its own: bind it to 127.0.0.1,")
-    without = f" without {variable}" if variable else ""
-    raise ConfigError(f"{listener} would listen on {host}, which is not a loopback address,{without}: {risk}. "
+    without = f", without {variable}" if variable else ""
+    raise ConfigError(f"{listener} would listen on {host}, which is not a loopback address{without}: {risk}. "
                       f"{fix} or accept the risk by name with {INSECURE_HOW}")

@@ -5,6 +5,7 @@ and iproute2; 127.0.0.2 would not do, it is loopback), and the pair is deleted i
 - `laminar worker relay` and `laminar workers` without LAMINAR_RELAY_TOKEN refuse to start (exit 2,
   naming the variable and the opt-out), a relay started with LAMINAR_INSECURE=1 serves and logs the risk,
   and one with a token serves authenticated clients;
+- the S3 dev server (which has no secret) refuses without --insecure and serves with it;
 - the metrics endpoint, served by a real process, refuses without LAMINAR_METRICS_TOKEN, serves with
   LAMINAR_INSECURE=1, and with a token answers 401 without the bearer header and 200 with it.
 """
@@ -114,6 +115,24 @@ def test_relay_on_a_lan_address(lan_address: str):
         assert relay.addr is not None
         client.push(relay.addr, 2, payload, [], token=token)
         assert client.fetch_latest(relay.addr, token=token) == (2, payload)
+
+
+def test_s3_dev_server_on_a_lan_address(lan_address: str, tmp_path: Path):
+    port = free_port(lan_address)
+    cmd = [sys.executable, "-m", "devstack.s3_server", "-H", lan_address, "-p", str(port), "--snapshot", str(tmp_path)]
+    refused = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    assert "has no secret of its own" in refused.stderr and "--insecure" in refused.stderr, refused.stderr
+    proc = subprocess.Popen([*cmd, "--insecure"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert any(f"serving S3 at http://{lan_address}:{port}" in line for line in lines), lines
+        assert "insecure_listener" in lines[0], lines  # the accepted risk is logged first
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 _METRICS_SCRIPT = """
