@@ -93,6 +93,12 @@ def test_workers_refuse_up_front_without_a_token(lan_address: str, tmp_path: Pat
     assert "LAMINAR_RELAY_TOKEN" in out and "--insecure" in out, out
     assert not (tmp_path / "logs" / "workers").exists()  # refused before any worker process started
     assert time.monotonic() - started < 60
+    env = _env(LAMINAR_HOME=str(tmp_path), LAMINAR_METRICS_BIND=lan_address)  # run makes a relay token, not this
+    proc = subprocess.run([*LAMINAR, "run", "examples/tiny.toml"], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "LAMINAR_METRICS_TOKEN" in out and "--insecure" in out, out
+    assert not (tmp_path / "dev.json").exists()  # refused before the dev stack started
 
 
 def test_relay_on_a_lan_address(lan_address: str):

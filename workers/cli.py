@@ -65,6 +65,30 @@ def _exit_codes() -> Iterator[None]:
         raise _fail(e, 1) from None
 
 
+INSECURE_HELP = ("Accept a relay or metrics endpoint off loopback without its secret (LAMINAR_RELAY_TOKEN, "
+                 "LAMINAR_METRICS_TOKEN); logged as a warning. Same as LAMINAR_INSECURE=1.")
+
+
+def _accept_insecure(insecure: bool) -> None:
+    """--insecure: set LAMINAR_INSECURE=1 here, so Settings and every child process see it."""
+    if insecure:
+        os.environ["LAMINAR_INSECURE"] = "1"
+
+
+def _check_binds(settings: Settings, relay_host: str | None) -> None:
+    """Refuse up front, before any process starts, to run relays (at relay_host; None: they get a run token) or
+    metrics endpoints off loopback without their secret (laminar/listeners.py)."""
+    from laminar.listeners import check_bind
+    from laminar.metrics import METRICS_RISK
+    from relay.auth import RELAY_RISK
+
+    if relay_host is not None:
+        check_bind("the weight relay", relay_host, secret=settings.relay_token, variable="LAMINAR_RELAY_TOKEN",
+                   insecure=settings.insecure, risk=RELAY_RISK)
+    check_bind("the metrics endpoint", settings.metrics_bind, secret=settings.metrics_token,
+               variable="LAMINAR_METRICS_TOKEN", insecure=settings.insecure, risk=METRICS_RISK)
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
     ctx: typer.Context,
@@ -76,6 +100,7 @@ def run(
     report: Path | None = typer.Option(None, "--report", help="At the end, write `laminar report` (plots, HTML) here."),
     launcher: str = typer.Option("local", "--launcher", help="local (child processes) | ray (Ray actors)."),
     ray_address: str | None = typer.Option(None, "--ray-address", help="Ray cluster to use (default: a local Ray)."),
+    insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
 ) -> None:
     """Run the embedded default end to end: dev stack, workers, workflow, live progress, summary.
 
@@ -86,10 +111,12 @@ def run(
     from workers.run_command import check_launcher, run_local
 
     with _exit_codes():
+        _accept_insecure(insecure)
         check_launcher(launcher, ray_address)
         cfg = _load_config(config, ctx.args, steps, run_id)
         check_model_path(cfg)  # this host runs the trainer: a bad model.path fails before anything starts
         check_task(cfg.task)  # ... and a task that cannot be named, read or built with its params
+        _check_binds(Settings.from_env(), None)  # run makes a relay token; metrics endpoints need theirs
         configure_logging(log_format)
         if report is not None:
             from workers.cli_report import check_matplotlib
@@ -238,25 +265,6 @@ def drill(
         raise typer.Exit(1)
 
 
-INSECURE_HELP = ("Accept a relay or metrics endpoint off loopback without its secret (LAMINAR_RELAY_TOKEN, "
-                 "LAMINAR_METRICS_TOKEN); logged as a warning. Same as LAMINAR_INSECURE=1.")
-
-
-def _accept_insecure(insecure: bool) -> None:
-    """--insecure: set LAMINAR_INSECURE=1 here, so Settings and every child process see it."""
-    if insecure:
-        os.environ["LAMINAR_INSECURE"] = "1"
-
-
-def _check_relay_bind(settings: Settings, host: str) -> None:
-    """Refuse up front, before any process starts, to run relays off loopback without a run token."""
-    from laminar.listeners import check_bind
-    from relay.auth import RELAY_RISK
-
-    check_bind("the weight relay", host, secret=settings.relay_token, variable="LAMINAR_RELAY_TOKEN",
-               insecure=settings.insecure, risk=RELAY_RISK)
-
-
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def workers(
     ctx: typer.Context,
@@ -275,7 +283,7 @@ def workers(
         settings = Settings.from_env()
         configure_logging(settings.log_format)
         on_node_ip = launcher == "ray" and ray_address and not os.environ.get("LAMINAR_RELAY_BIND", "").strip()
-        _check_relay_bind(settings, "the Ray node's address" if on_node_ip else settings.relay_bind)
+        _check_binds(settings, "the Ray node's address" if on_node_ip else settings.relay_bind)
         code = serve_workers(cfg, console, launcher, ray_address, allow_faults)
     raise typer.Exit(code)
 
