@@ -332,6 +332,9 @@ class RelayServer:
             if frame.get("op") != protocol.OP_CHUNK or frame.get("index") != i or frame["payload_bytes"] != len(view):
                 raise RelayError(f"put policy_version {n}: expected chunk {i} of {len(view)} bytes, got op "
                                  f"{frame.get('op')!r} index {frame.get('index')!r} of {frame['payload_bytes']} bytes")
+            if "tags" in frame and frame.get("tag_bytes") != len(view):
+                raise RelayError(f"put policy_version {n}: chunk {i} is tagged in pieces of {frame.get('tag_bytes')!r} "
+                                 f"bytes, expected one tag over its {len(view)} bytes")
             protocol.recv_payload_into(sock, frame, view, running)  # on an authenticated connection: tag checked
             got = running.hexdigest()
             if got != frame.get("digest"):
@@ -448,7 +451,8 @@ def _tags_of(version: Version, sock: socket.socket) -> list[str]:
         return version.tags  # type: ignore[return-value]
     session = protocol.session_of(sock)
     assert session is not None
-    return session.tags(version.payload[:version.size], version.chunk_bytes)
+    version.tags = list(session.tags(version.payload[:version.size], version.chunk_bytes))  # once per version
+    return version.tags  # type: ignore[return-value]
 
 
 def _half_of(path: str) -> int:
