@@ -19,6 +19,8 @@ that depend on the state dir (dev.json).
 | LAMINAR_LOG_LEVEL         | `info` (debug, info, warning, error, critical)                   |
 | LAMINAR_METRICS_PORT      | `0`: no Prometheus endpoint (`laminar run` gives each process a free port) |
 | LAMINAR_METRICS_BIND      | `127.0.0.1`: the interface the metrics endpoint listens on       |
+| LAMINAR_METRICS_TOKEN     | none: the endpoint asks no token; required off loopback (`Authorization: Bearer`) |
+| LAMINAR_INSECURE          | `false`: a relay or metrics endpoint off loopback without its secret refuses to start |
 | LAMINAR_NOTICE_S          | `30`: a worker told to leave (SIGTERM, `laminar drain`) finishes within this (s) |
 | LAMINAR_RELAY_CONNECT_TIMEOUT_S | `1`: connecting to a relay gives up after this (s); then the next relay is used |
 | LAMINAR_RELAY_IO_TIMEOUT_S | `2`: a relay connection idle this long (no byte read or written) has failed (s) |
@@ -96,6 +98,10 @@ _FIXES = {
     "log_level": f"use one of {', '.join(LOG_LEVELS)}",
     "metrics_port": "use a port number 1-65535, or 0 to turn the metrics endpoint off",
     "metrics_bind": "use an IP address or host name, without a port",
+    "metrics_token": "use a secret of at least 16 characters "
+    "(e.g. `python -c 'import secrets; print(secrets.token_hex(16))'`)",
+    "insecure": "use 1 or true to accept listeners off loopback without their secret, 0 or false (the default) "
+    "to refuse them",
     "notice_s": "use seconds between 1 and 3600 (a preemption warning is typically 30-120 s)",
     "relay_connect_timeout_s": "use seconds between 0.01 and 600; about 1 on a LAN (a connect takes < 1 ms there)",
     "relay_io_timeout_s": "use seconds between 0.01 and 600; a few on a LAN (the longest a healthy relay is silent)",
@@ -104,7 +110,7 @@ _FIXES = {
     "temporal_tls_server_name": "use the host name on the server's certificate, without a port",
     "temporal_api_key": "use the API key as issued (no 'Bearer ' prefix, no spaces)",
 }
-_SECRETS = ("relay_token", "temporal_api_key")  # never echoed in an error message
+_SECRETS = ("relay_token", "temporal_api_key", "metrics_token")  # never echoed in an error message
 
 # LAMINAR_TEMPORAL_TLS_* files: variable, what the file must hold, the PEM marker that shows it does.
 _TLS_FILES = {
@@ -133,6 +139,8 @@ class _Variables(BaseSettings):
     log_level: Annotated[Literal[LOG_LEVELS], _Lower] = "info"  # type: ignore[valid-type]
     metrics_port: int = Field(0, ge=0, le=65535)
     metrics_bind: Annotated[str, AfterValidator(_host)] = "127.0.0.1"
+    metrics_token: str | None = Field(None, min_length=16)
+    insecure: bool = False
     notice_s: float = Field(30.0, ge=1.0, le=3600.0)
     relay_connect_timeout_s: float = Field(1.0, ge=0.01, le=600.0)
     relay_io_timeout_s: float = Field(2.0, ge=0.01, le=600.0)
@@ -183,6 +191,10 @@ class Settings:
     log_level: str  # debug | info | warning | error | critical
     metrics_port: int = 0  # Prometheus endpoint of this process (laminar.metrics); 0: off
     metrics_bind: str = "127.0.0.1"
+    # laminar.listeners: the metrics endpoint's bearer token (required off loopback); insecure: accept a relay or
+    # metrics endpoint off loopback without its secret (a warning names the risk) instead of refusing to start
+    metrics_token: str | None = field(default=None, repr=False)
+    insecure: bool = False
     notice_s: float = 30.0  # a worker told to leave (laminar/notice.py) lets its work finish within this
     relay_connect_timeout_s: float = 1.0  # relay.client.TIMEOUTS: bounded by what the network needs, not 30 s
     relay_io_timeout_s: float = 2.0
@@ -219,6 +231,8 @@ class Settings:
             log_level=v.log_level,
             metrics_port=v.metrics_port,
             metrics_bind=v.metrics_bind,
+            metrics_token=v.metrics_token,
+            insecure=v.insecure,
             notice_s=v.notice_s,
             relay_connect_timeout_s=v.relay_connect_timeout_s,
             relay_io_timeout_s=v.relay_io_timeout_s,
@@ -246,6 +260,9 @@ class Settings:
             env["LAMINAR_S3_ENDPOINT"] = self.s3_endpoint
         if self.relay_token is not None:
             env["LAMINAR_RELAY_TOKEN"] = self.relay_token
+        if self.metrics_token is not None:
+            env["LAMINAR_METRICS_TOKEN"] = self.metrics_token
+        env["LAMINAR_INSECURE"] = "true" if self.insecure else "false"
         env["LAMINAR_TEMPORAL_TLS"] = "true" if self.temporal_tls else "false"
         for name in ("temporal_tls_cert", "temporal_tls_key", "temporal_tls_ca", "temporal_tls_server_name",
                      "temporal_api_key"):

@@ -113,8 +113,18 @@ def main(
     host: str = typer.Option("127.0.0.1", "-H", "--host"),
     port: int = typer.Option(..., "-p", "--port"),
     snapshot: Path = typer.Option(..., help="directory the S3 state is kept in"),
+    insecure: bool = typer.Option(False, "--insecure", help="Accept a non-loopback --host (same as LAMINAR_INSECURE=1)."),
 ) -> None:
     """Serve moto's S3 from a snapshot directory until SIGTERM/SIGINT, then save the snapshot."""
+    from laminar.errors import ConfigError
+    from laminar.listeners import check_bind, insecure_from_env
+
+    try:  # moto takes any credentials: off loopback only when asked for by name (laminar/listeners.py)
+        check_bind("the S3 dev server", host, secret=None, variable=None, insecure=insecure or insecure_from_env(),
+                   risk="it accepts any credentials, so anyone who can reach the port reads and writes every bucket")
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request: the log stays small
     log = logging.getLogger("s3_dev_server")

