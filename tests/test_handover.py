@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from client.run_control import start_workflow
 from laminar.messages import RunStatus
 from tests.fixtures.stack import quiet_status, small_config
@@ -27,6 +29,7 @@ def _updates(history) -> int:
     return sum(e.HasField("workflow_execution_update_accepted_event_attributes") for e in history.events)
 
 
+@pytest.mark.slow  # 36 s; `make test` stays under 15 minutes (run with -m slow)
 async def test_a_long_pause_continues_as_new_and_resumes(stack):
     """The segment holds at most 20 updates. While paused, replicas back off (0.5, 1, 2, 4, 8, 10, 10 s
     between empty claims: about 7 claims each in 24 s, 14 for both), so a pause of 24 s needs at most
@@ -54,6 +57,7 @@ async def test_a_long_pause_continues_as_new_and_resumes(stack):
         assert _updates(h) <= 20 + 8
 
 
+@pytest.mark.slow  # 34 s
 async def test_update_budget_alone_forces_continue_as_new_while_paused(stack):
     """With a budget of 20 updates, a run paused from its start still continues as new: the workflow
     does not wait for a trainer step to check its limits."""

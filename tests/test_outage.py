@@ -75,6 +75,7 @@ def one_line(out: subprocess.CompletedProcess[str]) -> str:
     return " ".join((out.stdout + out.stderr).split())
 
 
+@pytest.mark.slow  # 26 s; `make test` stays under 15 minutes (run with -m slow)
 async def test_status_and_stop_are_bounded_without_a_control_worker_and_force_terminates(dev, client):
     started = laminar(dev, "start", "examples/tiny.toml", "--run-id", "t-no-control", *OVERRIDES)
     assert started.returncode == 0, started.stderr
@@ -115,6 +116,7 @@ async def _step(client: Client, run_id: str) -> int:
     return st.step if st is not None else -1
 
 
+@pytest.mark.slow  # 48 s
 async def test_laminar_run_attaches_and_rides_out_a_temporal_outage(dev, client, tmp_path):
     run_id = "t-outage"
     # A run started with no workers (as if an earlier `laminar run` had died): `laminar run` attaches to it.

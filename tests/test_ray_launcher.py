@@ -168,6 +168,7 @@ async def _drill(settings: Settings, handle: WorkflowHandle, run_id: str, fault:
     return report
 
 
+@pytest.mark.slow  # 50 s with its cluster; `make test` stays under 15 minutes (run with -m slow)
 async def test_run_and_drills_on_a_ray_cluster(ray_cluster, tmp_path):
     address, home = ray_cluster
     # control + trainer + 2 hosts x (relay + rollout) = 1 + 1 + 2 x 2 = 6 CPUs: the 3 nodes exactly.
