@@ -148,3 +148,29 @@ def test_a_replica_of_another_version_generates_departed_groups_again_and_counts
     assert again is not None and again.tokens_regenerated == thrown_away
     assert again.policy_version == 1 and again.segment is not None
     assert sorted(again.segment.group_ids) == sorted(d.segment.group_ids)  # generated again under version 1
+
+
+def test_a_resume_that_does_not_fit_waits_and_is_continued_once_there_is_room(tmp_path):
+    # The departed segment holds GROUPS (= max_inflight_groups) groups. A replica that already runs GROUPS groups of
+    # its own has no slot for them: Batch.resume defers them (before, the engine was asked to take them and raised).
+    # Once its own groups are gone (aborted here, as a finished or handed-over group would free them), the next
+    # resume_deferred continues them from their prefixes, nothing regenerated.
+    store, d = _departed_segment(tmp_path)
+    rows = TrajectoryStore(store).read_segment(d.segment)
+    notice = Notice()
+    replica = _replica(store, LeasesThenNotice(notice), "replica-1", notice, version=0)
+    b = replica.batch
+    b.admit([Lease(f"own{i}", 100 + i) for i in range(GROUPS)])
+    assert replica.engine.free_slots() < GROUP_SIZE
+    by_group: dict = {}
+    for t in rows:
+        by_group.setdefault(t.group_id, []).append(t)
+    b.resume(by_group, 0)
+    assert sorted(b.deferred) == sorted(by_group) and not set(by_group) & set(b.groups)
+    b.resume_deferred()  # still no room: they keep waiting
+    assert sorted(b.deferred) == sorted(by_group)
+    replica.engine.abort()
+    b.groups = {}
+    b.resume_deferred()
+    assert not b.deferred and sorted(b.groups) == sorted(by_group)
+    assert replica.counters.tokens_regenerated == 0

@@ -116,6 +116,8 @@ class RolloutReplica:
         self.weights.refresh(now, self.batch.pending, self.timing, self.profile)
         if (done := self._on_answer()) is not None:
             return done
+        if self.batch.deferred:  # resumes that waited for room (Batch.resume)
+            self.batch.resume_deferred()
         if self.batch.pending:
             self._admit_startable()
         self._contact(now)
@@ -215,7 +217,6 @@ class RolloutReplica:
         """Start the pending leases the run mode lets this replica start now; the others keep waiting (for
         the drain to end, or for the version their batch needs)."""
         newer, b = self.weights.newer_available(), self.batch
-        b.resume_deferred()
         if resumes := [lease for lease in b.pending if lease.resume is not None]:
             b.pending = [lease for lease in b.pending if lease.resume is None]
             self.repack.take_leases(resumes)  # under the version they started on: no run-mode wait
