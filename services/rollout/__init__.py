@@ -19,9 +19,13 @@ at a time:
 - partial pool (`pool.py`): every flush interval, all in-flight groups are written to the partial-response
   pool, so a killed replica's retry resumes them under the policy version they started on (or restarts them
   fresh, counted); each incarnation (history segment, attempt) writes its own fenced pool;
-- migration (`migration.py`): the dynamic-repack hand-off, as source or destination;
+- migration (`migration.py`): the dynamic-repack hand-off, as source or destination; and leases that come with
+  a departed replica's prefixes (`Lease.resume`), continued under their version or regenerated (counted);
 - on hand-over (continue-as-new) or stop, flush the pool and return at once (the next incarnation resumes
-  the in-flight groups), so a hand-over never waits for the long tail.
+  the in-flight groups), so a hand-over never waits for the long tail;
+- on a notice (laminar/notice.py: SIGTERM, `laminar drain`) or when `laminar scale` removes it (`leave`), depart
+  (`RolloutReplica._depart`): report what is complete, stop every unfinished group and send them as one segment
+  with a `Departure`, for the workflow to move to a replica of their version or return with their prefixes.
 
 Every interval is a field of `ReplicaTiming` (`timing.py`). The engine comes from `rl.factory.build_engine`
 and is used only through `rl.engine_api.Engine`. The replica talks to the workflow only through
