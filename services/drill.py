@@ -125,9 +125,12 @@ def recovered_at(fault: str, target: str, injected_at: float, detected: float | 
         return None
     if fault == "preempt-trainer":  # the successor's first step commits as restored (from the deadline checkpoint)
         return _first_event(status, "trainer_restored", "trainer", injected_at)
-    if fault == "preempt-relay":  # whole again once its new incarnation joined the chain
-        rejoined = _first_event(status, "relay_joined", target, injected_at)
-        return None if rejoined is None else next((t for t in sorted(step_times) if t > rejoined), None)
+    if fault == "preempt-relay":  # as a killed relay: once out of the chain (its own leaving update), the next step;
+        # with no other relay, once its new incarnation joined. (The same rule as a kill, so their stalls compare.)
+        left = _first_event(status, "relay_lost", target, injected_at)
+        if chain_len <= 1 or left is None:
+            left = _first_event(status, "relay_joined", target, injected_at) if chain_len <= 1 else None
+        return None if left is None else next((t for t in sorted(step_times) if t > left), None)
     if fault in ("rollout", "preempt-rollout"):
         return _first_event(status, "replica_recovered", target, detected)
     after = max(injected_at, detected)

@@ -159,15 +159,20 @@ def test_a_preempt_drill_targets_a_role_and_follows_that_roles_rules():
 
 
 def test_preempt_detection_is_the_notice_and_recovery_is_the_roles():
-    # the notice at 100 is its own detection. trainer: the successor's first step committed as restored at 112;
-    # relay host-1: its new incarnation joined at 104, the first step after that is 105
+    # the notice at 100 is its own detection. trainer: the successor's first step committed as restored at 112.
+    # relay host-1, the same rule as a killed relay: it left the chain at 100.4 (its leaving update: relay_lost),
+    # so with another relay in the chain the run is whole at the next step, 101; with no other relay, only once its
+    # new incarnation joined (104): the first step after that is 105
     st = status(event_times=events(("trainer_restored", "trainer", 112.0), ("trainer_restored", "trainer", 90.0),
+                                   ("relay_lost", "host-1", 100.4), ("relay_lost", "host-1", 40.0),
                                    ("relay_joined", "host-1", 104.0), ("relay_joined", "host-1", 50.0)))
     assert rules.detected_at("preempt-trainer", "trainer", 100.0, st, []) == 100.0
     assert rules.recovered_at("preempt-trainer", "trainer", 100.0, 100.0, st, [101.0, 112.0], 2) == 112.0
-    assert rules.recovered_at("preempt-relay", "host-1", 100.0, 100.0, st, [101.0, 103.0, 105.0], 2) == 105.0
-    # not re-joined yet (only the join before the fault): not recovered
+    assert rules.recovered_at("preempt-relay", "host-1", 100.0, 100.0, st, [101.0, 103.0, 105.0], 2) == 101.0
+    assert rules.recovered_at("preempt-relay", "host-1", 100.0, 100.0, st, [101.0, 103.0, 105.0], 1) == 105.0
+    # not out of the chain yet (only a leave before the fault), and not re-joined: not recovered
     assert rules.recovered_at("preempt-relay", "host-0", 100.0, 100.0, st, [101.0], 2) is None
+    assert rules.recovered_at("preempt-relay", "host-0", 100.0, 100.0, st, [101.0], 1) is None
 
 
 def test_the_throughput_baseline_is_the_minute_before_the_fault():
