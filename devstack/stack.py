@@ -11,6 +11,7 @@ import asyncio
 import fcntl
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -345,9 +346,28 @@ def port_free(port: int) -> bool:
 
 
 def free_port(bind: str = "127.0.0.1") -> int:
+    """A port that is free now, for a server started next. Taken below the kernel's ephemeral range when it can:
+    a port the kernel hands out (bind to 0) can be given to an outgoing connection before the server binds it
+    ("address already in use": seen once in a full test run)."""
+    low = _ephemeral_low()
+    for port in random.sample(range(10_000, low), k=min(64, max(0, low - 10_000))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((bind, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((bind, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _temporal_serving(address: str) -> bool:
