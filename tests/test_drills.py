@@ -202,8 +202,8 @@ MODE_OVERRIDES = {
 }
 
 
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m in ("stream", "one_step") else m
-                                  for m in sorted(MODE_OVERRIDES)])  # stream 24 s, one_step 18 s: slow
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m != "sync" else m
+                                  for m in sorted(MODE_OVERRIDES)])  # 14-75 s each: only sync in `make test`
 async def test_rollout_drill_in_every_mode(drill_stack, tmp_path, mode):
     handle = await _start_run(drill_stack, *MODE_OVERRIDES[mode])
     report = await _drill(drill_stack, handle, "rollout", tmp_path)

@@ -21,6 +21,7 @@ import sys
 import uuid
 from datetime import timedelta
 
+import pytest
 from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
 from temporalio.client import Client
 
@@ -178,6 +179,7 @@ STARVED_WARN_S = 3  # run.stall_warn_s of the run the quota leaves without a slo
 Q_STEPS = 1000  # the quota run goes on until the test stops it (`laminar stop`), once the starved run said why
 
 
+@pytest.mark.slow  # 16-19 s; `make test` stays under 15 minutes (run with -m slow)
 async def test_a_run_left_no_slot_says_why_then_runs(temporal_env, moto_server, tmp_path):
     # Workers for rollout.replicas=1 on relay.relays=1: 1 slot + 1 spare = 2 slots. Run "q" asks 2 with rollout.quota=2:
     # its floor is both slots. Run "w" asks 1 and is granted 0 (floors 2 + 0 fit in 2 slots; level 0 leaves nothing):
