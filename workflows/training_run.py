@@ -673,6 +673,8 @@ class TrainingRunWorkflow:
             released = self.ledger.release_leases_of(replica_id, keep=set())
             self.state.scale_groups_returned += len(released)
             self.state.leaving.remove(replica_id)
+            if replica_id in self.state.departed:
+                self.state.departed.remove(replica_id)  # no next incarnation to tell
             self.state.replicas.pop(replica_id, None)
             self.state.last_claims.pop(replica_id, None)
             self._replicas.pop(replica_id, None)
