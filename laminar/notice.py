@@ -20,8 +20,6 @@ from __future__ import annotations
 import threading
 import time
 
-DEFAULT_NOTICE_S = 30.0  # a spot warning is 30-120 s; the shortest is the safe default
-
 
 class Notice:
     def __init__(self) -> None:
@@ -29,7 +27,6 @@ class Notice:
         self._lock = threading.Lock()
         self.reason = ""
         self.deadline = float("inf")  # time.monotonic() by which the process is gone
-        self.given_at: float | None = None  # time.time() of the notice (reports use wall time)
 
     @property
     def given(self) -> bool:
@@ -42,16 +39,13 @@ class Notice:
         with self._lock:
             if self._event.is_set():
                 return False
-            self.reason, self.deadline, self.given_at = reason, time.monotonic() + within_s, time.time()
+            self.reason, self.deadline = reason, time.monotonic() + within_s
             self._event.set()
             return True
 
     def remaining_s(self) -> float:
         """Seconds left before the deadline (inf without a notice, never below 0)."""
         return max(0.0, self.deadline - time.monotonic()) if self.given else float("inf")
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._event.wait(timeout)
 
 
 NOTICE = Notice()  # this process's notice

@@ -73,7 +73,7 @@ class Repack:
                  destination=order.destination, groups=len(moving), sequences=len(stopped),
                  policy_version=order.policy_version)
 
-    def depart(self, reason: str, segment_id: str) -> tuple[Departure, int]:
+    def depart(self, reason: str, segment_id: str) -> Departure:
         """Stop every unfinished group and write those of the loaded version (and deferred ones of it) as one
         segment, for the workflow to move (laminar.messages.Departure). Groups of another version are not
         moved: their leases go back from their prompts, and their tokens are returned as thrown away."""
@@ -92,15 +92,14 @@ class Repack:
             ref = self.trajectories.write_migration(self.run_id, segment_id, keep) if keep else None
         log.info("replica_departing", replica_id=self.replica_id, reason=reason, groups=len(ref.group_ids) if ref else 0,
                  sequences=len(stopped), pending=len(self.batch.pending), tokens_dropped=lost, policy_version=version)
-        return Departure(reason, ref, -1 if version is None else int(version), tokens_regenerated=lost), lost
+        return Departure(reason, ref, -1 if version is None else int(version), tokens_regenerated=lost)
 
     def take_leases(self, leases: list[Lease]) -> None:
         """Leases that carry a departed replica's (or a declined migration's) prefixes: continue each group from
         its rows when this replica has their version loaded, else generate it again from its prompt (its
         recorded tool calls answered from the rows). A segment that cannot be read costs only the prefixes."""
         rows_of: dict[str, list[Trajectory]] = {}
-        for key in {lease.resume.key for lease in leases if lease.resume is not None}:
-            ref = next(lease.resume for lease in leases if lease.resume is not None and lease.resume.key == key)
+        for key, ref in {lease.resume.key: lease.resume for lease in leases if lease.resume is not None}.items():
             try:
                 with self.profile.measure("resume_in"):
                     rows_of[key] = self.trajectories.read_segment(ref)

@@ -290,7 +290,7 @@ class RolloutReplica:
             self._start_report()
             self._collect(wait=True)
         self.pool.write()
-        departure, _ = self.repack.depart(reason, f"depart-{self.replica_id}-{self.segment_prefix}")
+        departure = self.repack.depart(reason, f"depart-{self.replica_id}-{self.segment_prefix}")
         # tokens thrown away since the last report go with the departure: no report follows it
         departure = replace(departure, tokens_regenerated=departure.tokens_regenerated + self.counters.tokens_regenerated)
         self.counters.tokens_regenerated = 0
@@ -298,8 +298,6 @@ class RolloutReplica:
         self.control.claim(ClaimPromptsInput(report=self._report(), max_groups=0, attempt=self.attempt,
                                              request_id=self.calls.request_id(), handoff=handoff, taken=taken,
                                              departure=departure))
-        # the retry reads the last heartbeat's unsaved tokens as lost: nothing is (the pool was just written)
-        self.control.heartbeat(self._heartbeat_details())
         self._write_profile()
         log.info("replica_departed", replica_id=self.replica_id, reason=reason,
                  groups=len(departure.segment.group_ids) if departure.segment else 0)
