@@ -85,10 +85,7 @@ async def test_scale_up_and_down_while_training(scale_stack):
     await async_wait_until(lambda: _reports_at_least(handle, 4), TIMEOUT_S, "reports from 4 replicas")
 
     # 4 -> 2 through the command line (a real process): two replicas leave and return
-    env = {**os.environ, "LAMINAR_HOME": str(home), "PYTHONPATH": os.getcwd()}
-    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "workers.cli", "scale", cfg.run.run_id,
-                                                   "--replicas", "2"], env=env, capture_output=True, text=True,
-                                  timeout=120)
+    out = await _laminar(home, "scale", cfg.run.run_id, "--replicas", "2", timeout_s=120)
     assert out.returncode == 0, out.stderr
     assert "replicas_target=2" in out.stdout and "removed=replica-" in out.stdout, out.stdout
     removed = out.stdout.split("removed=")[1].split()[0].split(",")
@@ -130,6 +127,13 @@ async def test_scale_up_and_down_while_training(scale_stack):
     assert final.groups_generated == final.groups_consumed + final.ready_groups
 
 
+async def _laminar(home: Path, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
+    """The `laminar` command line in a real process, against this module's stack."""
+    env = {**os.environ, "LAMINAR_HOME": str(home), "PYTHONPATH": os.getcwd()}
+    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "workers.cli", *args], env=env,
+                                   capture_output=True, text=True, timeout=timeout_s)
+
+
 async def _reports_at_least(handle, n: int) -> bool:
     return len((await _status(handle)).replicas) >= n
 
@@ -157,9 +161,7 @@ async def test_a_rollout_worker_given_the_notice_hands_its_groups_on_and_exits_0
 
     # `laminar drain rollout-<host>` (a real process) finds the worker by name and gives it the notice (SIGTERM)
     t0 = time.monotonic()
-    env = {**os.environ, "LAMINAR_HOME": str(settings.home), "PYTHONPATH": os.getcwd()}
-    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "workers.cli", "drain", f"rollout-{host}"],
-                                  env=env, capture_output=True, text=True, timeout=NOTICE_S + 30)
+    out = await _laminar(settings.home, "drain", f"rollout-{host}", timeout_s=NOTICE_S + 30)
     took = time.monotonic() - t0
     assert out.returncode == 0 and f"worker=rollout-{host} pid={proc.pid} left in" in out.stdout, (out.stdout, out.stderr)
     code = await asyncio.to_thread(proc.proc.wait, 5)
