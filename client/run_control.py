@@ -34,6 +34,7 @@ from laminar.messages import (
 )
 from storage import keys
 from storage.objects import ObjectStore
+from workflows import timeouts
 from workflows.pool import PoolInput
 from workflows.state import TrainingRunInput
 
@@ -54,6 +55,7 @@ async def start_workflow(client: Client, cfg: RunConfig, pool: str = "") -> Work
             TrainingRunInput(config=cfg.to_json(), pool=pool),
             id=workflow_id_for(cfg.run.run_id),
             task_queue=CONTROL_QUEUE,
+            task_timeout=timeouts.WORKFLOW_TASK,
             result_type=RunStatus,
             id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,  # its store prefix holds the old run

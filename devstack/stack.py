@@ -110,9 +110,10 @@ class DevStack:
             self._write_record(info)
             return info, started
 
-    def restart_temporal(self) -> tuple[float, float]:
+    def restart_temporal(self, down_s: float = 0.0, while_down: Callable[[], None] | None = None) -> tuple[float, float]:
         """Stop the recorded Temporal dev server and start it again on the same port and SQLite file
-        (S3 untouched). Returns (stopped_at, back_at). Used to show a run survives a server restart."""
+        (S3 untouched), `down_s` seconds later (calling `while_down` first, with the server stopped). Returns
+        (stopped_at, back_at). Used to show a run survives a server restart."""
         with self._lock():
             info = read_record(self.home)
             if info is None or not _is_ours(info.temporal_pid, "temporal"):
@@ -120,6 +121,9 @@ class DevStack:
             _stop_pid(info.temporal_pid, self.stop_timeout_s)
             _reap(info.temporal_pid)
             stopped_at = time.time()
+            if while_down is not None:
+                while_down()
+            time.sleep(max(0.0, down_s - (time.time() - stopped_at)))
             port = int(info.temporal_address.rpartition(":")[2])
             deadline = time.monotonic() + self.ready_timeout_s
             while not port_free(port) and time.monotonic() < deadline:

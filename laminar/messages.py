@@ -367,13 +367,30 @@ class RunEvent:
     ordered / groups moved / groups sent back to the pool), stall (subject: what the run waits for, "weights",
     "groups", "replicas" or "trainer"; laminar/watchdog.py), relay_out / relay_back (subject: the relay's address,
     taken out of the chain for failing its data-plane checks, or back; workflows/relay_health.py), relay_leaving
-    (a relay on notice left the chain by itself).
+    (a relay on notice left the chain by itself), workflow_reset (the run's workflow was wedged and reset by the
+    repairer; subject: the error, count: steps redone).
     """
 
     kind: str
     subject: str
     at: float
     count: int = 0
+
+
+@dataclass(frozen=True)
+class WorkflowReset:
+    """repairer -> TrainingRunWorkflow (signal `workflow_reset`), and a record under the run in the store: the
+    run's workflow was wedged and was reset (services/repair.py). Event ids are of the reset run's history."""
+
+    run_id: str  # the laminar run
+    error: str  # the failing workflow task's error (first line)
+    bad_event_id: int  # the first event that did not replay (or the failing task's scheduled event)
+    reset_to: int  # the WorkflowTaskCompleted event the run was reset to
+    old_run_id: str  # the wedged run (Temporal's run id)
+    new_run_id: str
+    step_before: int  # the run's step when it was found wedged (its last search attribute)
+    step_after: int  # the step it went on from (steps_redone = step_before - step_after)
+    at: float  # Unix seconds
 
 
 @dataclass(frozen=True)
@@ -428,6 +445,8 @@ class RunStatus:
     # groups_generated + groups_failed + open_leases + returned_leases
     groups_failed: int = 0
     failures: list[FailedGroup] = field(default_factory=list)  # the most recent, last; bounded
+    # resets of the run's workflow by the repairer (services/repair.py), the most recent last; bounded
+    workflow_resets: list[WorkflowReset] = field(default_factory=list)
     # the watchdog's facts (laminar/watchdog.py: `laminar status` prints what a silent run waits for)
     stall_warn_s: float = 0.0  # run.stall_warn_s (0: a status from before the watchdog)
     last_step_at: float | None = None

@@ -33,6 +33,7 @@ reads a clock or the store.
 | laminar_rollout_groups_failed_total | counter | replica, reason | groups dropped after task.max_group_retries retries (never trained on; groups_failed in the run status) |
 | laminar_control_update_seconds | histogram | update | round trip of a claim_prompts or add_experience update, as the replica measured it (a report includes writing its segment) |
 | laminar_control_update_retries_total | counter | update | update attempts that failed (server or control worker unreachable) and were sent again |
+| laminar_control_workflow_resets_total | counter | run | wedged run workflows this control worker's repairer reset (services/repair.py) |
 | laminar_relay_received_bytes_total | counter | relay | version bytes received (from the trainer or the previous relay) |
 | laminar_relay_forwarded_bytes_total | counter | relay | version bytes forwarded to the next relay of the chain |
 | laminar_relay_versions_held | gauge | relay | versions the relay holds in shared memory |
@@ -102,6 +103,9 @@ CONTROL_UPDATE_SECONDS = Histogram("laminar_control_update_seconds", "Round trip
                                    ["update"], buckets=SECONDS)
 CONTROL_UPDATE_RETRIES = Counter("laminar_control_update_retries",
                                  "Update attempts that failed and were sent again.", ["update"])
+
+CONTROL_WORKFLOW_RESETS = Counter("laminar_control_workflow_resets", "Wedged run workflows reset by the repairer.",
+                                  ["run"])
 
 UPDATES = {"claim": names.CLAIM_PROMPTS, "report": names.ADD_EXPERIENCE}  # the replica's call kinds -> update names
 

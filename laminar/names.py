@@ -34,6 +34,7 @@ SCALE = "scale"
 RELAY_JOINED = "relay_joined"
 TRAINER_CHECKPOINTED = "trainer_checkpointed"  # the trainer, leaving on notice between steps
 RELAY_LEAVING = "relay_leaving"
+WORKFLOW_RESET = "workflow_reset"  # the repairer (services/repair.py), to the run it reset
 STATUS = "status"
 # the slot pool: worker sets report slots, runs state their ask and leave (signals to the pool); the pool signals
 # each run its grant; `laminar pool` queries it
@@ -47,5 +48,5 @@ WORKFLOWS = (TRAINING_RUN_WORKFLOW, RECOVERY_DRILL_WORKFLOW, SLOT_POOL_WORKFLOW)
 ACTIVITIES = (INIT_TRAINER, TRAIN_STEP, TRAIN_STEPS, REPUBLISH, RUN_ROLLOUT_REPLICA, RUN_RELAY,
               PLAN_DRILL, INTERRUPT_STORE, OBSERVE_RECOVERY, INJECT_FAULT)
 UPDATES = (CLAIM_PROMPTS, ADD_EXPERIENCE, PAUSE, RESUME, STOP, SCALE, RELAY_LEAVING)
-SIGNALS = (RELAY_JOINED, TRAINER_CHECKPOINTED, REPLICA_GRANT, POOL_SLOTS, POOL_ASK, POOL_LEAVE)
+SIGNALS = (RELAY_JOINED, TRAINER_CHECKPOINTED, WORKFLOW_RESET, REPLICA_GRANT, POOL_SLOTS, POOL_ASK, POOL_LEAVE)
 QUERIES = (STATUS, POOL_STATUS)

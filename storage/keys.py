@@ -157,6 +157,15 @@ def drill_report(run_id: str, drill_id: str) -> str:
     return f"{drill_reports_prefix(run_id)}{check_id('drill_id', drill_id)}.json"
 
 
+def workflow_resets_prefix(run_id: str) -> str:
+    return f"{run_prefix(run_id)}workflow-resets/"
+
+
+def workflow_reset(run_id: str, new_run_id: str) -> str:
+    """The repairer's record of one reset of the run's workflow (services/repair.py), by the reset run's id."""
+    return f"{workflow_resets_prefix(run_id)}{check_id('temporal run id', new_run_id)}.json"
+
+
 def step_metrics(run_id: str, step: int) -> str:
     return f"{run_prefix(run_id)}metrics/{step_dir(step)}.json"
 

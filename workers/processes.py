@@ -81,11 +81,59 @@ async def _serve(worker: Worker, role: str, process: str, allow_faults: bool, no
     log.info("worker_stopped", role=role, notice=NOTICE.reason or None, **context)
 
 
+def worker_interceptors(env: dict[str, str] | None = None) -> list:
+    """`LAMINAR_WORKER_INTERCEPTORS`: comma-separated `package.module:Class` Temporal interceptors the control
+    worker adds (tracing, or a test's fault injection); ConfigError naming the one that does not load."""
+    import importlib
+
+    from laminar.errors import ConfigError
+
+    text = (os.environ if env is None else env).get("LAMINAR_WORKER_INTERCEPTORS", "")
+    out = []
+    for spec in (s.strip() for s in text.split(",") if s.strip()):
+        module, _, name = spec.partition(":")
+        try:
+            out.append(getattr(importlib.import_module(module), name)())
+        except Exception as e:
+            raise ConfigError(f"LAMINAR_WORKER_INTERCEPTORS={text!r}: {spec!r} does not load ({e}); give "
+                              "package.module:Class of a temporalio.worker.Interceptor importable here") from None
+    return out
+
+
 async def control(settings: Settings, allow_faults: bool = False) -> None:
+    from laminar.metrics import CONTROL_WORKFLOW_RESETS
+    from services.repair import Repairer
+
     client = await connect(settings)
     worker = Worker(client, task_queue=CONTROL_QUEUE,
-                    workflows=[TrainingRunWorkflow, RecoveryDrillWorkflow, SlotPoolWorkflow])
-    await _serve(worker, "control", "control", allow_faults, settings.notice_s)
+                    workflows=[TrainingRunWorkflow, RecoveryDrillWorkflow, SlotPoolWorkflow],
+                    interceptors=worker_interceptors())
+    # the repairer lives as long as the control worker: it resets runs whose workflow is wedged (services/repair.py)
+    repairer = Repairer(client, [TrainingRunWorkflow], store=store_for(settings),
+                        on_reset=lambda r: CONTROL_WORKFLOW_RESETS.labels(run=r.run_id).inc())
+    sweeps = asyncio.create_task(repairer.forever(_repair_sweep_s()))
+    try:
+        await _serve(worker, "control", "control", allow_faults, settings.notice_s)
+    finally:
+        sweeps.cancel()
+
+
+def _repair_sweep_s() -> float:
+    """`LAMINAR_REPAIR_SWEEP_S`: seconds between the repairer's sweeps (default services.repair.SWEEP_S)."""
+    from laminar.errors import ConfigError
+    from services.repair import SWEEP_S
+
+    text = os.environ.get("LAMINAR_REPAIR_SWEEP_S", "").strip()
+    if not text:
+        return SWEEP_S
+    try:
+        value = float(text)
+        if not 0.1 <= value <= 3600:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"LAMINAR_REPAIR_SWEEP_S={text!r}: give seconds between 0.1 and 3600 (default "
+                          f"{SWEEP_S:g})") from None
+    return value
 
 
 async def trainer(settings: Settings, allow_faults: bool = False) -> None:

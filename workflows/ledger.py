@@ -27,6 +27,7 @@ from laminar.messages import (
     RunStatus,
     TrainStepInput,
     TrainStepResult,
+    WorkflowReset,
     next_step_input,
 )
 from laminar.policy import Policy, policy_for, trainer_batch, version_of
@@ -74,6 +75,14 @@ class Ledger:
         self.state.events = (self.state.events + [RunEvent(kind=kind, subject=subject, at=at, count=count)])[-RECENT_EVENTS:]
         key = f"{kind}/{subject}"
         self.state.event_times[key] = (self.state.event_times.get(key, []) + [at])[-EVENTS_PER_KEY:]
+
+    def note_reset(self, reset: WorkflowReset, at: float) -> None:
+        """The repairer reset this run's workflow (services/repair.py): kept for the status, and an event whose
+        count is the steps redone. A reset is recorded once, by its new run id (a repeated signal is a no-op)."""
+        if any(r.new_run_id == reset.new_run_id for r in self.state.workflow_resets):
+            return
+        self.state.workflow_resets = (self.state.workflow_resets + [reset])[-RECENT_FAILURES:]
+        self.note_event("workflow_reset", reset.error[:200], at, max(0, reset.step_before - reset.step_after))
 
     def replay_claim(self, replica_id: str, request_id: str) -> list[Lease] | None:
         """The leases of a retried claim (same request id), still held by the replica; None if not a retry."""
@@ -380,6 +389,7 @@ class Ledger:
             repack_groups=s.repack_groups,
             repack_overhead_s=round(s.repack_overhead_s, 4),
             migrating=self.migrating(),
+            workflow_resets=list(s.workflow_resets),
             groups_failed=s.groups_failed,
             failures=list(s.failures),
             last_step_at=s.last_step_at,

@@ -17,6 +17,7 @@ from laminar.messages import (
     RelayInfo,
     ReplicaReport,
     RunEvent,
+    WorkflowReset,
 )
 from laminar.refs import CheckpointRef, SegmentRef
 
@@ -108,6 +109,7 @@ class RunState:
     trainer_ready_at: float | None = None
     replica_seen: dict[str, float] = field(default_factory=dict)  # replica -> its last report
     unversioned_since: dict[str, float] = field(default_factory=dict)  # replica -> first report at version -1
+    workflow_resets: list[WorkflowReset] = field(default_factory=list)  # the most recent RECENT_FAILURES
     stall: str = ""  # what the run waited for when the workflow last looked ("" healthy)
     # `laminar scale` (workflows/scale.py): the replica ids that run (empty: rollout.replicas of them, as before
     # any scale), the removed ones not yet returned, and the groups removed replicas gave back to the pool

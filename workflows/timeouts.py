@@ -11,6 +11,16 @@ from temporalio.common import RetryPolicy
 
 # -- TrainingRunWorkflow -------------------------------------------------------------------------
 
+# The run's workflow task timeout, set at start (client/run_control.py) and at every continue-as-new. Temporal's
+# default is 10 s. A control worker that is alive but slow for longer (its process SIGSTOPped, starved of CPU, or
+# cut off by a Temporal server restart while it completed a task) then races its own task's retry: the cached run
+# has applied the timed-out task in memory, and the retry can run on that advanced instance, which leaves a
+# history that does not replay (docs/upstream/wedged-run.md; services/repair.py repairs such a run). 30 s outlasts
+# the chaos run's longest SIGSTOP (12 s) and a dev server restart. The cost: when the control worker really dies
+# while it holds a task, that task moves to another worker after up to 30 s instead of 10 s (the sticky queue's
+# schedule-to-start timeout still moves the tasks that follow at once). Measured in README's drill table (control).
+WORKFLOW_TASK = timedelta(seconds=30)
+
 # run_rollout_replica and run_relay live as long as their history segment; their heartbeat timeout is the
 # failure detector, so start-to-close only has to outlast any segment (continue-as-new ends them first).
 SEGMENT_ACTIVITY = timedelta(days=30)

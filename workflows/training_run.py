@@ -44,6 +44,7 @@ with workflow.unsafe.imports_passed_through():
         TrainerInitResult,
         TrainStepResult,
         TrainStepsInput,
+        WorkflowReset,
         relay_queue,
     )
     from laminar.policy import Policy, fresh_lease_room, policy_for, steps_to_publish
@@ -293,6 +294,13 @@ class TrainingRunWorkflow:
         holds it."""
         if self._cfg is not None:
             self.ledger.commit_deadline_checkpoint(ref, self._cfg.trainer.keep_last, workflow.time())
+
+    @workflow.signal(name=names.WORKFLOW_RESET)
+    def workflow_reset(self, reset: WorkflowReset) -> None:
+        """The repairer (services/repair.py) reset this run's wedged workflow to an earlier workflow task: noted
+        for the status and the run's events. No patch: the handler issues no command, and only a repairer of this
+        code sends it, so no recorded history holds it."""
+        self.ledger.note_reset(reset, workflow.time())
 
     # -- trainer -----------------------------------------------------------------------------
 
@@ -871,7 +879,8 @@ class TrainingRunWorkflow:
         self._note_history()
         self.state.continued_as_new += 1
         self.state.handover_last_step_at = self.state.last_step_at
-        workflow.continue_as_new(TrainingRunInput(config=self._cfg.to_json(), state=self.state))
+        workflow.continue_as_new(TrainingRunInput(config=self._cfg.to_json(), state=self.state),
+                                 task_timeout=timeouts.WORKFLOW_TASK)
 
     def _can_step(self) -> bool:
         """A batch is there and the run still has steps to take (a finished run must not wait on it)."""
