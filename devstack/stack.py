@@ -235,8 +235,11 @@ class DevStack:
             _s3_mode(endpoint, "read-only")
         on_at = time.time()
         log.warning("s3_server_read_only", pid=info.s3_pid, hold_s=hold_s)
-        time.sleep(hold_s)  # the fault itself
-        refused = _s3_mode(endpoint, "read-write")
+        try:
+            time.sleep(hold_s)  # the fault itself
+        finally:  # interrupted or not, the server takes writes again
+            refused = _s3_mode(endpoint, "read-write")
+        log.warning("s3_server_read_write", pid=info.s3_pid, refused=refused)
         return on_at, time.time(), refused
 
     def _spawn(self, cmd: list[str], log_file: Path) -> subprocess.Popen:

@@ -2,9 +2,11 @@
 every fault it injects.
 
 It aims at the processes of the run's process table (`<LAMINAR_HOME>/runs/<run_id>/processes.json`, written
-by the local launcher: workers/launcher.py), on the machine that runs them, by pid. The store and Temporal
-faults reuse the dev stack's own interruptions (devstack/stack.py: `interrupt_s3`, the store drill's, and
-`restart_temporal`). Process faults are signals sent by pid rather than the drills' fault activities: a
+by the local launcher: workers/launcher.py), on the machine that runs them, by pid. The store, readonly and
+Temporal faults reuse the dev stack's own interruptions (devstack/stack.py: `interrupt_s3`, the store drill's,
+`readonly_s3` and `restart_temporal`). A partition drops a relay's data-plane packets with iptables or nft
+(`make setup` installs iptables where neither exists and it runs as root); where neither works, each partition
+fault is recorded as skipped with that reason, and the chaos report shows it. Process faults are signals sent by pid rather than the drills' fault activities: a
 fault's delivery must not depend on Temporal, which another fault may be restarting at that moment, and the
 drills' activity only knows SIGKILL.
 
@@ -32,6 +34,8 @@ from laminar.logs import get_logger
 
 log = get_logger(__name__)
 RESTART_WAIT_S = 90.0  # a killed or preempted process must be back (a new pid in the table) within this
+NO_PACKET_FILTER = ("no packet filter on this machine: neither iptables nor nft is installed and usable (needs root; "
+                    "`make setup` installs iptables as root)")
 
 
 @dataclass
@@ -47,8 +51,9 @@ class FaultRecord:
     healed_at: float | None = None
     pid: int | None = None  # the process hit (process and partition kinds)
     new_pid: int | None = None  # its next incarnation (kill, preempt)
-    detail: str = ""  # the port partitioned, the tool used, or why the fault was skipped
+    detail: str = ""  # the port partitioned, the tool used, the writes refused, or why the fault was skipped
     skipped: bool = False
+    refused: int | None = None  # readonly: writes the store refused while it held
 
 
 def read_table(path: Path) -> dict:
@@ -98,9 +103,11 @@ def data_ports(pid: int) -> list[int]:
 
 class Nemesis:
     def __init__(self, table_path: Path, interrupt_store: Callable[[float], tuple[float, float]] | None,
-                 restart_temporal: Callable[[], tuple[float, float]] | None, partition: str | None = None) -> None:
+                 restart_temporal: Callable[[], tuple[float, float]] | None, partition: str | None = None,
+                 readonly_store: Callable[[float], tuple[float, float, int]] | None = None) -> None:
         self.table_path = table_path
         self._interrupt_store, self._restart_temporal = interrupt_store, restart_temporal
+        self._readonly_store = readonly_store
         self.partition = partition  # iptables | nft | None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -130,7 +137,7 @@ class Nemesis:
     def _one(self, f: Fault, rec: FaultRecord, on_record: Callable[[FaultRecord], None]) -> None:
         try:
             {"kill": self._kill, "stop": self._sigstop, "partition": self._partition, "store": self._store,
-             "temporal": self._temporal, "preempt": self._preempt}[f.kind](f, rec)
+             "readonly": self._readonly, "temporal": self._temporal, "preempt": self._preempt}[f.kind](f, rec)
         except Exception as e:  # one fault failing to inject never stops the others; it is reported
             rec.skipped, rec.detail = True, f"{type(e).__name__}: {e}"
             log.warning("chaos_fault_failed", index=f.index, kind=f.kind, target=f.target, error=str(e))
@@ -179,7 +186,7 @@ class Nemesis:
 
     def _partition(self, f: Fault, rec: FaultRecord) -> None:
         if self.partition is None:
-            rec.skipped, rec.detail = True, "no packet filter (iptables or nft) on this machine"
+            rec.skipped, rec.detail = True, NO_PACKET_FILTER
             return
         if (pid := self._target_pid(f, rec)) is None:
             return
@@ -206,6 +213,15 @@ class Nemesis:
         rec.injected_at = time.time()  # replaced by when the server was stopped
         stopped_at, back_at = self._interrupt_store(f.hold_s)
         rec.injected_at, rec.healed_at = stopped_at, back_at
+
+    def _readonly(self, f: Fault, rec: FaultRecord) -> None:
+        if self._readonly_store is None:
+            rec.skipped, rec.detail = True, "the dev stack runs no S3 server to make read-only"
+            return
+        rec.injected_at = time.time()  # replaced by when the server went read-only
+        on_at, off_at, refused = self._readonly_store(f.hold_s)
+        rec.injected_at, rec.healed_at, rec.refused = on_at, off_at, refused
+        rec.detail = f"{refused} write(s) refused with AccessDenied"
 
     def _temporal(self, f: Fault, rec: FaultRecord) -> None:
         if self._restart_temporal is None:
