@@ -11,13 +11,17 @@ fault's delivery must not depend on Temporal, which another fault may be restart
 drills' activity only knows SIGKILL.
 
 Each fault runs on its own thread (inject, hold, heal), so faults overlap as the schedule says. Whatever
-happens, `heal_all` undoes what is still held (SIGCONT, partition rules removed) before the command exits.
+happens, `heal_all` undoes what is still held (SIGCONT, partition rules removed) before the command exits. A
+nemesis killed outright cannot; each partition rule names its owner's pid, and the next nemesis removes the rules
+of owners that no longer run (`sweep_stale_rules`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -77,13 +81,19 @@ def partition_tool() -> str | None:
     return None
 
 
-def _partition_commands(tool: str, port: int, add: bool) -> list[list[str]]:
-    """Drop every TCP packet to or from `port` (both directions on loopback too), or remove that again."""
+RULE_TAG = "laminar-chaos pid="  # + the nemesis's pid: whose rule it is (a sweep removes those of dead owners)
+
+
+def _partition_commands(tool: str, port: int, add: bool, owner: int | None = None) -> list[list[str]]:
+    """Drop every TCP packet to or from `port` (both directions on loopback too), or remove that again. Each rule
+    names its owner (this process by default), so one left by a nemesis that was killed can be found."""
+    owner = os.getpid() if owner is None else owner
     if tool == "iptables":
         op = "-I" if add else "-D"
-        return [["iptables", op, "INPUT", "-p", "tcp", "--dport", str(port), "-j", "DROP"],
-                ["iptables", op, "OUTPUT", "-p", "tcp", "--sport", str(port), "-j", "DROP"]]
-    table = f"laminar_chaos_{port}"
+        tag = ["-m", "comment", "--comment", f"{RULE_TAG}{owner}"]
+        return [["iptables", op, "INPUT", "-p", "tcp", "--dport", str(port), *tag, "-j", "DROP"],
+                ["iptables", op, "OUTPUT", "-p", "tcp", "--sport", str(port), *tag, "-j", "DROP"]]
+    table = f"laminar_chaos_{owner}_{port}"
     if add:
         return [["nft", "add", "table", "inet", table],
                 ["nft", "add", "chain", "inet", table, "in", "{ type filter hook input priority -10 ; }"],
@@ -91,6 +101,36 @@ def _partition_commands(tool: str, port: int, add: bool) -> list[list[str]]:
                 ["nft", "add", "rule", "inet", table, "in", "tcp", "dport", str(port), "drop"],
                 ["nft", "add", "rule", "inet", table, "out", "tcp", "sport", str(port), "drop"]]
     return [["nft", "delete", "table", "inet", table]]
+
+
+def sweep_stale_rules(tool: str) -> list[str]:
+    """Remove the partition rules whose owner (a nemesis) is no longer alive: a `laminar chaos` killed before it
+    healed leaves its ports dropped, and a later process on such a port would be silently cut off. Rules of a
+    live owner (another chaos run on this machine) are left alone. Returns what was removed."""
+    removed = []
+    if tool == "iptables":
+        listing = subprocess.run(["iptables", "-S"], capture_output=True, text=True, timeout=10).stdout
+        for line in listing.splitlines():
+            if RULE_TAG in line and line.startswith("-A ") and not _owner_alive(line):
+                _run_all([["iptables", "-D", *shlex.split(line)[1:]]], check=False)
+                removed.append(line)
+    else:
+        listing = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, timeout=10).stdout
+        for line in listing.splitlines():
+            name = line.split()[-1] if line.startswith("table inet laminar_chaos_") else ""
+            parts = name.removeprefix("laminar_chaos_").split("_")
+            if len(parts) == 2 and parts[0].isdigit() and not psutil.pid_exists(int(parts[0])):
+                _run_all([["nft", "delete", "table", "inet", name]], check=False)
+                removed.append(line)
+    if removed:
+        log.warning("chaos_stale_rules_removed", tool=tool, rules=removed)
+    return removed
+
+
+def _owner_alive(rule: str) -> bool:
+    """Whether the nemesis named in a rule's comment (`laminar-chaos pid=N`) still runs."""
+    found = re.search(re.escape(RULE_TAG) + r"(\d+)", rule)
+    return found is not None and psutil.pid_exists(int(found.group(1)))
 
 
 def data_ports(pid: int) -> list[int]:
@@ -118,6 +158,8 @@ class Nemesis:
     def run(self, schedule: Schedule, t0: float, on_record: Callable[[FaultRecord], None] = lambda r: None) -> None:
         """Inject each fault at t0 + at_s on a thread of its own; return when every fault has healed (or
         the nemesis was stopped: then what is held is healed at once)."""
+        if self.partition is not None:
+            sweep_stale_rules(self.partition)
         threads = []
         for f in sorted(schedule.faults, key=lambda f: f.at_s):
             if self._stop.wait(max(0.0, t0 + f.at_s - time.time())):

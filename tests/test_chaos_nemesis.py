@@ -4,6 +4,7 @@ publishes its process table, the nemesis finds its targets there, injects, and e
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from services.nemesis import (
     data_ports,
     partition_tool,
     read_table,
+    sweep_stale_rules,
 )
 from storage.objects import open_store
 from tests.fixtures.waiting import wait_until
@@ -130,7 +132,9 @@ def test_data_ports_leave_out_the_metrics_port_and_partition_rules_are_symmetric
     add, remove = _partition_commands("iptables", 7000, True), _partition_commands("iptables", 7000, False)
     assert [c[1] for c in add] == ["-I", "-I"] and [c[1] for c in remove] == ["-D", "-D"]
     assert [c[2:] for c in add] == [c[2:] for c in remove]  # the same rules, removed exactly
-    assert _partition_commands("nft", 7000, False) == [["nft", "delete", "table", "inet", "laminar_chaos_7000"]]
+    assert _partition_commands("nft", 7000, False, owner=42) == [
+        ["nft", "delete", "table", "inet", "laminar_chaos_42_7000"]]
+    assert all(f"laminar-chaos pid={os.getpid()}" in c for c in add)  # each rule names the nemesis that owns it
 
 
 def _echo(port: int, timeout_s: float = 1.0) -> bool:
@@ -216,3 +220,28 @@ def test_readonly_store_refuses_writes_for_the_hold(tmp_path, aws_test_env):
         assert store.list("runs/r/") == ["runs/r/after", "runs/r/kept"]
     finally:
         stack.down()
+
+
+def test_rules_of_a_killed_nemesis_are_swept_those_of_a_live_one_kept():
+    """A `laminar chaos` killed mid-partition leaves its DROP rules; the next nemesis removes them (their owner is
+    dead) and leaves a live owner's rules (another chaos run) alone."""
+    tool = partition_tool()
+    if tool is None:
+        pytest.skip(NO_PACKET_FILTER)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid names an owner that no longer runs
+    dead_port, live_port = free_port(), free_port()
+    listing = ["iptables", "-S"] if tool == "iptables" else ["nft", "list", "tables"]
+    try:
+        for cmd in (*_partition_commands(tool, dead_port, True, owner=dead.pid),
+                    *_partition_commands(tool, live_port, True)):
+            subprocess.run(cmd, check=True, capture_output=True)
+        removed = sweep_stale_rules(tool)
+        rules = subprocess.run(listing, capture_output=True, text=True, check=True).stdout
+        assert removed and all(str(dead_port) in r or str(dead.pid) in r for r in removed), removed
+        assert str(dead_port) not in rules and str(live_port) in rules, rules
+    finally:
+        for cmd in (*_partition_commands(tool, dead_port, False, owner=dead.pid),
+                    *_partition_commands(tool, live_port, False)):
+            subprocess.run(cmd, capture_output=True)
+    assert str(live_port) not in subprocess.run(listing, capture_output=True, text=True).stdout
