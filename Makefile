@@ -4,9 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint clean browser proxy
+.PHONY: setup run test lint clean browser proxy netfilter
 
-setup: $(STAMP)
+setup: $(STAMP) netfilter
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,16 @@ proxy:
 		|| { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 		&& { $(PROXY_APT) || { apt-get update -q >/dev/null && $(PROXY_APT); }; }; } \
 		|| echo "nginx + libnginx-mod-stream not installed (apt-get install needs root and a reachable Debian mirror): tests/test_mtls.py skips its proxy tests"
+
+# A packet filter for `laminar chaos`'s partition faults (services/nemesis.py drops a relay's data-plane port with
+# iptables or nft): Debian's iptables through apt where neither exists (needs root). Where apt is not usable it says
+# so, and the chaos report marks each partition fault skipped with the same reason.
+NETFILTER_APT = apt-get install -y -q --no-install-recommends iptables >/dev/null 2>&1
+netfilter:
+	@command -v iptables >/dev/null 2>&1 || command -v nft >/dev/null 2>&1 \
+		|| { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& { $(NETFILTER_APT) || { apt-get update -q >/dev/null && $(NETFILTER_APT); }; }; } \
+		|| echo "iptables not installed (apt-get install needs root and a reachable Debian mirror): laminar chaos reports its partition faults as skipped"
 
 lint: setup
 	$(BIN)/ruff check .

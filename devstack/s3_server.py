@@ -11,6 +11,13 @@ finish, and holds any later request on an open connection unanswered (its client
 restarted server); only then does it save the snapshot and exit. So every write acknowledged to a client
 is in the snapshot.
 
+Read-only mode (the chaos nemesis's `readonly` fault, devstack/stack.py `DevStack.readonly_s3`): while it is on,
+every write (PUT, POST, DELETE) is refused with 403 AccessDenied, as a bucket policy that denies writes would
+(botocore does not retry a 403; the store raises StoreError "was denied"); reads are served. It is switched by
+`PUT /_laminar/mode/read-only` and `PUT /_laminar/mode/read-write` on the server's own port (no bucket name
+starts with `_`, so the path is never an S3 request), which answer `{"mode": ..., "refused": N}`: N writes
+refused since the mode last went read-only. A restart starts read-write.
+
 The snapshot (`DIR/buckets.pickle`, moto's bucket objects pickled with their live objects) is as big as
 the buckets however often their keys were overwritten. A save writes a new file, fsyncs it and replaces
 the old one atomically, so a save cut short leaves the previous snapshot. It is read only by the same
@@ -20,6 +27,7 @@ stop.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -35,6 +43,10 @@ from moto.server import DomainDispatcherApplication, MotoRequestHandler, create_
 from werkzeug.serving import make_server
 
 SNAPSHOT = "buckets.pickle"
+MODE_PATH = "/_laminar/mode/"  # + read-only | read-write: the read-only fault's switch
+WRITE_METHODS = frozenset({"PUT", "POST", "DELETE"})
+ACCESS_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+                 b"<Message>Access Denied: the S3 dev server is read-only (a chaos fault)</Message></Error>")
 
 
 class _Gate:
@@ -45,8 +57,20 @@ class _Gate:
         self._cond = threading.Condition()
         self._active = 0
         self._closed = False
+        self.read_only = False
+        self.refused = 0  # writes refused since read-only mode was last switched on
 
     def __call__(self, environ, start_response):
+        path, method = environ.get("PATH_INFO", ""), environ.get("REQUEST_METHOD", "")
+        if path.startswith(MODE_PATH):
+            return self._switch(path.removeprefix(MODE_PATH), method, start_response)
+        if self.read_only and method in WRITE_METHODS:
+            with self._cond:
+                self.refused += 1
+            _drain(environ)  # the body unread would be parsed as the connection's next request
+            start_response("403 Forbidden", [("Content-Type", "application/xml"),
+                                             ("Content-Length", str(len(ACCESS_DENIED)))])
+            return [ACCESS_DENIED]
         with self._cond:
             while self._closed:  # never answered: the process exits and the client retries
                 self._cond.wait()
@@ -58,11 +82,39 @@ class _Gate:
                 self._active -= 1
                 self._cond.notify_all()
 
+    def _switch(self, mode: str, method: str, start_response):
+        """`PUT /_laminar/mode/read-only|read-write` (GET: the mode as it is)."""
+        if mode not in ("read-only", "read-write") or method not in ("PUT", "GET"):
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"PUT /_laminar/mode/read-only or /_laminar/mode/read-write\n"]
+        with self._cond:
+            if method == "PUT":
+                if mode == "read-only" and not self.read_only:
+                    self.refused = 0
+                self.read_only = mode == "read-only"
+                logging.getLogger("s3_dev_server").warning("mode %s (refused %d)", mode, self.refused)
+            body = json.dumps({"mode": "read-only" if self.read_only else "read-write",
+                               "refused": self.refused}).encode()
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
             while self._active:
                 self._cond.wait()
+
+
+def _drain(environ) -> None:
+    """Read and discard a request's body."""
+    stream = environ["wsgi.input"]
+    if environ.get("wsgi.input_terminated"):  # chunked: the stream ends with the body
+        while stream.read(1 << 16):
+            pass
+        return
+    left = int(environ.get("CONTENT_LENGTH") or 0)
+    while left > 0 and (chunk := stream.read(min(left, 1 << 16))):
+        left -= len(chunk)
 
 
 class _Handler(MotoRequestHandler):

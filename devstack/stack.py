@@ -226,6 +226,26 @@ class DevStack:
             self._write_record(info)
             return stopped_at, time.time()
 
+    def readonly_s3(self, hold_s: float) -> tuple[float, float, int]:
+        """Drill: switch the dev stack's S3 server to read-only (every write refused with 403 AccessDenied,
+        reads served: devstack/s3_server.py) for hold_s, then back to read-write. Returns (read_only_at,
+        read_write_at, writes refused meanwhile). The server keeps running, so the dev stack's lock is not held
+        over the hold (a Temporal restart may happen meanwhile)."""
+        with self._lock():
+            info = read_record(self.home)
+            if info is None or info.s3_pid is None or info.s3_endpoint is None or not _is_ours(info.s3_pid, "s3"):
+                raise DevStackError("the dev stack runs no S3 server; start it with `laminar dev up --s3`")
+            endpoint = info.s3_endpoint
+            _s3_mode(endpoint, "read-only")
+        on_at = time.time()
+        log.warning("s3_server_read_only", pid=info.s3_pid, hold_s=hold_s)
+        try:
+            time.sleep(hold_s)  # the fault itself
+        finally:  # interrupted or not, the server takes writes again
+            refused = _s3_mode(endpoint, "read-write")
+        log.warning("s3_server_read_write", pid=info.s3_pid, refused=refused)
+        return on_at, time.time(), refused
+
     def _spawn(self, cmd: list[str], log_file: Path) -> subprocess.Popen:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(log_file, "ab") as out:
@@ -421,6 +441,24 @@ def http_answers(url: str) -> bool:
         return True  # any HTTP answer means the server is listening
     except OSError:
         return False
+
+
+def _s3_mode(endpoint: str, mode: str, attempts: int = 5) -> int:
+    """Switch the dev S3 server to `mode` (read-only | read-write); the writes it refused since it last went
+    read-only. Retried a few times: a loaded server may be slow to answer."""
+    request = urllib.request.Request(f"{endpoint}/_laminar/mode/{mode}", method="PUT", data=b"")
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                body = json.loads(answer.read())
+            if body.get("mode") != mode:
+                raise DevStackError(f"S3 server at {endpoint} answered mode {body.get('mode')!r}, asked {mode!r}")
+            return int(body["refused"])
+        except (OSError, ValueError, KeyError) as e:
+            if attempt == attempts - 1:
+                raise DevStackError(f"switching the S3 server at {endpoint} to {mode} failed: {e}") from e
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
 
 
 def _create_bucket(endpoint: str, bucket: str) -> None:

@@ -13,13 +13,15 @@ Fault kinds and what healing means for each:
 | stop      | a worker process (any role)    | SIGSTOP: alive, silent (a zombie)          | SIGCONT after hold_s: the zombie wakes up   |
 | partition | a relay process                | its data-plane port's packets dropped     | the rule removed after hold_s               |
 | store     | the store (the dev S3 server)  | the server stopped                        | started again after hold_s                  |
+| readonly  | the store (the dev S3 server)  | every write refused (403 AccessDenied)    | writes accepted again after hold_s          |
 | temporal  | the Temporal server            | the dev server stopped                    | started again at once (same port, same DB)  |
 | preempt   | a worker process (any role)    | SIGTERM: the notice (laminar/notice.py)   | the worker leaves cleanly, exits 0 and the launcher restarts it |
 
 Every fault starts after `warmup_s` and heals (its window ends) by `duration_s - settle_s`, so the run is
 seen whole again before the checker runs. A fault's window is [at_s, at_s + max(hold_s, RECOVERY_S[kind])]:
 two faults overlap when their windows intersect; the schedule has at least `overlaps` faults that overlap an
-earlier one (fewer only when the window cannot hold them). One target never has two faults at once.
+earlier one (fewer only when the window cannot hold them). One target never has two faults at once (the store
+and readonly kinds share the target `store`: the store is never down and read-only at once).
 """
 
 from __future__ import annotations
@@ -30,15 +32,16 @@ from dataclasses import asdict, dataclass
 
 from laminar.errors import ConfigError
 
-KINDS = ("kill", "stop", "partition", "store", "temporal", "preempt")
+KINDS = ("kill", "stop", "partition", "store", "readonly", "temporal", "preempt")
 PROCESS_KINDS = ("kill", "stop", "preempt")  # aimed at a worker process of the run's table
-STORE, TEMPORAL = "store", "temporal"  # the targets of the store and temporal kinds
+STORE, TEMPORAL = "store", "temporal"  # the targets of the store (and readonly) and temporal kinds
 # (min, max) seconds a fault is held before it heals; 0: healed by the run itself (a restart)
 HOLD_S = {"kill": (0.0, 0.0), "stop": (2.0, 12.0), "partition": (5.0, 15.0), "store": (2.0, 6.0),
-          "temporal": (0.0, 0.0), "preempt": (0.0, 0.0)}
+          "readonly": (3.0, 10.0), "temporal": (0.0, 0.0), "preempt": (0.0, 0.0)}
 # nominal seconds the run needs to come back after a fault of this kind is healed: a fault's window for overlaps
 # (preempt: the worker may take its whole notice, LAMINAR_NOTICE_S = 30 s by default, to leave, then restarts)
-RECOVERY_S = {"kill": 10.0, "stop": 5.0, "partition": 5.0, "store": 5.0, "temporal": 10.0, "preempt": 35.0}
+RECOVERY_S = {"kill": 10.0, "stop": 5.0, "partition": 5.0, "store": 5.0, "readonly": 5.0, "temporal": 10.0,
+              "preempt": 35.0}
 SCHEDULE_FORMAT = 1
 
 
@@ -93,7 +96,8 @@ def targets_for(kinds: list[str], processes: list[str]) -> dict[str, list[str]]:
     relays = [p for p in processes if p.startswith("relay-")]
     out: dict[str, list[str]] = {}
     for k in kinds:
-        out[k] = {"partition": relays, "store": [STORE], "temporal": [TEMPORAL]}.get(k, list(processes))
+        out[k] = {"partition": relays, "store": [STORE], "readonly": [STORE], "temporal": [TEMPORAL]}.get(
+            k, list(processes))
         if not out[k]:
             raise ConfigError(f"--faults {k}: the run has no process to aim it at (processes: {processes})")
     return out
@@ -158,7 +162,8 @@ def _assign_targets(faults: list[Fault], targets: dict[str, list[str]], rng: ran
         placed = Fault(f.index, f.kind, target, max(f.at_s, busy.get(target, f.at_s)), f.hold_s)
         busy[target] = placed.window[1]
         out.append(placed)
-    return out
+    # a fault delayed until its target was free may now start after the next one: back in time order
+    return [Fault(i, f.kind, f.target, f.at_s, f.hold_s) for i, f in enumerate(sorted(out, key=lambda f: f.at_s))]
 
 
 def _overlaps_earlier(faults: list[Fault], i: int) -> bool:

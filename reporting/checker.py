@@ -13,11 +13,15 @@ The checks are pure functions of those records, so each is unit-tested with reco
 | steps | step records 1..N, each once, completed in step order (a redone step rewrites a suffix, so replays keep the order) |
 | reward | the reward rose over the run (reporting.summary.reward_rise > 0) |
 | processes | after the launcher stopped, no pid of its table (any incarnation) is alive, and no worker of this home runs outside the table |
-| faults | every injected fault healed; every preempted worker exited 0 |
+| faults | every injected fault healed; every preempted worker exited 0; every readonly fault counted the writes it refused |
 
 The chaos report has a row per fault: injected, healed, detected (the first run event about its target after
 injection; at injection for control, store and Temporal, whose work waits in Temporal), recovered (the first
-step completed after detection and heal), throughput restored and tokens lost (throughput_restored).
+step completed after detection and heal), throughput restored and tokens lost (throughput_restored), and what
+the nemesis noted (the ports partitioned, the writes a read-only store refused). A fault the machine could not
+inject (a partition without iptables or nft) is a row marked skipped with the reason, and its kind is listed
+as skipped in the per-kind table and the verdict's numbers: never silently left out. Skipped faults do not
+turn the verdict red; a kind with no fault injected at all is named in the faults check's detail.
 """
 
 from __future__ import annotations
@@ -169,20 +173,33 @@ def check_processes(table: dict, alive: set[int], strays: list[int]) -> Check:
                  f"{len(pids)} incarnations of {len(table['processes'])} processes, none left")
 
 
+def skipped_kinds(faults: list[dict]) -> list[str]:
+    """Kinds the schedule holds that were never injected: every fault of theirs was skipped."""
+    injected = {f["kind"] for f in faults if f.get("injected_at") is not None}
+    return sorted({f["kind"] for f in faults if f.get("skipped")} - injected)
+
+
 def check_faults(faults: list[dict], exit_codes: dict[int, int]) -> Check:
     injected = [f for f in faults if f.get("injected_at") is not None]
     unhealed = [f"#{f['index']} {f['kind']} {f['target']}" for f in injected if f.get("healed_at") is None]
     unclean = [f"#{f['index']} {f['target']} pid {f['pid']} exit {exit_codes.get(f['pid'])}"
                for f in injected if f["kind"] == "preempt" and exit_codes.get(f["pid"]) != 0]
     skipped = [f"#{f['index']} {f['kind']}: {f.get('detail', '')}" for f in faults if f.get("skipped")]
+    uncounted = [f"#{f['index']}" for f in injected if f["kind"] == "readonly" and f.get("refused") is None]
     problems = []
     if unhealed:
         problems.append(f"not healed: {unhealed}")
     if unclean:
         problems.append(f"preempted workers that did not exit 0: {unclean}")
+    if uncounted:
+        problems.append(f"readonly faults without a count of the writes refused: {uncounted}")
     kinds = sorted({f["kind"] for f in injected})
-    detail = f"{len(injected)} injected ({', '.join(kinds)}), {len(skipped)} skipped" + (
-        f": {skipped[:3]}" if skipped else "")
+    never = skipped_kinds(faults)
+    refused = sum(f.get("refused") or 0 for f in injected if f["kind"] == "readonly")
+    detail = (f"{len(injected)} injected ({', '.join(kinds)}), {len(skipped)} skipped"
+              + (f": {skipped[:3]}" if skipped else "")
+              + (f"; kinds never injected (skipped): {', '.join(never)}" if never else "")
+              + (f"; {refused} write(s) refused by a read-only store" if "readonly" in kinds else ""))
     return Check("faults", not problems and bool(injected), "; ".join([*problems, detail]))
 
 
@@ -255,7 +272,7 @@ def fault_rows(faults: list[dict], final: RunStatus, points: list[tuple[float, i
         rel = lambda t: None if t is None else round(t - t0, 2)  # noqa: E731 - seconds since the chaos start
         rows.append({**_base(f), "injected_s": rel(inj), "healed_s": rel(healed), "detected_s": rel(det),
                      "recovered_s": rel(recovered), "throughput_restored_s": rel(restored), "tokens_lost": lost,
-                     "overlaps": _overlapping(f, faults)})
+                     "overlaps": _overlapping(f, faults), "note": f.get("detail", "")})
     return rows
 
 
@@ -294,27 +311,31 @@ def judge(final: RunStatus | None, steps: dict[int, dict], checkpoints: dict[int
     injected = [r for r in rows if "injected_s" in r]
     numbers = {"steps": last, "groups_consumed": final.groups_consumed,
                "groups_consumed_twice": final.groups_consumed_twice, "faults_injected": len(injected),
-               "fault_kinds": sorted({r["kind"] for r in injected}),
+               "fault_kinds": sorted({r["kind"] for r in injected}), "fault_kinds_skipped": skipped_kinds(faults),
+               "faults_skipped": sum(1 for f in faults if f.get("skipped")),
+               "writes_refused": sum(f.get("refused") or 0 for f in faults if f.get("injected_at") is not None),
                "faults_overlapping": sum(1 for r in injected if r["overlaps"]),
                "reward_rise": round(reward_rise(rewards), 3), "tokens_lost": sum(r["tokens_lost"] or 0 for r in injected)}
     return Verdict(all(c.ok for c in checks), checks, rows, numbers)
 
 
 def kind_summary(rows: list[dict]) -> list[dict]:
-    """Per fault kind: how many were injected, how many the run noticed, the median seconds from injection to
-    detection, to recovery and to restored throughput, and the tokens lost in all."""
+    """Per fault kind: how many were injected and how many skipped (not injectable here), how many the run
+    noticed, the median seconds from injection to detection, to recovery and to restored throughput, and the
+    tokens lost in all."""
     def median(xs: list[float]) -> float | None:
         xs = sorted(xs)
         return None if not xs else round(xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2, 2)
 
     out = []
-    for kind in sorted({r["kind"] for r in rows if "injected_s" in r}):
+    for kind in sorted({r["kind"] for r in rows}):
         mine = [r for r in rows if r["kind"] == kind and "injected_s" in r]
+        skipped = sum(1 for r in rows if r["kind"] == kind and "injected_s" not in r)
 
         def since(col: str, mine: list[dict] = mine) -> list[float]:
             return [r[col] - r["injected_s"] for r in mine if r[col] is not None]
 
-        out.append({"kind": kind, "faults": len(mine), "detected": len(since("detected_s")),
+        out.append({"kind": kind, "faults": len(mine), "skipped": skipped, "detected": len(since("detected_s")),
                     "detect_s_p50": median(since("detected_s")), "recover_s_p50": median(since("recovered_s")),
                     "restored": len(since("throughput_restored_s")),
                     "restore_s_p50": median(since("throughput_restored_s")),
@@ -332,20 +353,21 @@ def format_verdict(v: Verdict) -> str:
     def n(x) -> str:
         return "-" if x is None else str(x)
 
-    lines += ["", "| kind | faults | detected | detect p50 (s) | recovered p50 (s) | throughput restored | restore p50 (s) "
-              "| tokens lost |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {k['kind']} | {k['faults']} | {k['detected']} | {n(k['detect_s_p50'])} | {n(k['recover_s_p50'])} | "
-              f"{k['restored']} | {n(k['restore_s_p50'])} | {k['tokens_lost']:,} |" for k in kind_summary(v.faults)]
+    lines += ["", "| kind | faults | skipped | detected | detect p50 (s) | recovered p50 (s) | throughput restored "
+              "| restore p50 (s) | tokens lost |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {k['kind']} | {k['faults']} | {k['skipped']} | {k['detected']} | {n(k['detect_s_p50'])} | "
+              f"{n(k['recover_s_p50'])} | {k['restored']} | {n(k['restore_s_p50'])} | {k['tokens_lost']:,} |"
+              for k in kind_summary(v.faults)]
     lines += ["", "| # | fault | target | hold (s) | injected | healed | detected | recovered | throughput restored "
-              "| tokens lost | overlaps |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| tokens lost | overlaps | note |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     for r in v.faults:
         if "injected_s" not in r:
-            lines.append(f"| {r['index']} | {r['kind']} | {r['target']} | {r['hold_s']} | skipped: {r['skipped']} "
-                         "| | | | | | |")
+            lines.append(f"| {r['index']} | {r['kind']} | {r['target']} | {r['hold_s']} | skipped | | | | | | "
+                         f"| {r['skipped']} |")
             continue
         lines.append(f"| {r['index']} | {r['kind']} | {r['target']} | {r['hold_s']} | {s(r['injected_s'])} | "
                      f"{s(r['healed_s'])} | {s(r['detected_s'])} | {s(r['recovered_s'])} | "
                      f"{s(r['throughput_restored_s'])} | {s(r['tokens_lost'])} | "
-                     f"{','.join(map(str, r['overlaps'])) or '-'} |")
+                     f"{','.join(map(str, r['overlaps'])) or '-'} | {r.get('note', '')} |")
     return "\n".join(lines)

@@ -2,20 +2,26 @@
 every fault it injects.
 
 It aims at the processes of the run's process table (`<LAMINAR_HOME>/runs/<run_id>/processes.json`, written
-by the local launcher: workers/launcher.py), on the machine that runs them, by pid. The store and Temporal
-faults reuse the dev stack's own interruptions (devstack/stack.py: `interrupt_s3`, the store drill's, and
-`restart_temporal`). Process faults are signals sent by pid rather than the drills' fault activities: a
+by the local launcher: workers/launcher.py), on the machine that runs them, by pid. The store, readonly and
+Temporal faults reuse the dev stack's own interruptions (devstack/stack.py: `interrupt_s3`, the store drill's,
+`readonly_s3` and `restart_temporal`). A partition drops a relay's data-plane packets with iptables or nft
+(`make setup` installs iptables where neither exists and it runs as root); where neither works, each partition
+fault is recorded as skipped with that reason, and the chaos report shows it. Process faults are signals sent by pid rather than the drills' fault activities: a
 fault's delivery must not depend on Temporal, which another fault may be restarting at that moment, and the
 drills' activity only knows SIGKILL.
 
 Each fault runs on its own thread (inject, hold, heal), so faults overlap as the schedule says. Whatever
-happens, `heal_all` undoes what is still held (SIGCONT, partition rules removed) before the command exits.
+happens, `heal_all` undoes what is still held (SIGCONT, partition rules removed) before the command exits. A
+nemesis killed outright cannot; each partition rule names its owner's pid, and the next nemesis removes the rules
+of owners that no longer run (`sweep_stale_rules`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -32,6 +38,8 @@ from laminar.logs import get_logger
 
 log = get_logger(__name__)
 RESTART_WAIT_S = 90.0  # a killed or preempted process must be back (a new pid in the table) within this
+NO_PACKET_FILTER = ("no packet filter on this machine: neither iptables nor nft is installed and usable (needs root; "
+                    "`make setup` installs iptables as root)")
 
 
 @dataclass
@@ -47,8 +55,9 @@ class FaultRecord:
     healed_at: float | None = None
     pid: int | None = None  # the process hit (process and partition kinds)
     new_pid: int | None = None  # its next incarnation (kill, preempt)
-    detail: str = ""  # the port partitioned, the tool used, or why the fault was skipped
+    detail: str = ""  # the port partitioned, the tool used, the writes refused, or why the fault was skipped
     skipped: bool = False
+    refused: int | None = None  # readonly: writes the store refused while it held
 
 
 def read_table(path: Path) -> dict:
@@ -72,13 +81,19 @@ def partition_tool() -> str | None:
     return None
 
 
-def _partition_commands(tool: str, port: int, add: bool) -> list[list[str]]:
-    """Drop every TCP packet to or from `port` (both directions on loopback too), or remove that again."""
+RULE_TAG = "laminar-chaos pid="  # + the nemesis's pid: whose rule it is (a sweep removes those of dead owners)
+
+
+def _partition_commands(tool: str, port: int, add: bool, owner: int | None = None) -> list[list[str]]:
+    """Drop every TCP packet to or from `port` (both directions on loopback too), or remove that again. Each rule
+    names its owner (this process by default), so one left by a nemesis that was killed can be found."""
+    owner = os.getpid() if owner is None else owner
     if tool == "iptables":
         op = "-I" if add else "-D"
-        return [["iptables", op, "INPUT", "-p", "tcp", "--dport", str(port), "-j", "DROP"],
-                ["iptables", op, "OUTPUT", "-p", "tcp", "--sport", str(port), "-j", "DROP"]]
-    table = f"laminar_chaos_{port}"
+        tag = ["-m", "comment", "--comment", f"{RULE_TAG}{owner}"]
+        return [["iptables", op, "INPUT", "-p", "tcp", "--dport", str(port), *tag, "-j", "DROP"],
+                ["iptables", op, "OUTPUT", "-p", "tcp", "--sport", str(port), *tag, "-j", "DROP"]]
+    table = f"laminar_chaos_{owner}_{port}"
     if add:
         return [["nft", "add", "table", "inet", table],
                 ["nft", "add", "chain", "inet", table, "in", "{ type filter hook input priority -10 ; }"],
@@ -86,6 +101,36 @@ def _partition_commands(tool: str, port: int, add: bool) -> list[list[str]]:
                 ["nft", "add", "rule", "inet", table, "in", "tcp", "dport", str(port), "drop"],
                 ["nft", "add", "rule", "inet", table, "out", "tcp", "sport", str(port), "drop"]]
     return [["nft", "delete", "table", "inet", table]]
+
+
+def sweep_stale_rules(tool: str) -> list[str]:
+    """Remove the partition rules whose owner (a nemesis) is no longer alive: a `laminar chaos` killed before it
+    healed leaves its ports dropped, and a later process on such a port would be silently cut off. Rules of a
+    live owner (another chaos run on this machine) are left alone. Returns what was removed."""
+    removed = []
+    if tool == "iptables":
+        listing = subprocess.run(["iptables", "-S"], capture_output=True, text=True, timeout=10).stdout
+        for line in listing.splitlines():
+            if RULE_TAG in line and line.startswith("-A ") and not _owner_alive(line):
+                _run_all([["iptables", "-D", *shlex.split(line)[1:]]], check=False)
+                removed.append(line)
+    else:
+        listing = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, timeout=10).stdout
+        for line in listing.splitlines():
+            name = line.split()[-1] if line.startswith("table inet laminar_chaos_") else ""
+            parts = name.removeprefix("laminar_chaos_").split("_")
+            if len(parts) == 2 and parts[0].isdigit() and not psutil.pid_exists(int(parts[0])):
+                _run_all([["nft", "delete", "table", "inet", name]], check=False)
+                removed.append(line)
+    if removed:
+        log.warning("chaos_stale_rules_removed", tool=tool, rules=removed)
+    return removed
+
+
+def _owner_alive(rule: str) -> bool:
+    """Whether the nemesis named in a rule's comment (`laminar-chaos pid=N`) still runs."""
+    found = re.search(re.escape(RULE_TAG) + r"(\d+)", rule)
+    return found is not None and psutil.pid_exists(int(found.group(1)))
 
 
 def data_ports(pid: int) -> list[int]:
@@ -98,9 +143,11 @@ def data_ports(pid: int) -> list[int]:
 
 class Nemesis:
     def __init__(self, table_path: Path, interrupt_store: Callable[[float], tuple[float, float]] | None,
-                 restart_temporal: Callable[[], tuple[float, float]] | None, partition: str | None = None) -> None:
+                 restart_temporal: Callable[[], tuple[float, float]] | None, partition: str | None = None,
+                 readonly_store: Callable[[float], tuple[float, float, int]] | None = None) -> None:
         self.table_path = table_path
         self._interrupt_store, self._restart_temporal = interrupt_store, restart_temporal
+        self._readonly_store = readonly_store
         self.partition = partition  # iptables | nft | None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -111,6 +158,8 @@ class Nemesis:
     def run(self, schedule: Schedule, t0: float, on_record: Callable[[FaultRecord], None] = lambda r: None) -> None:
         """Inject each fault at t0 + at_s on a thread of its own; return when every fault has healed (or
         the nemesis was stopped: then what is held is healed at once)."""
+        if self.partition is not None:
+            sweep_stale_rules(self.partition)
         threads = []
         for f in sorted(schedule.faults, key=lambda f: f.at_s):
             if self._stop.wait(max(0.0, t0 + f.at_s - time.time())):
@@ -130,7 +179,7 @@ class Nemesis:
     def _one(self, f: Fault, rec: FaultRecord, on_record: Callable[[FaultRecord], None]) -> None:
         try:
             {"kill": self._kill, "stop": self._sigstop, "partition": self._partition, "store": self._store,
-             "temporal": self._temporal, "preempt": self._preempt}[f.kind](f, rec)
+             "readonly": self._readonly, "temporal": self._temporal, "preempt": self._preempt}[f.kind](f, rec)
         except Exception as e:  # one fault failing to inject never stops the others; it is reported
             rec.skipped, rec.detail = True, f"{type(e).__name__}: {e}"
             log.warning("chaos_fault_failed", index=f.index, kind=f.kind, target=f.target, error=str(e))
@@ -179,7 +228,7 @@ class Nemesis:
 
     def _partition(self, f: Fault, rec: FaultRecord) -> None:
         if self.partition is None:
-            rec.skipped, rec.detail = True, "no packet filter (iptables or nft) on this machine"
+            rec.skipped, rec.detail = True, NO_PACKET_FILTER
             return
         if (pid := self._target_pid(f, rec)) is None:
             return
@@ -206,6 +255,15 @@ class Nemesis:
         rec.injected_at = time.time()  # replaced by when the server was stopped
         stopped_at, back_at = self._interrupt_store(f.hold_s)
         rec.injected_at, rec.healed_at = stopped_at, back_at
+
+    def _readonly(self, f: Fault, rec: FaultRecord) -> None:
+        if self._readonly_store is None:
+            rec.skipped, rec.detail = True, "the dev stack runs no S3 server to make read-only"
+            return
+        rec.injected_at = time.time()  # replaced by when the server went read-only
+        on_at, off_at, refused = self._readonly_store(f.hold_s)
+        rec.injected_at, rec.healed_at, rec.refused = on_at, off_at, refused
+        rec.detail = f"{refused} write(s) refused with AccessDenied"
 
     def _temporal(self, f: Fault, rec: FaultRecord) -> None:
         if self._restart_temporal is None:

@@ -18,6 +18,7 @@ from reporting.checker import (
     check_steps,
     check_versions,
     detected_at,
+    format_verdict,
     judge,
     kind_summary,
     throughput_restored,
@@ -168,11 +169,57 @@ def test_kind_summary_medians():
             {"kind": "stop", "injected_s": 70.0, "detected_s": None, "recovered_s": 71.0, "throughput_restored_s": 72.0,
              "tokens_lost": None},
             {"kind": "store", "index": 3, "skipped": "x"}]
-    kill, stop = kind_summary(rows)
+    kill, stop, store = kind_summary(rows)
     # kill: detection after 2 s and 4 s -> median 3; recovery after 5 and 6 -> 5.5; restored once, after 10 s
-    assert kill == {"kind": "kill", "faults": 2, "detected": 2, "detect_s_p50": 3.0, "recover_s_p50": 5.5,
-                    "restored": 1, "restore_s_p50": 10.0, "tokens_lost": 150}
+    assert kill == {"kind": "kill", "faults": 2, "skipped": 0, "detected": 2, "detect_s_p50": 3.0,
+                    "recover_s_p50": 5.5, "restored": 1, "restore_s_p50": 10.0, "tokens_lost": 150}
     assert stop["detected"] == 0 and stop["detect_s_p50"] is None and stop["tokens_lost"] == 0
+    # a kind whose only fault was skipped keeps its row: 0 injected, 1 skipped
+    assert store == {"kind": "store", "faults": 0, "skipped": 1, "detected": 0, "detect_s_p50": None,
+                     "recover_s_p50": None, "restored": 0, "restore_s_p50": None, "tokens_lost": 0}
+
+
+def _fault(index: int, kind: str, target: str, **kw) -> dict:
+    return {"index": index, "kind": kind, "target": target, "hold_s": 5.0, "injected_at": T0 + 5 + index,
+            "healed_at": T0 + 10 + index, "pid": None, "skipped": False, "detail": "", **kw}
+
+
+def test_a_kind_the_machine_cannot_inject_is_reported_skipped_never_left_out():
+    table = {"stopped": True, "processes": [{"name": "trainer", "pid": 11, "pids": [11]}]}
+    reason = "no packet filter on this machine"
+    faults = [_fault(0, "kill", "trainer", pid=10),
+              _fault(1, "partition", "relay-host-0", injected_at=None, healed_at=None, skipped=True, detail=reason),
+              _fault(2, "partition", "relay-host-1", injected_at=None, healed_at=None, skipped=True, detail=reason)]
+    v = judge(status(), steps(), {10: None}, table, set(), [], faults, {}, T0)
+    assert v.green  # skipped is not red: the machine, not the run, is short of something
+    assert v.numbers["fault_kinds"] == ["kill"] and v.numbers["fault_kinds_skipped"] == ["partition"]
+    assert v.numbers["faults_skipped"] == 2
+    by = {c.name: c for c in v.checks}
+    assert "kinds never injected (skipped): partition" in by["faults"].detail
+    report = format_verdict(v)
+    # the per-kind table: partition 0 injected, 2 skipped; the fault table: each skipped row with its reason
+    assert "| partition | 0 | 2 | 0 |" in report
+    assert report.count(f"| skipped | | | | | | | {reason} |") == 2
+    # a kind injected once and skipped once is not a skipped kind
+    faults[2] = _fault(2, "partition", "relay-host-1", detail="iptables drop tcp port(s) [7000]")
+    v = judge(status(), steps(), {10: None}, table, set(), [], faults, {}, T0)
+    assert v.numbers["fault_kinds_skipped"] == [] and "| partition | 1 | 1 |" in format_verdict(v)
+
+
+def test_readonly_faults_are_accounted_for():
+    table = {"stopped": True, "processes": [{"name": "trainer", "pid": 11, "pids": [11]}]}
+    ro = [_fault(0, "readonly", "store", refused=7, detail="7 write(s) refused with AccessDenied"),
+          _fault(1, "readonly", "store", refused=0, detail="0 write(s) refused with AccessDenied")]
+    v = judge(status(), steps(), {10: None}, table, set(), [], ro, {}, T0)
+    # 7 + 0 refused; noticed at injection (the store's callers see the refusal at once)
+    assert v.green and v.numbers["writes_refused"] == 7, [c for c in v.checks if not c.ok]
+    assert "7 write(s) refused by a read-only store" in {c.name: c for c in v.checks}["faults"].detail
+    assert v.faults[0]["detected_s"] == 5.0 and v.faults[0]["note"] == "7 write(s) refused with AccessDenied"
+    assert "| 7 write(s) refused with AccessDenied |" in format_verdict(v)
+    # injected without a count of what it refused (the switch back never answered): red
+    assert not check_faults([{**ro[0], "refused": None}], {}).ok
+    # and not healed (the store stayed read-only): red
+    assert not check_faults([{**ro[0], "healed_at": None}], {}).ok
 
 
 def test_a_run_that_did_not_end_is_red_and_still_judged_from_its_records():

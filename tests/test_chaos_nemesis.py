@@ -4,6 +4,8 @@ publishes its process table, the nemesis finds its targets there, injects, and e
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import threading
@@ -13,15 +15,35 @@ from pathlib import Path
 import psutil
 import pytest
 
-from devstack.stack import free_port
+from devstack.stack import DevStack, free_port
 from laminar.chaos import Fault, Schedule
-from services.nemesis import Nemesis, _partition_commands, data_ports, read_table
+from laminar.errors import StoreError
+from services.nemesis import (
+    NO_PACKET_FILTER,
+    Nemesis,
+    _partition_commands,
+    data_ports,
+    partition_tool,
+    read_table,
+    sweep_stale_rules,
+)
+from storage.objects import open_store
+from tests.fixtures.waiting import wait_until
 from workers.launcher import LocalLauncher, ManagedProcess
 
 LISTENER = ("import os, socket, time\n"
             "a = socket.socket(); a.bind(('127.0.0.1', int(os.environ['LAMINAR_METRICS_PORT']))); a.listen()\n"
             "b = socket.socket(); b.bind(('127.0.0.1', 0)); b.listen()\n"
             "print(b.getsockname()[1], flush=True); time.sleep(60)")
+# a relay stand-in for the partition: its data port accepts and echoes, its metrics port only listens
+ECHO_RELAY = ("import os, socket, threading\n"
+              "m = socket.socket(); m.bind(('127.0.0.1', int(os.environ['LAMINAR_METRICS_PORT']))); m.listen()\n"
+              "d = socket.socket(); d.bind(('127.0.0.1', 0)); d.listen()\n"
+              "def echo(c):\n"
+              "    while (b := c.recv(64)):\n"
+              "        c.sendall(b)\n"
+              "while True:\n"
+              "    threading.Thread(target=echo, args=(d.accept()[0],), daemon=True).start()\n")
 SLEEPER = [sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
            "time.sleep(600)"]
 
@@ -110,4 +132,116 @@ def test_data_ports_leave_out_the_metrics_port_and_partition_rules_are_symmetric
     add, remove = _partition_commands("iptables", 7000, True), _partition_commands("iptables", 7000, False)
     assert [c[1] for c in add] == ["-I", "-I"] and [c[1] for c in remove] == ["-D", "-D"]
     assert [c[2:] for c in add] == [c[2:] for c in remove]  # the same rules, removed exactly
-    assert _partition_commands("nft", 7000, False) == [["nft", "delete", "table", "inet", "laminar_chaos_7000"]]
+    assert _partition_commands("nft", 7000, False, owner=42) == [
+        ["nft", "delete", "table", "inet", "laminar_chaos_42_7000"]]
+    assert all(f"laminar-chaos pid={os.getpid()}" in c for c in add)  # each rule names the nemesis that owns it
+
+
+def _echo(port: int, timeout_s: float = 1.0) -> bool:
+    """Whether a new connection to the port echoes a byte back within timeout_s."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as c:
+            c.settimeout(timeout_s)
+            c.sendall(b"x")
+            return c.recv(1) == b"x"
+    except OSError:
+        return False
+
+
+def test_partition_drops_the_relays_data_port_then_heals(tmp_path):
+    """The real packet filter (iptables or nft; `make setup` installs iptables as root): a relay stand-in in the
+    launcher's table, its data port partitioned for the hold (new connections and an open one both go silent; the
+    metrics port still answers), then reachable again, and no rule of ours left behind."""
+    tool = partition_tool()
+    if tool is None:
+        pytest.skip(NO_PACKET_FILTER)
+    metrics = free_port()
+    relay = ManagedProcess("relay-host-0", [sys.executable, "-c", ECHO_RELAY],
+                           {"PATH": "/usr/bin:/bin", "LAMINAR_METRICS_PORT": str(metrics)}, tmp_path / "relay.log")
+    launcher = LocalLauncher([relay], healthy_s=60.0)
+    launcher.table_path = tmp_path / "runs" / "r" / "processes.json"
+    launcher.start_all()
+    try:
+        pid = read_table(launcher.table_path)["processes"][0]["pid"]
+        (port,) = wait_until(lambda: data_ports(pid), 30, "the relay stand-in listening on its data port")
+        assert _echo(port)
+        held = socket.create_connection(("127.0.0.1", port), timeout=2)  # open before the partition
+        nemesis = Nemesis(launcher.table_path, None, None, tool)
+        th = threading.Thread(target=nemesis.run, args=(
+            Schedule(0, 10, ["partition"], 1, 0, [Fault(0, "partition", "relay-host-0", 0.0, 3.0)]), time.time()))
+        th.start()
+        wait_until(lambda: nemesis.records and nemesis.records[0].injected_at, 10, "the partition injected")
+        assert not _echo(port)  # a new connection goes unanswered
+        held.settimeout(1.0)
+        held.sendall(b"y")
+        with pytest.raises(TimeoutError):
+            held.recv(1)  # and so does the open one: a gray failure, not a reset
+        socket.create_connection(("127.0.0.1", metrics), timeout=1).close()  # the metrics port is not touched
+        th.join(timeout=30)
+        rec = nemesis.records[0]
+        assert not rec.skipped and rec.pid == pid and str(port) in rec.detail, rec
+        assert rec.healed_at - rec.injected_at >= 3.0
+        assert _echo(port, timeout_s=5.0)  # healed
+        held.settimeout(10.0)
+        assert held.recv(1) == b"y"  # TCP retransmits the byte dropped meanwhile: the open connection lives on
+        held.close()
+        rules = subprocess.run(["iptables", "-S"] if tool == "iptables" else ["nft", "list", "ruleset"],
+                               capture_output=True, text=True, check=True).stdout
+        assert str(port) not in rules, rules
+    finally:
+        launcher.stop_all(timeout_s=5)
+
+
+def test_readonly_store_refuses_writes_for_the_hold(tmp_path, aws_test_env):
+    """The readonly fault against the dev stack's real S3 server: writes denied while it holds, counted by the
+    server and recorded by the nemesis; reads served; writes accepted after it."""
+    stack = DevStack(tmp_path / "home")
+    info = stack.up(s3=True, port=free_port(), ui=False)
+    try:
+        store = open_store(info.store_url, endpoint_url=info.s3_endpoint)
+        store.put("runs/r/kept", b"kept")
+        nemesis = Nemesis(tmp_path / "processes.json", stack.interrupt_s3, stack.restart_temporal,
+                          readonly_store=stack.readonly_s3)
+        th = threading.Thread(target=nemesis.run, args=(
+            Schedule(0, 10, ["readonly"], 1, 0, [Fault(0, "readonly", "store", 0.0, 3.0)]), time.time()))
+        th.start()
+        wait_until(lambda: nemesis.records and nemesis.records[0].injected_at, 10, "the store made read-only")
+        denied = 0
+        for i in range(3):
+            try:
+                store.put(f"runs/r/new-{i}", b"x")
+            except StoreError as e:
+                denied += "AccessDenied" in str(e)
+        assert denied == 3 and store.get("runs/r/kept") == b"kept"
+        th.join(timeout=30)
+        rec = nemesis.records[0]
+        assert not rec.skipped and rec.refused == 3 and rec.healed_at - rec.injected_at >= 3.0, rec
+        store.put("runs/r/after", b"a")
+        assert store.list("runs/r/") == ["runs/r/after", "runs/r/kept"]
+    finally:
+        stack.down()
+
+
+def test_rules_of_a_killed_nemesis_are_swept_those_of_a_live_one_kept():
+    """A `laminar chaos` killed mid-partition leaves its DROP rules; the next nemesis removes them (their owner is
+    dead) and leaves a live owner's rules (another chaos run) alone."""
+    tool = partition_tool()
+    if tool is None:
+        pytest.skip(NO_PACKET_FILTER)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid names an owner that no longer runs
+    dead_port, live_port = free_port(), free_port()
+    listing = ["iptables", "-S"] if tool == "iptables" else ["nft", "list", "tables"]
+    try:
+        for cmd in (*_partition_commands(tool, dead_port, True, owner=dead.pid),
+                    *_partition_commands(tool, live_port, True)):
+            subprocess.run(cmd, check=True, capture_output=True)
+        removed = sweep_stale_rules(tool)
+        rules = subprocess.run(listing, capture_output=True, text=True, check=True).stdout
+        assert removed and all(str(dead_port) in r or str(dead.pid) in r for r in removed), removed
+        assert str(dead_port) not in rules and str(live_port) in rules, rules
+    finally:
+        for cmd in (*_partition_commands(tool, dead_port, False, owner=dead.pid),
+                    *_partition_commands(tool, live_port, False)):
+            subprocess.run(cmd, capture_output=True)
+    assert str(live_port) not in subprocess.run(listing, capture_output=True, text=True).stdout

@@ -63,7 +63,8 @@ def test_no_overlap_asked_can_give_none():
 
 def test_targets_by_kind():
     assert ALL["partition"] == ["relay-host-0", "relay-host-1"]
-    assert ALL["store"] == ["store"] and ALL["temporal"] == ["temporal"] and ALL["kill"] == PROCESSES
+    assert ALL["store"] == ALL["readonly"] == ["store"] and ALL["temporal"] == ["temporal"]
+    assert ALL["kill"] == PROCESSES
     with pytest.raises(ConfigError, match="no process to aim it at"):
         targets_for(["partition"], ["control", "trainer"])
 
@@ -87,3 +88,15 @@ def test_parsing_errors_name_the_fix():
         parse_kinds("kill,fire")
     with pytest.raises(ConfigError, match="longer duration"):
         plan_schedule(0, 15, ["kill"], {"kill": PROCESSES})
+
+
+def test_store_faults_share_their_target():
+    # readonly and store both aim at the one dev S3 server: never both at once (a restart would end read-only)
+    s = plan_schedule(5, 600, ["store", "readonly"], targets_for(["store", "readonly"], PROCESSES), rate_per_min=12,
+                      overlaps=5)
+    assert {f.kind for f in s.faults} == {"store", "readonly"} and {f.target for f in s.faults} == {"store"}
+    held = sorted(f.window for f in s.faults)
+    assert all(a[1] <= b[0] for a, b in zip(held, held[1:], strict=False)), format_schedule(s)
+    for f in s.faults:
+        lo, hi = HOLD_S[f.kind]
+        assert lo <= f.hold_s <= hi

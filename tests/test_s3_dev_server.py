@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from devstack.stack import DevStack, DevStackInfo
-from laminar.errors import ObjectNotFoundError, StoreUnavailableError
+from devstack.stack import DevStack, DevStackInfo, _s3_mode
+from laminar.errors import ObjectNotFoundError, StoreError, StoreUnavailableError
 from storage.objects import MiB, ObjectStore, open_store
 from tests.fixtures.s3 import free_port
 
@@ -146,3 +146,43 @@ def test_every_acknowledged_write_survives_an_interrupt(stack: DevStack) -> None
     store = open_store(info.store_url, endpoint_url=info.s3_endpoint)  # a fresh client
     lost = [key for key, data in acked.items() if not store.exists(key) or store.get(key) != data]
     assert lost == [], f"{len(lost)} of {len(acked)} acknowledged writes lost"
+
+
+def test_read_only_refuses_every_write_serves_reads_and_counts(stack: DevStack) -> None:
+    """The chaos `readonly` fault: while it holds, puts (single and multipart) and deletes are denied with
+    AccessDenied (botocore does not retry a 403, so each comes back at once), gets and lists are served; after it,
+    writes land again on the same connection pool. The server counts the refusals."""
+    _, store = up(stack)
+    store.put("runs/r1/kept", b"before")
+    refused: list[str] = []
+    done = threading.Event()
+
+    def writes_while_read_only() -> None:
+        for key, data in (("runs/r1/new", b"x" * 100), ("runs/r1/big", b"y" * (9 * MiB)), ("runs/r1/kept", b"z")):
+            try:
+                store.put(key, data)
+            except StoreError as e:
+                refused.append(f"{key}: {e}")
+        try:
+            store.delete("runs/r1/kept")
+        except StoreError as e:
+            refused.append(f"delete: {e}")
+        assert store.get("runs/r1/kept") == b"before" and store.list("runs/") == ["runs/r1/kept"]
+        done.set()
+
+    writer = threading.Thread(target=writes_while_read_only)
+    info = stack.status()  # the switch DevStack.readonly_s3 flips, driven step by step here
+    assert _s3_mode(info.s3_endpoint, "read-only") == 0
+    writer.start()
+    writer.join(timeout=120)
+    assert done.is_set()
+    # 3 puts (one a multipart upload: its initiating POST is refused) and 1 delete: 4 writes refused, each named
+    assert len(refused) == 4 and all("AccessDenied" in r and "denied" in r for r in refused), refused
+    assert _s3_mode(info.s3_endpoint, "read-write") == 4
+    store.put("runs/r1/new", b"after")
+    assert store.get("runs/r1/new") == b"after"
+    # the stack's drill: on for the hold, off after it; the count starts again from 0
+    on_at, off_at, n = stack.readonly_s3(hold_s=0.5)
+    assert off_at - on_at >= 0.5 and n == 0
+    store.delete("runs/r1/new")
+    assert store.list("runs/") == ["runs/r1/kept"]

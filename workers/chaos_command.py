@@ -1,7 +1,7 @@
 """What `laminar chaos [CONFIG] --duration 30m --seed S [--faults ...] [--rate N] [--replay FILE]`: a run under a
 seeded fault schedule, judged at the end by the checker.
 
-1. The dev stack with its S3 server (the store and Temporal faults interrupt it), then `laminar run CONFIG` as
+1. The dev stack with its S3 server (the store, readonly and Temporal faults interrupt it), then `laminar run CONFIG` as
    a child process (its launcher publishes the process table the nemesis aims at; its output goes to
    `<out>/run.log`), with `run.steps` large: chaos ends the run itself.
 2. Once the run trains, the schedule (laminar/chaos.py) is planned from the seed and the table's processes,
@@ -53,9 +53,10 @@ START_TIMEOUT_S = 600.0  # the run must train its first step within this (base m
 STOP_TIMEOUT_S = 300.0
 
 
-def default_kinds(partition: str | None) -> list[str]:
-    """Every kind this machine can inject: partition needs a packet filter (iptables or nft)."""
-    return [k for k in KINDS if k != "partition" or partition]
+def default_kinds() -> list[str]:
+    """Every kind. One this machine cannot inject (partition without iptables or nft) stays in the schedule and
+    each of its faults is recorded as skipped with the reason, so the chaos report shows it was not exercised."""
+    return list(KINDS)
 
 
 def run_chaos(config: Path, overrides: list[str], duration_s: float | None, seed: int, kinds: list[str] | None,
@@ -86,7 +87,7 @@ def run_chaos(config: Path, overrides: list[str], duration_s: float | None, seed
         with open(out / "run.log", "ab") as log_file:
             child = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env={**os.environ, "LAMINAR_HOME": str(home)})
-        nemesis = Nemesis(table_path, stack.interrupt_s3, stack.restart_temporal, partition)
+        nemesis = Nemesis(table_path, stack.interrupt_s3, stack.restart_temporal, partition, stack.readonly_s3)
         try:
             asyncio.run(_wait_training(settings, run_id, table_path, child))
             names_ = [r["name"] for r in read_table(table_path)["processes"]]
@@ -94,7 +95,7 @@ def run_chaos(config: Path, overrides: list[str], duration_s: float | None, seed
                 schedule = replayed
             else:
                 assert duration_s is not None
-                chosen = kinds or default_kinds(partition)
+                chosen = kinds or default_kinds()
                 schedule = plan_schedule(seed, duration_s, chosen, targets_for(chosen, names_), rate_per_min, overlaps)
             (out / "schedule.json").write_text(schedule_to_json(schedule))
             say(format_schedule(schedule), highlight=False)

@@ -23,8 +23,8 @@ def register(app: typer.Typer) -> None:
         config: Path = typer.Argument(Path("examples/tiny.toml"), help="Run config (TOML)."),
         duration: str = typer.Option("", help="How long the faults go on, e.g. 30m, 150s (required without --replay)."),
         seed: int = typer.Option(0, help="Seed of the fault schedule: the same seed gives the same schedule."),
-        faults: str = typer.Option("", help=f"Fault kinds, comma-separated, among {','.join(KINDS)} "
-                                   "(default: all this machine can inject)."),
+        faults: str = typer.Option("", help=f"Fault kinds, comma-separated, among {','.join(KINDS)} (default: "
+                                   "all; one this machine cannot inject is reported as skipped)."),
         rate: float = typer.Option(4.0, help="Faults per minute (at least one of each kind)."),
         overlaps: int = typer.Option(2, help="At least this many faults overlap an earlier one."),
         replay: Path | None = typer.Option(None, help="Run this saved schedule (schedule.json of an earlier run)."),
