@@ -248,11 +248,17 @@ def throughput_bench(
             elif note:
                 bar.update(tasks[label], info=note)
 
+        from workers.run_command import stop_like_ctrl_c
+
+        stop_like_ctrl_c()  # SIGTERM too: its runs are ended, its workers stopped (bench/throughput.py)
         try:
             report = run_bench(spec, progress, launch_bench_workers)
         except (LaminarError, ValueError) as exc:
             err.print(f"[red]throughput benchmark failed:[/red] {exc}")
             raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err.print("interrupted: the benchmark's runs were ended and its workers stopped")
+            raise typer.Exit(130) from None
     Console(width=max(console.width, 180)).print(render_throughput_table(report))  # 14 columns: never squeezed
     _write_outputs(report, json_path, plot_path, dump_json, plot)
     if any(r.get("error") for r in report["results"]):
