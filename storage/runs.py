@@ -47,7 +47,11 @@ def read_marker(store: ObjectStore, run_id: str) -> RunMarker | None:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptDataError(f"run {run_id}: {keys.run_marker(run_id)} is not valid JSON ({e}); the store holds "
                                "a corrupt object") from None
-    return RunMarker(**{k: v for k, v in raw.items() if k in RunMarker.__dataclass_fields__})
+    try:
+        return RunMarker(**{k: v for k, v in raw.items() if k in RunMarker.__dataclass_fields__})
+    except (TypeError, AttributeError) as e:
+        raise CorruptDataError(f"run {run_id}: {keys.run_marker(run_id)} is not a run marker ({e}); the store holds "
+                               "a corrupt or foreign object") from None
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,11 @@ def stored_run(store: ObjectStore, run_id: str) -> StoredRun | None:
     steps = [int(m.group(1)) for k in found if k.startswith(metrics_prefix) and (m := _METRICS_FILE.search(k))]
     ckpts = sorted({s for k in found if (s := keys.parse_checkpoint_step(run_id, k)) is not None
                     and k == keys.checkpoint_manifest(run_id, s)})
-    return StoredRun(run_id=run_id, objects=len(found), marker=read_marker(store, run_id), checkpoints=ckpts,
+    try:
+        marker = read_marker(store, run_id)
+    except CorruptDataError:  # what the prefix holds still takes the id
+        marker = None
+    return StoredRun(run_id=run_id, objects=len(found), marker=marker, checkpoints=ckpts,
                      last_metrics_step=max(steps, default=0))
 
 
