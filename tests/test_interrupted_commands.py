@@ -76,7 +76,7 @@ async def _mid_run(client: Client, seen: set[str]) -> str | None:
     return None
 
 
-@pytest.mark.slow  # about a minute each on 2 cores
+@pytest.mark.slow  # 10-15 s each on 2 cores
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("command", list(COMMANDS))
 async def test_sigterm_mid_run_leaves_no_run_workflow_running(env, client, tmp_path, command):
@@ -96,7 +96,9 @@ async def test_sigterm_mid_run_leaves_no_run_workflow_running(env, client, tmp_p
     text = log.read_text()
     assert code == 130, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
-    assert (await client.get_workflow_handle(wid).describe()).status == WorkflowExecutionStatus.TERMINATED, text[-2000:]
+    # terminated by the command, or cancelled (watch_run asks first) if the control worker got to it before
+    ended = (await client.get_workflow_handle(wid).describe()).status
+    assert ended in (WorkflowExecutionStatus.TERMINATED, WorkflowExecutionStatus.CANCELED), (ended, text[-2000:])
     for other in seen:  # every run it started is closed, and no run at all is left Running
         assert (await client.get_workflow_handle(other).describe()).status != WorkflowExecutionStatus.RUNNING
     assert await _running_runs(client) == []
