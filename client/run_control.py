@@ -21,10 +21,11 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from client.connect import connect, store_for
+from client.fork import lost_error, taken_error
 from client.settings import Settings
 from laminar import names, search, watchdog
 from laminar.config import RunConfig
-from laminar.errors import ConfigError, LaminarError, RunIdTakenError, RunLostError, StoreError
+from laminar.errors import ConfigError, LaminarError, StoreError
 from laminar.messages import (
     CONTROL_QUEUE,
     PoolStatus,
@@ -37,7 +38,7 @@ from laminar.messages import (
 )
 from storage import keys
 from storage.objects import ObjectStore
-from storage.runs import RunMarker, StoredRun, stored_run, write_marker
+from storage.runs import RunMarker, stored_run, write_marker
 from workflows.pool import PoolInput
 from workflows.state import TrainingRunInput
 
@@ -91,7 +92,7 @@ async def start_stored_run(client: Client, store: ObjectStore, cfg: RunConfig, p
     run_id = cfg.run.run_id
     found = stored_run(store, run_id)
     if found is not None:
-        raise await _taken(client, store, found)
+        raise await taken_error(client, store, found)
     marker = RunMarker(run_id=run_id, started_at=datetime.now(UTC).isoformat(timespec="seconds"),
                        started_by=f"{owner or 'a client'} (pid {os.getpid()} on {socket.gethostname()})",
                        temporal=f"{client.service_client.config.target_host}/{client.namespace}",
@@ -104,55 +105,6 @@ async def start_stored_run(client: Client, store: ObjectStore, cfg: RunConfig, p
         for key in (keys.config(run_id), keys.run_marker(run_id)):
             store.delete(key)
         raise
-
-
-async def _taken(client: Client, store: ObjectStore, found: StoredRun) -> LaminarError:
-    """Why a new run cannot have this id: Temporal knows a run by it (live or finished), or it does not, and then
-    its state of the run was lost (or the run ran on another server) while the store kept the records."""
-    run_id = found.run_id
-    try:
-        status = (await client.get_workflow_handle(workflow_id_for(run_id)).describe()).status
-    except RPCError as e:
-        if e.status != RPCStatusCode.NOT_FOUND:
-            raise LaminarError(f"run {run_id}: cannot look it up: {e}") from None
-        status = None
-    if status is not None:
-        return RunIdTakenError(f"run id {run_id!r} is already taken by a run that is {status.name.lower()}; pick "
-                               "another --run-id")
-    where = f"{client.service_client.config.target_host}, namespace {client.namespace}"
-    return RunIdTakenError(f"run id {run_id!r} is taken: the store {store.describe()} holds records of a run with "
-                           f"this id ({found.describe()}), and Temporal at {where} has no workflow for it, so "
-                           f"Temporal's state of that run was lost (its database was reset or replaced) or the run "
-                           f"ran on another server. A new run under this id would write over those records, and "
-                           f"laminar never does. {ways_on(found)}")
-
-
-def ways_on(found: StoredRun) -> str:
-    """The two ways on from a run id whose records a new run may not write over."""
-    afresh = "start afresh under another id: --run-id <new id>"
-    if not found.checkpoints:
-        return f"It has no committed checkpoint to continue from; {afresh}."
-    return (f"Either continue it from its newest committed checkpoint: `laminar fork {found.run_id}` starts a new "
-            f"run (a new id that records {found.run_id} as its parent) from step {found.checkpoints[-1]}; or "
-            f"{afresh}.")
-
-
-def lost_error(store: ObjectStore, settings: Settings, run_id: str, what: str) -> RunLostError:
-    """The run's workflow is gone from Temporal while the store holds its records: say what was lost, what is kept
-    and the ways on."""
-    try:
-        found = stored_run(store, run_id)
-    except StoreError as e:
-        kept = f"the store {store.describe()} could not be read to say what it keeps ({e})"
-        found = None
-    else:
-        kept = (f"the store {store.describe()} keeps its records untouched ({found.describe()})" if found
-                else f"the store {store.describe()} holds no records of it")
-    way = ways_on(found) if found else "Start a new run with `laminar run`."
-    return RunLostError(f"run {run_id}: {what}: Temporal at {settings.temporal_address} (namespace "
-                        f"{settings.namespace}) no longer has its workflow {workflow_id_for(run_id)}: its state of "
-                        f"this run (history, step, leases) was lost, e.g. its database was reset or replaced; "
-                        f"{kept}. {way}")
 
 
 async def ensure_pool(client: Client, report: SlotReport | None = None) -> str:

@@ -129,3 +129,20 @@ async def test_list_marks_a_run_whose_owning_command_is_gone_as_orphaned(env, cl
     finally:
         await handle.terminate()
         await client.get_workflow_handle(workflow_id_for(run_id)).terminate()
+
+
+def test_owner_line_marks_only_a_running_run_of_a_gone_process_on_this_host_as_orphaned():
+    from workers.cli_report import owner_line
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    here, me = os.uname().nodename, os.getpid()
+    bench = {"command": "laminar bench throughput", "pid": gone.pid, "host": here}
+    assert owner_line("r", "running", bench) == (f"ORPHANED: laminar bench throughput (pid {gone.pid}) is gone; end it: "
+                                                 "laminar stop --force r")
+    assert owner_line("r", "terminated", bench) == f"laminar bench throughput (pid {gone.pid})"  # ended: no orphan
+    assert owner_line("r", "running", {**bench, "pid": me}) == f"laminar bench throughput (pid {me})"
+    assert owner_line("r", "running", {**bench, "host": "elsewhere"}) == (
+        f"laminar bench throughput (pid {gone.pid} on elsewhere)")  # another host's process cannot be checked here
+    assert owner_line("r", "running", {"command": "laminar start", "pid": 0, "host": here}) == "laminar start"
+    assert owner_line("r", "running", None) == "-"  # started without an owner (the temporal CLI, tests)

@@ -208,3 +208,25 @@ def test_a_fork_config_needs_a_committed_checkpoint_and_records_its_parent(tmp_p
     assert fork_config(store, "p", None, [], 5).run.run_id == "p-fork-s10-2"
     with pytest.raises(LaminarError, match="set by `laminar fork`"):
         fork_config(store, "p", "q", ["run.parent_step=3"], None)
+
+
+def test_stored_run_says_what_the_store_holds_and_the_ways_on(tmp_path):
+    """What a refusal and a lost-run error quote: objects, the last metrics step, committed checkpoints."""
+    from client.fork import ways_on
+    from storage import keys
+    from storage.runs import RunMarker, stored_run, write_marker
+
+    store = LocalObjectStore(tmp_path / "store")
+    assert stored_run(store, "r") is None  # nothing under runs/r/: the id is free
+    store.put(keys.step_metrics("r", 7), b"{}")
+    store.put(keys.checkpoint_manifest("r", 6), b"{}")  # committed (its parts are not verified here)
+    store.put(keys.checkpoint_trainer("r", 9), b"{}")  # step 9 never committed: no manifest
+    found = stored_run(store, "r")
+    assert found is not None and found.marker is None  # a run from before markers still takes its id
+    assert found.describe() == "runs/r/: 3 objects, step metrics up to step 7, committed checkpoints at steps 6"
+    assert "`laminar fork r` starts a new run" in ways_on(found) and "from step 6" in ways_on(found)
+    write_marker(store, RunMarker(run_id="r", started_at="t", started_by="laminar run (pid 1 on h)", temporal="a/ns"))
+    assert stored_run(store, "r").marker.started_by == "laminar run (pid 1 on h)"
+    store.put(keys.config("s"), b"{}")  # a run with no checkpoint: only afresh
+    assert ways_on(stored_run(store, "s")) == ("It has no committed checkpoint to continue from; start afresh under "
+                                               "another id: --run-id <new id>.")
