@@ -13,7 +13,7 @@ import time
 from temporalio import activity
 from temporalio.client import Client, RPCTimeoutOrCancelledError
 from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.errors import permanent_errors
 from laminar import names
@@ -63,6 +63,8 @@ class _TemporalControl:
                         future.cancel()
                         raise InterruptedError(f"{name}: cancelled while waiting for the control plane") from None
                 except (RPCError, RPCTimeoutOrCancelledError) as e:  # server or control worker unreachable
+                    if isinstance(e, RPCError) and e.status == RPCStatusCode.NOT_FOUND and self._lost():
+                        raise ApplicationError(self._lost_message(e), type="RunLost", non_retryable=True) from None
                     log.warning("control_update_failed", update=name, error=str(e))
                     CONTROL_UPDATE_RETRIES.labels(name).inc()
                     activity.heartbeat({"waiting_for": name})
@@ -70,6 +72,24 @@ class _TemporalControl:
                         raise
                     time.sleep(UPDATE_POLL_S)
                     break
+
+    def _lost(self) -> bool:
+        """The server has no workflow by this id at all (not a closed one): its state of the run was lost."""
+        try:
+            asyncio.run_coroutine_threadsafe(self.handle.describe(), self.loop).result(timeout=30)
+        except RPCError as e:
+            return e.status == RPCStatusCode.NOT_FOUND
+        except Exception:  # noqa: BLE001 - cannot tell: keep retrying as for an outage
+            return False
+        return False
+
+    def _lost_message(self, e: RPCError) -> str:
+        run_id = self.handle.id.removeprefix("run/")
+        message = (f"run {run_id}: Temporal no longer has its workflow {self.handle.id} ({e}): the server's state of "
+                   f"the run was lost (its database was reset or replaced); this replica stops. The run's records "
+                   f"stay in the store as they are: `laminar fork {run_id}` continues it from its newest checkpoint")
+        log.error("run_lost", run_id=run_id, workflow_id=self.handle.id, error=message)
+        return message
 
     def claim(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
         return self._update(names.CLAIM_PROMPTS, inp, ClaimPromptsResult)

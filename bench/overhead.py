@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +72,26 @@ def run_loop(cfg: RunConfig, home: Path) -> dict[str, Any]:
 
 
 def run_laminar(config_path: Path, overrides: list[str]) -> dict[str, Any]:
-    """`laminar run` in a child process (it starts the dev stack if none runs); its summary -> one column."""
+    """`laminar run` in a child process (it starts the dev stack if none runs); its summary -> one column.
+    Interrupted or failing, the child is stopped as Ctrl-C stops it (SIGTERM: it ends its run and its workers),
+    and the run is terminated if it still runs: no run of the benchmark outlives it."""
+    from client.run_control import end_runs_now
+    from client.settings import Settings
+
+    run_id = "bench-overhead-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="laminar-bench-") as tmp:
         summary_path = Path(tmp) / "summary.json"
-        subprocess.run([sys.executable, "-m", "workers.cli", "run", str(config_path), "--summary",
-                        str(summary_path), *overrides], check=True)
+        child = subprocess.Popen([sys.executable, "-m", "workers.cli", "run", str(config_path), "--run-id", run_id,
+                                  "--summary", str(summary_path), *overrides])
+        try:
+            if child.wait() != 0:
+                raise subprocess.CalledProcessError(child.returncode, child.args)
+        except BaseException:
+            if child.poll() is None:
+                child.terminate()
+                child.wait(timeout=120)
+            end_runs_now(Settings.from_env(), [run_id], "laminar bench overhead was interrupted or failed")
+            raise
         s = json.loads(summary_path.read_text())
     tokens = round(s["tokens_per_s"] * s["wall_s"])
     out = side(s["wall_s"], tokens, s["reward_per_step"], s["step_end_s"], s["groups_consumed_twice"])

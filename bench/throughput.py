@@ -66,6 +66,7 @@ from typing import Any, get_args
 from client.settings import Settings
 from laminar.config import MODELLED_TIME, MODES, Engine, RunConfig
 from laminar.errors import LaminarError
+from laminar.logs import get_logger
 from laminar.messages import RunStatus
 from reporting.report import version_intervals  # per-replica timeline, in modelled s with scale=time_scale
 from reporting.summary import build_profile, percentile
@@ -378,6 +379,7 @@ class BenchSpec:
     extra_overrides: tuple[str, ...] = ()
     run_timeout_s: float = RUN_TIMEOUT_S
     repack: tuple[bool, ...] = (True,)  # laminar runs with repack on, off or both (--repack on,off)
+    owner: str = "laminar bench throughput"  # the command its runs' memo names (`laminar list`)
 
     def runs(self) -> list[tuple[str, str, bool]]:
         """(workload, mode, repack) of every run, in order: laminar once per repack setting, the others once."""
@@ -402,10 +404,18 @@ def run_bench(spec: BenchSpec, progress: Progress, launch: LaunchWorkers) -> dic
     home = Settings.from_env().home
     stack = DevStack(home)
     info, started_stack = stack.ensure_up(ui=False)
+    started: list[str] = []  # the runs this benchmark started: none may outlive it
     try:
         settings = Settings.from_env().with_relay_token()
         progress("dev stack", None, f"temporal={info.temporal_address} store={settings.store_url}")
-        results = asyncio.run(_run_all(spec, settings, progress, launch))
+        try:
+            results = asyncio.run(_run_all(spec, settings, progress, launch, started))
+        except BaseException:  # interrupted (SIGTERM, Ctrl-C) or failed: end what it started, then go
+            from client.run_control import end_runs_now
+
+            end_runs_now(settings, started, f"{spec.owner} was interrupted or failed",
+                         say=lambda m: progress("dev stack", None, m))
+            raise
     finally:
         if started_stack:
             stack.down()
@@ -432,7 +442,7 @@ def run_bench(spec: BenchSpec, progress: Progress, launch: LaunchWorkers) -> dic
 
 
 async def _run_all(spec: BenchSpec, settings: Settings, progress: Progress,
-                   launch: LaunchWorkers) -> list[dict[str, Any]]:
+                   launch: LaunchWorkers, started: list[str]) -> list[dict[str, Any]]:
     from client.connect import connect, store_for
 
     client = await connect(settings, core_logs=False)
@@ -443,7 +453,7 @@ async def _run_all(spec: BenchSpec, settings: Settings, progress: Progress,
         cfg = spec.run_config(mode, workload, stamp, repack)
         label = f"{mode}{'' if mode != 'laminar' or len(spec.repack) < 2 else ' +repack' if repack else ' -repack'} ({workload})"
         try:
-            data = await _run_one(client, store, settings, cfg, label, progress, spec.run_timeout_s, launch)
+            data = await _run_one(client, store, settings, cfg, label, progress, spec, launch, started)
             row = measure(data)
             scale = time_scale(cfg)
             row["timeline"] = {r: [[round(s, 2), round(e, 2), v] for s, e, v in iv]
@@ -459,7 +469,9 @@ async def _run_all(spec: BenchSpec, settings: Settings, progress: Progress,
 
 
 async def _run_one(client, store: ObjectStore, settings: Settings, cfg: RunConfig, label: str, progress: Progress,
-                   timeout_s: float, launch: LaunchWorkers) -> RunData:
+                   spec: BenchSpec, launch: LaunchWorkers, started: list[str]) -> RunData:
+    """One run on its own workers. Whatever ends it early (a timeout, a failure, an interrupt) terminates its
+    workflow before its workers stop: a run left Running would be served by the next run's workers."""
     from temporalio.client import WorkflowFailureError
 
     from client.run_control import start_stored_run
@@ -477,18 +489,24 @@ async def _run_one(client, store: ObjectStore, settings: Settings, cfg: RunConfi
 
     log_dir = settings.home / "logs" / cfg.run.run_id
     stop_workers = launch(cfg, settings, log_dir)
+    handle, timeout_s = None, spec.run_timeout_s
     try:
-        handle = await start_stored_run(client, store, cfg)
+        handle = await start_stored_run(client, store, cfg, owner=spec.owner)
+        started.append(cfg.run.run_id)
         t0 = time.time()
         progress(label, None, f"run {cfg.run.run_id} started; logs in {log_dir}")
         async with asyncio.timeout(timeout_s):  # past it, watch_run cancels the run
             final = await watch_run(handle, record, POLL_S)
         progress(label, final, "finished")
     except TimeoutError:
+        await _end(handle, f"{spec.owner}: {label} timed out")
         raise LaminarError(f"{label}: run {cfg.run.run_id} did not finish within {timeout_s:.0f} s; "
                            f"see the worker logs in {log_dir}") from None
     except WorkflowFailureError as exc:
         raise LaminarError(f"{label}: run {cfg.run.run_id} failed: {exc.cause or exc}") from None
+    except BaseException:  # an interrupt (SIGTERM, Ctrl-C: cancelled or KeyboardInterrupt) or any failure
+        await _end(handle, f"{spec.owner}: {label} was interrupted or failed")
+        raise
     finally:
         stop_workers()
     return RunData(cfg=cfg, final=final, started_at=t0, polls=polls,
@@ -496,6 +514,20 @@ async def _run_one(client, store: ObjectStore, settings: Settings, cfg: RunConfi
                    trajectories=trajectory_rows(store, cfg.run.run_id),
                    control_plane_s=trainer_control_plane_s(store, cfg.run.run_id),
                    migrations=repack_events([*statuses, final]))
+
+
+async def _end(handle, reason: str) -> None:
+    """Terminate a run that ended early, unless it is closed already (through the server: no worker needed)."""
+    from temporalio.client import WorkflowExecutionStatus
+    from temporalio.service import RPCError
+
+    if handle is None:  # not started
+        return
+    try:
+        if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
+            await handle.terminate(reason=reason)
+    except RPCError as e:  # run_bench's end_runs_now tries again, and says so if it cannot
+        get_logger(__name__).warning("bench_run_not_ended", workflow_id=handle.id, error=str(e))
 
 
 # -- output --------------------------------------------------------------------------------------------

@@ -3,6 +3,9 @@ and examples/ use)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import socket
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -18,10 +21,11 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from client.connect import connect, store_for
+from client.fork import lost_error, taken_error
 from client.settings import Settings
 from laminar import names, search, watchdog
 from laminar.config import RunConfig
-from laminar.errors import ConfigError, LaminarError
+from laminar.errors import ConfigError, LaminarError, StoreError
 from laminar.messages import (
     CONTROL_QUEUE,
     PoolStatus,
@@ -34,6 +38,7 @@ from laminar.messages import (
 )
 from storage import keys
 from storage.objects import ObjectStore
+from storage.runs import RunMarker, stored_run, write_marker
 from workflows import timeouts
 from workflows.pool import PoolInput
 from workflows.state import TrainingRunInput
@@ -46,9 +51,20 @@ def new_run_id() -> str:
 CONTROL_ANSWER_S = 10.0  # how long `laminar status|stop|pause|resume` wait for the control worker
 
 
-async def start_workflow(client: Client, cfg: RunConfig, pool: str = "") -> WorkflowHandle:
+OWNER_MEMO = "laminar_owner"  # the memo field naming the command that owns a run (`laminar list` reads it)
+
+
+def owner_memo(command: str) -> dict:
+    """Who owns a run, for its workflow's memo: the command and its process (`laminar list` shows a run whose
+    owning process is gone as orphaned). pid 0: a run of `laminar start`, owned by the shared worker set."""
+    pid = 0 if command == "laminar start" else os.getpid()
+    return {OWNER_MEMO: {"command": command, "pid": pid, "host": socket.gethostname()}}
+
+
+async def start_workflow(client: Client, cfg: RunConfig, pool: str = "", owner: str = "") -> WorkflowHandle:
     """Start the run's workflow; a run id already used, by a live or a finished run, is an error. `pool`: the slot
-    pool it shares a worker set through (workflows/pool.py; "" for a run that owns its workers)."""
+    pool it shares a worker set through (workflows/pool.py; "" for a run that owns its workers). `owner`: the
+    command that owns the run (its memo; "" for none)."""
     try:
         return await client.start_workflow(
             names.TRAINING_RUN_WORKFLOW,
@@ -60,6 +76,7 @@ async def start_workflow(client: Client, cfg: RunConfig, pool: str = "") -> Work
             id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,  # its store prefix holds the old run
             search_attributes=await search.initial(client, client.namespace, cfg.run.mode),  # laminar/search.py
+            memo=owner_memo(owner) if owner else None,
         )
     except WorkflowAlreadyStartedError:
         raise LaminarError(
@@ -69,10 +86,27 @@ async def start_workflow(client: Client, cfg: RunConfig, pool: str = "") -> Work
         raise LaminarError(f"could not start run {cfg.run.run_id}: {e}; pick another --run-id") from None
 
 
-async def start_stored_run(client: Client, store: ObjectStore, cfg: RunConfig, pool: str = "") -> WorkflowHandle:
-    """Store the config with the run (runs/<id>/config.json), then start its workflow."""
-    store.put(keys.config(cfg.run.run_id), cfg.model_dump_json(indent=2).encode())
-    return await start_workflow(client, cfg, pool)
+async def start_stored_run(client: Client, store: ObjectStore, cfg: RunConfig, pool: str = "",
+                           owner: str = "") -> WorkflowHandle:
+    """Check the run id is free in the store, write the run's marker and config (runs/<id>/run.json,
+    config.json), then start its workflow. A run id whose store prefix holds anything is refused
+    (RunIdTakenError, naming the ways on): a new run never writes over an old run's records."""
+    run_id = cfg.run.run_id
+    found = stored_run(store, run_id)
+    if found is not None:
+        raise await taken_error(client, store, found)
+    marker = RunMarker(run_id=run_id, started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                       started_by=f"{owner or 'a client'} (pid {os.getpid()} on {socket.gethostname()})",
+                       temporal=f"{client.service_client.config.target_host}/{client.namespace}",
+                       parent=cfg.run.parent, parent_step=cfg.run.parent_step)
+    write_marker(store, marker)
+    store.put(keys.config(run_id), cfg.model_dump_json(indent=2).encode())
+    try:
+        return await start_workflow(client, cfg, pool, owner)
+    except BaseException:  # not started: what this call wrote goes, so the id stays free for the next try
+        for key in (keys.config(run_id), keys.run_marker(run_id)):
+            store.delete(key)
+        raise
 
 
 async def ensure_pool(client: Client, report: SlotReport | None = None) -> str:
@@ -117,7 +151,8 @@ async def query_pool(settings: Settings, timeout_s: float = CONTROL_ANSWER_S) ->
         raise LaminarError(f"slot pool {pool_workflow_id()}: status failed: {e}") from None
 
 
-async def start_or_attach(client: Client, store: ObjectStore, cfg: RunConfig) -> tuple[WorkflowHandle, bool]:
+async def start_or_attach(client: Client, store: ObjectStore, cfg: RunConfig,
+                          owner: str = "laminar run") -> tuple[WorkflowHandle, bool]:
     """`laminar run`: start the run, or attach to it when a workflow with its id is still running (a
     `laminar run` that died left it behind). Returns (handle, attached). A finished run with this id is an
     error: its id cannot be reused."""
@@ -127,11 +162,47 @@ async def start_or_attach(client: Client, store: ObjectStore, cfg: RunConfig) ->
     except RPCError as e:
         if e.status != RPCStatusCode.NOT_FOUND:
             raise LaminarError(f"run {cfg.run.run_id}: cannot look it up: {e}") from None
-        return await start_stored_run(client, store, cfg), False
+        return await start_stored_run(client, store, cfg, owner=owner), False
     if status == WorkflowExecutionStatus.RUNNING:
         return handle, True
     name = status.name.lower() if status is not None else "closed"
     raise LaminarError(f"run {cfg.run.run_id} already ran and is {name}; pick another --run-id")
+
+
+async def end_runs(settings: Settings, run_ids: list[str], reason: str) -> list[str]:
+    """Terminate those of these runs that still run (through the server alone: no worker needed); returns their
+    ids. What a command that started runs for its own purposes (`laminar bench`, `laminar simulate --validate`,
+    `laminar chaos`) calls when it is interrupted or fails, so that no run of its outlives it."""
+    client = await connect(settings, core_logs=False)
+    ended = []
+    for run_id in run_ids:
+        handle = client.get_workflow_handle(workflow_id_for(run_id))
+        try:
+            if (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
+                continue
+            await handle.terminate(reason=reason)
+        except RPCError as e:
+            if e.status != RPCStatusCode.NOT_FOUND:
+                raise LaminarError(f"run {run_id}: could not end it ({e}); end it with "
+                                   f"`laminar stop --force {run_id}`") from None
+            continue
+        ended.append(run_id)
+    return ended
+
+
+def end_runs_now(settings: Settings, run_ids: list[str], reason: str, say=print) -> None:
+    """end_runs from synchronous code on the way out (an interrupt, a failure): says what it ended, and what it
+    could not, with the command that ends it."""
+    if not run_ids:
+        return
+    try:
+        ended = asyncio.run(asyncio.wait_for(end_runs(settings, run_ids, reason), 60.0))
+    except (LaminarError, OSError, RuntimeError, TimeoutError) as e:
+        say(f"could not end the runs this command started ({', '.join(run_ids)}): {e}; end each with "
+            "`laminar stop --force <run id>`")
+        return
+    for run_id in ended:
+        say(f"ended run {run_id} ({reason})")
 
 
 async def start_run(settings: Settings, cfg: RunConfig) -> str:
@@ -140,7 +211,7 @@ async def start_run(settings: Settings, cfg: RunConfig) -> str:
         cfg = cfg.with_run_id(new_run_id())
     client = await connect(settings)
     pool = await ensure_pool(client)  # the run shares the worker set's rollout slots through it (workflows/pool.py)
-    await start_stored_run(client, store_for(settings), cfg, pool)
+    await start_stored_run(client, store_for(settings), cfg, pool, owner="laminar start")
     return cfg.run.run_id
 
 
@@ -157,6 +228,13 @@ def _no_answer(run_id: str, what: str, timeout_s: float) -> LaminarError:
 
 def _rpc_failed(settings: Settings, run_id: str, what: str, e: RPCError) -> LaminarError:
     if e.status == RPCStatusCode.NOT_FOUND:
+        store = store_for(settings)
+        try:
+            found = stored_run(store, run_id) is not None
+        except StoreError:
+            found = False
+        if found:  # the store knows the run, Temporal does not: Temporal lost it
+            return lost_error(store, settings, run_id, what)
         return LaminarError(
             f"run {run_id}: no such run in namespace {settings.namespace} at {settings.temporal_address}"
         )

@@ -13,6 +13,7 @@ from temporalio.client import WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 
 from laminar import names
+from laminar.errors import RunLostError
 from laminar.messages import RunStatus
 
 POLL_S = 1.0
@@ -56,11 +57,16 @@ async def watch_run(handle: WorkflowHandle, on_status: Callable[[RunStatus | Non
 
 
 async def _result(handle: WorkflowHandle) -> RunStatus:
-    """The run's result through outages of any length: each call retries for the SDK's window (about 10 s)."""
+    """The run's result through outages of any length: each call retries for the SDK's window (about 10 s). A
+    server that no longer knows the workflow lost its state of the run: RunLostError (callers add what the store
+    keeps: client/run_control.py lost_error)."""
     while True:
         try:
             return await handle.result()
         except RPCError as e:
+            if e.status == RPCStatusCode.NOT_FOUND:
+                raise RunLostError(f"Temporal no longer has the workflow {handle.id} ({e}): its state of the run "
+                                   "was lost") from None
             if e.status not in OUTAGE_CODES:
                 raise
             await asyncio.sleep(POLL_S)

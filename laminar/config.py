@@ -61,6 +61,16 @@ class RunSection(_Section):
         description="Continue as new once this many updates were handled in one history segment (count); "
         "the server refuses more than 2000 per run.",
     )
+    parent: str = Field(
+        "", max_length=200,
+        description="The run this one was forked from (`laminar fork`): its trainer starts from the parent's "
+        "checkpoint at run.parent_step (weights and optimizer) and reads nothing else of it; empty: a run started "
+        "afresh.",
+    )
+    parent_step: int = Field(
+        -1, ge=-1,
+        description="The parent's committed checkpoint this run starts from (steps of the parent); -1 with no parent.",
+    )
     stall_warn_s: float = Field(
         60.0, ge=1.0, le=86_400.0,
         description="Watchdog: a running run whose trainer took no step for this long, or a replica with no "
@@ -388,6 +398,13 @@ class RunConfig(_Section):
                 f"{self.trainer.minibatches} in run.mode='stream' (it trains one minibatch of groups as soon as "
                 f"they are complete)"
             )
+        if bool(self.run.parent) != (self.run.parent_step >= 0):
+            raise ValueError(
+                f"run.parent={self.run.parent!r} and run.parent_step={self.run.parent_step} go together: a forked run "
+                "names its parent and the parent's checkpoint step, a fresh one neither; `laminar fork` sets both"
+            )
+        if self.run.parent and self.run.parent == self.run.run_id:
+            raise ValueError(f"run.parent={self.run.parent!r} is the run's own id; a fork needs a new --run-id")
         return self
 
     @property
@@ -444,6 +461,11 @@ class RunConfig(_Section):
 
     def with_run_id(self, run_id: str) -> RunConfig:
         return self.model_copy(update={"run": self.run.model_copy(update={"run_id": run_id})})
+
+
+def apply_overrides(data: dict[str, Any], items: list[str]) -> None:
+    """Apply `section.key=value` overrides to a config mapping in place (as RunConfig.load does)."""
+    _merge(data, parse_overrides(items))
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

@@ -39,6 +39,15 @@ class InconsistentStateError(LaminarError):
     """The control plane's record and the trainer's state cannot be reconciled; a retry cannot help."""
 
 
+class RunLostError(LaminarError):
+    """Temporal no longer has a run's workflow that was going, or that the store holds records of: the server's
+    state of the run was lost (a reset or replaced database)."""
+
+
+class RunIdTakenError(LaminarError):
+    """A new run was asked for under an id whose store prefix already holds records; laminar never writes over them."""
+
+
 class RelayError(LaminarError):
     """A weight relay could not be reached or answered with an error."""
 

@@ -140,12 +140,27 @@ class TrainerService:
         if loaded is not None:
             trainer.load_state_parts(loaded.parts)
             step, consumed = int(loaded.meta["step"]), set(loaded.meta.get("consumed", []))
+        elif cfg.run.parent:  # a fork's step 0 is its parent's checkpoint: weights and optimizer, nothing else
+            trainer.load_state_parts(self._parent_checkpoint(cfg).parts)
         if run_id != self.run_id:  # a worker that serves another run profiles it from scratch
             self.profile, self._profile_written = TimeBreakdown(), time.perf_counter()
         self.run_id, self.cfg, self.trainer, self.step, self.consumed = run_id, cfg, trainer, step, consumed
         self.checkpointed_step = step if loaded is not None else -1
         self.policy = policy
         log.info("trainer_restored", run_id=run_id, step=step, checkpoint=loaded.ref.step if loaded else None)
+
+    def _parent_checkpoint(self, cfg: RunConfig) -> LoadedCheckpoint:
+        """The checkpoint a forked run starts from (run.parent at run.parent_step), verified file by file. Its
+        consumed groups are the parent's, whose group ids the fork issues afresh, so they are not carried."""
+        parent, at = cfg.run.parent, cfg.run.parent_step
+        ref = self.checkpoints.verified_at(parent, at)
+        if ref is None:
+            raise CorruptDataError(
+                f"run {cfg.run.run_id} is forked from run {parent} at step {at}, but that checkpoint is not in the "
+                f"store or does not verify ({self.checkpoints.verify(parent, at)}); fork again from a checkpoint "
+                f"that verifies: `laminar fork {parent}` picks the newest")
+        log.info("parent_checkpoint_loaded", run_id=cfg.run.run_id, parent=parent, parent_step=at)
+        return self.checkpoints.load(ref)
 
     # -- one step ------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Every object-store key layout of a run (docs/architecture.md, 'Storage layout'). Nothing else in the
 project spells keys.
 
+    runs/<run_id>/run.json                        (the marker: who started the run, its parent)
     runs/<run_id>/config.json
     runs/<run_id>/model/{config.json, tokenizer.json}
     runs/<run_id>/checkpoints/step-<n:08d>/{model-00001.safetensors, optim-00001.safetensors,
@@ -43,6 +44,11 @@ def run_prefix(run_id: str) -> str:
 
 def config(run_id: str) -> str:
     return f"{run_prefix(run_id)}config.json"
+
+
+def run_marker(run_id: str) -> str:
+    """The run's marker (storage/runs.py): written first, before anything else of the run."""
+    return f"{run_prefix(run_id)}run.json"
 
 
 def summary(run_id: str) -> str:

@@ -28,7 +28,7 @@ import psutil
 from rich.console import Console
 
 from client.connect import connect, store_for
-from client.run_control import new_run_id
+from client.run_control import end_runs_now, new_run_id
 from client.settings import Settings
 from devstack.stack import DevStack
 from laminar import names
@@ -46,6 +46,7 @@ from laminar.messages import RunStatus, workflow_id_for
 from reporting.checker import Verdict, format_verdict, judge, read_step_records, verify_checkpoints
 from services.nemesis import FaultRecord, Nemesis, partition_tool, read_table
 from workers.launcher import process_table_path
+from workers.run_command import stop_like_ctrl_c
 
 console = Console()
 STEPS_UNBOUNDED = 1_000_000  # chaos stops the run itself at --duration
@@ -83,6 +84,7 @@ def run_chaos(config: Path, overrides: list[str], duration_s: float | None, seed
     argv = [sys.executable, "-m", "workers.cli", "run", str(config), "--run-id", run_id, "--log-format", "json",
             "--summary", str(out / "summary.json"), f"--run.steps={STEPS_UNBOUNDED}", *overrides]
     say(f"chaos run_id={run_id} out={out}", highlight=False)
+    stop_like_ctrl_c()  # SIGTERM too: the child and the run are ended on the way out
     try:
         with open(out / "run.log", "ab") as log_file:
             child = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -111,6 +113,9 @@ def run_chaos(config: Path, overrides: list[str], duration_s: float | None, seed
             except subprocess.TimeoutExpired:
                 child.terminate()
                 child.wait(timeout=60)
+        except BaseException:  # interrupted or failed: its run ends with it (the child may not have ended it)
+            _end_on_the_way_out(nemesis, child, settings, run_id, say)
+            raise
         finally:
             nemesis.stop()
             nemesis.heal_all()
@@ -124,6 +129,18 @@ def run_chaos(config: Path, overrides: list[str], duration_s: float | None, seed
         if started_stack:  # the dev stack this command started (S3 keeps its snapshot)
             stack.down()
     return verdict, out
+
+
+def _end_on_the_way_out(nemesis: Nemesis, child: subprocess.Popen, settings: Settings, run_id: str, say) -> None:
+    """Heal the faults, stop the child `laminar run` (SIGTERM: it cancels its run and stops its workers), then
+    terminate the run if it still runs: no run of `laminar chaos` outlives it."""
+    nemesis.stop()
+    nemesis.heal_all()
+    if child.poll() is None:
+        child.terminate()
+        child.wait(timeout=60)
+    end_runs_now(settings, [run_id], "laminar chaos was interrupted or failed",
+                 say=lambda m: say(m, highlight=False))
 
 
 def rejudge(out: Path) -> Verdict:

@@ -130,6 +130,36 @@ def run(
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def fork(
+    ctx: typer.Context,
+    parent: str = typer.Argument(..., help="The run to continue: its config and checkpoints are read from the store."),
+    run_id: str | None = typer.Option(None, "--run-id", help="The new run's id (default: <parent>-fork-s<step>)."),
+    steps: int | None = typer.Option(None, help="Steps to run (default: the parent's steps left after its checkpoint)."),
+    summary: Path | None = typer.Option(None, help="Write the run summary JSON here."),
+    log_format: str = typer.Option("console", "--log-format", help="console | json"),
+    insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
+) -> None:
+    """Start a new run from the newest committed checkpoint of another, as `laminar run` does (dev stack, workers,
+    progress, summary). The way on when Temporal lost a run's state (its database was reset or replaced): the new
+    run has a new id, records its parent (run.parent, run.parent_step, runs/<id>/run.json) and writes nothing of
+    the parent's. Extra `--section.key=value` arguments override the parent's config."""
+    from client.connect import store_for
+    from client.fork import fork_config
+    from workers.run_command import run_local
+
+    with _exit_codes():
+        _accept_insecure(insecure)
+        settings = Settings.from_env()
+        _check_binds(settings, None)
+        cfg = fork_config(store_for(settings), parent, run_id, list(ctx.args), steps)
+        console.print(f"fork of run {parent} from its checkpoint at step {cfg.run.parent_step}: new run "
+                      f"{cfg.run.run_id}, {cfg.run.steps} steps", highlight=False)
+        configure_logging(log_format)
+        code = run_local(cfg, summary_path=summary, console=console)
+    raise typer.Exit(code)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def start(
     ctx: typer.Context,
     config: Path = typer.Argument(..., help="Run config (TOML)."),

@@ -124,6 +124,9 @@ def heartbeats_bench(
     import asyncio
 
     from bench.heartbeats import measure
+    from workers.run_command import stop_like_ctrl_c
+
+    stop_like_ctrl_c()  # SIGTERM too: its own dev server and workflow go with it
 
     table = Table("activities", "heartbeat RPCs/s", "server CPU %")
     for n in sorted({int(x) for x in replicas.split(",") if x.strip()}):
@@ -142,6 +145,9 @@ def overhead_bench(
     """The single-process loop, then `laminar run`, on the same config: wall time, tokens/s, time to reward,
     reward rise, ratios, and laminar's time breakdown. Extra `--section.key=value` arguments override both."""
     from bench.overhead import ratios, run_laminar, run_loop
+    from workers.run_command import stop_like_ctrl_c
+
+    stop_like_ctrl_c()  # SIGTERM too: its `laminar run` child and that run end with it
     from client.settings import Settings
     from laminar.config import RunConfig
     from reporting.summary import format_profile
@@ -248,11 +254,17 @@ def throughput_bench(
             elif note:
                 bar.update(tasks[label], info=note)
 
+        from workers.run_command import stop_like_ctrl_c
+
+        stop_like_ctrl_c()  # SIGTERM too: its runs are ended, its workers stopped (bench/throughput.py)
         try:
             report = run_bench(spec, progress, launch_bench_workers)
         except (LaminarError, ValueError) as exc:
             err.print(f"[red]throughput benchmark failed:[/red] {exc}")
             raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err.print("interrupted: the benchmark's runs were ended and its workers stopped")
+            raise typer.Exit(130) from None
     Console(width=max(console.width, 180)).print(render_throughput_table(report))  # 14 columns: never squeezed
     _write_outputs(report, json_path, plot_path, dump_json, plot)
     if any(r.get("error") for r in report["results"]):

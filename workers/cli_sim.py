@@ -280,6 +280,7 @@ def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replica
     """Simulator and real stack (bench/throughput.py run_bench, the modelled engine) on the same configs."""
     from bench.throughput import WORKLOADS, BenchSpec, run_bench
     from workers.cli_bench import launch_bench_workers
+    from workers.run_command import stop_like_ctrl_c
 
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad or not workloads:
@@ -288,10 +289,15 @@ def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replica
     if kv_binds:
         settings.append(("kv binds", (f"modelled.kv_capacity_tokens={KV_BINDS_CAPACITY}",)))
     rows: list[dict[str, Any]] = []
+    stop_like_ctrl_c()  # SIGTERM too: its runs are ended, its workers stopped (bench/throughput.py)
     for label, extra in settings:
         spec = BenchSpec(modes=modes, workloads=workloads, replicas=replicas, engine="modelled",
-                         iterations=iterations, extra_overrides=extra)
-        report = run_bench(spec, _progress_printer(), launch_bench_workers)
+                         iterations=iterations, extra_overrides=extra, owner="laminar simulate --validate")
+        try:
+            report = run_bench(spec, _progress_printer(), launch_bench_workers)
+        except KeyboardInterrupt:
+            console.print("interrupted: the validation's runs were ended and its workers stopped")
+            raise typer.Exit(130) from None
         for real in report["results"]:
             cfg = spec.run_config(real["mode"], real["workload"], "sim", real.get("repack", True))
             sim = simulate_like_bench(cfg, iterations)

@@ -21,12 +21,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 
 from client.connect import connect, store_for
-from client.run_control import new_run_id, report_slots, start_or_attach
+from client.run_control import lost_error, new_run_id, report_slots, start_or_attach
 from client.settings import Settings
 from client.watch import watch_run
 from devstack.stack import DevStack
 from laminar.config import RunConfig
-from laminar.errors import ConfigError, LaminarError
+from laminar.errors import ConfigError, LaminarError, RunLostError
 from laminar.logs import get_logger
 from laminar.messages import RunStatus, SlotReport
 from reporting.summary import build_profile, build_summary, format_profile, reward_rise
@@ -74,7 +74,7 @@ def make_launcher(kind: str, cfg: RunConfig, settings: Settings, tag: str, ray_a
     return RayLauncher(procs, plan_placements(cfg, procs, bind_node_ip), tag, ray_address)
 
 
-def _stop_like_ctrl_c() -> None:
+def stop_like_ctrl_c() -> None:
     """SIGTERM / SIGHUP stop the command like Ctrl-C: nothing it started may outlive it."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
@@ -104,7 +104,7 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, repor
     settings = Settings.from_env().with_relay_token()  # dev.json now names the endpoints
     console.print(f"temporal={settings.temporal_address} ui={ui_url or '-'} store={settings.store_url}",
                   highlight=False)
-    _stop_like_ctrl_c()
+    stop_like_ctrl_c()
     launcher = make_launcher(launcher_kind, cfg, settings, cfg.run.run_id, ray_address, allow_faults=True)
     if isinstance(launcher, LocalLauncher):  # the process table `laminar chaos` reads (docs/architecture.md)
         launcher.table_path = process_table_path(home, cfg.run.run_id)
@@ -132,7 +132,7 @@ def serve_workers(cfg: RunConfig, console: Console, launcher_kind: str = "local"
     rollout.replicas), against the LAMINAR_* settings, until Ctrl-C or SIGTERM. Runs are started separately
     (`laminar start`, `temporal workflow start`); the processes' logs go to $LAMINAR_HOME/logs/workers/."""
     settings = Settings.from_env()
-    _stop_like_ctrl_c()
+    stop_like_ctrl_c()
     launcher = make_launcher(launcher_kind, cfg, settings, "workers", ray_address, allow_faults)
     console.print(f"temporal={settings.temporal_address} store={settings.store_url} launcher={launcher_kind}",
                   highlight=False)
@@ -199,6 +199,8 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher | R
     except WorkflowFailureError as e:
         console.print(f"[red]run failed:[/red] {e.cause or e}")
         return 1
+    except RunLostError:  # the server's database was reset or replaced under the run
+        raise lost_error(store, settings, cfg.run.run_id, "while `laminar run` watched it") from None
     wall_s = time.time() - t0
     cpu_s = launcher.cpu_seconds()  # before stop_all: the processes are still alive
     if temporal_pid is not None and (temporal_cpu := process_cpu_s(temporal_pid)) is not None:
