@@ -100,6 +100,9 @@ class SandboxLimits:
         for p in self.read_only:
             if not isinstance(p, str) or not os.path.isabs(p) or os.path.normpath(p) == "/":
                 raise ValueError(f"SandboxLimits.read_only entry {p!r}: must be an absolute path other than /")
+            if os.path.normpath(p).split("/")[1] in ("tmp", "dev", "proc"):
+                raise ValueError(f"SandboxLimits.read_only entry {p!r}: the sandbox has its own /tmp, /dev and "
+                                 "/proc; put the data elsewhere (/var/tmp, /srv ...)")
 
 
 @dataclass(frozen=True)
