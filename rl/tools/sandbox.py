@@ -6,13 +6,19 @@ Isolation (all real kernel mechanisms; nothing here trusts the program):
 - a new network namespace (only a loopback device, left down: no connection anywhere, 127.0.0.1 included),
   a new PID namespace (the program cannot see or signal other processes; when its init dies, the kernel kills
   everything left in it, so nothing escapes by `setsid` or double fork), and new mount and IPC namespaces;
-- in the mount namespace every mount is read-only, /tmp is a fresh root-owned tmpfs (size-capped) holding the
-  working directory /tmp/work (the only writable place), /dev/shm and /run are empty read-only tmpfs, and
-  /proc is the new PID namespace's;
+- in the mount namespace a new, empty root (pivot_root; the host's root detached) holding only an allow-list
+  (rl/tools/sandbox_root.py): read-only binds of the interpreter, its standard library and the libraries it
+  loads, /dev with null, zero, full, random, urandom, the new PID namespace's /proc (hidepid=2), a fresh
+  root-owned tmpfs /tmp (size-capped) holding the working directory /tmp/work (the only writable place), and
+  a task's own `read_only` paths;
+- a cgroup per run for the whole sandbox's memory, processes and CPU (rl/tools/sandbox_cgroup.py; v2, or v1
+  where the controllers are there); a kill at its memory limit is a `memory` failure;
 - an unprivileged uid and gid (no supplementary groups), one per concurrent sandbox from
   `SandboxLimits.uid_base` .. `uid_base + uid_count - 1` (held by a lock file, so RLIMIT_NPROC, which counts
   per uid, stops one sandbox's fork bomb without starving another); no system user is created;
-- rlimits: CPU seconds, address space, file size, open files, processes, no core files;
+- rlimits: CPU seconds, address space, file size, open files, processes, no core files (per process: the only
+  memory and process limits where there is no cgroup, reported as `SandboxResult.limits == "rlimits"`);
+  no new privileges;
 - an empty environment; stdin is /dev/null; a wall-clock timeout that SIGKILLs the sandbox's process group
   (its PID namespace's init, so the whole namespace goes);
 - stdout and stderr (one stream, in order) read with a byte cap: the process is killed on exceeding it.
@@ -20,7 +26,7 @@ Isolation (all real kernel mechanisms; nothing here trusts the program):
 Which outcomes fail the tool (a `SandboxResult` with `failure` set, `ToolResult(ok=False)`: the replica fails
 the group with reason "sandbox", retried then dropped) and which are output the model reads (docs/decisions.md):
 - failure: the wall-clock timeout (`timeout`), the CPU limit (`cpu`: SIGXCPU / SIGKILL), the output cap
-  (`output`), an uncaught MemoryError (`memory`), a fork or spawn refused by the process limit (`processes`),
+  (`output`), an uncaught MemoryError or a kill at the cgroup's memory limit (`memory`), a fork or spawn refused by the process limit (`processes`),
   any socket connect/bind/send (`network`), a write, create, rename or delete outside the working directory
   (`write`), a file past the size limit or the tmpfs full (`file_size`), too many open files (`open_files`),
   death by any other signal (`signal`);
@@ -378,6 +384,11 @@ class PythonSandbox:
     def __init__(self, limits: SandboxLimits | None = None, *, probe: bool = True) -> None:
         self.limits = limits or SandboxLimits()
         _can_isolate(self.limits)  # fail at task build, not at the first call
+        how = limits_kind(self.limits)
+        if how.startswith("cgroup"):
+            log.info("sandbox_limits_per_sandbox", limits=how)
+        else:  # weaker: memory and CPU per process (a fork tree multiplies them)
+            log.warning("sandbox_limits_per_process", limits=how)
         if probe:  # a machine that cannot sandbox (mounts, interpreter) raises SandboxUnavailable here
             r = run_python("print('ok')", self.limits)
             if r.output != "ok\n":
