@@ -50,6 +50,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from devstack.record import DevStackInfo, read_record
 from laminar.errors import ConfigError, DevStackError
+from laminar.private import private_dir
 
 DEFAULT_TEMPORAL_ADDRESS = "127.0.0.1:7233"
 LOG_FORMATS = ("console", "json")
@@ -214,6 +215,11 @@ class Settings:
         v = _Variables.read(env)
         cwd = cwd or Path.cwd()
         home = _parse_home(v.home, cwd)
+        try:
+            private_dir(home)  # the state directory is owner-only (laminar/private.py)
+        except OSError as e:
+            raise _invalid("LAMINAR_HOME", v.home or ".laminar", f"cannot create {home} ({e.strerror}); point it "
+                           "at a directory this user can create") from e
         tls = _temporal_tls(v, cwd)
         dev = _dev_record(home)
         dev_s3 = dev is not None and dev.s3_endpoint is not None

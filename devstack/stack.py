@@ -32,6 +32,7 @@ import psutil
 from devstack.record import RECORD_FILE, S3_BUCKET, S3_CREDENTIALS, DevStackInfo, read_record
 from laminar.errors import DevStackError
 from laminar.logs import get_logger
+from laminar.private import private_dir
 
 log = get_logger(__name__)
 
@@ -87,7 +88,7 @@ class DevStack:
         self, s3: bool = False, port: int | None = None, ui: bool = True
     ) -> tuple[DevStackInfo, bool]:
         """Like `up`; also says whether this call started the Temporal server."""
-        self.home.mkdir(parents=True, exist_ok=True)
+        private_dir(self.home)
         with self._lock():
             info = self.status()
             started = False
@@ -290,7 +291,7 @@ class DevStack:
 
     @contextmanager
     def _lock(self) -> Iterator[None]:
-        self.home.mkdir(parents=True, exist_ok=True)
+        private_dir(self.home)
         with open(self.home / "dev.lock", "w") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:

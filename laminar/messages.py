@@ -623,3 +623,6 @@ class DrillReport:
     # before the fault (services/drill.py throughput_restored_at); None: not within the observation
     throughput_restored_at: float | None = None
     tokens_lost: int = 0  # generated tokens thrown away (not in a flush, or not resumable), from the run's counters
+    # tool calls run a second time, not by a failure's retry (reporting/tool_calls.py), counted from the run's
+    # local logs when the drill ends; None: not counted (no logs of the run on this machine, e.g. a Ray run)
+    tool_calls_rerun: int | None = None

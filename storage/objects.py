@@ -21,6 +21,7 @@ from laminar.errors import (
     StoreError,
     StoreUnavailableError,
 )
+from laminar.private import private_dir
 
 MiB = 1024 * 1024
 _TMP_PREFIX = ".tmp-"
@@ -82,7 +83,7 @@ class LocalObjectStore(ObjectStore):
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root).absolute()
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            private_dir(self.root)
         except OSError as exc:
             raise StoreError(f"cannot create local store root {self.root}: {exc}; "
                              f"pick a writable directory for the store url") from exc

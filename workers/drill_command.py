@@ -23,6 +23,7 @@ from devstack.stack import DevStack
 from laminar import names
 from laminar.errors import ConfigError
 from laminar.messages import CONTROL_QUEUE, FAULTS, DrillInput, DrillReport
+from reporting.tool_calls import count_tool_calls
 from services.drill import parse_preempt_target
 
 
@@ -46,6 +47,12 @@ async def run_drill(settings: Settings, inp: DrillInput, report_path: Path | Non
             result_type=DrillReport,
         )
         report: DrillReport = await handle.result()
+    log_dir = settings.home / "logs" / inp.run_id  # the local launcher's (workers/run_command.py make_launcher)
+    if log_dir.is_dir():
+        calls = count_tool_calls(log_dir)
+        report = dataclasses.replace(report, tool_calls_rerun=calls.rerun, notes=(
+            f"{report.notes}; " if report.notes else "") + f"tool calls: {calls.executions} runs of {calls.keys} "
+            f"calls, {calls.rerun} run again, {calls.rerun_after_failure} run again by a failure's retry")
     if report_path is not None:
         report_path.parent.mkdir(parents=True, exist_ok=True)
         report_path.write_text(json.dumps(asdict(report), indent=2))
@@ -64,6 +71,7 @@ def render_report(r: DrillReport) -> Table:
         ("groups lost", r.groups_lost), ("groups consumed twice", r.groups_consumed_twice),
         ("tokens regenerated", r.tokens_regenerated), ("tokens lost", r.tokens_lost),
         ("throughput restored at", rel(r.throughput_restored_at)), ("trainer steps redone", r.steps_redone),
+        ("tool calls run again", "not counted" if r.tool_calls_rerun is None else r.tool_calls_rerun),
         ("recovered", r.recovered),
     ]
     if r.notes:
