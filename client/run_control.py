@@ -42,6 +42,7 @@ from storage.runs import RunMarker, stored_run, write_marker
 from workflows import timeouts
 from workflows.pool import PoolInput
 from workflows.state import TrainingRunInput
+from workflows.timeouts import REPAIR_SWEEP_S
 
 
 def new_run_id() -> str:
@@ -219,11 +220,33 @@ async def _handle(settings: Settings, run_id: str) -> WorkflowHandle:
     return (await connect(settings)).get_workflow_handle(workflow_id_for(run_id))
 
 
-def _no_answer(run_id: str, what: str, timeout_s: float) -> LaminarError:
+def _no_answer(run_id: str, what: str, timeout_s: float, wedged: str = "") -> LaminarError:
+    if wedged:
+        return LaminarError(f"run {run_id}: {what}: no answer within {timeout_s:.0f} s: {wedged}")
     return LaminarError(
         f"run {run_id}: {what}: no control worker answered within {timeout_s:.0f} s; is `laminar worker control` "
         f"running? use `laminar stop --force {run_id}` to terminate the run"
     )
+
+
+async def _wedged(handle) -> str:
+    """Why a run does not answer when its workflow tasks keep failing ('' when they do not, or it cannot tell)."""
+    from temporalio.api.enums.v1 import EventType
+
+    try:
+        raw = (await handle.describe()).raw_description
+        attempt = raw.pending_workflow_task.attempt if raw.HasField("pending_workflow_task") else 0
+        if attempt < 2:
+            return ""
+        error = ""
+        async for e in handle.fetch_history_events():
+            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
+                error = e.workflow_task_failed_event_attributes.failure.message.splitlines()[0][:300]
+    except RPCError:
+        return ""
+    return (f"its workflow task has failed {attempt} times (last: {error or 'unknown'}); the run is wedged. Every "
+            "control worker's repairer resets a wedged run to its last good workflow task within about "
+            f"{REPAIR_SWEEP_S:g} s (README, 'Wedged runs'); one that a reset cannot repair is ended with the reason")
 
 
 def _rpc_failed(settings: Settings, run_id: str, what: str, e: RPCError) -> LaminarError:
@@ -251,7 +274,7 @@ async def query_status(settings: Settings, run_id: str, timeout_s: float = CONTR
         return await handle.query(names.STATUS, result_type=RunStatus, rpc_timeout=timedelta(seconds=timeout_s))
     except RPCError as e:
         if e.status in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):  # the rpc_timeout expired
-            raise _no_answer(run_id, "status", timeout_s) from None
+            raise _no_answer(run_id, "status", timeout_s, await _wedged(handle)) from None
         raise _rpc_failed(settings, run_id, "status", e) from None
 
 
@@ -261,7 +284,7 @@ async def send_control(settings: Settings, run_id: str, name: str, timeout_s: fl
     try:
         return await handle.execute_update(name, result_type=str, rpc_timeout=timedelta(seconds=timeout_s))
     except WorkflowUpdateRPCTimeoutOrCancelledError:
-        raise _no_answer(run_id, name, timeout_s) from None
+        raise _no_answer(run_id, name, timeout_s, await _wedged(handle)) from None
     except RPCError as e:
         raise _rpc_failed(settings, run_id, name, e) from None
 
@@ -284,7 +307,7 @@ async def scale_run(settings: Settings, run_id: str, replicas: int | None = None
                                            result_type=ScaleResult,
                                            rpc_timeout=timedelta(seconds=timeout_s))
     except WorkflowUpdateRPCTimeoutOrCancelledError:
-        raise _no_answer(run_id, names.SCALE, timeout_s) from None
+        raise _no_answer(run_id, names.SCALE, timeout_s, await _wedged(handle)) from None
     except RPCError as e:
         raise _rpc_failed(settings, run_id, names.SCALE, e) from None
 
@@ -339,6 +362,10 @@ def render_status(st: RunStatus) -> Table:
         "trainer wait fraction": f"{st.trainer_wait_fraction:.2f}",
         "history events (max)": f"{st.history_events} ({st.history_events_max})",
         "continued as new": st.continued_as_new,
+        "workflow resets": f"{len(st.workflow_resets)}" + (
+            f" (last: {st.workflow_resets[-1].error[:80]}; reset to event {st.workflow_resets[-1].reset_to}, "
+            f"steps redone {max(0, st.workflow_resets[-1].step_before - st.workflow_resets[-1].step_after)})"
+            if st.workflow_resets else ""),
         "replicas (target/running)": f"{st.replicas_target}/{st.replicas_running}"
                                      + (f", {st.scale_groups_returned} groups given back by removed replicas"
                                         if st.scale_groups_returned else ""),

@@ -75,6 +75,23 @@ def read_step_records(store: ObjectStore, run_id: str) -> dict[int, dict]:
     return out
 
 
+def read_workflow_resets(store: ObjectStore, run_id: str) -> list[dict]:
+    """The repairer's reset records of the run (services/repair.py), oldest first."""
+    found = [json.loads(store.get(k)) for k in store.list(keys.workflow_resets_prefix(run_id))]
+    return sorted(found, key=lambda r: r.get("at", 0.0))
+
+
+def check_resets(resets: list[dict]) -> Check:
+    """Every reset of the run's workflow is accounted for: the error, the events and the steps it redid. A reset
+    is a repair, not a failure (the run's other checks judge what it cost); one without its facts is red."""
+    bad = [r for r in resets if not r.get("error") or not r.get("reset_to") or "step_after" not in r]
+    lines = [f"{r['error'][:80]} (events {r['reset_to']}..{r['bad_event_id']}, steps redone "
+             f"{max(0, r['step_before'] - r['step_after'])})" for r in resets if r not in bad]
+    return Check("workflow resets accounted", not bad,
+                 f"{len(resets)} reset(s)" + (": " + "; ".join(lines) if lines else "")
+                 + (f"; {len(bad)} without their facts" if bad else ""))
+
+
 def verify_checkpoints(store: ObjectStore, run_id: str) -> dict[int, str | None]:
     cs = CheckpointStore(store)
     return {step: cs.verify(run_id, step) for step in cs.list_committed(run_id)}
@@ -289,7 +306,7 @@ def _overlapping(f: dict, faults: list[dict]) -> list[int]:
 
 def judge(final: RunStatus | None, steps: dict[int, dict], checkpoints: dict[int, str | None], table: dict,
           alive: set[int], strays: list[int], faults: list[dict], exit_codes: dict[int, int], t0: float,
-          stop_error: str = "") -> Verdict:
+          stop_error: str = "", resets: list[dict] | None = None) -> Verdict:
     """All checks. final None: the run did not end (stop_error says why): red, and the checks that need the
     workflow's result are judged against the step records alone."""
     numbered = [steps[s] for s in sorted(steps) if s > 0]
@@ -300,7 +317,7 @@ def judge(final: RunStatus | None, steps: dict[int, dict], checkpoints: dict[int
     checks = [ended, check_accounting(final, steps) if final is not None else
               Check("accounting", False, "no final status to account against"),
               check_versions(steps), check_checkpoints(checkpoints), check_steps(steps, last), check_reward(rewards),
-              check_processes(table, alive, strays), check_faults(faults, exit_codes)]
+              check_processes(table, alive, strays), check_faults(faults, exit_codes), check_resets(resets or [])]
     final = final if final is not None else RunStatus(
         run_id="", phase="unknown", step=last, total_steps=0, policy_version=0, ready_groups=0, open_leases=0,
         groups_generated=0, groups_consumed=0, groups_consumed_twice=0, tokens_consumed=0, reward_recent=[],
@@ -315,6 +332,7 @@ def judge(final: RunStatus | None, steps: dict[int, dict], checkpoints: dict[int
                "faults_skipped": sum(1 for f in faults if f.get("skipped")),
                "writes_refused": sum(f.get("refused") or 0 for f in faults if f.get("injected_at") is not None),
                "faults_overlapping": sum(1 for r in injected if r["overlaps"]),
+               "workflow_resets": len(resets or []),
                "reward_rise": round(reward_rise(rewards), 3), "tokens_lost": sum(r["tokens_lost"] or 0 for r in injected)}
     return Verdict(all(c.ok for c in checks), checks, rows, numbers)
 

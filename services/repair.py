@@ -40,10 +40,11 @@ from laminar.logs import get_logger
 from laminar.messages import WorkflowReset
 from storage import keys
 from storage.objects import ObjectStore
+from workflows.timeouts import REPAIR_SWEEP_S
 
 log = get_logger(__name__)
 
-SWEEP_S = 10.0  # how often the repairer looks: a wedged run is repaired within about this long
+SWEEP_S = REPAIR_SWEEP_S  # how often the repairer looks: a wedged run is repaired within about this long
 _KIND = {
     EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED: repair.SCHEDULED,
     EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED: repair.STARTED,
@@ -132,7 +133,7 @@ class Repairer:
         v = repair.verdict(task_events(history), attempt)
         if v is None:
             return None
-        step = _search_int(desc, "LaminarStep")
+        step = max(_search_int(desc, "LaminarStep"), self._newest_step(workflow_id))
         if v.give_up or not v.candidates:
             return await self._fail(handle, v, v.give_up or "no completed workflow task to reset to")
         reset_to = await self._replayable(history, v.candidates)
@@ -187,6 +188,18 @@ class Repairer:
         log.error("workflow_wedged_run_failed", workflow_id=handle.id, run_id=handle.run_id, reason=reason)
         await handle.terminate(reason=reason)
         return Outcome(handle.id, "failed", reason)
+
+    def _newest_step(self, workflow_id: str) -> int:
+        """The trainer's newest step record in the store (the search attribute lags by up to 5 s, or is not
+        registered); 0 without a store."""
+        if self.store is None:
+            return 0
+        try:
+            found = self.store.list(keys.step_metrics_prefix(workflow_id.removeprefix("run/")))
+        except Exception:
+            return 0
+        steps = [int(s) for s in (k.rsplit("/", 1)[-1].split(".")[0].rpartition("-")[2] for k in found) if s.isdigit()]
+        return max(steps, default=0)
 
     def _write(self, workflow_id: str, record: WorkflowReset) -> None:
         if self.store is None:

@@ -43,7 +43,14 @@ from laminar.chaos import (
 )
 from laminar.errors import ConfigError, LaminarError
 from laminar.messages import RunStatus, workflow_id_for
-from reporting.checker import Verdict, format_verdict, judge, read_step_records, verify_checkpoints
+from reporting.checker import (
+    Verdict,
+    format_verdict,
+    judge,
+    read_step_records,
+    read_workflow_resets,
+    verify_checkpoints,
+)
 from services.nemesis import FaultRecord, Nemesis, partition_tool, read_table
 from workers.launcher import process_table_path
 from workers.run_command import stop_like_ctrl_c
@@ -241,7 +248,7 @@ def _judge(settings: Settings, run_id: str, final: RunStatus | None, table_path:
     pids = {pid for r in table.get("processes", []) for pid in r.get("pids", [])}
     return judge(final, read_step_records(store, run_id), verify_checkpoints(store, run_id), table,
                  {p for p in pids if _alive(p)}, _strays(home, pids), [asdict(r) for r in records],
-                 exit_codes(run_log), t0, stop_error)
+                 exit_codes(run_log), t0, stop_error, read_workflow_resets(store, run_id))
 
 
 def _alive(pid: int) -> bool:

@@ -20,6 +20,8 @@ from temporalio.common import RetryPolicy
 # while it holds a task, that task moves to another worker after up to 30 s instead of 10 s (the sticky queue's
 # schedule-to-start timeout still moves the tasks that follow at once). Measured in README's drill table (control).
 WORKFLOW_TASK = timedelta(seconds=30)
+# Every control worker's repairer (services/repair.py) looks for wedged runs this often (LAMINAR_REPAIR_SWEEP_S).
+REPAIR_SWEEP_S = 10.0
 
 # run_rollout_replica and run_relay live as long as their history segment; their heartbeat timeout is the
 # failure detector, so start-to-close only has to outlast any segment (continue-as-new ends them first).
