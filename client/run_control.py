@@ -28,6 +28,7 @@ from laminar.config import RunConfig
 from laminar.errors import ConfigError, LaminarError, StoreError
 from laminar.messages import (
     CONTROL_QUEUE,
+    CONTROL_UNCACHED_QUEUE,
     PoolStatus,
     RunStatus,
     ScaleInput,
@@ -117,7 +118,7 @@ async def ensure_pool(client: Client, report: SlotReport | None = None) -> str:
     signal = {"start_signal": names.POOL_SLOTS, "start_signal_args": [report]} if report is not None else {}
     try:
         await client.start_workflow(
-            names.SLOT_POOL_WORKFLOW, PoolInput(), id=pool_id, task_queue=CONTROL_QUEUE,
+            names.SLOT_POOL_WORKFLOW, PoolInput(), id=pool_id, task_queue=CONTROL_UNCACHED_QUEUE,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING, **signal)
     except RPCError as e:
         raise LaminarError(f"slot pool {pool_id}: could not start it or signal it: {e}") from None

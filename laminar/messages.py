@@ -13,6 +13,9 @@ from typing import Any
 from laminar.refs import CheckpointRef, SegmentRef
 
 CONTROL_QUEUE = "laminar-control"
+# the slot pool and recovery drills: served with no workflow cache (every task replays its history), so a task that
+# timed out can never run on an instance that applied it in memory (workers/processes.py, docs/decisions.md)
+CONTROL_UNCACHED_QUEUE = "laminar-control-uncached"
 TRAINER_QUEUE = "laminar-trainer"
 ROLLOUT_QUEUE = "laminar-rollout"
 

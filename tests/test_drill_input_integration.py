@@ -14,7 +14,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
-from laminar.messages import CONTROL_QUEUE
+from laminar.messages import CONTROL_UNCACHED_QUEUE
 
 # A valid input, as `laminar drill` sends it (the run need not exist: validation comes first); each case spoils one field.
 GOOD = {"run_id": "no-such-run", "drill_id": "d", "fault": "rollout", "runner_queue": "laminar-drill-test"}
@@ -31,7 +31,7 @@ GOOD = {"run_id": "no-such-run", "drill_id": "d", "fault": "rollout", "runner_qu
 async def test_a_malformed_drill_input_fails_the_drill_naming_the_field(stack, spoil, expected):
     handle = await stack.client.start_workflow(
         "RecoveryDrillWorkflow", {**GOOD, **spoil}, id=f"drill/bad-input-{uuid.uuid4().hex[:8]}",
-        task_queue=CONTROL_QUEUE,
+        task_queue=CONTROL_UNCACHED_QUEUE,
     )
     t0 = time.monotonic()
     with pytest.raises(WorkflowFailureError) as info:

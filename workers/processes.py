@@ -26,6 +26,7 @@ from laminar import names
 from laminar.logs import get_logger
 from laminar.messages import (
     CONTROL_QUEUE,
+    CONTROL_UNCACHED_QUEUE,
     ROLLOUT_QUEUE,
     TRAINER_QUEUE,
     fault_queue,
@@ -61,14 +62,14 @@ def _on_notice(stop: asyncio.Event, notice_s: float, role: str, sig: int) -> Non
 
 
 async def _serve(worker: Worker, role: str, process: str, allow_faults: bool, notice_s: float = 30.0,
-                 **context) -> None:
+                 extra: list[Worker] | None = None, **context) -> None:
     """Run until SIGTERM/SIGINT (a notice: _on_notice), then shut the worker down gracefully. With allow_faults
     the process also polls its own fault queue (recovery drills deliver faults to exactly this process)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_notice, stop, notice_s, role, sig)
-    workers = [worker]
+    workers = [worker, *(extra or [])]
     if allow_faults:
         faults = FaultActivities(process)
         workers.append(Worker(worker.client, task_queue=fault_queue(process), activities=[faults.inject_fault]))
@@ -105,15 +106,22 @@ async def control(settings: Settings, allow_faults: bool = False) -> None:
     from services.repair import Repairer
 
     client = await connect(settings)
+    interceptors = worker_interceptors()
+    # runs: cached (a run's history is up to a segment of ~1,500 updates; replaying it for every task would cost more
+    # than the task). The pool and drills, at a few tasks a minute, replay from scratch instead (max_cached_workflows=0):
+    # no cached instance, no window (workflows/timeouts.WORKFLOW_TASK). They stay registered here too, for those
+    # started on this queue before the split.
     worker = Worker(client, task_queue=CONTROL_QUEUE,
                     workflows=[TrainingRunWorkflow, RecoveryDrillWorkflow, SlotPoolWorkflow],
-                    interceptors=worker_interceptors())
+                    interceptors=interceptors)
+    uncached = Worker(client, task_queue=CONTROL_UNCACHED_QUEUE, workflows=[RecoveryDrillWorkflow, SlotPoolWorkflow],
+                      max_cached_workflows=0, interceptors=interceptors)
     # the repairer lives as long as the control worker: it resets runs whose workflow is wedged (services/repair.py)
     repairer = Repairer(client, [TrainingRunWorkflow], store=store_for(settings),
                         on_reset=lambda r: CONTROL_WORKFLOW_RESETS.labels(run=r.run_id).inc())
     sweeps = asyncio.create_task(repairer.forever(_repair_sweep_s()))
     try:
-        await _serve(worker, "control", "control", allow_faults, settings.notice_s)
+        await _serve(worker, "control", "control", allow_faults, settings.notice_s, extra=[uncached])
     finally:
         sweeps.cancel()
 
