@@ -10,6 +10,7 @@ SDK evicted the run in every try here, so the count is reported, not asserted.""
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import tempfile
@@ -87,3 +88,44 @@ async def test_reproduction_rate_at_a_short_task_timeout(own_server):
     assert stall["timed_out"] == 5
     rand = await _tries(address, "random", 3, 2.0, 0.0)
     assert rand["timed_out"] >= 1  # random SIGSTOPs of 1-4 s against a 2 s timeout open the window too
+
+
+async def _dead_holder_delay(address: str, task_timeout_s: float) -> float:
+    """Seconds from SIGKILL of a worker that holds a workflow task (stalled in it) until a new worker has answered
+    an update of that run: what a dead control worker costs at this task timeout."""
+    import asyncio
+    import time
+
+    client = await Client.connect(address)
+    queue = f"wedge-{uuid.uuid4().hex[:8]}"
+
+    def worker(**env: str) -> subprocess.Popen:
+        return subprocess.Popen(wedge.worker_process(address, queue), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env={**os.environ, **env})
+
+    proc = worker()
+    try:
+        handle = await wedge.start(client, queue, queue, 60.0, task_timeout_s)  # stalls 60 s: it holds the task
+        await handle.execute_update(wedge.WedgeRepro.claim)
+        await handle.signal(wedge.WedgeRepro.lose)
+        await asyncio.sleep(1.0)  # the worker is in the stalled task now
+        proc.kill()
+        proc.wait(timeout=30)
+        killed = time.monotonic()
+        proc = worker(WEDGE_NO_STALL="1")  # restarted at once, as the launcher does
+        await asyncio.wait_for(handle.execute_update(wedge.WedgeRepro.claim), 120)
+        delay = time.monotonic() - killed
+        await wedge.finish(handle)
+        return delay
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+async def test_what_a_dead_control_worker_costs_at_each_task_timeout(own_server):
+    _, address = own_server
+    delays = {t: await _dead_holder_delay(address, t) for t in (10.0, timeouts.WORKFLOW_TASK.total_seconds())}
+    print({f"task_timeout={t:g}s": f"{d:.1f}s" for t, d in delays.items()})
+    for t, d in delays.items():  # the held task moves only when its timeout fires (minus the 1 s it was held)
+        assert t - 2.0 <= d <= t + 15.0, (t, d)

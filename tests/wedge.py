@@ -66,7 +66,8 @@ class WedgeRepro:
             handled += 1
             self.relays = []  # as _lose_relay: the chain is empty until the backoff ends
             run_id = workflow.info().run_id
-            if self.stall_s and not workflow.unsafe.is_replaying() and run_id not in _STOPPED_ONCE:
+            stalls = not os.environ.get("WEDGE_NO_STALL")  # a worker started to replace a stalled one does not
+            if stalls and self.stall_s and not workflow.unsafe.is_replaying() and run_id not in _STOPPED_ONCE:
                 _STOPPED_ONCE.add(run_id)  # once per run and process
                 # the window: applied in memory, completion not yet sent. The workflow's thread stalls as a
                 # starved control worker's does; the SDK's core threads keep polling.
