@@ -2,6 +2,13 @@
 
 A sync activity (generation is CPU/GPU work and must never run on the worker's event loop). It reaches
 the workflow through updates sent on the worker's client, bridged onto the worker's event loop.
+
+One attempt at a time: an attempt that misses its heartbeat timeout is retried by the server while it still runs
+until its next heartbeat is refused (it then sees itself cancelled). Two attempts of one replica at once generate
+the same groups, and a late first claim of the old one hands the new one's leases back to the pool, so other
+replicas generate them again: their tool calls run twice. Hence the start-up (engine build, pool read, first
+claim, resume), which has no loop to beat from, heartbeats from a background thread, and a first claim is sent only
+by the replica's current attempt (`_TemporalControl.claim`).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.errors import permanent_errors
+from activities.heartbeat import background_heartbeat
 from laminar import names
 from laminar.config import RunConfig
 from laminar.logs import get_logger
@@ -35,6 +43,9 @@ from storage.objects import ObjectStore
 log = get_logger(__name__)
 
 UPDATE_POLL_S = 2.0  # while an update waits (control worker or server down), keep heartbeating
+# the start-up heartbeats at least this often (a third of the heartbeat timeout when that is shorter); a start-up
+# that takes longer than STARTUP_LIMIT_S is taken for hung: its beats stop and the heartbeat timeout retries it
+STARTUP_BEAT_S, STARTUP_LIMIT_S = 1.0, 900.0
 
 
 class _TemporalControl:
@@ -92,7 +103,32 @@ class _TemporalControl:
         return message
 
     def claim(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
+        if inp.first_claim:
+            self._check_current_attempt()
         return self._update(names.CLAIM_PROMPTS, inp, ClaimPromptsResult)
+
+    def _check_current_attempt(self) -> None:
+        """Before a first claim: this attempt must be the replica activity's current one in the workflow's current
+        run. A first claim releases every lease of the replica it does not resume (the retry's view of a lost
+        incarnation), so a superseded attempt's late first claim would take its successor's groups away and have
+        them generated again, tool calls included. The server retries an attempt once its heartbeat timeout passes
+        and tells the old one only at its next heartbeat; the pending activity's attempt number says it at once.
+        Check then act: a successor that starts and claims between this look and the claim (an attempt that
+        stalls past its heartbeat timeout right here) is not caught; the workflow could refuse such a claim.
+        Where the look itself fails (control plane unreachable), the claim goes ahead as before."""
+        info = activity.info()
+        try:
+            desc = asyncio.run_coroutine_threadsafe(self.handle.describe(), self.loop).result(timeout=30)
+        except Exception as e:  # noqa: BLE001 - cannot tell: claim as before (the update itself waits out an outage)
+            log.warning("attempt_check_failed", activity_id=info.activity_id, attempt=info.attempt, error=str(e)[:200])
+            return
+        current = next((a for a in desc.raw_description.pending_activities if a.activity_id == info.activity_id),
+                       None)
+        if desc.run_id != info.workflow_run_id or current is None or current.attempt != info.attempt:
+            now = "none" if current is None or desc.run_id != info.workflow_run_id else f"attempt {current.attempt}"
+            log.warning("replica_attempt_superseded", activity_id=info.activity_id, attempt=info.attempt, current=now)
+            raise InterruptedError(f"{info.activity_id} attempt {info.attempt} superseded ({now} is current): "
+                                   "no first claim")
 
     def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
         return self._update(names.ADD_EXPERIENCE, inp, AddExperienceResult)
@@ -119,7 +155,25 @@ class RolloutActivities:
     @permanent_errors()  # a ConfigError (bad run config) fails the replica for good, not retried forever
     def run_rollout_replica(self, inp: RolloutReplicaInput) -> RolloutReplicaResult:
         info = activity.info()
-        replica = RolloutReplica(
+        cfg = RunConfig.from_json(inp.config)
+        beat_s = min(STARTUP_BEAT_S, cfg.rollout.heartbeat_timeout_s / 3)
+        with background_heartbeat(every_s=beat_s, stall_s=STARTUP_LIMIT_S):  # building the engine (module docstring)
+            replica = self._replica(inp, info, cfg)
+        try:
+            result = replica.run(starting=background_heartbeat(every_s=beat_s, stall_s=STARTUP_LIMIT_S))
+        except InterruptedError:
+            log.warning("replica_attempt_cancelled", replica_id=inp.replica_id, attempt=info.attempt,
+                        why=_why_cancelled())
+            raise
+        if result.departed == "notice":
+            # its groups are with other replicas already: this attempt ends so that Temporal places the replica
+            # on another worker at once (this one polls no more), as it does after a crash, minus the timeout
+            raise ApplicationError(f"replica {inp.replica_id} left its worker on notice ({NOTICE.reason}); "
+                                   "it continues on another worker", type="ReplicaLeftOnNotice")
+        return result
+
+    def _replica(self, inp: RolloutReplicaInput, info: activity.Info, cfg: RunConfig) -> RolloutReplica:
+        return RolloutReplica(
             run_id=inp.run_id,
             replica_id=inp.replica_id,
             host_id=self.host_id,
@@ -128,17 +182,17 @@ class RolloutActivities:
             generation=inp.generation,
             previous_heartbeat=_last_details(info.heartbeat_details),
             relay_token=self.relay_token,
-            cfg=RunConfig.from_json(inp.config),
+            cfg=cfg,
             store=self.store,
             control=_TemporalControl(self.client, self.loop, inp.workflow_id),
         )
-        result = replica.run()
-        if result.departed == "notice":
-            # its groups are with other replicas already: this attempt ends so that Temporal places the replica
-            # on another worker at once (this one polls no more), as it does after a crash, minus the timeout
-            raise ApplicationError(f"replica {inp.replica_id} left its worker on notice ({NOTICE.reason}); "
-                                   "it continues on another worker", type="ReplicaLeftOnNotice")
-        return result
+
+
+def _why_cancelled() -> str:
+    """What cancelled this attempt, as the SDK knows it: timed_out (a missed heartbeat: the server retries it),
+    not_found, cancel_requested, worker_shutdown, ...; "" when it was not the SDK (the worker's shutdown)."""
+    details = activity.cancellation_details()
+    return ",".join(k for k, v in vars(details).items() if v) if details is not None else ""
 
 
 def _last_details(details) -> dict:

@@ -5,7 +5,9 @@ A call is keyed (group, sample, turn, call_sha). `count_tool_calls(log_dir)` rea
 run's log directory (`$LAMINAR_HOME/logs/<run_id>/`, the local launcher's; console or JSON lines) and returns
 `ToolCallCount`: `executions`, distinct `keys`, `rerun` (second and later runs of a key whose group was never
 retried after a failed reward or tool) and `rerun_after_failure` (those of groups that were: the failure's
-retry regenerates the group from its prompt on purpose, README "Tool calling"). The count covers what is in
+retry regenerates the group from its prompt on purpose, README "Tool calling"). With `run_id`, only that run's
+events count (workers shared by several runs write one log; events of logs older than the field count too). The
+count covers what is in
 the logs when it is taken; a run on Ray keeps its logs on its nodes, so it is not counted there.
 """
 
@@ -30,8 +32,8 @@ class ToolCallCount:
     rerun_after_failure: int
 
 
-def count_tool_calls(log_dir: str | Path) -> ToolCallCount:
-    """Count the `tool_executed` events under `log_dir` (module docstring)."""
+def count_tool_calls(log_dir: str | Path, run_id: str | None = None) -> ToolCallCount:
+    """Count the `tool_executed` events under `log_dir`, of run `run_id` if given (module docstring)."""
     runs: Counter[tuple[str, str, str, str]] = Counter()
     retried: set[str] = set()
     for path in sorted(Path(log_dir).rglob("*.log")):
@@ -40,6 +42,8 @@ def count_tool_calls(log_dir: str | Path) -> ToolCallCount:
                 if "tool_executed" not in line and "group_retried" not in line:
                     continue
                 event = _parse(line)
+                if run_id is not None and event.get("run_id", run_id) != run_id:
+                    continue
                 if event.get("event") == "tool_executed":
                     runs[(event.get("group_id", ""), event.get("sample", ""), event.get("turn", ""),
                           event.get("call_sha", ""))] += 1

@@ -211,11 +211,11 @@ class Batch:
         (`remember_calls`), else one run of the tool, counted in tool_executions."""
         recorded = self.recorded.pop(key, None)
         if recorded is not None and recorded[0] == text:
-            log.info("tool_reused", group_id=key[0], sample=key[1], turn=key[2], tool=tool.name)
+            log.info("tool_reused", run_id=self.run_id, group_id=key[0], sample=key[1], turn=key[2], tool=tool.name)
             return list(recorded[1]), 0.0
         self.tool_executions[key] = self.tool_executions.get(key, 0) + 1
         result, latency = call(tool, text)
-        log.info("tool_executed", group_id=key[0], sample=key[1], turn=key[2], tool=tool.name, ok=result.ok,
+        log.info("tool_executed", run_id=self.run_id, group_id=key[0], sample=key[1], turn=key[2], tool=tool.name, ok=result.ok,
                  latency_s=round(latency, 6), call_sha=hashlib.sha256(text.encode()).hexdigest()[:12])
         if not result.ok:
             raise RewardFailure("sandbox", result.detail)
@@ -339,7 +339,7 @@ class Batch:
         rid, now = f"{group.lease.group_id}/{t.sample_index}", self.clock()
         episode = Episode.from_row(t.tool_mask, t.extra)
         found = self._intent_call(t)
-        log.warning("tool_interrupted", group_id=group.lease.group_id, sample=t.sample_index,
+        log.warning("tool_interrupted", run_id=self.run_id, group_id=group.lease.group_id, sample=t.sample_index,
                     turn=int(t.extra["tool_intent"]), tool=found[0].name if found else "")
         f = Finished(rid, t.prompt_ids, t.response_ids, t.logprobs, "stop")
         out = list(self.task.tool_output_ids(INTERRUPTED))

@@ -7,6 +7,7 @@ import json
 import time
 import zlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 
 from laminar import metrics as prom
@@ -73,9 +74,12 @@ class RolloutReplica:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def run(self) -> RolloutReplicaResult:
+    def run(self, starting: AbstractContextManager = nullcontext()) -> RolloutReplicaResult:
+        """The loop until the replica hands over, departs or stops. `starting` is held around the start (pool read,
+        first claim, resume), before the loop's own heartbeats: the activity's start-up heartbeat."""
         try:
-            done = self._start()
+            with starting:
+                done = self._start()
             while done is None:
                 done = self._turn()
             return done
