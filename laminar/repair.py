@@ -5,8 +5,9 @@ chosen point by replaying the history up to it, and acts.
 A run is wedged when its workflow tasks fail and cannot succeed: a nondeterminism error (`[TMPRL1100]`: the
 history holds commands that a replay of the workflow's code does not produce, as when a cached run applied a
 timed-out task in memory and the next task ran on the advanced instance), or any other error that keeps failing
-the same task `FAILING_ATTEMPTS` times. Temporal writes a task's first failure to the history and counts the rest
-as attempts of the pending task (DescribeWorkflowExecution's `pending_workflow_task.attempt`).
+the run's workflow tasks `FAILING_ATTEMPTS` times in a row. Temporal writes a task's first failure to the history
+(and another each time a new event arrives) and counts the rest as attempts of the pending task
+(DescribeWorkflowExecution's `pending_workflow_task.attempt`).
 
 Where to reset: to the last workflow task completed before the bad one (`workflow_task_finish_event_id`; never
 "the last workflow task", which may be the bad one). The bad task is the one whose commands include the event the
@@ -23,7 +24,7 @@ import re
 from dataclasses import dataclass
 
 NONDETERMINISM = "[TMPRL1100]"
-FAILING_ATTEMPTS = 5  # a task failing this many times with any other error is wedged too (not a blip)
+FAILING_ATTEMPTS = 5  # workflow tasks failing this many times in a row with any other error: wedged too (no blip)
 # kinds of workflow-task events; everything else in a history is "other"
 SCHEDULED, STARTED, COMPLETED, TIMED_OUT, FAILED, OTHER = "scheduled", "started", "completed", "timed_out", \
     "failed", "other"
@@ -52,22 +53,36 @@ class Verdict:
     give_up: str = ""  # non-empty: do not reset (the reason); fail the run loudly instead
 
 
+def failures(events: list[TaskEvent], pending_attempt: int) -> int:
+    """How many times the run's workflow tasks failed since the last one completed: the failures the history holds
+    (a task's first failure, and each after a new event), plus the attempts of the pending task beyond its first
+    (the server keeps those out of the history)."""
+    streak = 0
+    for e in reversed(events):
+        if e.kind == COMPLETED or (e.kind == FAILED and e.reset):
+            break
+        if e.kind == FAILED:
+            streak += 1
+    return streak + max(0, pending_attempt - 2) if streak else 0
+
+
 def named_event(message: str) -> int | None:
     """The event id a nondeterminism error names, if any."""
     m = _EVENT_ID.search(message)
     return int(m.group(1)) if m else None
 
 
-def verdict(events: list[TaskEvent], pending_attempt: int) -> Verdict | None:
+def verdict(events: list[TaskEvent], pending_attempt: int, failing_attempts: int = FAILING_ATTEMPTS) -> Verdict | None:
     """None while the run is healthy; a Verdict when it is wedged.
 
-    `pending_attempt`: the attempt of the pending workflow task (0 when none is pending)."""
+    `pending_attempt`: the attempt of the pending workflow task (0 when none is pending); `failing_attempts`: how
+    many failures of one task (any error but nondeterminism) make a wedge."""
     ends = [e for e in events if e.kind in (COMPLETED, TIMED_OUT, FAILED)]
     last = ends[-1] if ends else None
     if last is None or last.kind != FAILED or last.reset:
         return None  # the last task completed (or timed out: it is retried), or a reset is starting afresh
     nondeterminism = NONDETERMINISM in last.message or "nondeterminism" in last.message.lower()
-    if not nondeterminism and pending_attempt < FAILING_ATTEMPTS:
+    if not nondeterminism and failures(events, pending_attempt) < failing_attempts:
         return None  # one failure may be a blip (a worker shutting down mid-task); wait for the attempts
     error = last.message.splitlines()[0] if last.message else "workflow task failed"
     named = named_event(last.message) if nondeterminism else None

@@ -2,8 +2,8 @@
 
 Every control worker runs one (workers/processes.py), so a repairer lives as long as any process that serves the
 runs: `laminar run` and `laminar workers` both start a control worker. Each sweep lists the running training runs,
-and for each whose pending workflow task is on its second attempt or later (a healthy run's is on its first), reads
-its history and asks `laminar.repair.verdict`. For a wedged run it:
+and for each whose pending workflow task is on its second attempt or later, or whose newest workflow-task end is a
+failure (a healthy run's is a completion), reads its history and asks `laminar.repair.verdict`. For a wedged run it:
 - checks the reset point by replaying the history up to it (and that point's commands) with this worker's own
   workflow code; an earlier completed task is tried when it does not replay;
 - resets the run to that point without reapplying the updates that came after it (their callers have gone: a
@@ -92,8 +92,10 @@ class Repairer:
 
     def __init__(self, client: Client, workflows: Sequence[type], store: ObjectStore | None = None,
                  on_reset: Callable[[WorkflowReset], None] | None = None, data_converter=None,
-                 workflow_type: str = names.TRAINING_RUN_WORKFLOW) -> None:
+                 workflow_type: str = names.TRAINING_RUN_WORKFLOW,
+                 failing_attempts: int = repair.FAILING_ATTEMPTS) -> None:
         self.client = client
+        self.failing_attempts = failing_attempts
         self.workflow_type = workflow_type
         self.store = store
         self.on_reset = on_reset
@@ -127,10 +129,10 @@ class Repairer:
         desc = await handle.describe()
         raw = desc.raw_description
         attempt = raw.pending_workflow_task.attempt if raw.HasField("pending_workflow_task") else 0
-        if attempt < 2:
-            return None  # no task pending, or its first attempt: not failing
+        if attempt < 2 and not await self._failing_lately(workflow_id, run_id):
+            return None  # its last workflow task did not fail: healthy
         history = await handle.fetch_history()
-        v = repair.verdict(task_events(history), attempt)
+        v = repair.verdict(task_events(history), attempt, self.failing_attempts)
         if v is None:
             return None
         step = max(_search_int(desc, "LaminarStep"), self._newest_step(workflow_id))
@@ -140,6 +142,22 @@ class Repairer:
         if reset_to is None:
             return await self._fail(handle, v, f"no workflow task among {list(v.candidates[:5])} replays")
         return await self._reset(handle, v, reset_to, step)
+
+    async def _failing_lately(self, workflow_id: str, run_id: str, tail: int = 30) -> bool:
+        """The newest workflow-task end among the history's last `tail` events is a failure (not a reset's)."""
+        from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryReverseRequest
+
+        resp = await self.client.workflow_service.get_workflow_execution_history_reverse(
+            GetWorkflowExecutionHistoryReverseRequest(
+                namespace=self.client.namespace, maximum_page_size=tail,
+                execution=WorkflowExecution(workflow_id=workflow_id, run_id=run_id)))
+        for e in resp.history.events:  # newest first
+            kind = _KIND.get(e.event_type)
+            if kind in (repair.COMPLETED, repair.TIMED_OUT):
+                return False
+            if kind == repair.FAILED:
+                return e.workflow_task_failed_event_attributes.cause != _RESET_CAUSE
+        return False
 
     async def _replayable(self, history: WorkflowHistory, candidates: Sequence[int], tries: int = 5) -> int | None:
         for c in candidates[:tries]:

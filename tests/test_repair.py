@@ -71,8 +71,9 @@ def test_a_healthy_run_has_no_verdict():
 
 def test_another_error_is_a_wedge_only_once_it_keeps_failing():
     events = _task(2, repair.COMPLETED) + _task(5, repair.FAILED, "boom")
-    assert repair.verdict(events, pending_attempt=repair.FAILING_ATTEMPTS - 1) is None
-    v = repair.verdict(events, pending_attempt=repair.FAILING_ATTEMPTS)
+    # the first failure is in the history; a pending attempt N means N - 2 more failed since (kept out of it)
+    assert repair.verdict(events, pending_attempt=repair.FAILING_ATTEMPTS) is None  # 4 failures
+    v = repair.verdict(events, pending_attempt=repair.FAILING_ATTEMPTS + 1)  # 5
     # no event named: the failing task (scheduled at 5) is the bad one; reset to the completion before it
     assert v is not None and not v.nondeterminism and v.bad_event_id == 5 and v.reset_to == 4
 
@@ -90,6 +91,16 @@ def test_a_reset_that_did_not_help_gives_up():
     # a later, separate wedge (a task completed since the reset) is reset again
     later = after[:-1] + [E(10, repair.COMPLETED)] + _task(11, repair.FAILED, nd.replace("9,", "12,"))
     assert repair.verdict(later, pending_attempt=2).give_up == ""
+
+
+def test_failures_count_the_history_and_the_pending_attempts():
+    # two failures in the history (the second after a new event), the pending task on its 3rd attempt: 2 + 1
+    events = _task(2, repair.COMPLETED) + _task(5, repair.FAILED, "boom") + _task(8, repair.FAILED, "boom")
+    assert repair.failures(events, pending_attempt=3) == 3
+    assert repair.failures(events, pending_attempt=1) == 2
+    assert repair.failures(_task(2, repair.COMPLETED), pending_attempt=0) == 0
+    assert repair.verdict(events, pending_attempt=3, failing_attempts=3) is not None
+    assert repair.verdict(events, pending_attempt=1, failing_attempts=3) is None
 
 
 def test_a_reset_marker_alone_is_not_a_wedge():
@@ -170,8 +181,9 @@ async def _attempts(handle) -> int:
     return raw.pending_workflow_task.attempt if raw.HasField("pending_workflow_task") else 0
 
 
-async def _at_least(handle, attempts: int) -> bool:
-    return await _attempts(handle) >= attempts
+async def _failed_times(handle, times: int) -> bool:
+    """The run's workflow tasks failed at least `times` times in a row (laminar.repair.failures)."""
+    return repair.failures(task_events(await handle.fetch_history()), await _attempts(handle)) >= times
 
 
 async def test_a_reset_that_does_not_help_fails_the_run_loudly(temporal_env):
@@ -187,18 +199,14 @@ async def test_a_reset_that_does_not_help_fails_the_run_loudly(temporal_env):
         await handle.signal(wedge.WedgeRepro.poison)
         stuck = asyncio.create_task(handle.execute_update(wedge.WedgeRepro.claim))
         await async_wait_until(lambda: _attempts(handle), 120, "the task failing", interval_s=0.5)
-        repairer = Repairer(client, [wedge.WedgeRepro], workflow_type=wedge.WORKFLOW)
-        # one failure, or a few, may be a blip: no verdict until the task failed FAILING_ATTEMPTS times
-        if await _attempts(handle) < repair.FAILING_ATTEMPTS:
-            assert [o for o in await repairer.sweep() if o.workflow_id == handle.id] == []
-        await async_wait_until(lambda: _at_least(handle, repair.FAILING_ATTEMPTS), 180, "the task failing again",
-                               interval_s=0.5)
-        repairer = Repairer(client, [wedge.WedgeRepro], workflow_type=wedge.WORKFLOW)
+        # 3 failures make a wedge here (5 by default; the server spaces a failing task's attempts out, and the
+        # threshold is what the pure tests above check): one failure, or two, may be a blip, so no verdict yet
+        repairer = Repairer(client, [wedge.WedgeRepro], workflow_type=wedge.WORKFLOW, failing_attempts=3)
+        await async_wait_until(lambda: _failed_times(handle, 3), 180, "the task failing 3 times", interval_s=0.5)
         first = [o for o in await repairer.sweep() if o.workflow_id == handle.id]
         assert [o.action for o in first] == ["reset"]
         current = client.get_workflow_handle(handle.id)
-        await async_wait_until(lambda: _at_least(current, repair.FAILING_ATTEMPTS), 180,
-                               "the reset run failing again", interval_s=0.5)
+        await async_wait_until(lambda: _failed_times(current, 1), 180, "the reset run failing again", interval_s=0.5)
         second = [o for o in await repairer.sweep() if o.workflow_id == handle.id]
         assert [o.action for o in second] == ["failed"], second
         assert "cannot be repaired" in second[0].reason and "does not repair" in second[0].reason
