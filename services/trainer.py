@@ -432,12 +432,12 @@ class TrainerService:
         assert self.trackers is not None and self.cfg is not None
         if not self.trackers.wanted:
             return
+        self.trackers.log_step(self.step, step_scalars(record))  # first: it may mark a resume at this step
         if restored:
             self.trackers.log_event(self.step, "trainer_restored",
                                     f"trainer restored at step {self.step - 1 - redone} and replayed {redone} steps")
         if corrupt:
             self.trackers.log_event(self.step, "checkpoint_fallback", f"corrupt checkpoints at steps {corrupt}")
-        self.trackers.log_step(self.step, step_scalars(record))
         if self.step >= self.cfg.run.steps:
             self.trackers.close(finished=True)
 
