@@ -6,23 +6,18 @@ eval and a training group agree on what a right answer is. A sample whose reward
 prompt the engine cannot admit, is a failure: counted in `failures`, scored 0 in the accuracies (never dropped, so
 a failing checker cannot raise accuracy), and left out of mean_reward.
 
-Per prompt i with n = eval.samples responses, c_i of them passing (reward >= eval.pass_threshold):
-- accuracy = pass@1 = mean_i c_i / n (the unbiased pass@1 estimator; with greedy n = 1 it is the share right);
-- pass@k = mean_i [c_i > 0] (k = n);
-- mean@k = mean_i (mean reward of prompt i's n samples, failures as 0);
-- accuracy_stderr = the standard error over prompts of c_i / n: sqrt(var / N), var with N - 1. The eval's own
-  noise: two policies whose accuracies differ by less than about twice it are not told apart by this set.
+The figures (accuracy = pass@1, pass@k, mean@k, their standard error) are laminar/evalstats.py's.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from laminar.config import EvalSection, RunConfig
 from laminar.errors import ConfigError, EngineError
+from laminar.evalstats import EvalSummary, PromptResult
 from rl.tasks import Prompt, RewardFailure
 
 
@@ -46,51 +41,6 @@ def eval_prompts(task: Any, section: EvalSection, prompts_file: str = "") -> lis
     if not rows:
         raise ConfigError("the evaluation prompt set is empty; set eval.prompts to a file with rows")
     return [task.prompt_from_row(row, i) for i, row in enumerate(rows)]
-
-
-@dataclass
-class PromptResult:
-    """One evaluation prompt's samples: reward per sample (None: the sample failed) and response lengths."""
-
-    id: str
-    rewards: list[float | None] = field(default_factory=list)
-    lengths: list[int] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)  # reasons
-
-
-@dataclass
-class EvalSummary:
-    prompts: int
-    samples: int
-    accuracy: float  # pass@1
-    accuracy_stderr: float
-    pass_at_k: float
-    mean_at_k: float
-    mean_reward: float
-    response_len_mean: float
-    failures: int
-
-
-def summarise(results: list[PromptResult], samples: int, threshold: float) -> EvalSummary:
-    """The module docstring's figures over the prompts' results."""
-    n_prompts = len(results)
-    per_prompt_pass, per_prompt_mean, scored, lengths, failures = [], [], [], [], 0
-    for r in results:
-        values = [0.0 if v is None else v for v in r.rewards]
-        passed = sum(1 for v in r.rewards if v is not None and v >= threshold)
-        per_prompt_pass.append(passed / samples)
-        per_prompt_mean.append(sum(values) / samples)
-        scored.extend(v for v in r.rewards if v is not None)
-        lengths.extend(r.lengths)
-        failures += sum(1 for v in r.rewards if v is None)
-    accuracy = sum(per_prompt_pass) / n_prompts if n_prompts else 0.0
-    var = (sum((a - accuracy) ** 2 for a in per_prompt_pass) / (n_prompts - 1)) if n_prompts > 1 else 0.0
-    return EvalSummary(
-        prompts=n_prompts, samples=samples, accuracy=accuracy, accuracy_stderr=math.sqrt(var / n_prompts) if n_prompts
-        else 0.0, pass_at_k=sum(1 for a in per_prompt_pass if a > 0) / n_prompts if n_prompts else 0.0,
-        mean_at_k=sum(per_prompt_mean) / n_prompts if n_prompts else 0.0,
-        mean_reward=sum(scored) / len(scored) if scored else 0.0,
-        response_len_mean=sum(lengths) / len(lengths) if lengths else 0.0, failures=failures)
 
 
 def generate_and_score(engine: Any, task: Any, prompts: list[Prompt], samples: int,

@@ -20,8 +20,9 @@ import torch
 
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, CorruptDataError
+from laminar.evalstats import EvalSummary, summarise
 from laminar.logs import get_logger
-from rl.evaluation import EvalSummary, eval_prompts, eval_record, generate_and_score, summarise
+from rl.evaluation import eval_prompts, eval_record, generate_and_score
 from storage import keys
 from storage.checkpoints import CheckpointStore
 from storage.objects import ObjectStore

@@ -12,7 +12,8 @@ import pytest
 
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
-from rl.evaluation import PromptResult, eval_prompts, summarise
+from laminar.evalstats import PromptResult, summarise
+from rl.evaluation import eval_prompts
 from rl.tasks import get_task
 from rl.tasks.math import WARMUP_IDS, is_held_out, problem_key
 
