@@ -359,6 +359,55 @@ class ModelledSection(_Section):
         return self.params_billion * 1e9 * self.bytes_per_param
 
 
+class EvalSection(_Section):
+    """Held-out evaluation (docs/evaluation.md): the prompts, when to evaluate, how to sample and score."""
+
+    prompts: str = Field(
+        "", max_length=4096,
+        description="A local JSONL or Parquet file of evaluation prompts (the columns of task.prompts: id, prompt or "
+        "messages, answer, metadata); empty: the task's own held-out split (`math` has one: a seeded set, disjoint "
+        "from the training stream, every curriculum level included).")
+    size: int = Field(
+        64, ge=1, le=100_000,
+        description="Held-out prompts to evaluate (count): the first this many of the file, or of the task's split "
+        "(a split may hold fewer: `laminar eval` prints the size it used).")
+    samples: int = Field(
+        1, ge=1, le=1024,
+        description="Responses per prompt (count, the k of pass@k and mean@k); pass@1 is the first sample's score.")
+    temperature: float = Field(
+        0.0, ge=0.0, le=10.0,
+        description="Sampling temperature (unitless); 0: greedy (the most likely token), the default.")
+    every_steps: int = Field(
+        0, ge=0, le=1_000_000,
+        description="During training: evaluate the policy version of every this many steps (steps); 0: never.")
+    at_start: bool = Field(False, description="During training: evaluate policy version 0 (the base model).")
+    at_end: bool = Field(False, description="During training: evaluate the last policy version.")
+    pass_threshold: float = Field(
+        1.0, gt=0.0, le=1.0,
+        description="A sample passes when its reward is at least this (reward units; the math task's 1.0 is a "
+        "right answer).")
+
+
+class TrackingSection(_Section):
+    """Experiment trackers, written through their own libraries by one process: the trainer (docs/evaluation.md)."""
+
+    dir: str = Field(
+        "", max_length=4096,
+        description="Where trackers write (a local directory): TensorBoard event files under <dir>/tensorboard/<run "
+        "id>, the MLflow file store under <dir>/mlruns (unless tracking.mlflow_uri), wandb offline runs under "
+        "<dir>/wandb; empty: <LAMINAR_HOME>/tracking on the trainer's host.")
+    tensorboard: bool = Field(False, description="Write TensorBoard event files (torch.utils.tensorboard).")
+    mlflow: bool = Field(False, description="Log to MLflow: one MLflow run per run id, tagged laminar.run_id.")
+    mlflow_uri: str = Field(
+        "", max_length=4096,
+        description="MLflow tracking URI (e.g. file:///data/mlruns or http://host:5000); empty: a local file store "
+        "under tracking.dir.")
+    experiment: str = Field(
+        "laminar", min_length=1, max_length=200, description="MLflow experiment and wandb project name.")
+    wandb: bool = Field(
+        False, description="Write a wandb run directory in offline mode (never online: `wandb sync` uploads it).")
+
+
 class RunConfig(_Section):
     """What the experiment is. Where things run (addresses, store) comes from LAMINAR_* settings."""
 
@@ -369,6 +418,8 @@ class RunConfig(_Section):
     trainer: TrainerSection = TrainerSection()
     relay: RelaySection = RelaySection()
     modelled: ModelledSection = ModelledSection()
+    eval: EvalSection = EvalSection()
+    tracking: TrackingSection = TrackingSection()
 
     @model_validator(mode="after")
     def _engines_and_modes_fit(self) -> RunConfig:

@@ -24,7 +24,7 @@ from laminar.errors import ConfigError
 from storage import keys, records
 from storage.objects import ObjectStore
 
-PLOTS = ("reward", "staleness", "versions", "trainer", "drills")  # file stems, in page order
+PLOTS = ("reward", "staleness", "versions", "trainer", "eval", "drills")  # file stems, in page order
 
 
 @dataclass
@@ -43,10 +43,12 @@ class ReportData:
     drills: list[dict[str, Any]] = field(default_factory=list)  # drill reports, times relative to t0
     events: list[dict[str, Any]] = field(default_factory=list)  # the summary's last events, times relative to t0
     summary: dict[str, Any] = field(default_factory=dict)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # held-out eval records by version (storage/keys.py)
 
     @classmethod
     def from_records(cls, run_id: str, steps: list[dict[str, Any]], trajectories: list[records.TrajRow],
-                     drills: list[dict[str, Any]], summary: dict[str, Any]) -> ReportData:
+                     drills: list[dict[str, Any]], summary: dict[str, Any],
+                     evals: list[dict[str, Any]] | None = None) -> ReportData:
         """steps: the trainer's step records, any order; trajectories: storage.records.trajectory_rows'."""
         steps = sorted(steps, key=lambda r: r["step"])
         busy_abs = [(r["time"] - r.get("busy_s", 0.0), r.get("busy_s", 0.0)) for r in steps]
@@ -66,6 +68,7 @@ class ReportData:
                             for k in ("injected_at", "detected_at", "recovered_at")}} for d in drills],
             events=[{**e, "at": e["at"] - t0} for e in summary.get("events", [])],
             summary=summary,
+            evals=sorted(evals or [], key=lambda e: e["policy_version"]),
         )
 
 
@@ -120,7 +123,21 @@ def read(store: ObjectStore, run_id: str) -> ReportData:
         raise ConfigError(f"run {run_id!r} has no step records under {keys.step_metrics_prefix(run_id)} in this store; "
                           "check the run id (`laminar list`) and LAMINAR_STORE, or wait for its first step")
     return ReportData.from_records(run_id, steps, records.trajectory_rows(store, run_id, token_counts=False),
-                                   records.drill_reports(store, run_id), records.summary(store, run_id) or {})
+                                   records.drill_reports(store, run_id), records.summary(store, run_id) or {},
+                                   eval_records(store, run_id))
+
+
+def eval_records(store: ObjectStore, run_id: str) -> list[dict[str, Any]]:
+    """The run's held-out eval records (`laminar eval`, eval rounds), by policy version, without per-prompt rows."""
+    import json
+
+    out = []
+    for key in store.list(keys.evals_prefix(run_id)):
+        if key.endswith(".json"):
+            record = json.loads(store.get(key))
+            record.pop("per_prompt", None)
+            out.append(record)
+    return sorted(out, key=lambda r: r["policy_version"])
 
 
 # -- drawing -------------------------------------------------------------------------------------------
@@ -159,6 +176,8 @@ def _figures(data: ReportData):
     yield "staleness", "Staleness of the trained samples", lambda plt: _staleness(plt, data)
     yield "versions", "Policy version each replica generated with", lambda plt: _versions(plt, data)
     yield "trainer", "Trainer busy and waiting", lambda plt: _trainer(plt, data)
+    if data.evals:
+        yield "eval", "Held-out accuracy against step and wall time", lambda plt: _eval(plt, data)
     if data.drills:
         yield "drills", "Drills: injected, detected, recovered", lambda plt: _drills(plt, data)
 
@@ -176,6 +195,34 @@ def _reward(plt, data: ReportData):
     ax.grid(alpha=0.3)
     ax2.set(xlabel="trainer step", ylabel="trained tokens / s")
     ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def eval_wall_s(data: ReportData, policy_version: int) -> float | None:
+    """Seconds from t0 to the end of the step that made the version (0: t0); None when that step has no record."""
+    if policy_version == 0:
+        return 0.0
+    ends = {step: start + busy for step, (start, busy) in zip(data.steps, data.busy, strict=True)}
+    return ends.get(policy_version)
+
+
+def _eval(plt, data: ReportData):
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+    v = [e["policy_version"] for e in data.evals]
+    acc = [e["accuracy"] for e in data.evals]
+    err = [e.get("accuracy_stderr", 0.0) for e in data.evals]
+    ax.errorbar(v, acc, yerr=err, marker="o", capsize=3)
+    ax.set(xlabel="policy version (trainer step)", ylabel="held-out accuracy (pass@1)",
+           title=f"{data.evals[-1]['prompts']} prompts, +- 1 standard error")
+    timed = [(t, a, e) for t, a, e in ((eval_wall_s(data, x), a, e) for x, a, e in zip(v, acc, err, strict=True))
+             if t is not None]
+    if timed:
+        ax2.errorbar([t for t, _, _ in timed], [a for _, a, _ in timed], yerr=[e for _, _, e in timed], marker="o",
+                     capsize=3, color="tab:orange")
+    ax2.set(xlabel="wall time of the version (s since start)")
+    for axis in (ax, ax2):
+        axis.grid(alpha=0.3)
     fig.tight_layout()
     return fig
 

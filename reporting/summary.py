@@ -123,10 +123,22 @@ def build_summary(status: RunStatus, store: ObjectStore, wall_s: float, started_
         "kl_behaviour_mean": _mean(_over_updates(metrics, "kl_behaviour")),
         "kl_behaviour_max": _max(_over_updates(metrics, "kl_behaviour")),
         **tool_stats(metrics),
+        # writes a failing experiment tracker dropped (services/tracking.py), per tracker, as of the last step
+        "tracker_skipped": (metrics[-1].get("tracker_skipped") or {}) if metrics else {},
+        # held-out evals recorded so far (laminar eval; eval rounds): version, accuracy, its standard error, prompts
+        "evals": eval_lines(store, status.run_id),
         # seconds from the run's start to each step's end (time to reward)
         **({"step_end_s": [round(r["time"] - started_at, 3) for r in metrics]} if started_at is not None else {}),
         **({"profile": profile} if profile is not None else {}),
     }
+
+
+def eval_lines(store: ObjectStore, run_id: str) -> list[dict[str, Any]]:
+    from reporting.report import eval_records
+
+    return [{"policy_version": e["policy_version"], "accuracy": round(e["accuracy"], 4),
+             "accuracy_stderr": round(e.get("accuracy_stderr", 0.0), 4), "prompts": e["prompts"],
+             "samples": e["samples"]} for e in eval_records(store, run_id)]
 
 
 def tool_stats(metrics: list[dict[str, Any]]) -> dict[str, Any]:

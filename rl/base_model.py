@@ -69,6 +69,10 @@ def fingerprint(cfg: RunConfig) -> str:
         "seed": cfg.run.seed,
         "recipe": [RECIPE_VERSION, DEMO_ACCURACY, PRETRAIN_BATCH, PRETRAIN_LR],
     }
+    if cfg.task.name in ("math", "tools"):  # their warm-up leaves the held-out split out (rl/tasks/math.py)
+        from rl.tasks.math import HOLDOUT_BUCKETS
+
+        data["holdout_buckets"] = HOLDOUT_BUCKETS
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 

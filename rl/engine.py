@@ -117,9 +117,9 @@ class TorchEngine:
         on_close: Callable[[], None] | None = None,
     ):
         """on_close: runs once at `close` (rl.factory: gives the replica's CUDA device slot back)."""
-        if max_inflight_seqs < 1 or max_new_tokens < 1 or temperature <= 0:
+        if max_inflight_seqs < 1 or max_new_tokens < 1 or temperature < 0:
             raise EngineError(
-                f"engine needs max_inflight_seqs >= 1, max_new_tokens >= 1 and temperature > 0; got "
+                f"engine needs max_inflight_seqs >= 1, max_new_tokens >= 1 and temperature >= 0 (0: greedy); got "
                 f"{max_inflight_seqs}, {max_new_tokens}, {temperature}"
             )
         self.model = model.eval()
@@ -245,8 +245,12 @@ class TorchEngine:
         slots = self._active[1]
         kv_len = max(s.cached for s in seqs) + 1
         logits = self.model.forward_cached(self._last[slots], self._pos[slots], self._cache, slots, kv_len)
-        logp = torch.log_softmax(logits[:, -1] / self.temperature, dim=-1)
-        sampled = torch.multinomial(logp.exp(), 1, generator=self._gen)
+        if self.temperature == 0:  # greedy (evaluation): the most likely token, its log-prob at temperature 1
+            logp = torch.log_softmax(logits[:, -1], dim=-1)
+            sampled = logp.argmax(dim=-1, keepdim=True)
+        else:
+            logp = torch.log_softmax(logits[:, -1] / self.temperature, dim=-1)
+            sampled = torch.multinomial(logp.exp(), 1, generator=self._gen)
         self._last[slots] = sampled
         self._pos[slots] += 1
         # the one read-back per step: sampled ids and their log-probs in one transfer

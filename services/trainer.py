@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from rl.engine_api import PolicyTrainer
 from laminar.policy import policy_for, publishes, staleness_bound, version_of
 from services.model_files import publish_model_files, resolve_model_dir
+from services.tracking import Trackers, step_scalars
 from storage import keys
 from storage.checkpoints import CheckpointStore, LoadedCheckpoint
 from storage.objects import ObjectStore
@@ -93,6 +94,7 @@ class TrainerService:
         # run_id -> (step, policy_version, payload) of its last publish, least recently published first: one worker
         # set serves several runs, and a run's version may need publishing again after this process moved on
         self._published: OrderedDict[str, tuple[int, int, bytes]] = OrderedDict()
+        self.trackers: Trackers | None = None  # the run's experiment trackers: this process is their one writer
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -144,6 +146,10 @@ class TrainerService:
             trainer.load_state_parts(self._parent_checkpoint(cfg).parts)
         if run_id != self.run_id:  # a worker that serves another run profiles it from scratch
             self.profile, self._profile_written = TimeBreakdown(), time.perf_counter()
+        if self.trackers is None or run_id != self.run_id:
+            if self.trackers is not None:
+                self.trackers.close(finished=False)
+            self.trackers = Trackers(run_id, cfg, self.home)
         self.run_id, self.cfg, self.trainer, self.step, self.consumed = run_id, cfg, trainer, step, consumed
         self.checkpointed_step = step if loaded is not None else -1
         self.policy = policy
@@ -230,8 +236,10 @@ class TrainerService:
         )
         busy_s = time.time() - t_start
         with prof.measure("write_metrics"):
-            self._write_metrics(metrics, trajectories, wait_s=wait_s, busy_s=busy_s, stall_s=stall_s,
-                                scheduled_at=scheduled_at)
+            record = self._write_metrics(metrics, trajectories, wait_s=wait_s, busy_s=busy_s, stall_s=stall_s,
+                                         scheduled_at=scheduled_at, entropy=m.entropy)
+        with prof.measure("trackers"):
+            self._track(record, restored=restored, redone=redone, corrupt=corrupt)
         prom.observe_train_step(self.step, self._version(), tokens=m.tokens, reward=m.reward_mean, loss=m.loss,
                                 clip_fraction=m.clip_fraction, staleness=metrics.staleness, consumed_twice=twice,
                                 wait_s=wait_s, busy_s=busy_s, stall_s=stall_s, published=publishes(self.policy, self.step))
@@ -418,7 +426,22 @@ class TrainerService:
                     policy_version=version)
         return None
 
-    def _write_metrics(self, m: StepMetrics, trajectories: list[Trajectory], **timing: float | None) -> None:
+    def _track(self, record: dict, *, restored: bool, redone: int, corrupt: list[int]) -> None:
+        """The step's scalars (and a restore, as an event) to the run's trackers (services/tracking.py); a tracker
+        that fails is counted in the next step's record (`tracker_skipped`), never raised."""
+        assert self.trackers is not None and self.cfg is not None
+        if not self.trackers.wanted:
+            return
+        self.trackers.log_step(self.step, step_scalars(record))  # first: it may mark a resume at this step
+        if restored:
+            self.trackers.log_event(self.step, "trainer_restored",
+                                    f"trainer restored at step {self.step - 1 - redone} and replayed {redone} steps")
+        if corrupt:
+            self.trackers.log_event(self.step, "checkpoint_fallback", f"corrupt checkpoints at steps {corrupt}")
+        if self.step >= self.cfg.run.steps:
+            self.trackers.close(finished=True)
+
+    def _write_metrics(self, m: StepMetrics, trajectories: list[Trajectory], **timing: float | None) -> dict:
         assert self.run_id is not None
         lengths = sorted(len(t.response_ids) for t in trajectories)
         record = {"step": self.step, **asdict(m), **timing, "response_lengths": lengths,
@@ -431,7 +454,10 @@ class TrainerService:
         for t in trajectories:
             versions.setdefault(t.group_id, set()).add(t.policy_version)
         record["groups"] = {g: sorted(v) for g, v in sorted(versions.items())}
+        if self.trackers is not None and self.trackers.skipped:
+            record["tracker_skipped"] = dict(self.trackers.skipped)  # writes dropped so far, per tracker
         self.store.put(keys.step_metrics(self.run_id, self.step), json.dumps(record).encode())
+        return record
 
 
 

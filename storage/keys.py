@@ -180,6 +180,15 @@ def step_metrics_prefix(run_id: str) -> str:
     return f"{run_prefix(run_id)}metrics/"
 
 
+def evals_prefix(run_id: str) -> str:
+    """Held-out evaluation records of the run (rl/evaluation.py eval_record), one per policy version evaluated."""
+    return f"{run_prefix(run_id)}evals/"
+
+
+def eval_result(run_id: str, policy_version: int) -> str:
+    return f"{evals_prefix(run_id)}{step_dir(policy_version)}.json"
+
+
 def profile_prefix(run_id: str, role: str | None = None) -> str:
     """Every process's time breakdown, or those of one role's processes (`trainer`, `rollout`)."""
     return f"{run_prefix(run_id)}profile/" + ("" if role is None else f"{check_id('profile role', role)}-")

@@ -15,7 +15,7 @@ import pytest
 
 from laminar.errors import ConfigError
 from laminar.records import Trajectory
-from reporting.report import PLOTS, ReportData, read, write
+from reporting.report import PLOTS, ReportData, eval_wall_s, read, write
 from storage import keys
 from storage.objects import open_store
 from storage.records import TrajRow
@@ -39,6 +39,8 @@ DRILL = {"drill_id": "d1", "run_id": "r", "fault": "relay", "target": "host-0", 
          "detected_at": 106.0, "recovered_at": None, "steps_during_outage": 0, "trainer_stall_s": 0.0,
          "groups_lost": 0, "groups_consumed_twice": 0, "tokens_regenerated": 0, "steps_redone": 0,
          "recovered": False}
+EVALS = [{"run_id": "r", "policy_version": v, "prompts": 4, "samples": 1, "accuracy": a, "accuracy_stderr": 0.25}
+         for v, a in ((0, 0.25), (2, 0.5))]
 SUMMARY = {"mode": "laminar", "steps": 2, "events": [{"kind": "relay_lost", "subject": "host-0", "at": 105.0,
                                                         "count": 0}]}
 
@@ -78,13 +80,22 @@ def _store_run(tmp_path: Path, run_id: str):
     TrajectoryStore(store).write_segment(run_id, "replica-2", "a-000001", rows)
     store.put(keys.drill_report(run_id, "d1"), json.dumps(DRILL).encode())
     store.put(keys.summary(run_id), json.dumps(SUMMARY).encode())
+    for e in EVALS:
+        store.put(keys.eval_result(run_id, e["policy_version"]), json.dumps({**e, "per_prompt": []}).encode())
     return store
+
+
+def test_eval_points_in_wall_time():
+    d = ReportData.from_records("r", STEPS, TRAJECTORIES, [DRILL], SUMMARY, list(reversed(EVALS)))
+    assert [e["policy_version"] for e in d.evals] == [0, 2]
+    # version 0 is the start (0 s); version 2 is step 2's end: busy from 12 s for 1 s -> 13 s; no step 7 record
+    assert (eval_wall_s(d, 0), eval_wall_s(d, 2), eval_wall_s(d, 7)) == (0.0, 13.0, None)
 
 
 def test_read_takes_every_record_from_the_store(tmp_path):
     store = _store_run(tmp_path, "r")
     d = read(store, "r")
-    assert d == ReportData.from_records("r", STEPS, TRAJECTORIES, [DRILL], SUMMARY)
+    assert d == ReportData.from_records("r", STEPS, TRAJECTORIES, [DRILL], SUMMARY, EVALS)
     with pytest.raises(ConfigError, match="run 'nope' has no step records"):
         read(store, "nope")
 
@@ -128,7 +139,7 @@ def test_page_renders_every_plot_in_headless_chromium(tmp_path, chromium):
     store = _store_run(tmp_path, "r")
     files = write(read(store, "r"), tmp_path / "out")
     pngs, page = files[:-1], files[-1]
-    assert page.name == "report.html" and [p.stem for p in pngs] == list(PLOTS)  # a drill ran: all five plots
+    assert page.name == "report.html" and [p.stem for p in pngs] == list(PLOTS)  # a drill ran and evals exist: all six plots
     html = page.read_text()
     assert "src=\"file:" not in html and html.count("data:image/png;base64,") == len(pngs)  # self-contained
     probe = tmp_path / "probe.html"

@@ -26,6 +26,7 @@ from laminar.logs import configure_logging
 from workers.cli_bench import bench_app
 from workers.cli_chaos import register as register_chaos
 from workers.cli_dev import dev_app
+from workers.cli_eval import register as register_eval
 from workers.cli_model import register as register_model
 from workers.cli_sim import register as register_sim
 
@@ -39,6 +40,7 @@ app.add_typer(bench_app, name="bench", help="Systems benchmarks (relay broadcast
 register_sim(app)  # laminar simulate, laminar plan
 register_model(app)  # laminar model import-gguf
 register_chaos(app)  # laminar chaos
+register_eval(app)  # laminar eval
 console = Console()
 err = Console(stderr=True)
 

@@ -15,6 +15,13 @@ and every digit and operator is its own word: chain_sum `4 + 1 3 =` (4 + 13), co
 (make 20 from 3, 12 and 5); the response `<answer> 1 7 </answer>` decodes by joining its tokens, to
 `<answer>17</answer>`. With a real tokenizer the prompt is reasoning-gym's question (GSM8K's) plus INSTRUCTION.
 
+Held-out split (`heldout_rows`, the `[eval]` section's default prompts): one problem in HOLDOUT_BUCKETS, chosen by a
+hash of its text (chain_sum: the expression; countdown: numbers and target), is held out. The training stream and
+the warm-up never show a held-out problem (a prompt id whose item is held out takes the next item of a fixed
+stride that is not), and the split is drawn from datasets seeded apart from the training ones, round-robin over
+every curriculum level (the hardest included), distinct problems only. A small problem space holds few: chain_sum's
+one-digit level has 200 problems (a +- b, a and b in 0..9), so about 25 held out.
+
 Reward (rl/tasks/answers.py), 1.0 or 0.0, never partial credit:
 - chain_sum: the tag's text, validated as arithmetic, equals the answer exactly (after removing whitespace);
 - countdown: the tag's text, validated as arithmetic BEFORE reasoning-gym's scorer sees it (that scorer runs
@@ -24,6 +31,8 @@ Reward (rl/tasks/answers.py), 1.0 or 0.0, never partial credit:
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import random
 from typing import Any
 
@@ -34,6 +43,9 @@ from rl.tasks.text import TextTask
 
 GENERATORS = ("chain_sum", "countdown", "gsm8k")
 WARMUP_IDS = 10**9  # rl/base_model.py draws warm-up prompts from ids at and above this
+HOLDOUT_BUCKETS = 8  # one problem in this many (by a hash of its text) is held out of training for evaluation
+HOLDOUT_STRIDE = 1_000_003  # a training prompt id whose item is held out takes item id + k * this (k = 1, 2, ...)
+HOLDOUT_SCAN = 2000  # items of each level's evaluation dataset scanned for held-out problems (count)
 DIGITS = tuple(str(d) for d in range(10))
 SYMBOLS = ("+", "-", "*", "/", "(", ")", "=", ",", ".")
 OPEN, CLOSE = "<answer>", "</answer>"
@@ -68,6 +80,18 @@ def curriculum_level(prompt_id: int, levels: int, prompts_per_level: int) -> int
     return min(prompt_id // prompts_per_level, levels - 1)
 
 
+def problem_key(generator: str, metadata: dict[str, Any]) -> str:
+    """The text that identifies a problem: chain_sum's expression, countdown's numbers and target."""
+    if generator == "chain_sum":
+        return f"chain_sum:{''.join(str(metadata['expression']).split())}"
+    return f"countdown:{sorted(metadata['numbers'])}:{metadata['target']}"
+
+
+def is_held_out(key: str) -> bool:
+    """One problem in HOLDOUT_BUCKETS, by the first 8 hex digits of sha256(key)."""
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % HOLDOUT_BUCKETS == 0
+
+
 def _is_word_level(tokenizer: Any) -> bool:
     if tokenizer is None:
         return True
@@ -81,8 +105,6 @@ class GeneratedPrompts:
 
     def __init__(self, generator: str, *, seed: int, levels: list[dict[str, Any]], prompts_per_level: int,
                  compact: bool) -> None:
-        import reasoning_gym
-
         if not isinstance(levels, list) or not levels or not all(isinstance(lv, dict) for lv in levels):
             raise ConfigError(f"task.params.levels={levels!r} must be a non-empty list of tables of reasoning-gym "
                               f"{generator} config fields, e.g. [{{max_terms = 2, max_digits = 1}}]")
@@ -90,13 +112,20 @@ class GeneratedPrompts:
             raise ConfigError(f"task.params.prompts_per_level={prompts_per_level!r} must be a positive integer")
         self.generator, self.seed, self.compact = generator, seed, compact
         self.prompts_per_level = prompts_per_level
-        self.datasets = []
+        self.datasets = self._datasets(levels, "math")
+        self._levels = levels
+
+    def _datasets(self, levels: list[dict[str, Any]], purpose: str) -> list[Any]:
+        """One seeded reasoning-gym dataset per level; purpose "math" (training) or "math-eval" (held-out split)."""
+        import reasoning_gym
+
+        generator, seed, out = self.generator, self.seed, []
         for i, overrides in enumerate(levels):
             bad = sorted({"seed", "size"} & set(overrides))
             if bad:
                 raise ConfigError(f"task.params.levels[{i}] sets {', '.join(bad)}; the task seeds each level from "
                                   f"run.seed, remove them")
-            level_seed = random.Random(f"math:{generator}:{seed}:{i}").randrange(2**31)
+            level_seed = random.Random(f"{purpose}:{generator}:{seed}:{i}").randrange(2**31)
             try:
                 ds = reasoning_gym.create_dataset(generator, seed=level_seed, size=WARMUP_IDS,
                                                   **(BASE_CONFIG[generator] | overrides))
@@ -104,14 +133,51 @@ class GeneratedPrompts:
                 raise ConfigError(f"task.params.levels[{i}]={overrides!r} is not a valid reasoning-gym {generator} "
                                   f"config ({type(e).__name__}: {e}); use its config fields, e.g. "
                                   f"{DEFAULT_LEVELS[generator][0]!r}") from None
-            self.datasets.append(ds)
+            out.append(ds)
+        return out
 
     def level(self, prompt_id: int) -> int:
         return curriculum_level(prompt_id, len(self.datasets), self.prompts_per_level)
 
     def row(self, prompt_id: int) -> PromptRow:
+        """Training (and warm-up) prompt prompt_id: never a held-out problem."""
         level = self.level(prompt_id)
-        item = self.datasets[level][prompt_id]
+        dataset, index = self.datasets[level], prompt_id
+        item = dataset[index]
+        for _ in range(HOLDOUT_SCAN):
+            if not is_held_out(problem_key(self.generator, item["metadata"])):
+                break
+            index += HOLDOUT_STRIDE
+            item = dataset[index]
+        else:
+            raise ConfigError(f"task.params.levels[{level}]={self._levels[level]!r}: {HOLDOUT_SCAN} draws found only "
+                              f"held-out problems; widen the level (more terms or digits)")
+        return self._row(item, level, prompt_id)
+
+    def heldout_rows(self, n: int) -> list[PromptRow]:
+        """Up to n distinct held-out problems, round-robin over the levels (hardest included), from evaluation
+        datasets seeded apart from the training ones; fewer when the levels hold fewer (module docstring)."""
+        datasets = self._datasets(self._levels, "math-eval")
+        found: list[list[Any]] = [[] for _ in datasets]
+        seen: set[str] = set()
+        for level, ds in enumerate(datasets):
+            for index in range(HOLDOUT_SCAN):
+                item = ds[index]
+                key = problem_key(self.generator, item["metadata"])
+                if key not in seen and is_held_out(key):
+                    seen.add(key)
+                    found[level].append(item)
+                    if len(found[level]) >= n:
+                        break
+        rows: list[PromptRow] = []
+        for i in range(max(map(len, found), default=0)):  # round-robin, the hardest level first in each round
+            for level in reversed(range(len(datasets))):
+                if i < len(found[level]) and len(rows) < n:
+                    row = self._row(found[level][i], level, i)
+                    rows.append(dataclasses.replace(row, id=f"{self.generator}:heldout:{level}:{i}"))
+        return rows
+
+    def _row(self, item: dict[str, Any], level: int, prompt_id: int) -> PromptRow:
         meta = item["metadata"]
         if self.generator == "chain_sum":
             text = f"{spaced(meta['expression'])} =" if self.compact else f"{item['question']}\n{INSTRUCTION}"
@@ -162,6 +228,13 @@ class MathTask(TextTask):
 
     def extra_words(self) -> list[str]:
         return [OPEN, CLOSE, *DIGITS, *SYMBOLS]
+
+    def heldout_rows(self, n: int) -> list[PromptRow]:
+        """The held-out split (module docstring): up to n problems the training stream never shows."""
+        if not isinstance(self.source, GeneratedPrompts):
+            raise ConfigError(f"task.params.generator={self.generator!r} has no held-out split (its prompts are a "
+                              "file); set eval.prompts to a file of evaluation prompts")
+        return self.source.heldout_rows(n)
 
     def response_text(self, response_ids: list[int]) -> str:
         """The response up to <eos>; with the word-level tokenizer its tokens joined without spaces

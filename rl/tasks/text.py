@@ -59,7 +59,10 @@ class TextTask:
         return []
 
     def prompt(self, prompt_id: int) -> Prompt:
-        row = self.source.row(prompt_id)
+        return self.prompt_from_row(self.source.row(prompt_id), prompt_id)
+
+    def prompt_from_row(self, row: PromptRow, prompt_id: int) -> Prompt:
+        """A row rendered and encoded as the model sees it (evaluation renders its own rows through this)."""
         # under a chat template the rendered text is the whole prompt (SmolLM2's starts with <|im_start|>, its bos)
         bos = (self.tokenizer.id_to_token(self.bos_id) or "") if self.chat_template else ""
         text = render(row, self.chat_template, bos)

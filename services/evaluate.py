@@ -1,0 +1,118 @@
+"""`laminar eval`'s domain service: evaluate one policy (a committed checkpoint of a run, or a Hugging Face model
+directory) on the held-out prompts in this process, with the training reward, and store the record
+(rl/evaluation.py says what is measured; storage/keys.py eval_result where).
+
+A checkpoint reference is `RUN_ID@STEP` (that committed checkpoint, verified file by file) or `RUN_ID` (the newest
+committed one that verifies). The model's architecture and tokenizer come from the run's published model files,
+as a rollout replica builds them, so a checkpoint of a run that has ended evaluates without its model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from laminar.config import RunConfig
+from laminar.errors import ConfigError, CorruptDataError
+from laminar.evalstats import EvalSummary, summarise
+from laminar.logs import get_logger
+from rl.evaluation import eval_prompts, eval_record, generate_and_score
+from storage import keys
+from storage.checkpoints import CheckpointStore
+from storage.objects import ObjectStore
+
+log = get_logger(__name__)
+
+EVAL_SLOTS = 64  # sequences the one-process engine decodes at once (count)
+
+
+@dataclass(frozen=True)
+class EvalTarget:
+    """What is evaluated: the run whose records get the result, its policy version, and a label."""
+
+    run_id: str
+    policy_version: int
+    source: str
+
+
+@dataclass(frozen=True)
+class EvalOutcome:
+    target: EvalTarget
+    summary: EvalSummary
+    key: str  # where the record is stored
+    wall_s: float
+
+
+def _run_and_step(ref: str) -> tuple[str, int | None]:
+    m = re.fullmatch(r"([^@/]+)(?:@(\d+))?", ref)
+    if m is None:
+        raise ConfigError(f"--checkpoint {ref!r} is neither a model directory on this host nor RUN_ID[@STEP]; pass "
+                          "e.g. run-20261201-120000@40, or a Hugging Face model directory")
+    return m.group(1), None if m.group(2) is None else int(m.group(2))
+
+
+def load_policy(store: ObjectStore, cfg: RunConfig, checkpoint: str) -> tuple[Any, Any, Any, EvalTarget]:
+    """(model, tokenizer, task, target) of a checkpoint reference or a model directory."""
+    from rl.model import build_model, load_model_state, load_pretrained
+    from rl.tasks import build_task
+
+    path = Path(checkpoint)
+    if path.is_dir():
+        model, tokenizer, _ = load_pretrained(path)
+        task = build_task(cfg.task, seed=cfg.run.seed, tokenizer=tokenizer)
+        run_id = cfg.run.run_id or f"eval-{re.sub(r'[^A-Za-z0-9_.-]', '-', path.resolve().name)}"
+        return model, tokenizer, task, EvalTarget(run_id, 0, str(path.resolve()))
+    run_id, step = _run_and_step(checkpoint)
+    checkpoints = CheckpointStore(store)
+    ref = checkpoints.latest(run_id) if step is None else checkpoints.verified_at(run_id, step)
+    if ref is None:
+        have = checkpoints.list_committed(run_id)
+        why = "" if step is None else f" ({checkpoints.verify(run_id, step) or 'not committed'})"
+        raise CorruptDataError(f"run {run_id} has no committed checkpoint{'' if step is None else f' at step {step}'} "
+                               f"that verifies{why}; committed steps: {have or 'none'}")
+    from services.model_files import load_run_files
+
+    hf, tokenizer, task = load_run_files(store, run_id, cfg)
+    loaded = checkpoints.load(ref)
+    model = build_model(hf, seed=0).to(torch.float32)
+    load_model_state(model, loaded.parts["model"])
+    version = int(loaded.meta.get("policy_version", ref.step))
+    return model.eval(), tokenizer, task, EvalTarget(run_id, version, f"{run_id}@{ref.step}")
+
+
+def evaluate(store: ObjectStore, cfg: RunConfig, checkpoint: str, prompts_file: str = "") -> EvalOutcome:
+    """Evaluate and store the record; the record of a version evaluated again is replaced (the newest wins)."""
+    from rl.engine import TorchEngine
+    from rl.model import model_state_dict
+
+    started = time.perf_counter()
+    model, tokenizer, task, target = load_policy(store, cfg, checkpoint)
+    prompts = eval_prompts(task, cfg.eval, prompts_file)
+    width = max(len(p.token_ids) for p in prompts)
+    engine = TorchEngine(model, tokenizer, max_inflight_seqs=min(EVAL_SLOTS, len(prompts) * cfg.eval.samples),
+                         max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.eval.temperature,
+                         seed=cfg.run.seed, eos_id=task.eos_id, max_prompt_len=max(width, cfg.rollout.max_prompt_len))
+    engine.load_weights(model_state_dict(model), target.policy_version)
+    with torch.no_grad():
+        results = generate_and_score(engine, task, prompts, cfg.eval.samples, cfg.task.reward_timeout_s)
+    summary = summarise(results, cfg.eval.samples, cfg.eval.pass_threshold)
+    wall_s = time.perf_counter() - started
+    record = eval_record(cfg, summary, results, run_id=target.run_id, policy_version=target.policy_version,
+                         source=target.source, wall_s=wall_s)
+    key = keys.eval_result(target.run_id, target.policy_version)
+    store.put(key, json.dumps(record).encode())
+    log.info("eval_completed", run_id=target.run_id, policy_version=target.policy_version, prompts=summary.prompts,
+             accuracy=round(summary.accuracy, 4), failures=summary.failures, wall_s=round(wall_s, 2))
+    return EvalOutcome(target, summary, key, wall_s)
+
+
+def read_evals(store: ObjectStore, run_id: str) -> list[dict[str, Any]]:
+    """The run's eval records, by policy version."""
+    out = [json.loads(store.get(k)) for k in store.list(keys.evals_prefix(run_id)) if k.endswith(".json")]
+    return sorted(out, key=lambda r: r["policy_version"])

@@ -1,0 +1,66 @@
+"""`laminar eval CONFIG --checkpoint REF|PATH [--prompts FILE]`: evaluate a committed checkpoint (or a Hugging Face
+model directory) on held-out prompts in this process (services/evaluate.py), store the record, print the figures.
+
+Exit codes as the rest of the CLI: 0 evaluated, 1 it failed (no such checkpoint), 2 invalid input.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+err = Console(stderr=True)
+
+
+def eval_command(
+    ctx: typer.Context,
+    config: Path = typer.Argument(..., help="Run config (TOML): its [eval] and [task] sections are used."),
+    checkpoint: str = typer.Option(..., "--checkpoint", help="RUN_ID@STEP (a committed checkpoint), RUN_ID (its "
+                                   "newest), or a Hugging Face model directory."),
+    prompts: Path | None = typer.Option(None, "--prompts", help="JSONL or Parquet evaluation prompts (default: "
+                                        "eval.prompts, else the task's held-out split)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Evaluate a policy on held-out prompts with the training reward; the record goes to the run's evals/.
+    Extra `--section.key=value` arguments override config values (e.g. --eval.samples=4)."""
+    from client.connect import store_for
+    from client.settings import Settings
+    from laminar.config import RunConfig
+    from laminar.errors import ConfigError, LaminarError
+    from laminar.logs import configure_logging
+    from services.evaluate import evaluate
+
+    configure_logging("console", level="warning")  # logs on stderr: stdout is the result (--json parses)
+    try:
+        cfg = RunConfig.load(config, list(ctx.args))
+        outcome = evaluate(store_for(Settings.from_env()), cfg, checkpoint, str(prompts) if prompts else "")
+    except ConfigError as e:
+        err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+        raise typer.Exit(2) from None
+    except LaminarError as e:
+        err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+        raise typer.Exit(1) from None
+    s, t = outcome.summary, outcome.target
+    if as_json:
+        console.print_json(json.dumps({"run_id": t.run_id, "policy_version": t.policy_version, "source": t.source,
+                                       "record": outcome.key, **s.__dict__, "wall_s": round(outcome.wall_s, 2)}))
+        return
+    table = Table(title=f"eval of {t.source} (run {t.run_id}, policy version {t.policy_version})")
+    for col in ("prompts", "samples", "accuracy (pass@1)", f"pass@{s.samples}", f"mean@{s.samples}", "mean reward",
+                "response len", "failures"):
+        table.add_column(col, justify="right")
+    table.add_row(str(s.prompts), str(s.samples), f"{s.accuracy:.3f} ± {s.accuracy_stderr:.3f}", f"{s.pass_at_k:.3f}",
+                  f"{s.mean_at_k:.3f}", f"{s.mean_reward:.3f}", f"{s.response_len_mean:.1f}", str(s.failures))
+    console.print(table)
+    console.print(f"record: {outcome.key} ({outcome.wall_s:.1f} s)", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `eval` to the `laminar` command line (workers/cli.py)."""
+    app.command(name="eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+        eval_command)
