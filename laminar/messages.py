@@ -170,13 +170,15 @@ class FailedGroup:
 @dataclass(frozen=True)
 class AddExperienceInput:
     """replica -> workflow (update `add_experience`): a committed segment of complete groups, and the groups
-    that failed (their segment may then be empty: key "" and no group ids)."""
+    that failed (their segment may then be empty: key "" and no group ids); with `claim`, its next claim too."""
 
     report: ReplicaReport
     segment: SegmentRef
     tokens_regenerated: int = 0  # tokens thrown away since the last report (restarted partial groups)
     reprefill_tokens: int = 0  # since the last report: prefix tokens prefilled again (interrupts, repack)
     failed: list[FailedGroup] = field(default_factory=list)  # default: histories written before it decode
+    # the replica's next claim, answered in the same update (one update instead of two; None: a report only)
+    claim: ClaimPromptsInput | None = None
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,7 @@ class AddExperienceResult:
     hold_version: int = -1
     trainer_starved: bool = False
     failed: list[str] = field(default_factory=list)  # of inp.failed: leases closed as failed by this report
+    claim: ClaimPromptsResult | None = None  # the answer to inp.claim (None when the report carried none)
 
 
 # -- trainer activities -----------------------------------------------------------------------

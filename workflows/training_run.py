@@ -405,7 +405,7 @@ class TrainingRunWorkflow:
         assert self._policy is not None and self._cfg is not None
         if self.state.paused:
             return False
-        if not self._flights:
+        if not self._ahead:
             return self.ledger.trainable(self._policy) is not None
         in_flight = self._in_flight_batches()
         return (len(self._flights) <= TRAIN_AHEAD and self.state.step + len(in_flight) < self._cfg.run.steps
@@ -512,18 +512,20 @@ class TrainingRunWorkflow:
         trainer that restarts, or runs the two out of order after a crash, rewinds as for any step."""
         if self._trainer_returned():  # one a call: the run loop looks for a continue-as-new between steps
             self._commit_flight(self._flights.pop(0))
-        while len(self._flights) <= TRAIN_AHEAD and self._has_batch():
-            self._schedule_steps()
+        while len(self._flights) <= TRAIN_AHEAD and self._has_batch() and self._schedule_steps():
+            pass
         self._training = bool(self._flights)
 
-    def _schedule_steps(self) -> None:
+    def _schedule_steps(self) -> bool:
+        """Schedule the next trainer activity (the steps after those in flight); False when there was none."""
         assert self._cfg is not None and self._policy is not None
         in_flight = self._in_flight_batches()
         step = self.state.step + len(in_flight)
         limit = min(steps_to_publish(self._policy, step), self._cfg.run.steps - step)
-        inputs = self._with_checks(self.ledger.train_inputs_after(self._cfg, self._chain(), in_flight, limit))
+        inputs = self._with_checks(self.ledger.train_inputs_after(self._cfg, self._chain(), in_flight, limit)
+                                   if limit > 0 else [])
         if not inputs:
-            return
+            return False
         self._note_handover_stall()
         first = inputs[0]
         if len(inputs) == 1:
@@ -538,6 +540,7 @@ class TrainingRunWorkflow:
                 summary=f"train steps {first.step + 1}-{inputs[-1].step + 1}: "
                         f"{sum(len(p.group_ids) for i in inputs for p in i.batch)} groups", **self._train_options())
         self._flights.append(_TrainFlight(inputs=inputs, handle=handle, scheduled_at=workflow.time()))
+        return True
 
     def _commit_flight(self, flight: _TrainFlight) -> None:
         """A returned trainer activity: its steps commit (a permanent failure fails the run)."""
@@ -612,8 +615,12 @@ class TrainingRunWorkflow:
 
     @workflow.update(name=names.CLAIM_PROMPTS)
     def claim_prompts(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
-        assert self._cfg is not None and self._policy is not None
         self._updates += 1
+        return self._claim(inp)
+
+    def _claim(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
+        """A claim, by itself (claim_prompts) or carried by a report (add_experience): idempotent by request id."""
+        assert self._cfg is not None and self._policy is not None
         replica_id = inp.report.replica_id
         self.ledger.note_report(inp.report, at=workflow.time())
         self._note_version_missing(inp.report)
@@ -660,13 +667,15 @@ class TrainingRunWorkflow:
 
     @claim_prompts.validator
     def _validate_claim(self, inp: ClaimPromptsInput) -> None:
-        if inp.max_groups < 0:
-            raise ValueError(f"claim_prompts: max_groups={inp.max_groups} must be >= 0")
+        _check_claim(inp)
         if self._error is not None:
             raise ValueError(f"run failed validation: {self._error}")
 
     @workflow.update(name=names.ADD_EXPERIENCE)
     def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
+        """A report: its complete groups become ready, its failed ones are closed; a claim it carries is answered
+        after them, as a claim_prompts update that follows it would be (no patch: the handler issues no command,
+        and a recorded history's reports carry no claim)."""
         self._updates += 1
         self.ledger.note_report(inp.report, at=workflow.time())
         accepted, duplicates = self.ledger.add_segment(
@@ -674,15 +683,21 @@ class TrainingRunWorkflow:
         )
         # failed groups: leases closed as failed, never ready (empty in histories written before the field)
         failed = self.ledger.fail_groups(inp.failed, inp.report.replica_id, workflow.time()) if inp.failed else []
-        self._maybe_repack()
+        claim = self._claim(inp.claim) if inp.claim is not None else None
+        if claim is None:
+            self._maybe_repack()
         return AddExperienceResult(
             accepted=accepted, duplicates=duplicates, stop=self.state.stopping,
             handover=self._handover, leave=self._leaving(inp.report.replica_id),
-            failed=failed, **self._hints(inp.report.replica_id),
+            failed=failed, claim=claim, **self._hints(inp.report.replica_id),
         )
 
     @add_experience.validator
     def _validate_add(self, inp: AddExperienceInput) -> None:
+        if inp.claim is not None:
+            _check_claim(inp.claim)
+            if self._error is not None:
+                raise ValueError(f"run failed validation: {self._error}")
         if inp.failed and not inp.segment.key and not inp.segment.group_ids:
             return  # only failed groups to report
         if not inp.segment.key or not inp.segment.group_ids:
@@ -1035,6 +1050,11 @@ def _fail_run_if_permanent(e: ActivityError, what: str) -> None:
     cause = e.cause
     if isinstance(cause, ApplicationError) and cause.non_retryable:
         raise ApplicationError(f"{what} failed: {cause.message}", type=cause.type, non_retryable=True) from e
+
+
+def _check_claim(inp: ClaimPromptsInput) -> None:
+    if inp.max_groups < 0:
+        raise ValueError(f"claim_prompts: max_groups={inp.max_groups} must be >= 0")
 
 
 def _pool_of(inp: Any) -> str:
