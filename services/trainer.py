@@ -23,6 +23,7 @@ take out or back (workflows/relay_health.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -67,6 +68,7 @@ from storage.trajectories import TrajectoryStore
 log = get_logger(__name__)
 
 PUBLISHED_RUNS_KEPT = 4  # runs whose last published version this process keeps to republish (one payload each)
+MAX_CATCH_UP = 4  # steps a trainer takes ahead of their own activity (_catch_up); the workflow schedules 1 ahead
 PROFILE_EVERY_S = 5.0  # how often the trainer writes its time breakdown to the store (and at the last step)
 
 
@@ -93,6 +95,9 @@ class TrainerService:
         # run_id -> (step, policy_version, payload) of its last publish, least recently published first: one worker
         # set serves several runs, and a run's version may need publishing again after this process moved on
         self._published: OrderedDict[str, tuple[int, int, bytes]] = OrderedDict()
+        # (run_id, step) -> (its batch's group ids, its result) of steps taken ahead of their own activity
+        # (_catch_up); cleared whenever the in-memory policy is rebuilt
+        self._ahead: dict[tuple[str, int], tuple[frozenset[str], TrainStepResult]] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -145,6 +150,7 @@ class TrainerService:
         if run_id != self.run_id:  # a worker that serves another run profiles it from scratch
             self.profile, self._profile_written = TimeBreakdown(), time.perf_counter()
         self.run_id, self.cfg, self.trainer, self.step, self.consumed = run_id, cfg, trainer, step, consumed
+        self._ahead.clear()
         self.checkpointed_step = step if loaded is not None else -1
         self.policy = policy
         log.info("trainer_restored", run_id=run_id, step=step, checkpoint=loaded.ref.step if loaded else None)
@@ -172,7 +178,42 @@ class TrainerService:
         worker counts only steps scheduled after the fault). last: the activity's last step; after a notice it
         writes the deadline checkpoint."""
         with self._busy:
+            if (done := self._taken_ahead(inp)) is not None:
+                return done
+            self._catch_up(inp, heartbeat, scheduled_at)
             return self._train_step(inp, heartbeat, schedule_to_start_s, scheduled_at, last)
+
+    def _catch_up(self, inp: TrainStepInput, heartbeat, scheduled_at: float | None) -> None:
+        """The workflow schedules the next step while one runs (workflows/training_run.py, train-ahead), and the
+        task queue may hand them over out of order: a step a few ahead of the in-memory policy whose replay holds
+        the batches in between, on top of exactly what this process trained, trains those batches first (as
+        their own steps would) and keeps their results for their activities (_taken_ahead), instead of a rewind
+        now and another when the skipped step arrives."""
+        if self.run_id != inp.run_id or self.trainer is None or not 0 < inp.step - self.step <= MAX_CATCH_UP:
+            return
+        start = inp.checkpoint.step if inp.checkpoint is not None else 0
+        done, todo = inp.replay[:self.step - start], inp.replay[self.step - start:]
+        trained = {g for batch in done for part in batch for g in part.group_ids}
+        later = {g for batch in todo for part in batch for g in part.group_ids} | {
+            g for part in inp.batch for g in part.group_ids}
+        if self.step < start or not trained <= self.consumed or later & self.consumed:
+            return
+        log.info("trainer_caught_up", run_id=inp.run_id, from_step=self.step, to_step=inp.step)
+        for i, batch in enumerate(todo):
+            step_inp = dataclasses.replace(inp, step=self.step, batch=batch, replay=inp.replay[:len(done) + i])
+            res = self._train_step(step_inp, heartbeat, None, scheduled_at, last=False)
+            self._ahead[(inp.run_id, step_inp.step)] = (_group_ids(batch), res)
+        while len(self._ahead) > MAX_CATCH_UP:
+            self._ahead.pop(next(iter(self._ahead)))
+
+    def _taken_ahead(self, inp: TrainStepInput) -> TrainStepResult | None:
+        """The result of this very step (same run, step and batch) if _catch_up took it already, on the policy
+        in memory now; None otherwise."""
+        kept = self._ahead.pop((inp.run_id, inp.step), None)
+        if kept is None or kept[0] != _group_ids(inp.batch) or self.run_id != inp.run_id or self.step <= inp.step:
+            return None
+        log.info("train_step_taken_ahead", run_id=inp.run_id, step=inp.step + 1)
+        return kept[1]
 
     def deadline_checkpoint(self) -> CheckpointRef | None:
         """On notice, with no step in flight: a checkpoint of the in-memory policy unless its step has one
@@ -439,6 +480,10 @@ class TrainerService:
         assert self.run_id is not None
         self.store.put(keys.profile(self.run_id, f"trainer-{os.getpid()}"), json.dumps(self.profile.to_dict()).encode())
         self._profile_written = self.profile.clock()
+
+
+def _group_ids(batch: list[BatchPart]) -> frozenset[str]:
+    return frozenset(g for part in batch for g in part.group_ids)
 
 
 def _replay_base(inp: TrainStepInput) -> int:
