@@ -408,8 +408,16 @@ class TrainingRunWorkflow:
         if not self._ahead:
             return self.ledger.trainable(self._policy) is not None
         in_flight = self._in_flight_batches()
-        return (len(self._flights) <= TRAIN_AHEAD and self.state.step + len(in_flight) < self._cfg.run.steps
+        return (len(self._flights) <= self._train_ahead() and self.state.step + len(in_flight) < self._cfg.run.steps
                 and self.ledger.trainable_after(self._policy, in_flight) is not None)
+
+    def _train_ahead(self) -> int:
+        """Trainer activities scheduled behind the running one: TRAIN_AHEAD, or none with trainer.keep_last 1. Two
+        activities in flight name restore points at most one commit apart; a trainer that runs the later one
+        first (after a crash) deletes checkpoints older than its input's oldest retained one, which holds the
+        earlier input's restore point only when the run keeps two or more."""
+        assert self._cfg is not None
+        return TRAIN_AHEAD if self._cfg.trainer.keep_last >= 2 else 0
 
     def _in_flight_batches(self) -> list[list[str]]:
         """The group ids of every step in flight, in step order."""
@@ -512,7 +520,7 @@ class TrainingRunWorkflow:
         trainer that restarts, or runs the two out of order after a crash, rewinds as for any step."""
         if self._trainer_returned():  # one a call: the run loop looks for a continue-as-new between steps
             self._commit_flight(self._flights.pop(0))
-        while len(self._flights) <= TRAIN_AHEAD and self._has_batch() and self._schedule_steps():
+        while len(self._flights) <= self._train_ahead() and self._has_batch() and self._schedule_steps():
             pass
         self._training = bool(self._flights)
 
