@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from laminar import metrics as prom
 from laminar.config import RunConfig
-from laminar.errors import CorruptDataError, InconsistentStateError, RelayError
+from laminar.errors import CorruptDataError, InconsistentStateError, RelayError, StepOutOfTurnError
 from laminar.logs import get_logger
 from laminar.messages import (
     BatchPart,
@@ -172,15 +172,23 @@ class TrainerService:
 
     def train_step(self, inp: TrainStepInput, heartbeat=lambda: None,
                    schedule_to_start_s: float | None = None, scheduled_at: float | None = None,
-                   last: bool = True) -> TrainStepResult:
+                   last: bool = True, attempt: int = 1) -> TrainStepResult:
         """schedule_to_start_s: how long the activity waited on the task queue (control-plane latency);
         scheduled_at: when the workflow scheduled the step (its record carries it: a drill of the control
         worker counts only steps scheduled after the fault). last: the activity's last step; after a notice it
-        writes the deadline checkpoint."""
+        writes the deadline checkpoint. attempt: the activity's; a step scheduled ahead (inp.ahead) that reaches a
+        trainer not at the step before it raises StepOutOfTurnError on its first attempt: a trainer that replaced
+        one on notice, or a killed one, lets the step before it run first (the leaving trainer finishes it and its
+        deadline checkpoint names this step; a killed one's retry comes), instead of replaying from an older
+        restore point now and again for the step before it."""
         with self._busy:
             if (done := self._taken_ahead(inp)) is not None:
                 return done
             self._catch_up(inp, heartbeat, scheduled_at)
+            if inp.ahead and attempt == 1 and (self.run_id != inp.run_id or self.step != inp.step):
+                raise StepOutOfTurnError(
+                    f"run {inp.run_id} step {inp.step}: scheduled ahead of step {inp.step - 1}, but this trainer is "
+                    f"at step {self.step} of run {self.run_id}; retried, so that step {inp.step - 1} runs first")
             return self._train_step(inp, heartbeat, schedule_to_start_s, scheduled_at, last)
 
     def _catch_up(self, inp: TrainStepInput, heartbeat, scheduled_at: float | None) -> None:

@@ -4,13 +4,14 @@ deletes a checkpoint the workflow still records, and a corrupt checkpoint falls 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from laminar.config import RunConfig
-from laminar.errors import CorruptDataError, InconsistentStateError
+from laminar.errors import CorruptDataError, InconsistentStateError, StepOutOfTurnError
 from laminar.messages import BatchPart, TrainStepInput, TrainStepResult
 from laminar.records import Trajectory
 from laminar.refs import SegmentRef
@@ -279,3 +280,19 @@ def test_steps_delivered_out_of_order_are_caught_up_and_answered_without_a_rewin
     # a step whose batch is not the one taken ahead is not answered from the kept result: it rewinds
     other = svc.train_step(_input("r", 1, batches[0], replay=batches[:1]))
     assert other.restored
+
+
+def test_a_step_scheduled_ahead_waits_its_turn_once_on_a_trainer_elsewhere(setup):
+    """A replacement trainer (fresh process) handed step 1, scheduled while step 0 ran, defers it on its first
+    attempt (the leaving trainer finishes step 0, or step 0's retry comes first); a retry runs it with a rewind."""
+    store, trajs, home = setup
+    batches = [_batch(trajs, "r", 10 * i) for i in range(2)]
+    svc = TrainerService(store, home)
+    ahead = dataclasses.replace(_input("r", 1, batches[1], replay=batches[:1]), ahead=True)
+    with pytest.raises(StepOutOfTurnError, match="scheduled ahead of step 0"):
+        svc.train_step(ahead, attempt=1)
+    res = svc.train_step(ahead, attempt=2)
+    assert (res.step, res.restored, res.steps_redone) == (2, True, 1)
+    # in turn (the trainer is at the step before it), it runs at once
+    assert svc.train_step(dataclasses.replace(_input("r", 2, _batch(trajs, "r", 50), replay=batches),
+                                              ahead=True)).step == 3

@@ -534,6 +534,8 @@ class TrainingRunWorkflow:
                                    if limit > 0 else [])
         if not inputs:
             return False
+        if in_flight:
+            inputs[0] = dataclasses.replace(inputs[0], ahead=True)
         self._note_handover_stall()
         first = inputs[0]
         if len(inputs) == 1:
