@@ -185,10 +185,12 @@ class TrainerService:
             if (done := self._taken_ahead(inp)) is not None:
                 return done
             self._catch_up(inp, heartbeat, scheduled_at)
-            if inp.ahead and attempt == 1 and (self.run_id != inp.run_id or self.step != inp.step):
-                raise StepOutOfTurnError(
-                    f"run {inp.run_id} step {inp.step}: scheduled ahead of step {inp.step - 1}, but this trainer is "
-                    f"at step {self.step} of run {self.run_id}; retried, so that step {inp.step - 1} runs first")
+            if inp.ahead and inp.replay and (self.run_id != inp.run_id or self.step != inp.step):
+                if attempt == 1:
+                    raise StepOutOfTurnError(
+                        f"run {inp.run_id} step {inp.step}: scheduled ahead of step {inp.step - 1}, but this trainer "
+                        f"is at step {self.step} of run {self.run_id}; retried, so that step {inp.step - 1} runs first")
+                self._step_before(inp, heartbeat, scheduled_at)
             return self._train_step(inp, heartbeat, schedule_to_start_s, scheduled_at, last)
 
     def _catch_up(self, inp: TrainStepInput, heartbeat, scheduled_at: float | None) -> None:
@@ -213,6 +215,14 @@ class TrainerService:
             self._ahead[(inp.run_id, step_inp.step)] = (_group_ids(batch), res)
         while len(self._ahead) > MAX_CATCH_UP:
             self._ahead.pop(next(iter(self._ahead)))
+
+    def _step_before(self, inp: TrainStepInput, heartbeat, scheduled_at: float | None) -> None:
+        """A step scheduled ahead still out of turn on its retry: take the step before it first (its batch is the
+        last of the replay; it rewinds as that step's own activity would, and its steps redone are counted in its
+        result) and keep that result for the step's own activity (_taken_ahead), so neither rewinds twice."""
+        before = dataclasses.replace(inp, step=inp.step - 1, batch=inp.replay[-1], replay=inp.replay[:-1], ahead=False)
+        res = self._train_step(before, heartbeat, None, scheduled_at, last=False)
+        self._ahead[(inp.run_id, before.step)] = (_group_ids(before.batch), res)
 
     def _taken_ahead(self, inp: TrainStepInput) -> TrainStepResult | None:
         """The result of this very step (same run, step and batch) if _catch_up took it already, on the policy
