@@ -190,7 +190,8 @@ class TrainerService:
                     raise StepOutOfTurnError(
                         f"run {inp.run_id} step {inp.step}: scheduled ahead of step {inp.step - 1}, but this trainer "
                         f"is at step {self.step} of run {self.run_id}; retried, so that step {inp.step - 1} runs first")
-                self._step_before(inp, heartbeat, scheduled_at)
+                if self.checkpoints.verified_at(inp.run_id, inp.step) is None:  # else: a deadline checkpoint
+                    self._step_before(inp, heartbeat, scheduled_at)
             return self._train_step(inp, heartbeat, schedule_to_start_s, scheduled_at, last)
 
     def _catch_up(self, inp: TrainStepInput, heartbeat, scheduled_at: float | None) -> None:
@@ -217,7 +218,8 @@ class TrainerService:
             self._ahead.pop(next(iter(self._ahead)))
 
     def _step_before(self, inp: TrainStepInput, heartbeat, scheduled_at: float | None) -> None:
-        """A step scheduled ahead still out of turn on its retry: take the step before it first (its batch is the
+        """A step scheduled ahead still out of turn on its retry, with no checkpoint at its step (a trainer that left
+        on notice writes one once the step before it is done): take the step before it first (its batch is the
         last of the replay; it rewinds as that step's own activity would, and its steps redone are counted in its
         result) and keep that result for the step's own activity (_taken_ahead), so neither rewinds twice."""
         before = dataclasses.replace(inp, step=inp.step - 1, batch=inp.replay[-1], replay=inp.replay[:-1], ahead=False)
