@@ -125,7 +125,7 @@ def table(gaps: list[Gap], steps: int) -> str:
             "schedule_to_start": "server (matching) + trainer poll", "trainer_head": "trainer worker"}
     total = 0.0
     for p in PARTS:
-        xs = sorted(g.parts[p] for g in gaps if p in g.parts)
+        xs = sorted(g.parts[p] for g in gaps if p in g.parts and g.parts[p] == g.parts[p])  # NaN: no step record
         if not xs:
             continue
         total += sum(xs)
