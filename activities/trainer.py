@@ -40,7 +40,7 @@ class TrainerActivities:
             info = activity.info()
             queued_s = (info.started_time - info.current_attempt_scheduled_time).total_seconds()
             return self.service.train_step(inp, heartbeat=progress.tick, schedule_to_start_s=queued_s,
-                                           scheduled_at=info.scheduled_time.timestamp())
+                                           scheduled_at=info.scheduled_time.timestamp(), attempt=info.attempt)
 
     @activity.defn(name=names.TRAIN_STEPS)
     def train_steps(self, inp: TrainStepsInput) -> list[TrainStepResult]:
@@ -51,7 +51,8 @@ class TrainerActivities:
             queued_s = (info.started_time - info.current_attempt_scheduled_time).total_seconds()
             steps = inp.inputs()
             return [self.service.train_step(step, heartbeat=progress.tick, schedule_to_start_s=queued_s if i == 0 else None,
-                                            scheduled_at=info.scheduled_time.timestamp(), last=i == len(steps) - 1)
+                                            scheduled_at=info.scheduled_time.timestamp(), last=i == len(steps) - 1,
+                                            attempt=info.attempt)
                     for i, step in enumerate(steps)]
 
     @activity.defn(name=names.REPUBLISH)

@@ -39,6 +39,10 @@ class InconsistentStateError(LaminarError):
     """The control plane's record and the trainer's state cannot be reconciled; a retry cannot help."""
 
 
+class StepOutOfTurnError(LaminarError):
+    """A trainer step scheduled ahead reached a trainer not at the step before it, on its first attempt (retried)."""
+
+
 class RunLostError(LaminarError):
     """Temporal no longer has a run's workflow that was going, or that the store holds records of: the server's
     state of the run was lost (a reset or replaced database)."""

@@ -173,13 +173,15 @@ class FailedGroup:
 @dataclass(frozen=True)
 class AddExperienceInput:
     """replica -> workflow (update `add_experience`): a committed segment of complete groups, and the groups
-    that failed (their segment may then be empty: key "" and no group ids)."""
+    that failed (their segment may then be empty: key "" and no group ids); with `claim`, its next claim too."""
 
     report: ReplicaReport
     segment: SegmentRef
     tokens_regenerated: int = 0  # tokens thrown away since the last report (restarted partial groups)
     reprefill_tokens: int = 0  # since the last report: prefix tokens prefilled again (interrupts, repack)
     failed: list[FailedGroup] = field(default_factory=list)  # default: histories written before it decode
+    # the replica's next claim, answered in the same update (one update instead of two; None: a report only)
+    claim: ClaimPromptsInput | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,7 @@ class AddExperienceResult:
     hold_version: int = -1
     trainer_starved: bool = False
     failed: list[str] = field(default_factory=list)  # of inp.failed: leases closed as failed by this report
+    claim: ClaimPromptsResult | None = None  # the answer to inp.claim (None when the report carried none)
 
 
 # -- trainer activities -----------------------------------------------------------------------
@@ -259,6 +262,10 @@ class TrainStepInput:
     # relays the workflow took out of the chain for failing their data-plane checks (workflows/relay_health.py):
     # the trainer probes them in the background and reports those that pass (TrainStepResult.relays_passed)
     relays_out: list[str] = field(default_factory=list)
+    # scheduled while the step before it was in flight (workflows/training_run.py, train-ahead): a trainer that is
+    # not at that step defers it once (services/trainer.py), so the step before it, retried or finishing on a
+    # trainer that leaves, runs first
+    ahead: bool = False
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ take out or back (workflows/relay_health.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from laminar import metrics as prom
 from laminar.config import RunConfig
-from laminar.errors import CorruptDataError, InconsistentStateError, RelayError
+from laminar.errors import CorruptDataError, InconsistentStateError, RelayError, StepOutOfTurnError
 from laminar.logs import get_logger
 from laminar.messages import (
     BatchPart,
@@ -68,6 +69,7 @@ from storage.trajectories import TrajectoryStore
 log = get_logger(__name__)
 
 PUBLISHED_RUNS_KEPT = 4  # runs whose last published version this process keeps to republish (one payload each)
+MAX_CATCH_UP = 4  # steps a trainer takes ahead of their own activity (_catch_up); the workflow schedules 1 ahead
 PROFILE_EVERY_S = 5.0  # how often the trainer writes its time breakdown to the store (and at the last step)
 
 
@@ -95,6 +97,9 @@ class TrainerService:
         # set serves several runs, and a run's version may need publishing again after this process moved on
         self._published: OrderedDict[str, tuple[int, int, bytes]] = OrderedDict()
         self.trackers: Trackers | None = None  # the run's experiment trackers: this process is their one writer
+        # (run_id, step) -> (its batch's group ids, its result) of steps taken ahead of their own activity
+        # (_catch_up); cleared whenever the in-memory policy is rebuilt
+        self._ahead: dict[tuple[str, int], tuple[frozenset[str], TrainStepResult]] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -151,6 +156,7 @@ class TrainerService:
                 self.trackers.close(finished=False)
             self.trackers = Trackers(run_id, cfg, self.home)
         self.run_id, self.cfg, self.trainer, self.step, self.consumed = run_id, cfg, trainer, step, consumed
+        self._ahead.clear()
         self.checkpointed_step = step if loaded is not None else -1
         self.policy = policy
         log.info("trainer_restored", run_id=run_id, step=step, checkpoint=loaded.ref.step if loaded else None)
@@ -172,13 +178,68 @@ class TrainerService:
 
     def train_step(self, inp: TrainStepInput, heartbeat=lambda: None,
                    schedule_to_start_s: float | None = None, scheduled_at: float | None = None,
-                   last: bool = True) -> TrainStepResult:
+                   last: bool = True, attempt: int = 1) -> TrainStepResult:
         """schedule_to_start_s: how long the activity waited on the task queue (control-plane latency);
         scheduled_at: when the workflow scheduled the step (its record carries it: a drill of the control
         worker counts only steps scheduled after the fault). last: the activity's last step; after a notice it
-        writes the deadline checkpoint."""
+        writes the deadline checkpoint. attempt: the activity's; a step scheduled ahead (inp.ahead) that reaches a
+        trainer not at the step before it raises StepOutOfTurnError on its first attempt: a trainer that replaced
+        one on notice, or a killed one, lets the step before it run first (the leaving trainer finishes it and its
+        deadline checkpoint names this step; a killed one's retry comes), instead of replaying from an older
+        restore point now and again for the step before it."""
         with self._busy:
+            if (done := self._taken_ahead(inp)) is not None:
+                return done
+            self._catch_up(inp, heartbeat, scheduled_at)
+            if inp.ahead and inp.replay and (self.run_id != inp.run_id or self.step != inp.step):
+                if attempt == 1:
+                    raise StepOutOfTurnError(
+                        f"run {inp.run_id} step {inp.step}: scheduled ahead of step {inp.step - 1}, but this trainer "
+                        f"is at step {self.step} of run {self.run_id}; retried, so that step {inp.step - 1} runs first")
+                if self.checkpoints.verified_at(inp.run_id, inp.step) is None:  # else: a deadline checkpoint
+                    self._step_before(inp, heartbeat, scheduled_at)
             return self._train_step(inp, heartbeat, schedule_to_start_s, scheduled_at, last)
+
+    def _catch_up(self, inp: TrainStepInput, heartbeat, scheduled_at: float | None) -> None:
+        """The workflow schedules the next step while one runs (workflows/training_run.py, train-ahead), and the
+        task queue may hand them over out of order: a step a few ahead of the in-memory policy whose replay holds
+        the batches in between, on top of exactly what this process trained, trains those batches first (as
+        their own steps would) and keeps their results for their activities (_taken_ahead), instead of a rewind
+        now and another when the skipped step arrives."""
+        if self.run_id != inp.run_id or self.trainer is None or not 0 < inp.step - self.step <= MAX_CATCH_UP:
+            return
+        start = inp.checkpoint.step if inp.checkpoint is not None else 0
+        done, todo = inp.replay[:self.step - start], inp.replay[self.step - start:]
+        trained = {g for batch in done for part in batch for g in part.group_ids}
+        later = {g for batch in todo for part in batch for g in part.group_ids} | {
+            g for part in inp.batch for g in part.group_ids}
+        if self.step < start or not trained <= self.consumed or later & self.consumed:
+            return
+        log.info("trainer_caught_up", run_id=inp.run_id, from_step=self.step, to_step=inp.step)
+        for i, batch in enumerate(todo):
+            step_inp = dataclasses.replace(inp, step=self.step, batch=batch, replay=inp.replay[:len(done) + i])
+            res = self._train_step(step_inp, heartbeat, None, scheduled_at, last=False)
+            self._ahead[(inp.run_id, step_inp.step)] = (_group_ids(batch), res)
+        while len(self._ahead) > MAX_CATCH_UP:
+            self._ahead.pop(next(iter(self._ahead)))
+
+    def _step_before(self, inp: TrainStepInput, heartbeat, scheduled_at: float | None) -> None:
+        """A step scheduled ahead still out of turn on its retry, with no checkpoint at its step (a trainer that left
+        on notice writes one once the step before it is done): take the step before it first (its batch is the
+        last of the replay; it rewinds as that step's own activity would, and its steps redone are counted in its
+        result) and keep that result for the step's own activity (_taken_ahead), so neither rewinds twice."""
+        before = dataclasses.replace(inp, step=inp.step - 1, batch=inp.replay[-1], replay=inp.replay[:-1], ahead=False)
+        res = self._train_step(before, heartbeat, None, scheduled_at, last=False)
+        self._ahead[(inp.run_id, before.step)] = (_group_ids(before.batch), res)
+
+    def _taken_ahead(self, inp: TrainStepInput) -> TrainStepResult | None:
+        """The result of this very step (same run, step and batch) if _catch_up took it already, on the policy
+        in memory now; None otherwise."""
+        kept = self._ahead.pop((inp.run_id, inp.step), None)
+        if kept is None or kept[0] != _group_ids(inp.batch) or self.run_id != inp.run_id or self.step <= inp.step:
+            return None
+        log.info("train_step_taken_ahead", run_id=inp.run_id, step=inp.step + 1)
+        return kept[1]
 
     def deadline_checkpoint(self) -> CheckpointRef | None:
         """On notice, with no step in flight: a checkpoint of the in-memory policy unless its step has one
@@ -465,6 +526,10 @@ class TrainerService:
         assert self.run_id is not None
         self.store.put(keys.profile(self.run_id, f"trainer-{os.getpid()}"), json.dumps(self.profile.to_dict()).encode())
         self._profile_written = self.profile.clock()
+
+
+def _group_ids(batch: list[BatchPart]) -> frozenset[str]:
+    return frozenset(g for part in batch for g in part.group_ids)
 
 
 def _replay_base(inp: TrainStepInput) -> int:

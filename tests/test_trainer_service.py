@@ -4,13 +4,14 @@ deletes a checkpoint the workflow still records, and a corrupt checkpoint falls 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from laminar.config import RunConfig
-from laminar.errors import CorruptDataError, InconsistentStateError
+from laminar.errors import CorruptDataError, InconsistentStateError, StepOutOfTurnError
 from laminar.messages import BatchPart, TrainStepInput, TrainStepResult
 from laminar.records import Trajectory
 from laminar.refs import SegmentRef
@@ -256,3 +257,45 @@ def test_a_successor_uses_the_deadline_checkpoint_the_input_does_not_name_yet(se
     # another history: the input says step 3 came from batches 0, 1 and 4 (not 2): the checkpoint is not it
     other = TrainerService(store, home).train_step(_input("r", 3, batches[3], replay=[*batches[:2], batches[4]]))
     assert (other.step, other.steps_redone) == (4, 3)
+
+
+def test_steps_delivered_out_of_order_are_caught_up_and_answered_without_a_rewind(setup):
+    """Train-ahead (issue 37): the workflow scheduled steps 1 and 2 while step 0 ran, and the queue handed step 2
+    over first. Step 2's replay holds batch 1, on top of what the trainer trained (batch 0), so it trains batch 1
+    then batch 2; step 1's activity then gets the result kept for it. Same weights and results as in order."""
+    store, trajs, home = setup
+    batches = [_batch(trajs, "r", 10 * i) for i in range(3)]
+    in_order = TrainerService(store, home)
+    want = [in_order.train_step(_input("r", i, batches[i], replay=batches[:i])) for i in range(3)]
+    svc = TrainerService(store, home)
+    svc.train_step(_input("r", 0, batches[0]))
+    third = svc.train_step(_input("r", 2, batches[2], replay=batches[:2]))
+    second = svc.train_step(_input("r", 1, batches[1], replay=batches[:1]))
+    assert (second.step, third.step, svc.step) == (2, 3, 3)
+    assert (second.restored, third.restored, second.steps_redone, third.steps_redone) == (False, False, 0, 0)
+    assert (second.metrics.consumed_twice, third.metrics.consumed_twice) == (0, 0)
+    assert [second.metrics.loss, third.metrics.loss] == pytest.approx([want[1].metrics.loss, want[2].metrics.loss])
+    assert all(torch.equal(a, b) for a, b in zip(svc.trainer.policy_state_dict().values(),
+                                                   in_order.trainer.policy_state_dict().values(), strict=True))
+    # a step whose batch is not the one taken ahead is not answered from the kept result: it rewinds
+    other = svc.train_step(_input("r", 1, batches[0], replay=batches[:1]))
+    assert other.restored
+
+
+def test_a_step_scheduled_ahead_waits_its_turn_once_on_a_trainer_elsewhere(setup):
+    """A replacement trainer (fresh process) handed step 1, scheduled while step 0 ran, defers it on its first
+    attempt (the leaving trainer finishes step 0, or step 0's retry comes first); a retry runs it with a rewind."""
+    store, trajs, home = setup
+    batches = [_batch(trajs, "r", 10 * i) for i in range(2)]
+    svc = TrainerService(store, home)
+    ahead = dataclasses.replace(_input("r", 1, batches[1], replay=batches[:1]), ahead=True)
+    with pytest.raises(StepOutOfTurnError, match="scheduled ahead of step 0"):
+        svc.train_step(ahead, attempt=1)
+    # its retry takes step 0 first (kept for step 0's own activity), then step 1: nothing is redone twice
+    res = svc.train_step(ahead, attempt=2)
+    assert (res.step, res.restored, res.steps_redone) == (2, False, 0)
+    before = svc.train_step(_input("r", 0, batches[0]), attempt=2)
+    assert (before.step, before.steps_redone, svc.step) == (1, 0, 2)
+    # in turn (the trainer is at the step before it), it runs at once
+    assert svc.train_step(dataclasses.replace(_input("r", 2, _batch(trajs, "r", 50), replay=batches),
+                                              ahead=True)).step == 3

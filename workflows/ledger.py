@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from laminar.config import RunConfig
@@ -275,6 +276,39 @@ class Ledger:
             inputs.append(next_step_input(prev, self.batch_parts(group_ids)))
             taken.update(group_ids)
         return inputs
+
+    def trainable_after(self, policy: Policy, in_flight: list[list[str]]) -> list[str] | None:
+        """The group ids of the step after the steps in flight (their group ids, in step order; not committed yet,
+        so their groups are still `ready`), picked by the mode's policy from the ready groups none of them holds;
+        None while it must wait. With nothing in flight, trainable()."""
+        if not in_flight:
+            return self.trainable(policy)
+        taken = {g for group_ids in in_flight for g in group_ids}
+        step = self.state.step + len(in_flight)
+        return trainer_batch(policy, [(g.group_id, g.prompt_id) for g in self.state.ready if g.group_id not in taken],
+                             step, self.settled(policy, step))
+
+    def train_inputs_after(self, cfg: RunConfig, chain: list[str], in_flight: list[list[str]],
+                           limit: int) -> list[TrainStepInput]:
+        """The trainer's next steps after the steps in flight: up to `limit` steps whose batches are complete now
+        (trainable_after, step by step); [] while there is none. Built from the steps in flight as
+        next_train_inputs builds its later steps (each had the ones before it committed without a checkpoint),
+        so each is whole on its own, whatever the steps in flight return."""
+        policy = policy_for(cfg)
+        if self.trainable_after(policy, in_flight) is None:
+            return []
+        if not in_flight:
+            return self.next_train_inputs(cfg, chain, limit)
+        prev = dataclasses.replace(self.next_train_input(cfg, chain), batch=self.batch_parts(in_flight[0]))
+        for group_ids in in_flight[1:]:
+            prev = next_step_input(prev, self.batch_parts(group_ids))
+        out: list[TrainStepInput] = []
+        steps = list(in_flight)
+        while len(out) < limit and (group_ids := self.trainable_after(policy, steps)) is not None:
+            prev = next_step_input(prev, self.batch_parts(group_ids))
+            out.append(prev)
+            steps.append(group_ids)
+        return out
 
     def _replay_base(self) -> int:
         """The step `committed_batches` start at: the oldest restore point the workflow retains."""

@@ -42,6 +42,7 @@ with workflow.unsafe.imports_passed_through():
         ScaleResult,
         TrainerInitInput,
         TrainerInitResult,
+        TrainStepInput,
         TrainStepResult,
         TrainStepsInput,
         WorkflowReset,
@@ -60,6 +61,17 @@ __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
 
 HANDOVER_STALLS_KEPT = 64  # hand-over stalls kept for the summary's p50 (max and count cover the whole run)
 SEARCH_ATTRIBUTES_EVERY_S = 5.0  # step, version and reward are upserted at most this often (a phase change: at once)
+TRAIN_AHEAD = 1  # trainer activities scheduled behind the running one (patch train-ahead; the trainer's queue runs
+# one at a time, so the next starts as the running one returns, without waiting for a workflow task)
+
+
+@dataclasses.dataclass
+class _TrainFlight:
+    """One trainer activity in flight: its steps' inputs, its handle, and when it was scheduled."""
+
+    inputs: list[TrainStepInput]
+    handle: Any
+    scheduled_at: float
 
 
 @workflow.defn(name=names.TRAINING_RUN_WORKFLOW)
@@ -78,6 +90,9 @@ class TrainingRunWorkflow:
         self._rejoined_relays: set[str] = set()  # relays that joined in this segment
         self._relay_health = RelayHealth()  # relays out of the chain for failing data-plane checks (this segment)
         self._training = False  # a train_step activity is in flight
+        self._ahead = False  # patch train-ahead: trainer activities are scheduled ahead (_advance_trainer)
+        self._trainer_free_at = 0.0  # (train-ahead) when the last trainer activity returned
+        self._flights: list[_TrainFlight] = []  # (train-ahead) the trainer activities in flight, in step order
         self._republish_wanted = False  # the chain changed: push the current version again (see _republish)
         self._version_pushed_at = workflow.time()  # the last publish or republish (see _note_version_missing)
         self._search_upserted: tuple[str, float] = ("", 0.0)  # (phase, workflow time) of the last upsert
@@ -115,6 +130,7 @@ class TrainingRunWorkflow:
         if workflow.patched("watchdog"):
             self._watchdog_task = asyncio.create_task(self._watchdog())
         self._upsert_search_attributes()
+        self._ahead = workflow.patched("train-ahead")
         while self.state.step < self._cfg.run.steps and not self.state.stopping:
             if self._should_continue_as_new():
                 await self._continue_as_new()
@@ -122,18 +138,15 @@ class TrainingRunWorkflow:
                 break
             if self._republish_wanted:
                 await self._republish()
-            if self._has_batch():
+            if self._ahead:
+                self._advance_trainer()
+            elif self._has_batch():
                 await self._step()
         return await self._finish()
 
     async def _step(self) -> None:
         """One trainer step; the first step of a continued segment measures the hand-over stall."""
-        started = workflow.time()
-        if self.state.handover_last_step_at is not None:
-            stall = max(0.0, started - self.state.handover_last_step_at)
-            self.state.handover_stalls = (self.state.handover_stalls + [round(stall, 3)])[-HANDOVER_STALLS_KEPT:]
-            self.state.handover_stall_max = max(self.state.handover_stall_max, stall)
-            self.state.handover_last_step_at = None
+        self._note_handover_stall()
         self._training = True
         try:
             await self._train_one_step()
@@ -141,6 +154,14 @@ class TrainingRunWorkflow:
             self._training = False
         self.state.last_step_at = self._version_pushed_at = workflow.time()
         self._upsert_search_attributes()
+
+    def _note_handover_stall(self) -> None:
+        """The first step of a continued segment measures the hand-over stall."""
+        if self.state.handover_last_step_at is not None:
+            stall = max(0.0, workflow.time() - self.state.handover_last_step_at)
+            self.state.handover_stalls = (self.state.handover_stalls + [round(stall, 3)])[-HANDOVER_STALLS_KEPT:]
+            self.state.handover_stall_max = max(self.state.handover_stall_max, stall)
+            self.state.handover_last_step_at = None
 
     def _upsert_search_attributes(self) -> None:
         """Keep the run's search attributes (laminar/search.py) current: at once on a phase change, else at most
@@ -373,21 +394,49 @@ class TrainingRunWorkflow:
     def _trainer_starved(self) -> bool:
         """The trainer is idle for want of complete groups (so a replica should not hold one back to batch
         its reports: that wait would be the trainer's)."""
+        if self._ahead:  # starved as its running step ends: no step is scheduled behind it and no batch is there
+            return (self.state.trainer_ready and not self.state.paused and len(self._flights) <= 1
+                    and not self._has_batch())
         return self.state.trainer_ready and not self._training and not self.state.paused and not self._has_batch()
 
     def _has_batch(self) -> bool:
-        """The run mode's policy has a batch for the trainer (laminar/policy.py trainer_batch)."""
-        assert self._policy is not None
-        return not self.state.paused and self.ledger.trainable(self._policy) is not None
+        """The run mode's policy has a batch for the trainer (laminar/policy.py trainer_batch); with train-ahead,
+        for the step after those in flight, while the run has that step to take and there is room to schedule it."""
+        assert self._policy is not None and self._cfg is not None
+        if self.state.paused:
+            return False
+        if not self._ahead:
+            return self.ledger.trainable(self._policy) is not None
+        in_flight = self._in_flight_batches()
+        return (len(self._flights) <= self._train_ahead() and self.state.step + len(in_flight) < self._cfg.run.steps
+                and self.ledger.trainable_after(self._policy, in_flight) is not None)
+
+    def _train_ahead(self) -> int:
+        """Trainer activities scheduled behind the running one: TRAIN_AHEAD, or none with trainer.keep_last 1. Two
+        activities in flight name restore points at most one commit apart; a trainer that runs the later one
+        first (after a crash) deletes checkpoints older than its input's oldest retained one, which holds the
+        earlier input's restore point only when the run keeps two or more."""
+        assert self._cfg is not None
+        return TRAIN_AHEAD if self._cfg.trainer.keep_last >= 2 else 0
+
+    def _in_flight_batches(self) -> list[list[str]]:
+        """The group ids of every step in flight, in step order."""
+        return [[g for part in inp.batch for g in part.group_ids] for f in self._flights for inp in f.inputs]
+
+    def _trainer_returned(self) -> bool:
+        """(train-ahead) the oldest trainer activity in flight has returned: its steps are to commit."""
+        return bool(self._flights) and self._flights[0].handle.done()
 
     async def _wait_for_batch(self) -> bool:
         """Wait until the trainer has a full batch of complete groups, or the history segment is full (a
         paused or starved run still continues as new); False when the run is stopping."""
-        t0 = workflow.time()
+        t0, idle = workflow.time(), not self._flights
         await workflow.wait_condition(lambda: self.state.stopping or self._has_batch() or self._segment_full()
                                       or self._failed_replica() is not None or self._republish_wanted
-                                      or bool(self.state.leaving and self._left_replicas()))
-        self.state.trainer_wait_s += workflow.time() - t0
+                                      or bool(self.state.leaving and self._left_replicas())
+                                      or self._trainer_returned())
+        if idle:
+            self.state.trainer_wait_s += workflow.time() - t0
         if self.state.leaving:
             self._retire_left()
         self._fail_if_a_replica_failed()
@@ -412,41 +461,120 @@ class TrainingRunWorkflow:
         are all complete, back to back: the trainer then waits for no workflow round trip between them."""
         assert self._cfg is not None and self._policy is not None
         limit = min(steps_to_publish(self._policy, self.state.step), self._cfg.run.steps - self.state.step)
-        inputs = self.ledger.next_train_inputs(self._cfg, self._chain(), limit)
-        if relays_out := self._relay_health.relays_out(self._joined()):  # the trainer probes them
+        inputs = self._with_checks(self.ledger.next_train_inputs(self._cfg, self._chain(), limit))
+        first = inputs[0]
+        t0 = workflow.time()
+        try:
+            if len(inputs) == 1:
+                results = [await workflow.execute_activity(
+                    names.TRAIN_STEP, first, result_type=TrainStepResult,
+                    summary=f"train step {first.step + 1}: {sum(len(p.group_ids) for p in first.batch)} groups",
+                    **self._train_options())]
+            else:
+                results = await workflow.execute_activity(
+                    names.TRAIN_STEPS, TrainStepsInput(first=first, then=[i.batch for i in inputs[1:]]),
+                    result_type=list[TrainStepResult],
+                    summary=f"train steps {first.step + 1}-{inputs[-1].step + 1}: "
+                            f"{sum(len(p.group_ids) for i in inputs for p in i.batch)} groups", **self._train_options())
+        except ActivityError as e:
+            _fail_run_if_permanent(e, f"train_step {first.step}")
+            raise
+        self.state.trainer_busy_s += workflow.time() - t0
+        self._commit_steps(inputs, results)
+
+    def _with_checks(self, inputs: list[TrainStepInput]) -> list[TrainStepInput]:
+        """The relays out of the chain go with each step (the trainer probes them); one step per activity in
+        histories from before `train-steps`."""
+        if relays_out := self._relay_health.relays_out(self._joined()):
             inputs = [dataclasses.replace(i, relays_out=relays_out) for i in inputs]
         if len(inputs) > 1 and not workflow.patched("train-steps"):
             inputs = inputs[:1]
-        first = inputs[0]
-        t0 = workflow.time()
-        options: dict[str, Any] = dict(
+        return inputs
+
+    def _train_options(self) -> dict[str, Any]:
+        assert self._cfg is not None
+        return dict(
             task_queue=TRAINER_QUEUE,
             start_to_close_timeout=timeouts.TRAINER_ATTEMPT,
             heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
             retry_policy=timeouts.RETRY_UNTIL_REPLACED,
             cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
         )
-        try:
-            if len(inputs) == 1:
-                results = [await workflow.execute_activity(
-                    names.TRAIN_STEP, first, result_type=TrainStepResult,
-                    summary=f"train step {first.step + 1}: {sum(len(p.group_ids) for p in first.batch)} groups",
-                    **options)]
-            else:
-                results = await workflow.execute_activity(
-                    names.TRAIN_STEPS, TrainStepsInput(first=first, then=[i.batch for i in inputs[1:]]),
-                    result_type=list[TrainStepResult],
-                    summary=f"train steps {first.step + 1}-{inputs[-1].step + 1}: "
-                            f"{sum(len(p.group_ids) for i in inputs for p in i.batch)} groups", **options)
-        except ActivityError as e:
-            _fail_run_if_permanent(e, f"train_step {first.step}")
-            raise
-        self.state.trainer_busy_s += workflow.time() - t0
+
+    def _commit_steps(self, inputs: list[TrainStepInput], results: list[TrainStepResult]) -> None:
+        assert self._cfg is not None
         for inp, res in zip(inputs, results, strict=True):
             self.ledger.commit_step(inp, res, keep_last=self._cfg.trainer.keep_last, at=workflow.time())
         self._note_relay_checks(results)
         self._note_history()
         self._maybe_repack(after_step=True)
+
+    # -- train-ahead: the next step is scheduled while one runs ------------------------------
+
+    def _advance_trainer(self) -> None:
+        """Commit the oldest trainer activity if it returned, then schedule the next ones whose batches
+        are complete, up to TRAIN_AHEAD behind the running one. The trainer's queue runs one activity at a time, so
+        the next starts as the running one returns: the step's result is recorded while the next step runs, and
+        no step waits for a workflow task. A step scheduled ahead counts against rollout.max_ready_groups (its
+        groups stay ready until it commits), and its input is whole on its own (Ledger.train_inputs_after), so a
+        trainer that restarts, or runs the two out of order after a crash, rewinds as for any step."""
+        if self._trainer_returned():  # one a call: the run loop looks for a continue-as-new between steps
+            self._commit_flight(self._flights.pop(0))
+        while len(self._flights) <= self._train_ahead() and self._has_batch() and self._schedule_steps():
+            pass
+        self._training = bool(self._flights)
+
+    def _schedule_steps(self) -> bool:
+        """Schedule the next trainer activity (the steps after those in flight); False when there was none."""
+        assert self._cfg is not None and self._policy is not None
+        in_flight = self._in_flight_batches()
+        step = self.state.step + len(in_flight)
+        limit = min(steps_to_publish(self._policy, step), self._cfg.run.steps - step)
+        inputs = self._with_checks(self.ledger.train_inputs_after(self._cfg, self._chain(), in_flight, limit)
+                                   if limit > 0 else [])
+        if not inputs:
+            return False
+        if in_flight:
+            inputs[0] = dataclasses.replace(inputs[0], ahead=True)
+        self._note_handover_stall()
+        first = inputs[0]
+        if len(inputs) == 1:
+            handle = workflow.start_activity(
+                names.TRAIN_STEP, first, result_type=TrainStepResult,
+                summary=f"train step {first.step + 1}: {sum(len(p.group_ids) for p in first.batch)} groups",
+                **self._train_options())
+        else:
+            handle = workflow.start_activity(
+                names.TRAIN_STEPS, TrainStepsInput(first=first, then=[i.batch for i in inputs[1:]]),
+                result_type=list[TrainStepResult],
+                summary=f"train steps {first.step + 1}-{inputs[-1].step + 1}: "
+                        f"{sum(len(p.group_ids) for i in inputs for p in i.batch)} groups", **self._train_options())
+        self._flights.append(_TrainFlight(inputs=inputs, handle=handle, scheduled_at=workflow.time()))
+        return True
+
+    def _commit_flight(self, flight: _TrainFlight) -> None:
+        """A returned trainer activity: its steps commit (a permanent failure fails the run)."""
+        try:
+            out = flight.handle.result()
+        except ActivityError as e:
+            _fail_run_if_permanent(e, f"train_step {flight.inputs[0].step}")
+            raise
+        results = [out] if len(flight.inputs) == 1 else out
+        now = workflow.time()
+        # busy from when it could start: its scheduling, or the return of the activity ahead of it
+        self.state.trainer_busy_s += now - max(flight.scheduled_at, self._trainer_free_at)
+        self._trainer_free_at = now
+        self._commit_steps(flight.inputs, results)
+        self.state.last_step_at = self._version_pushed_at = now
+        self._upsert_search_attributes()
+
+    async def _settle_trainer(self) -> None:
+        """(train-ahead) Wait for every trainer activity in flight and commit them, scheduling none: before a
+        continue-as-new or the end of the run."""
+        while self._flights:
+            await workflow.wait_condition(self._trainer_returned)
+            self._commit_flight(self._flights.pop(0))
+        self._training = False
 
     def _maybe_repack(self, after_step: bool = False) -> None:
         """Dynamic repack (laminar mode): plan every rollout.repack_every_s of the engine's time and right after
@@ -497,8 +625,12 @@ class TrainingRunWorkflow:
 
     @workflow.update(name=names.CLAIM_PROMPTS)
     def claim_prompts(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
-        assert self._cfg is not None and self._policy is not None
         self._updates += 1
+        return self._claim(inp)
+
+    def _claim(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
+        """A claim, by itself (claim_prompts) or carried by a report (add_experience): idempotent by request id."""
+        assert self._cfg is not None and self._policy is not None
         replica_id = inp.report.replica_id
         self.ledger.note_report(inp.report, at=workflow.time())
         self._note_version_missing(inp.report)
@@ -545,13 +677,15 @@ class TrainingRunWorkflow:
 
     @claim_prompts.validator
     def _validate_claim(self, inp: ClaimPromptsInput) -> None:
-        if inp.max_groups < 0:
-            raise ValueError(f"claim_prompts: max_groups={inp.max_groups} must be >= 0")
+        _check_claim(inp)
         if self._error is not None:
             raise ValueError(f"run failed validation: {self._error}")
 
     @workflow.update(name=names.ADD_EXPERIENCE)
     def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
+        """A report: its complete groups become ready, its failed ones are closed; a claim it carries is answered
+        after them, as a claim_prompts update that follows it would be (no patch: the handler issues no command,
+        and a recorded history's reports carry no claim)."""
         self._updates += 1
         self.ledger.note_report(inp.report, at=workflow.time())
         accepted, duplicates = self.ledger.add_segment(
@@ -559,15 +693,21 @@ class TrainingRunWorkflow:
         )
         # failed groups: leases closed as failed, never ready (empty in histories written before the field)
         failed = self.ledger.fail_groups(inp.failed, inp.report.replica_id, workflow.time()) if inp.failed else []
-        self._maybe_repack()
+        claim = self._claim(inp.claim) if inp.claim is not None else None
+        if claim is None:
+            self._maybe_repack()
         return AddExperienceResult(
             accepted=accepted, duplicates=duplicates, stop=self.state.stopping,
             handover=self._handover, leave=self._leaving(inp.report.replica_id),
-            failed=failed, **self._hints(inp.report.replica_id),
+            failed=failed, claim=claim, **self._hints(inp.report.replica_id),
         )
 
     @add_experience.validator
     def _validate_add(self, inp: AddExperienceInput) -> None:
+        if inp.claim is not None:
+            _check_claim(inp.claim)
+            if self._error is not None:
+                raise ValueError(f"run failed validation: {self._error}")
         if inp.failed and not inp.segment.key and not inp.segment.group_ids:
             return  # only failed groups to report
         if not inp.segment.key or not inp.segment.group_ids:
@@ -867,12 +1007,16 @@ class TrainingRunWorkflow:
         while not self._replicas_returned() and not self.state.stopping:
             try:
                 await workflow.wait_condition(lambda: self._replicas_returned() or self.state.stopping
-                                              or self._can_step(), timeout=max(0.0, deadline - workflow.time()))
+                                              or self._can_step() or self._trainer_returned(),
+                                              timeout=max(0.0, deadline - workflow.time()))
             except TimeoutError:
                 workflow.logger.warning("replicas_drain_timed_out")
                 break
-            if self._can_step():
+            if self._ahead:
+                self._advance_trainer()
+            elif self._can_step():
                 await self._step()
+        await self._settle_trainer()
         await self._drain()
         if self.state.leaving:
             self._retire_left()  # every replica has returned (or was cancelled): removed ones leave now
@@ -892,6 +1036,7 @@ class TrainingRunWorkflow:
 
     async def _finish(self) -> RunStatus:
         self.state.stopping = True
+        await self._settle_trainer()
         await self._drain()
         await self._leave_pool()
         self._note_history()
@@ -915,6 +1060,11 @@ def _fail_run_if_permanent(e: ActivityError, what: str) -> None:
     cause = e.cause
     if isinstance(cause, ApplicationError) and cause.non_retryable:
         raise ApplicationError(f"{what} failed: {cause.message}", type=cause.type, non_retryable=True) from e
+
+
+def _check_claim(inp: ClaimPromptsInput) -> None:
+    if inp.max_groups < 0:
+        raise ValueError(f"claim_prompts: max_groups={inp.max_groups} must be >= 0")
 
 
 def _pool_of(inp: Any) -> str:

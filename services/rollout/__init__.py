@@ -9,7 +9,9 @@ at a time:
   their leases wait to start on the new version;
 - control calls (`control.py`): claims and reports run one at a time on the replica's control thread, so the
   engine keeps generating during a round trip; their answers are handled by the loop, in order. Complete
-  groups are written to the trajectory store, then reported (`add_experience`, idempotent), as they complete.
+  groups are written to the trajectory store, then reported (`add_experience`, idempotent), as they complete;
+  a report carries the claim that is due with it, and a claim that is due carries the groups complete by then,
+  so one update does both (the workflow answers the claim after the report).
   Control traffic is bounded by work: a busy replica, or one still without weights, contacts the workflow at
   least every `contact_s` (that is how it learns of a hand-over while it has no room to claim, and of relays
   that joined after it started, e.g. after a Temporal outage); an idle replica backs off to

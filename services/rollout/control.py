@@ -35,6 +35,7 @@ class ControlCalls:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"control-{replica_id}")
         self._call: tuple[str, Future] | None = None
         self.last = ""  # kind of the last call started
+        self.claiming = False  # the call in flight is a claim, or a report that carries one
         self.segment_prefix, self.profile, self.metrics, self.claims = segment_prefix, profile, metrics, 0
 
     @property
@@ -45,8 +46,9 @@ class ControlCalls:
         self.claims += 1
         return f"{self.segment_prefix}-c{self.claims}"
 
-    def start(self, kind: str, fn: Callable, *args) -> None:
+    def start(self, kind: str, fn: Callable, *args, claiming: bool | None = None) -> None:
         clock, t0 = self.profile.clock, self.profile.clock()
+        self.claiming = kind == "claim" if claiming is None else claiming
 
         def timed():
             return fn(*args), clock() - t0
@@ -61,7 +63,7 @@ class ControlCalls:
         kind, future = self._call
         with self.profile.measure("wait_control"):
             res, latency = future.result()
-        self._call = None
+        self._call, self.claiming = None, False
         self.profile.latency(kind, latency)
         self.metrics.update(kind, latency)
         return kind, res

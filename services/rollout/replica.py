@@ -138,43 +138,47 @@ class RolloutReplica:
         if answer is None:
             return None
         kind, res = answer
-        if kind == "claim":
-            self.weights.relays = res.relays or self.weights.relays
-            self.weights.newest_known = max(self.weights.newest_known, res.newest_policy_version)
+        claim = res if kind == "claim" else res.claim  # a report may carry the next claim (its answer with it)
+        if claim is not None:
+            self.weights.relays = claim.relays or self.weights.relays
+            self.weights.newest_known = max(self.weights.newest_known, claim.newest_policy_version)
         if res.stop:
             return self._hand_over(True)
         if res.leave:  # `laminar scale` removed it
             return self._depart("removed")
         if res.handover:
             return self._hand_over(False)
-        if kind == "claim":
-            self.batch.pending += res.leases
-            self.contacts.claimed(len(res.leases), res.paused)
+        if claim is not None:
+            self.batch.pending += claim.leases
+            self.contacts.claimed(len(claim.leases), claim.paused)
         self.weights.hold_version = res.hold_version
         self.contacts.trainer_starved = res.trainer_starved
         self.repack.on_answer(res.migrate, res.incoming)
         return None
 
     def _contact(self, now: float) -> None:
-        """Start the claim or report that is due; one control call at a time, and claims and reports take
-        turns, so neither waits behind a run of the other."""
+        """Start the claim or report that is due, one control call at a time, in as few updates as it takes: a
+        report carries the claim that is due with it, and a claim that is due carries the groups complete by then
+        (one `add_experience` update instead of two; the workflow answers the claim after the report)."""
         if self.calls.kind is not None:
             return
         want, b, holding = self._admissible_groups(), self.batch, self.weights.hold_version >= 0
         waiting = self.engine.in_flight() > 0 or self.engine.policy_version is None or holding
-        claim = self.contacts.claim_due(now, want, len(b.groups), len(b.completed), waiting, holding,
-                                        self.repack.urgent)
-        if self.contacts.report_due(now, len(b.groups), len(b.completed) + len(b.failed), b.completed_since) and (
-                not claim or self.calls.last == "claim"):
-            self._start_report()
-        elif claim:
+        claim_due = self.contacts.claim_due(now, want, len(b.groups), len(b.completed), waiting, holding,
+                                            self.repack.urgent)
+        done = len(b.completed) + len(b.failed)
+        if not (claim_due or self.contacts.report_due(now, len(b.groups), done, b.completed_since)):
+            return
+        claim = None
+        if claim_due:
             self.contacts.asked = want
             handoff, taken = self.repack.outgoing()
-            self.calls.start("claim", self.control.claim, ClaimPromptsInput(
-                report=self._report(), max_groups=max(0, want), attempt=self.attempt,
-                request_id=self.calls.request_id(), handoff=handoff, taken=taken))
+            claim = ClaimPromptsInput(report=self._report(), max_groups=max(0, want), attempt=self.attempt,
+                                      request_id=self.calls.request_id(), handoff=handoff, taken=taken)
+        if done:
+            self._start_report(claim)
         else:
-            return
+            self.calls.start("claim", self.control.claim, claim)
         self.contacts.last_claim = now  # a report is a contact too
 
     def _generate(self, in_flight: int) -> None:
@@ -192,7 +196,7 @@ class RolloutReplica:
         empty claims); wake for an answer."""
         if self.engine.policy_version is None or self.weights.waiting_for_version(self.batch.pending):
             idle = "wait_weights"
-        elif self.calls.kind == "claim":
+        elif self.calls.claiming:
             idle = "idle_claim_in_flight"
         else:
             idle = "idle_no_work" if self.contacts.claim_every > 0 else "idle"
@@ -240,14 +244,16 @@ class RolloutReplica:
             self.batch.reporting, self.batch.reporting_failed = [], []
         return answer
 
-    def _start_report(self) -> None:
-        """Report the complete groups: write them as one segment, then `add_experience`, on the control thread."""
+    def _start_report(self, claim: ClaimPromptsInput | None = None) -> None:
+        """Report the complete groups: write them as one segment, then `add_experience` (carrying `claim`, if
+        any), on the control thread."""
         b, c = self.batch, self.counters
         b.reporting, b.completed = b.completed, []
         b.reporting_failed, b.failed = b.failed, []
         rows = [t for g in b.reporting for _, t in sorted(g.done.items())]
         failed = list(b.reporting_failed)
-        seq, regenerated, report = f"{self.segment_prefix}-{self.seq:06d}", c.tokens_regenerated, self._report()
+        report = claim.report if claim is not None else self._report()  # one report of the replica's state
+        seq, regenerated = f"{self.segment_prefix}-{self.seq:06d}", c.tokens_regenerated
         self.seq += 1
         c.tokens_regenerated = 0
         reprefill, c.reprefill_unreported = c.reprefill_unreported, 0
@@ -258,9 +264,10 @@ class RolloutReplica:
                    else SegmentRef(key="", sha256="", size=0, rows=0))
             return self.control.add_experience(AddExperienceInput(report=report, segment=ref,
                                                                   tokens_regenerated=regenerated,
-                                                                  reprefill_tokens=reprefill, failed=failed))
+                                                                  reprefill_tokens=reprefill, failed=failed,
+                                                                  claim=claim))
 
-        self.calls.start("report", send)
+        self.calls.start("report", send, claiming=claim is not None)
 
     def _reported(self, groups: list[Group], res: AddExperienceResult) -> None:
         self.counters.groups_completed += len(res.accepted)
