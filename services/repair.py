@@ -118,7 +118,11 @@ class Repairer:
         found = [(wf.id, wf.run_id) async for wf in self.client.list_workflows(query)]
         outcomes = []
         for workflow_id, run_id in found:
-            outcome = await self.check(workflow_id, run_id)
+            try:
+                outcome = await self.check(workflow_id, run_id)
+            except RPCError as e:  # this run ended or moved meanwhile; the others are still looked at
+                log.warning("repair_check_failed", workflow_id=workflow_id, run_id=run_id, error=str(e)[:300])
+                continue
             if outcome is not None:
                 outcomes.append(outcome)
         return outcomes
