@@ -363,6 +363,7 @@ def test_table_json_and_plot(tmp_path: Path) -> None:
 
 # -- end to end ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # make test stays under 15 min; run with -m slow
 @pytest.mark.timeout(240)
 def test_end_to_end_two_modes_two_replicas_three_iterations(tmp_path: Path) -> None:
     """END TO END, about a minute on 2 cores: the real command with its own dev stack (in tmp_path) runs

@@ -225,6 +225,7 @@ async def test_master_relay_drill_in_a_barrier_mode(drill_stack, tmp_path, mode)
     await _finish(handle)
 
 
+@pytest.mark.slow  # make test stays under 15 min; run with -m slow
 async def test_trainer_drill_in_stream_mode(drill_stack, tmp_path):
     """A trainer killed mid-batch (a step is one minibatch there) restores and replays to the same step and
     version: no group consumed twice, staleness still <= 1."""

@@ -76,6 +76,7 @@ def _wait_weights_s(store: S3ObjectStore, run_id: str) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow  # make test stays under 15 min; run with -m slow
 async def test_three_runs_share_one_worker_set(temporal_env, moto_server, tmp_path):
     namespace = await _namespace(temporal_env.client)
     bucket = create_bucket(moto_server)

@@ -13,6 +13,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
+import pytest
 from temporalio.client import WorkflowExecutionStatus, WorkflowHistory
 from temporalio.worker import Replayer
 
@@ -188,6 +189,7 @@ async def _failed_times(handle, times: int) -> bool:
     return repair.failures(task_events(await handle.fetch_history()), await _attempts(handle)) >= times
 
 
+@pytest.mark.slow  # make test stays under 15 min; run with -m slow
 async def test_a_reset_that_does_not_help_fails_the_run_loudly(temporal_env):
     """A bug in the workflow's code (a signal after which every attempt of the task raises) is no SDK wedge: the
     reset reapplies the signal and the task fails again at once. The repairer resets once, then fails the run."""

@@ -10,6 +10,7 @@ p99 96 (the tail includes responses that run to max_new_tokens) after the first 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from laminar.config import RunConfig
@@ -20,6 +21,7 @@ STEPS = 400
 LR = 2e-3  # recommended default (laminar.config has 1e-3, which learns too, with less margin)
 
 
+@pytest.mark.slow  # make test stays under 15 min; run with -m slow
 def test_default_task_learns_and_lengths_are_long_tailed(tmp_path):
     torch.set_num_threads(2)
     cfg = RunConfig.load(None, ["--run.seed=0", f"--trainer.lr={LR}"])

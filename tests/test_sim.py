@@ -175,6 +175,7 @@ def test_small_sweep_completes_with_every_mode():
     assert set(speedup_summary(rows)) == {"sync", "one_step", "stream", "partial_rollout"}
 
 
+@pytest.mark.slow  # make test stays under 15 min; run with -m slow
 def test_a_sweep_on_worker_processes_gives_the_rows_it_gives_in_one_process():
     # the cells are independent and seeded alike: only the timing fields (wall_s, sim_s) may differ
     spec = SweepSpec(model="7b", gpus=(16, 32), workload="uniform", modes=("laminar", "sync"), iterations=3,

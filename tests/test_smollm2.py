@@ -59,6 +59,7 @@ def gguf_model():
     return load_gguf(find_gguf())
 
 
+@pytest.mark.slow  # make test stays under 15 min; run with -m slow
 def test_a_second_import_does_nothing(imported):
     lines: list[str] = []
     before = (imported / "model.safetensors").stat().st_mtime_ns
@@ -67,6 +68,7 @@ def test_a_second_import_does_nothing(imported):
     assert (imported / "model.safetensors").stat().st_mtime_ns == before
 
 
+@pytest.mark.slow  # make test stays under 15 min; run with -m slow
 def test_the_imported_directory_computes_the_gguf_models_logits(imported, gguf_model):
     hf_model, hf_tokenizer = gguf_model
     model, tokenizer, hf = load_pretrained(imported)
@@ -87,6 +89,7 @@ def test_the_imported_directory_computes_the_gguf_models_logits(imported, gguf_m
     assert int(ours[0, -1].argmax()) == int(theirs[0, -1].argmax())
 
 
+@pytest.mark.slow  # make test stays under 15 min; run with -m slow
 def test_the_rollout_prompt_is_the_models_chat_template(imported, gguf_model):
     _, hf_tokenizer = gguf_model
     _, tokenizer, _ = load_pretrained(imported)
