@@ -203,19 +203,27 @@ def test_readonly_store_refuses_writes_for_the_hold(tmp_path, aws_test_env):
         nemesis = Nemesis(tmp_path / "processes.json", stack.interrupt_s3, stack.restart_temporal,
                           readonly_store=stack.readonly_s3)
         th = threading.Thread(target=nemesis.run, args=(
-            Schedule(0, 10, ["readonly"], 1, 0, [Fault(0, "readonly", "store", 0.0, 3.0)]), time.time()))
+            Schedule(0, 30, ["readonly"], 1, 0, [Fault(0, "readonly", "store", 0.0, 10.0)]), time.time()))
         th.start()
         wait_until(lambda: nemesis.records and nemesis.records[0].injected_at, 10, "the store made read-only")
-        denied = 0
-        for i in range(3):
+
+        def refused(key: str) -> bool:
             try:
-                store.put(f"runs/r/new-{i}", b"x")
+                store.put(key, b"x")
             except StoreError as e:
-                denied += "AccessDenied" in str(e)
+                return "AccessDenied" in str(e)
+            return False
+
+        # the record is written as the switch is thrown: the first refusal marks it on (a probe write that lands
+        # before it is deleted below, with the other probes)
+        probes = wait_until(lambda: refused(f"runs/r/probe-{time.monotonic_ns()}"), 5, "a write refused") and 1
+        denied = sum(refused(f"runs/r/new-{i}") for i in range(3))  # well inside the 10 s hold
         assert denied == 3 and store.get("runs/r/kept") == b"kept"
-        th.join(timeout=30)
+        th.join(timeout=40)
         rec = nemesis.records[0]
-        assert not rec.skipped and rec.refused == 3 and rec.healed_at - rec.injected_at >= 3.0, rec
+        assert not rec.skipped and rec.refused >= 3 + probes and rec.healed_at - rec.injected_at >= 10.0, rec
+        for key in store.list("runs/r/probe-"):
+            store.delete(key)
         store.put("runs/r/after", b"a")
         assert store.list("runs/r/") == ["runs/r/after", "runs/r/kept"]
     finally:
