@@ -8,12 +8,11 @@ SDK runs signal and update jobs before the main loop resumes, so on a cold repla
 acceptance comes before the timer, while the live, cached run emitted the timer first.
 
 The worker runs in its own process (`python -m tests.wedge worker ADDRESS QUEUE`), so the test can stop it by
-pid. Two ways to hit the window:
-- `aligned`: the workflow stops its own process (SIGSTOP) right after it applied the signal's activation and before
-  the completion is sent, only when not replaying. This lands in the window every time; the test then holds the
-  process stopped past the task timeout while an update arrives, and sends SIGCONT.
-- `random`: the test SIGSTOPs the worker at a random moment while signals and updates keep arriving, for a random
-  hold around the task timeout; whether the window is hit is left to chance.
+pid. Two ways to hold it past the task timeout (tests/test_wedge_window.py):
+- `stall` (provoke_stall): the workflow's thread sleeps inside the signal's activation, once per run and process,
+  only when not replaying, while the SDK's core threads keep polling; updates arrive meanwhile.
+- `random` (provoke_random): the test SIGSTOPs the worker at random moments while signals and updates keep
+  arriving, for a random hold around the task timeout.
 """
 
 from __future__ import annotations
@@ -159,26 +158,6 @@ async def start(client: Client, queue: str, workflow_id: str, stall_s: float,
                                        task_timeout=timedelta(seconds=task_timeout_s))
 
 
-async def provoke_aligned(client: Client, handle: WorkflowHandle, pid: int, hold_s: float) -> None:
-    """Signal a loss (the worker stops itself inside that activation), claim while it is stopped, wake it
-    after hold_s, then let the run go on a little and finish."""
-    import psutil
-
-    await handle.execute_update(WedgeRepro.claim)  # the run is cached on the worker, as a long run is
-    await handle.signal(WedgeRepro.lose)
-    proc = psutil.Process(pid)
-    for _ in range(200):  # the worker stops itself within a workflow task: at most a few seconds
-        if proc.status() == psutil.STATUS_STOPPED:
-            break
-        await asyncio.sleep(0.05)
-    else:
-        raise AssertionError(f"worker pid {pid} did not stop itself; status {proc.status()}")
-    claims = [asyncio.create_task(handle.execute_update(WedgeRepro.claim)) for _ in range(3)]
-    await asyncio.sleep(hold_s)
-    os.kill(pid, signal.SIGCONT)
-    await asyncio.wait_for(asyncio.gather(*claims, return_exceptions=True), timeout=60)
-
-
 async def provoke_stall(handle: WorkflowHandle, stall_s: float, claims: int = 3) -> None:
     """Signal a loss: the workflow's activation stalls for stall_s (started with that stall), past the task
     timeout; claims arrive meanwhile and go to the task's retry."""
@@ -187,26 +166,6 @@ async def provoke_stall(handle: WorkflowHandle, stall_s: float, claims: int = 3)
     await asyncio.sleep(min(1.0, stall_s / 4))
     pending = [asyncio.create_task(handle.execute_update(WedgeRepro.claim)) for _ in range(claims)]
     await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout=stall_s + 60)
-
-
-async def provoke_restart(stack, handle: WorkflowHandle, pid: int, down_s: float) -> None:
-    """As the chaos run: the worker has applied the signal's activation (it stopped itself there), the Temporal
-    server restarts (devstack's restart on the same SQLite file, down for down_s); the worker wakes while the
-    server is down, so its completion cannot land; claims arrive once the server is back."""
-    import psutil
-
-    await handle.execute_update(WedgeRepro.claim)
-    await handle.signal(WedgeRepro.lose)
-    proc = psutil.Process(pid)
-    for _ in range(200):
-        if proc.status() == psutil.STATUS_STOPPED:
-            break
-        await asyncio.sleep(0.05)
-    else:
-        raise AssertionError(f"worker pid {pid} did not stop itself; status {proc.status()}")
-    await asyncio.to_thread(stack.restart_temporal, down_s, lambda: os.kill(pid, signal.SIGCONT))
-    claims = [asyncio.create_task(handle.execute_update(WedgeRepro.claim)) for _ in range(3)]
-    await asyncio.wait_for(asyncio.gather(*claims, return_exceptions=True), timeout=90)
 
 
 async def provoke_random(client: Client, handle: WorkflowHandle, pid: int, task_timeout_s: float,
