@@ -12,25 +12,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from temporalio.client import Client
 
-from client.connect import connect
-from client.settings import Settings
-from devstack.stack import DevStack
 from laminar.messages import RunStatus, workflow_id_for
 from services.drill import groups_lost
 from storage.objects import LocalObjectStore
 from storage.runs import read_marker
-from tests.fixtures.s3 import free_port
+from tests.fixtures.devhome import Dev, own_dev_stack
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until
 
@@ -39,29 +34,10 @@ OVERRIDES = [f"--{o}" for o in TEST_OVERRIDES if not o.startswith("run.steps")] 
 RUN = "t-lost"
 
 
-@dataclass
-class Dev:
-    stack: DevStack
-    home: Path
-    port: int
-    env: dict[str, str]
-
-    async def client(self) -> Client:
-        return await connect(Settings.from_env(self.env))
-
-
 @pytest.fixture(scope="module")
 def dev(tmp_path_factory) -> Iterator[Dev]:
-    home: Path = tmp_path_factory.mktemp("lost-home")
-    stack = DevStack(home)
-    port = free_port()
-    stack.up(port=port, ui=False)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LAMINAR_")}
-    env.update(LAMINAR_HOME=str(home), COLUMNS="400")
-    try:
-        yield Dev(stack, home, port, env)
-    finally:
-        stack.down()
+    with own_dev_stack(tmp_path_factory.mktemp("lost-home"), columns=400) as d:
+        yield d
 
 
 def laminar(dev: Dev, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

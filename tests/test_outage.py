@@ -8,25 +8,20 @@ All through the real `laminar` entry point (subprocesses) against a real dev sta
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 from temporalio.client import Client, WorkflowExecutionStatus
 
-from client.connect import connect
 from client.run_control import CONTROL_ANSWER_S
-from client.settings import Settings
-from devstack.stack import DevStack
 from laminar.messages import RunStatus, workflow_id_for
 from services.drill import groups_lost
-from tests.fixtures.s3 import free_port
+from tests.fixtures.devhome import Dev, own_dev_stack
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until
 
@@ -37,29 +32,11 @@ OVERRIDES = [f"--{o}" for o in TEST_OVERRIDES if not o.startswith("run.steps")]
 OUTAGE_S = 25.0
 
 
-@dataclass
-class Dev:
-    stack: DevStack
-    port: int
-    env: dict[str, str]
-
-    async def client(self) -> Client:
-        return await connect(Settings.from_env(self.env))
-
-
 @pytest.fixture(scope="module")
 def dev(tmp_path_factory) -> Iterator[Dev]:
     """A dev stack with no workers: every worker a test needs comes from the `laminar run` it starts."""
-    home: Path = tmp_path_factory.mktemp("outage-home")
-    stack = DevStack(home)
-    port = free_port()
-    stack.up(port=port, ui=False)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LAMINAR_")}
-    env.update(LAMINAR_HOME=str(home), COLUMNS="200")
-    try:
-        yield Dev(stack, port, env)
-    finally:
-        stack.down()
+    with own_dev_stack(tmp_path_factory.mktemp("outage-home"), columns=200) as d:
+        yield d
 
 
 @pytest_asyncio.fixture(loop_scope="session")
