@@ -387,6 +387,17 @@ class EvalSection(_Section):
         description="A sample passes when its reward is at least this (reward units; the math task's 1.0 is a "
         "right answer).")
 
+    @model_validator(mode="after")
+    def _not_during_training_yet(self) -> EvalSection:
+        """Eval rounds during a run are designed (workflows/eval_rounds.py) but not wired: refuse them rather than
+        accept settings that do nothing."""
+        asked = [f for f, on in (("eval.every_steps", self.every_steps), ("eval.at_start", self.at_start),
+                                 ("eval.at_end", self.at_end)) if on]
+        if asked:
+            raise ValueError(f"{', '.join(asked)}: evaluation during training is not available yet; evaluate "
+                             "committed checkpoints with `laminar eval CONFIG --checkpoint RUN_ID@STEP` instead")
+        return self
+
 
 class TrackingSection(_Section):
     """Experiment trackers, written through their own libraries by one process: the trainer (docs/evaluation.md)."""

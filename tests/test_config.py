@@ -196,3 +196,13 @@ def test_config_is_frozen() -> None:
     cfg = RunConfig()
     with pytest.raises(ValueError):
         cfg.trainer.lr = 0.5  # type: ignore[misc]
+
+
+def test_eval_during_training_is_refused_until_it_exists():
+    """eval.every_steps/at_start/at_end would do nothing during a run yet: the config says so, naming the way on."""
+    from laminar.errors import ConfigError
+
+    for override in ("eval.every_steps=10", "eval.at_start=true", "eval.at_end=true"):
+        with pytest.raises(ConfigError, match="not available yet.*laminar eval"):
+            RunConfig.load(None, [override])
+    assert RunConfig.load(None, ["eval.samples=4"]).eval.samples == 4
