@@ -110,8 +110,8 @@ class ModelSection(_Section):
 class TaskSection(_Section):
     name: str = Field(
         "repeat", min_length=1, max_length=300,
-        description="The task (prompts + reward): a built-in (`repeat`, `file`, `math`; rl/tasks/loader.py), "
-        "\"package.module:Class\", or an entry point of the `laminar.tasks` group (rl/tasks/__init__.py).")
+        description="The task (prompts + reward): a built-in (`repeat`, `file`, `math`; envs/tasks/loader.py), "
+        "\"package.module:Class\", or an entry point of the `laminar.tasks` group (envs/tasks/__init__.py).")
     max_count: int = Field(48, ge=2, le=4096, description="`repeat`: largest requested response length (tokens).")
     prompts: str = Field(
         "", max_length=4096,

@@ -130,7 +130,7 @@ from laminar.config import TrainerSection
 from laminar.records import Trajectory
 from rl.fsdp import FsdpTrainer
 from rl.model import save_pretrained
-from rl.tokenizer import build_word_tokenizer
+from envs.tasks.tokenizer import build_word_tokenizer
 from rl.trainer import Trainer
 
 del theirs

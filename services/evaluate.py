@@ -59,8 +59,8 @@ def _run_and_step(ref: str) -> tuple[str, int | None]:
 
 def load_policy(store: ObjectStore, cfg: RunConfig, checkpoint: str) -> tuple[Any, Any, Any, EvalTarget]:
     """(model, tokenizer, task, target) of a checkpoint reference or a model directory."""
+    from envs.tasks import build_task
     from rl.model import build_model, load_model_state, load_pretrained
-    from rl.tasks import build_task
 
     path = Path(checkpoint)
     if path.is_dir():

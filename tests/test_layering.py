@@ -1,8 +1,9 @@
 """Import layering: no module imports upward. Every module of the repository (tests excepted) is parsed with `ast`,
 so imports inside functions, under `if TYPE_CHECKING:` and `importlib.import_module("...")` calls count too.
 
-- `laminar/` imports only itself; `storage/`, `rl/`, `relay/` and `workflows/` import only `laminar/` and
-  themselves; `reporting/` only `laminar/` and `storage/`; `client/watch.py` (the run-watching helper every
+- `laminar/` imports only itself; `storage/`, `envs/`, `relay/` and `workflows/` import only `laminar/` and
+  themselves; `rl/` only `laminar/` and `envs/` (engines serve a task's prompts; environments know no engine);
+  `reporting/` only `laminar/` and `storage/`; `client/watch.py` (the run-watching helper every
   caller shares) only `laminar/`.
 - Nothing imports `workers/` (the top: CLI, launchers, worker processes); `bench/` gets the launcher passed in.
 
@@ -20,7 +21,8 @@ TOP = "workers"  # nothing imports it
 ONLY = {
     "laminar": set(),
     "storage": {"laminar"},
-    "rl": {"laminar"},
+    "envs": {"laminar"},
+    "rl": {"laminar", "envs"},
     "relay": {"laminar"},
     "workflows": {"laminar"},
     "reporting": {"laminar", "storage"},
@@ -116,6 +118,10 @@ def f():
     # storage may import laminar, not rl
     assert violations("storage.fake", "from laminar.refs import Ref\nfrom storage import keys\n", packages) == []
     assert "storage may import only itself and laminar/" in violations("storage.fake", "import rl.engine", packages)[0]
+    # rl may import the environments; the environments import no engine
+    assert violations("rl.fake", "from envs.tasks import Prompt\n", packages | {"envs"}) == []
+    assert "envs may import only itself and laminar/" in violations("envs.tasks.fake", "from rl.engine import E",
+                                                                    packages | {"envs"})[0]
     # bench may import the launcher from nowhere, even lazily; workers may import workers
     assert violations("bench.fake", "def g():\n    from workers.launcher import LocalLauncher\n", packages)
     assert violations("workers.cli", "from workers.launcher import LocalLauncher\n", packages) == []

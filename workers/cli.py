@@ -110,7 +110,7 @@ def run(
 
     Extra `--section.key=value` arguments override config values.
     """
-    from rl.tasks.loader import check_task
+    from envs.tasks.loader import check_task
     from services.model_files import check_model_path
     from workers.run_command import check_launcher, run_local
 

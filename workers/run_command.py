@@ -264,7 +264,7 @@ def _print_summary(s: dict, console: Console) -> None:
         f"history_max={s['temporal_history_events_max']}",
         highlight=False,
     )
-    if s.get("tool_latency_s", {}).get("calls"):  # multi-turn tool calls (rl/tools/__init__.py)
+    if s.get("tool_latency_s", {}).get("calls"):  # multi-turn tool calls (envs/tools/__init__.py)
         lat = s["tool_latency_s"]
         console.print(f"tool_calls/trajectory={s['tool_calls_per_trajectory']} multi_turn_share={s['multi_turn_share']} "
                       f"tool_latency_s p50={lat['p50']} max={lat['max']} calls={lat['calls']}", highlight=False)

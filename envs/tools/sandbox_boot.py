@@ -1,9 +1,9 @@
-"""The programs rl/tools/sandbox.py starts: `BOOT` (the root bootstrap that builds the sandbox) and `SHIM` (run by
+"""The programs envs/tools/sandbox.py starts: `BOOT` (the root bootstrap that builds the sandbox) and `SHIM` (run by
 the sandboxed interpreter before the model's program). Python source as text: each runs as its own interpreter."""
 
 # Runs as root in a fresh session: joins the sandbox's cgroups, unshares the namespaces, forks the PID
 # namespace's init, which builds the new root (an empty tmpfs holding read-only binds of the allow-list,
-# rl/tools/sandbox_root.py; /dev with null, zero, full, random, urandom; the new PID namespace's /proc; /tmp with
+# envs/tools/sandbox_root.py; /dev with null, zero, full, random, urandom; the new PID namespace's /proc; /tmp with
 # the working directory) and switches to it (pivot_root, the old root detached), forks the program's process
 # (rlimits, uid, no new privileges, exec of the shim) and reaps until it ends.
 # Protocol on the report pipe: "pid\t<init's host pid>", "setup\t<error>", "status\t<wait status>".

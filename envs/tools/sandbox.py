@@ -7,11 +7,11 @@ Isolation (all real kernel mechanisms; nothing here trusts the program):
   a new PID namespace (the program cannot see or signal other processes; when its init dies, the kernel kills
   everything left in it, so nothing escapes by `setsid` or double fork), and new mount and IPC namespaces;
 - in the mount namespace a new, empty root (pivot_root; the host's root detached) holding only an allow-list
-  (rl/tools/sandbox_root.py): read-only binds of the interpreter, its standard library and the libraries it
+  (envs/tools/sandbox_root.py): read-only binds of the interpreter, its standard library and the libraries it
   loads, /dev with null, zero, full, random, urandom, the new PID namespace's /proc (hidepid=2), a fresh
   root-owned tmpfs /tmp (size-capped) holding the working directory /tmp/work (the only writable place), and
   a task's own `read_only` paths;
-- a cgroup per run for the whole sandbox's memory, processes and CPU (rl/tools/sandbox_cgroup.py; v2, or v1
+- a cgroup per run for the whole sandbox's memory, processes and CPU (envs/tools/sandbox_cgroup.py; v2, or v1
   where the controllers are there); a kill at its memory limit is a `memory` failure;
 - an unprivileged uid and gid (no supplementary groups), one per concurrent sandbox from
   `SandboxLimits.uid_base` .. `uid_base + uid_count - 1` (held by a lock file, so RLIMIT_NPROC, which counts
@@ -56,11 +56,11 @@ from dataclasses import dataclass
 
 import psutil
 
+from envs.tools import ToolResult
+from envs.tools.sandbox_boot import BOOT, SHIM
+from envs.tools.sandbox_cgroup import SandboxCgroup, cgroup_support
+from envs.tools.sandbox_root import RootPlan, RootPlanError, root_plan
 from laminar.logs import get_logger
-from rl.tools import ToolResult
-from rl.tools.sandbox_boot import BOOT, SHIM
-from rl.tools.sandbox_cgroup import SandboxCgroup, cgroup_support
-from rl.tools.sandbox_root import RootPlan, RootPlanError, root_plan
 
 log = get_logger(__name__)
 
@@ -147,7 +147,7 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
 
 
 def _plan(limits: SandboxLimits) -> RootPlan:
-    """The new root for the first interpreter that can be probed (rl/tools/sandbox_root.py)."""
+    """The new root for the first interpreter that can be probed (envs/tools/sandbox_root.py)."""
     errors = []
     for python in [limits.python] if limits.python else [sys.executable, *_SYSTEM_PYTHONS]:
         try:

@@ -1,4 +1,4 @@
-"""The sandbox's filesystem as an allow-list: what the new, empty root holds (rl/tools/sandbox.py builds it).
+"""The sandbox's filesystem as an allow-list: what the new, empty root holds (envs/tools/sandbox.py builds it).
 
 `root_plan(python, read_only) -> RootPlan` works out, once per interpreter, what that interpreter needs to run
 and import its standard library:
