@@ -23,6 +23,7 @@ from laminar import names
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, LaminarError
 from laminar.logs import configure_logging
+from rl.factory import check_engines
 from workers.cli_bench import bench_app
 from workers.cli_chaos import register as register_chaos
 from workers.cli_dev import dev_app
@@ -49,7 +50,7 @@ def _load_config(config: Path | None, overrides: list[str], steps: int | None, r
     extra = list(overrides)
     if steps is not None:
         extra.append(f"run.steps={steps}")
-    cfg = RunConfig.load(config, extra)
+    cfg = check_engines(RunConfig.load(config, extra))  # the engines fit together (rl.factory)
     return cfg.with_run_id(run_id) if run_id else cfg
 
 

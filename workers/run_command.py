@@ -156,15 +156,11 @@ def serve_workers(cfg: RunConfig, console: Console, launcher_kind: str = "local"
         launcher.stop_all()
 
 
-def engines_served(cfg: RunConfig) -> list[str]:
-    """The rollout engines every worker of a set started for `cfg` serves: the torch and modelled engines run in any
-    rollout worker; vLLM only in a set started for it (rl/vllm_engine.py)."""
-    return sorted({"modelled", "torch", cfg.rollout.engine})
-
-
 def worker_set_slots(cfg: RunConfig, home: Path) -> SlotReport:
     """What a `laminar workers` set gives its slot pool: its rollout slots (spares included: docs/decisions.md) and
     engines, under a name stable for this host and home, so a restarted set replaces its own report."""
+    from rl.factory import engines_served
+
     slots = sum(rollout_slots(cfg.rollout.replicas, cfg.relay.relays, _spare_slots(cfg)))
     return SlotReport(reporter=f"{socket.gethostname()}:{home}", slots=slots, engines=engines_served(cfg))
 

@@ -50,6 +50,11 @@ with workflow.unsafe.imports_passed_through():
     )
     from laminar.policy import Policy, fresh_lease_room, policy_for, steps_to_publish
     from laminar.refs import CheckpointRef
+    from rl.factory import (  # the engines' traits (deterministic)
+        check_engines,
+        decode_batch_limit,
+        time_scale,
+    )
     from workflows import timeouts
     from workflows.ledger import Ledger
     from workflows.migrations import Migrations
@@ -583,13 +588,13 @@ class TrainingRunWorkflow:
         if not self._policy.repacks or self._handover or self.state.stopping:
             return
         r = self._cfg.rollout
-        every_s = r.repack_every_s / self._cfg.time_scale
+        every_s = r.repack_every_s / time_scale(self._cfg)
         now = workflow.time()
         if not after_step and now - self.state.last_plan_at < every_s:
             return
         if not workflow.patched("repack"):
             return
-        self.migrations.plan(c_max=r.repack_c_max, at=now, batch_limit=self._cfg.decode_batch_limit)
+        self.migrations.plan(c_max=r.repack_c_max, at=now, batch_limit=decode_batch_limit(self._cfg))
 
     # -- rollout replicas --------------------------------------------------------------------
 
@@ -1079,7 +1084,7 @@ def _parse_input(inp: Any) -> tuple[RunConfig, RunState | None]:
             'workflow input must be a JSON object {"config": {...run config...}}, '
             f"got {type(inp).__name__}: {str(inp)[:80]}"
         )
-    cfg = RunConfig.from_json(inp["config"])
+    cfg = check_engines(RunConfig.from_json(inp["config"]))
     state = inp.get("state")
     if state is None:
         return cfg, None
