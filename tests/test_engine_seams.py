@@ -4,7 +4,8 @@
     engine, a trainer or a trainer backend:
     - no comparison to one of their names (`== "fsdp"`, `in ("modelled", "torch")`);
     - no table of their names (a tuple, list or set holding one, a dict keyed by two or more: a trait belongs in
-      rl/factory.py; one key that names the [modelled] section is no table); the config's vocabulary, `Literal[...]` types in laminar/config.py, is no table;
+      rl/factory.py; one key that names the [modelled] section is no table); the config's vocabulary,
+      `Literal[...]` types in laminar/config.py, is no table;
     - no identifier, attribute or import built from a name that means only an engine or backend (`vllm`,
       `fsdp`: `cfg.trainer.fsdp_procs`, `FsdpTrainer`), nor naming an engine or trainer class; a config field's
       own declaration in laminar/config.py is the vocabulary (`modelled` also names the modelled hardware's

@@ -85,8 +85,9 @@ class HostGroup:
 def plan_placements(cfg: RunConfig, procs: list[ManagedProcess], bind_node_ip: bool = False) -> list[Placement]:
     """The Ray placement of `plan_processes`'s processes (same names, argv and LAMINAR_* settings).
 
-    GPUs: the trainer's on CUDA (rl.factory.trainer_gpus: one per rank of a sharded backend), 0 on CPU; a rollout worker one per
-    replica of its host's share (spare slots take over a dead worker's replica and get none of their own)."""
+    GPUs: the trainer's on CUDA (rl.factory.trainer_gpus: one per rank of a sharded backend), 0 on CPU; a rollout
+    worker one per replica of its host's share (spare slots take over a dead worker's replica and get none of
+    their own)."""
     hosts = cfg.relay.relays
     out = []
     for p in procs:

@@ -71,7 +71,8 @@ log = get_logger(__name__)
 _SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 BOOT = os.path.join(_HERE, "sandbox_boot.py")  # run by path, as root (envs/tools/sandbox_boot.py)
-SHIM = os.path.join(_HERE, "sandbox_shim.py")  # its source goes to the sandboxed interpreter (the root has no project file)
+SHIM = os.path.join(_HERE, "sandbox_shim.py")  # its source goes to the sandboxed interpreter (no project file
+# is in the sandbox's root)
 WORKDIR = "/tmp/work"  # the working directory inside the sandbox
 FAILURES = ("timeout", "cpu", "output", "memory", "processes", "network", "write", "file_size", "open_files",
             "signal")
