@@ -59,8 +59,3 @@ def eval_command(
     console.print(table)
     console.print(f"record: {outcome.key} ({outcome.wall_s:.1f} s)", highlight=False)
 
-
-def register(app: typer.Typer) -> None:
-    """Add `eval` to the `laminar` command line (workers/cli.py)."""
-    app.command(name="eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
-        eval_command)

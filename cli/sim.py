@@ -279,8 +279,8 @@ def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replica
                      kv_binds: bool, json_path: Path | None) -> None:
     """Simulator and real stack (bench/throughput.py run_bench, the modelled engine) on the same configs."""
     from bench.throughput import WORKLOADS, BenchSpec, run_bench
-    from workers.cli_bench import launch_bench_workers
-    from workers.run_command import stop_like_ctrl_c
+    from cli.bench import launch_bench_workers
+    from client.exit import stop_like_ctrl_c
 
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad or not workloads:
@@ -322,8 +322,3 @@ def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replica
     if not all(r["within_15pct"] for r in rows):
         raise typer.Exit(1)
 
-
-def register(app: typer.Typer) -> None:
-    """Add `simulate` and `plan` to the `laminar` command line (workers/cli.py)."""
-    app.command("simulate")(simulate_command)
-    app.command("plan")(plan_command)
