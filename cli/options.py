@@ -23,15 +23,16 @@ CONFIG_HELP = ("Run config (TOML); default: the packaged tiny config (laminar/de
                "examples/tiny.toml).")
 
 
-def parse_duration(text: str | float, flag: str = "duration") -> float:
-    """`30s`, `5m`, `1h`, `45` or `2.5` (seconds) -> seconds, > 0; ConfigError naming the flag otherwise."""
+def parse_duration(text: str | float, flag: str = "duration", allow_zero: bool = False) -> float:
+    """`30s`, `5m`, `1h`, `45` or `2.5` (seconds) -> seconds, > 0 (>= 0 with allow_zero: a point in time);
+    ConfigError naming the flag otherwise."""
     t = str(text).strip().lower()
     unit = UNITS.get(t[-1:])
     try:
         value = float(t[:-1] if unit else t) * (unit or 1.0)
     except ValueError:
         value = -1.0
-    if not value > 0 or value == float("inf"):
+    if not (value >= 0 if allow_zero else value > 0) or value == float("inf"):
         raise ConfigError(f"{flag} {text!r}: give a positive time such as 30s, 5m or 1h (a plain number is seconds)")
     return value
 

@@ -82,7 +82,7 @@ def test_laminar_run_learns_with_vllm_on_cpu_and_a_rollout_drill_recovers(tmp_pa
                 break
             time.sleep(0.5)
         drill = subprocess.run([laminar, "drill", run_id, "--fault", "rollout", "--at-step", "20", "--report",
-                                str(tmp_path / "drill.json"), "--timeout-s", "400"], cwd=ROOT, env=env,
+                                str(tmp_path / "drill.json"), "--timeout", "400s"], cwd=ROOT, env=env,
                                capture_output=True, text=True, timeout=900)
         _, err = run.communicate(timeout=900)
     finally:
