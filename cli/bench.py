@@ -19,7 +19,7 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from cli.options import DURATION_HELP, EXTRA_ARGS, config_or_default, duration, old_seconds_option
+from cli.options import DURATION_HELP, EXTRA_ARGS, config_and_overrides, duration, old_seconds_option
 from laminar.errors import ConfigError, LaminarError
 
 bench_app = typer.Typer(help="Systems benchmarks: relay broadcast, heartbeat cost, orchestration overhead, "
@@ -166,8 +166,8 @@ def overhead_bench(
     from laminar.config import RunConfig
     from reporting.summary import format_profile
 
-    overrides = [*ctx.args, *([f"--run.steps={steps}"] if steps is not None else [])]
-    config = config_or_default(config)
+    config, overrides = config_and_overrides(config, ctx.args)
+    overrides += [f"--run.steps={steps}"] if steps is not None else []
     try:
         cfg = RunConfig.load(config, overrides)
         err.print("[dim]single-process loop ...[/dim]")

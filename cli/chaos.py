@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from cli.options import CONFIG_HELP, DURATION_HELP, config_or_default, parse_duration
+from cli.options import CONFIG_HELP, DURATION_HELP, config_and_overrides, parse_duration
 from laminar.chaos import KINDS, parse_kinds
 from laminar.errors import ConfigError, LaminarError
 
@@ -41,7 +41,8 @@ def chaos_command(
         if judge is not None:
             verdict, folder = rejudge(judge), judge
         else:
-            verdict, folder = run_chaos(config_or_default(config), list(ctx.args),
+            path, overrides = config_and_overrides(config, ctx.args)
+            verdict, folder = run_chaos(path, overrides,
                                         parse_duration(duration, "--duration") if duration else None, seed,
                                         parse_kinds(faults) if faults else None, rate, overlaps, replay, out, run_id)
     except ConfigError as e:

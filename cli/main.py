@@ -3,8 +3,8 @@
 Every command is registered here, on this app: the run commands below with `@app.command`, the other modules'
 commands with `app.command(...)(function)`, and the command groups (`dev`, `bench`, `model`) with `app.add_typer`.
 
-    run, init, fork, start, status, report, list, stop, scale, drain, pool, pause, resume, drill, workers, worker
-    eval (cli/eval.py), chaos (cli/chaos.py), simulate and plan (cli/sim.py)
+    run, fork, start, status, report, list, stop, scale, drain, pool, pause, resume, drill, workers, worker
+    init (cli/init.py), eval (cli/eval.py), chaos (cli/chaos.py), simulate and plan (cli/sim.py)
     dev up|down|status (cli/dev.py), bench relay|heartbeats|overhead|throughput (cli/bench.py),
     model import-gguf (cli/model.py)
 
@@ -31,12 +31,13 @@ from cli.bench import bench_app
 from cli.chaos import chaos_command
 from cli.dev import dev_app
 from cli.eval import eval_command
+from cli.init import init_command
 from cli.model import model_app
 from cli.options import (
     CONFIG_HELP,
     DURATION_HELP,
     EXTRA_ARGS,
-    config_or_default,
+    config_and_overrides,
     duration,
     old_seconds_option,
 )
@@ -61,10 +62,10 @@ err = Console(stderr=True)
 
 
 def _load_config(config: Path | None, overrides: list[str], steps: int | None, run_id: str | None) -> RunConfig:
-    extra = list(overrides)
+    path, extra = config_and_overrides(config, overrides)
     if steps is not None:
         extra.append(f"run.steps={steps}")
-    cfg = RunConfig.load(config_or_default(config), extra)
+    cfg = RunConfig.load(path, extra)
     return cfg.with_run_id(run_id) if run_id else cfg
 
 
@@ -409,6 +410,7 @@ def worker(
 
 
 # the commands of the other modules, after this module's own (the order of `laminar --help`)
+app.command("init")(init_command)
 app.command("eval", context_settings=EXTRA_ARGS)(eval_command)
 app.command("chaos", context_settings=EXTRA_ARGS)(chaos_command)
 app.command("simulate")(simulate_command)

@@ -68,3 +68,11 @@ def default_config() -> Path:
 
 def config_or_default(config: Path | None) -> Path:
     return config if config is not None else default_config()
+
+
+def config_and_overrides(config: Path | None, extra: list[str]) -> tuple[Path, list[str]]:
+    """The config file and the `--section.key=value` overrides of a command whose CONFIG argument is optional: an
+    override given first lands in CONFIG (click hands unknown options to the arguments), so it moves back."""
+    if config is not None and str(config).startswith("--"):
+        return default_config(), [str(config), *extra]
+    return config_or_default(config), list(extra)
