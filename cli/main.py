@@ -108,7 +108,8 @@ def run(
     ray_address: str | None = typer.Option(None, "--ray-address", help="Ray cluster to use (default: a local Ray)."),
     insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
 ) -> None:
-    """Run the embedded default end to end: dev stack, workers, workflow, live progress, summary.
+    """Run a config end to end on this machine (default: the packaged tiny config): dev stack, workers, workflow,
+    live progress, summary.
 
     Extra `--section.key=value` arguments override config values.
     """
