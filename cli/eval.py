@@ -19,7 +19,7 @@ err = Console(stderr=True)
 
 def eval_command(
     ctx: typer.Context,
-    config: Path = typer.Argument(..., help="Run config (TOML): its [eval] and [task] sections are used."),
+    config: Path = typer.Argument(..., help="Run config (TOML): its \\[eval] and \\[task] sections are used."),
     checkpoint: str = typer.Option(..., "--checkpoint", help="RUN_ID@STEP (a committed checkpoint), RUN_ID (its "
                                    "newest), or a Hugging Face model directory."),
     prompts: Path | None = typer.Option(None, "--prompts", help="JSONL or Parquet evaluation prompts (default: "

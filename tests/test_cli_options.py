@@ -128,6 +128,24 @@ def test_every_command_has_help_and_it_renders(tmp_path):
         assert "examples/tiny.toml" not in out.replace("the same as examples/tiny.toml", ""), command
 
 
+def test_no_help_text_loses_a_bracketed_word_to_rich_markup():
+    # rich reads `[eval]` as a style tag and prints nothing: a TOML section in a help text is written `\\[eval]`
+    import re
+
+    import click
+
+    def walk(cmd: click.Command, path: str):
+        yield path, cmd.help or "", cmd
+        for p in cmd.params:
+            yield f"{path} {p.name}", getattr(p, "help", None) or "", cmd
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from walk(sub, f"{path} {name}")
+
+    swallowed = [(where, text) for where, text, _ in walk(typer.main.get_command(app), "laminar")
+                 if re.search(r"(?<!\\)\[[a-z][a-z_.]*\]", text)]
+    assert not swallowed, swallowed
+
+
 def test_bench_help_names_its_four_benchmarks(tmp_path):
     code, out, _ = _invoke(["--help"], tmp_path)
     assert code == 0
