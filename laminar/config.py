@@ -524,7 +524,8 @@ class RunConfig(_Section):
             try:
                 data = tomllib.loads(p.read_text())
             except FileNotFoundError:
-                raise ConfigError(f"config file {p} does not exist; pass a TOML file such as examples/tiny.toml") from None
+                raise ConfigError(f"config file {p} does not exist; pass a TOML file such as examples/tiny.toml "
+                                  "(`laminar init` writes a starter), or leave it out for the packaged default") from None
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
             except (OSError, UnicodeDecodeError) as e:

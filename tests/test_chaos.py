@@ -23,7 +23,7 @@ OVERRIDES = ["--rollout.replicas=4"]
 def _chaos(home: Path, out: Path, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "LAMINAR_HOME": str(home), "PYTHONPATH": str(ROOT)}
     env.pop("LAMINAR_TEMPORAL_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "workers.cli", "chaos", "examples/tiny.toml", "--out", str(out),
+    return subprocess.run([sys.executable, "-m", "cli.main", "chaos", "examples/tiny.toml", "--out", str(out),
                            *args, *OVERRIDES], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
