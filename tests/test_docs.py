@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,12 @@ def test_summary_keys_read_from_the_code():
 def test_readme_is_a_front_page():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 300, f"README.md has {len(lines)} lines; move detail into docs/ (the site) and link to it"
+
+
+def test_readme_links_resolve():
+    """The README is read on a code host, outside the site's build: each relative link must name a file here."""
+    text = (ROOT / "README.md").read_text()
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t]
+    assert targets, "the README links into docs/"
+    missing = [t for t in targets if t and not (ROOT / t).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
