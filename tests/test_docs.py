@@ -27,6 +27,25 @@ def test_every_config_field_has_a_description():
         "docs/reference/config.md is generated from them")
 
 
+def test_a_field_without_description_is_caught():
+    from pydantic import BaseModel, Field
+
+    class Documented(BaseModel):
+        """A section."""
+
+        a: int = Field(1, description="An a.")
+        b: int = 2
+
+    class Bare(BaseModel):
+        c: int = Field(3, description="A c.")
+
+    class Config(BaseModel):
+        one: Documented = Documented()
+        two: Bare = Bare()
+
+    assert reference.missing_descriptions(Config) == ["one.b", "[two] (a docstring on Bare)"]
+
+
 def test_docs_build_strict(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],

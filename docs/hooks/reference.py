@@ -85,13 +85,15 @@ def _default(field: Any) -> str:
     return f"`{json.dumps(value)}`"
 
 
-def missing_descriptions() -> list[str]:
-    """Config sections without a docstring and fields without a description (`section.field`)."""
+def missing_descriptions(config: Any = None) -> list[str]:
+    """Config sections without a docstring and fields without a description (`section.field`); config: a model of
+    sections like RunConfig (the default)."""
     _on_path()
-    from laminar.config import RunConfig
+    if config is None:
+        from laminar.config import RunConfig as config
 
     missing = []
-    for name, section in RunConfig.model_fields.items():
+    for name, section in config.model_fields.items():
         cls = section.annotation
         if not (cls.__doc__ or "").strip():
             missing.append(f"[{name}] (a docstring on {cls.__name__})")
