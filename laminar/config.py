@@ -367,6 +367,20 @@ class ModelledSection(_Section):
         "setup) at 40 % of 989 TFLOP/s.",
     )
 
+    @model_validator(mode="after")
+    def _longest_fits_the_cache(self) -> ModelledSection:
+        """A sequence that can never fit the KV cache would wait forever (vLLM refuses such a max_model_len)."""
+        longest = self.prompt_tokens + self.max_response_tokens
+        if longest > self.kv_capacity_tokens:
+            raise ValueError(
+                f"prompt_tokens ({self.prompt_tokens}) + max_response_tokens ({self.max_response_tokens}) = {longest} "
+                f"exceeds kv_capacity_tokens={self.kv_capacity_tokens}: the longest sequence could never fit the KV "
+                f"cache; raise kv_capacity_tokens to at least {longest}"
+                + (f" or lower max_response_tokens to at most {self.kv_capacity_tokens - self.prompt_tokens}"
+                   if self.kv_capacity_tokens > self.prompt_tokens else "")
+            )
+        return self
+
     def weight_bytes(self) -> float:
         return self.params_billion * 1e9 * self.bytes_per_param
 
