@@ -1,6 +1,6 @@
 """`laminar chaos` end to end on the default example (examples/tiny.toml through the local launcher): a fixed
 seed, several overlapping faults of several kinds, every one healed; the checker's verdict, read from the run's
-durable records, is the assertion. The `slow` variant is the README's 30-minute run."""
+durable records, is the assertion. The `slow` variant is the 30-minute run of docs/benchmarks/chaos.md."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The real stack (its own Temporal dev server under a temporary LAMINAR_HOME, worker processes, the tiny base
 model built with its 1000-step warm-up), as a user runs it. The summary's rise is the mean reward over the last
 fifth of steps minus the mean over the first tenth (reporting/summary.py). Measured on a 2-core machine shared
-with other jobs (README 'Tasks'): 400 steps, see the README for the numbers.
+with other jobs (docs/guides/tasks.md, 'The math task'): 400 steps, the numbers are there.
 """
 
 from __future__ import annotations
