@@ -36,7 +36,6 @@ with workflow.unsafe.imports_passed_through():
         ReplicaReport,
         RepublishInput,
         RolloutReplicaInput,
-        RunRelayInput,
         RunStatus,
         ScaleInput,
         ScaleResult,
@@ -46,15 +45,15 @@ with workflow.unsafe.imports_passed_through():
         TrainStepResult,
         TrainStepsInput,
         WorkflowReset,
-        relay_queue,
     )
     from laminar.policy import Policy, fresh_lease_room, policy_for, steps_to_publish
     from laminar.refs import CheckpointRef
-    from workflows import timeouts
+    from workflows import commands, timeouts
+    from workflows.commands import Runtime
     from workflows.ledger import Ledger
     from workflows.migrations import Migrations
-    from workflows.relay_health import RelayHealth
-    from workflows.scale import check_target, plan_relays, plan_scale, relay_ids, replica_ids, replica_index
+    from workflows.relay_chain import RelayChain
+    from workflows.scale import check_target, plan_relays, plan_scale, replica_ids
     from workflows.state import RunState, TrainingRunInput
 
 __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
@@ -82,18 +81,14 @@ class TrainingRunWorkflow:
         self._cfg: RunConfig | None = None
         self._policy: Policy | None = None  # the run mode's decisions (laminar/policy.py), from the config
         self._replicas: dict[str, Any] = {}
-        self._relay_tasks: dict[str, Any] = {}
         self._handover = False
         self._closing = False  # draining for continue-as-new or finish: relay watchers stop
         self._finished = False
         self._updates = 0  # updates handled in this history segment (the server caps them per run)
-        self._rejoined_relays: set[str] = set()  # relays that joined in this segment
-        self._relay_health = RelayHealth()  # relays out of the chain for failing data-plane checks (this segment)
         self._training = False  # a train_step activity is in flight
         self._ahead = False  # patch train-ahead: trainer activities are scheduled ahead (_advance_trainer)
         self._trainer_free_at = 0.0  # (train-ahead) when the last trainer activity returned
         self._flights: list[_TrainFlight] = []  # (train-ahead) the trainer activities in flight, in step order
-        self._republish_wanted = False  # the chain changed: push the current version again (see _republish)
         self._version_pushed_at = workflow.time()  # the last publish or republish (see _note_version_missing)
         self._search_upserted: tuple[str, float] = ("", 0.0)  # (phase, workflow time) of the last upsert
         self._watchdog_task: Any = None  # _watchdog's timer loop (patch `watchdog`)
@@ -111,6 +106,9 @@ class TrainingRunWorkflow:
             self._segment_first_step = 0
         self.ledger = Ledger(self.state)
         self.migrations = Migrations(self.ledger)  # dynamic repack's lease hand-overs (workflows/migrations.py)
+        self.rt = Runtime()
+        self.relays = RelayChain(self.state, self.ledger, self._cfg, self.rt, closing=lambda: self._closing,
+                                 run_relay=lambda r, g: commands.run_relay(self.state.run_id, self._cfg, r, g))
 
     # -- the run, as a table of contents -----------------------------------------------------
 
@@ -120,8 +118,8 @@ class TrainingRunWorkflow:
             raise ApplicationError(self._error or "invalid input", type="InvalidConfig", non_retryable=True)
         if self.state.pool and workflow.patched("slot-pool"):
             asyncio.create_task(self._tell_pool())  # the pool hears the ask while the trainer starts
-        self._start_relays()
-        await self._wait_for_relays()
+        self.relays.start()
+        await self.relays.wait_for_relays()
         if not self.state.trainer_ready:
             await self._init_trainer()
         self._start_replicas()
@@ -136,7 +134,7 @@ class TrainingRunWorkflow:
                 await self._continue_as_new()
             if not await self._wait_for_batch():
                 break
-            if self._republish_wanted:
+            if self.relays.republish_wanted:
                 await self._republish()
             if self._ahead:
                 self._advance_trainer()
@@ -178,105 +176,7 @@ class TrainingRunWorkflow:
         workflow.upsert_search_attributes([search.PHASE.value_set(phase), search.STEP.value_set(self.state.step),
                                            search.POLICY_VERSION.value_set(self.state.policy_version), *reward])
 
-    # -- relays ------------------------------------------------------------------------------
-
-    def _relay_ids(self) -> list[str]:
-        """The relays the run should have: relay.relays of them until a `laminar scale --relays`."""
-        assert self._cfg is not None
-        return list(self.state.relay_ids) or relay_ids(self._cfg.relay.relays)
-
-    def _start_relays(self) -> None:
-        for relay_id in self._relay_ids():
-            self._relay_tasks[relay_id] = asyncio.create_task(self._watch_relay(relay_id))
-            if relay_id in self.state.relays:  # inherited from the previous segment
-                self._relay_tasks[f"{relay_id}/rejoin"] = asyncio.create_task(self._expect_rejoin(relay_id))
-
-    async def _watch_relay(self, relay_id: str) -> None:
-        """Keep one `run_relay` activity per relay. Its heartbeat timeout is the relay's failure
-        detector: the dead relay leaves the chain at once (a new master is simply the next relay) and a
-        new attempt waits on the relay's queue until its worker is back, then rejoins."""
-        assert self._cfg is not None
-        generation = failures = 0
-        while not self._closing:
-            generation += 1
-            started = workflow.time()
-            try:
-                await workflow.execute_activity(
-                    names.RUN_RELAY,
-                    RunRelayInput(run_id=self.state.run_id, workflow_id=workflow.info().workflow_id, relay_id=relay_id),
-                    task_queue=relay_queue(relay_id),
-                    start_to_close_timeout=timeouts.SEGMENT_ACTIVITY,
-                    heartbeat_timeout=timedelta(seconds=self._cfg.relay.heartbeat_timeout_s),
-                    retry_policy=timeouts.RELAY_ONE_ATTEMPT,
-                    activity_id=f"relay-{relay_id}-{generation}",
-                    summary=f"relay {relay_id} (incarnation {generation})",  # shown in the Web UI
-                )
-            except ActivityError:
-                if self._closing:  # cancelled by _drain
-                    return
-            except asyncio.CancelledError:
-                return
-            self._lose_relay(relay_id)
-            # back off while the relay keeps failing fast (history grows with failures, never spins)
-            failures = failures + 1 if workflow.time() - started < timeouts.RELAY_FAILING_FAST_S else 0
-            await workflow.sleep(timedelta(seconds=min(timeouts.RELAY_BACKOFF_MAX_S, 2**failures)))
-
-    def _lose_relay(self, relay_id: str, republish: bool = True) -> None:
-        if (lost := self.state.relays.pop(relay_id, None)) is not None:
-            self._relay_health.forget(lost.address)
-            # the master may have died mid-broadcast (a relay that leaves on notice first forwards what it holds)
-            self._republish_wanted = self._republish_wanted or (republish and self.state.trainer_ready)
-            self.ledger.note_event("relay_lost", relay_id, workflow.time())
-            workflow.logger.warning("relay_lost", extra={"relay_id": relay_id})
-
-    async def _expect_rejoin(self, relay_id: str) -> None:
-        """A continued segment keeps the chain it inherited (relay servers outlive the activities that
-        watch them), so publishing never waits for relays to re-announce themselves. A relay that does not
-        re-join within two heartbeat timeouts is gone: it leaves the chain."""
-        assert self._cfg is not None
-        wait_s = timeouts.RELAY_REJOIN_HEARTBEATS * self._cfg.relay.heartbeat_timeout_s
-        try:
-            await workflow.wait_condition(lambda: relay_id in self._rejoined_relays or self._closing,
-                                          timeout=timedelta(seconds=wait_s))
-        except TimeoutError:
-            self._lose_relay(relay_id)
-
-    async def _wait_for_relays(self) -> None:
-        """A new run waits (bounded) for every relay before publishing version 0; a continued run needs
-        only one (it normally inherits the whole chain), and the others rejoin the chain as they come (a dead
-        relay never stalls training)."""
-        assert self._cfg is not None
-        want = len(self._relay_ids()) if not self.state.trainer_ready else 1
-        try:
-            await workflow.wait_condition(lambda: len(self.state.relays) >= want, timeout=timeouts.RELAY_JOIN)
-        except TimeoutError:
-            workflow.logger.warning("relays_missing", extra={"joined": sorted(self.state.relays), "wanted": want})
-            await workflow.wait_condition(lambda: len(self.state.relays) >= 1)
-
-    def _joined(self) -> list[str]:
-        return [r.address for _, r in sorted(self.state.relays.items())]
-
-    def _chain(self) -> list[str]:
-        """The relays that joined, by relay id, less those out for failing data-plane checks (relay_health)."""
-        return self._relay_health.chain(self._joined())
-
-    def _note_relay_checks(self, results: list[TrainStepResult]) -> None:
-        """The trainer's data-plane checks (workflows/relay_health.py): a relay it could not reach leaves the chain
-        even while it heartbeats; one that passes again comes back, and the trainer pushes the current version
-        again so that it holds it. No patch: only trainers of this code report checks (a recorded history's results
-        carry none), so no recorded history takes these branches."""
-        joined = self._joined()
-        for res in results:
-            if not (res.relays_failed or res.relays_passed):
-                continue
-            taken, back = self._relay_health.report(joined, res.relays_failed, res.relays_passed, workflow.time())
-            for address in taken:
-                self.ledger.note_event("relay_out", address, workflow.time())
-                workflow.logger.warning("relay_out", extra={"address": address, "reason": "failed data-plane check"})
-            for address in back:
-                self.ledger.note_event("relay_back", address, workflow.time())
-                workflow.logger.info("relay_back", extra={"address": address})
-                self._republish_wanted = self.state.trainer_ready
+    # -- relays (workflows/relay_chain.py) ---------------------------------------------------
 
     @workflow.update(name=names.RELAY_LEAVING)
     def relay_leaving(self, info: RelayInfo) -> bool:
@@ -286,26 +186,11 @@ class TrainingRunWorkflow:
         does ask for one: it may have died mid-broadcast). False: that incarnation had left already. Its run_relay
         activity then returns; the watcher waits for the relay's worker to come back."""
         self._updates += 1
-        known = self.state.relays.get(info.relay_id)
-        if known is None or known.address != info.address:
-            return False
-        self._lose_relay(info.relay_id, republish=False)
-        self.ledger.note_event("relay_leaving", info.relay_id, workflow.time())
-        return True
+        return self.relays.leaving(info)
 
     @workflow.signal(name=names.RELAY_JOINED)
     def relay_joined(self, info: RelayInfo) -> None:
-        if self._cfg is not None and info.relay_id not in self._relay_ids():
-            return  # `laminar scale --relays` removed it: a late join does not put it back in the chain
-        known = self.state.relays.get(info.relay_id)
-        if known is not None and known.address != info.address:
-            # a new incarnation of the relay (its process restarted): the old one is gone
-            self._lose_relay(info.relay_id)
-        if known is None or known.address != info.address:  # new to the chain (not a hand-over's rejoin)
-            self._republish_wanted = self.state.trainer_ready
-        self.state.relays[info.relay_id] = info
-        self._rejoined_relays.add(info.relay_id)
-        self.ledger.note_event("relay_joined", info.relay_id, workflow.time())
+        self.relays.joined_signal(info)
 
     @workflow.signal(name=names.TRAINER_CHECKPOINTED)
     def trainer_checkpointed(self, ref: CheckpointRef) -> None:
@@ -334,7 +219,7 @@ class TrainingRunWorkflow:
                     run_id=self.state.run_id,
                     config=self._cfg.to_json(),
                     checkpoint=self.state.checkpoint,
-                    relay_chain=self._chain(),
+                    relay_chain=self.relays.chain(),
                 ),
                 result_type=TrainerInitResult,
                 task_queue=TRAINER_QUEUE,
@@ -355,11 +240,11 @@ class TrainingRunWorkflow:
         mode (sync, one_step, stream) the replicas wait for that version, and a master relay that died before
         forwarding it (or a relay that came back empty) would otherwise wedge the run: no step comes to publish
         a newer one. Best effort: a failure is logged, never fatal (a later chain change asks again)."""
-        self._republish_wanted = False
+        self.relays.republish_wanted = False
         try:
             await workflow.execute_activity(
                 names.REPUBLISH,
-                RepublishInput(run_id=self.state.run_id, step=self.state.step, relay_chain=self._chain()),
+                RepublishInput(run_id=self.state.run_id, step=self.state.step, relay_chain=self.relays.chain()),
                 result_type=int,
                 task_queue=TRAINER_QUEUE,
                 # bounded even with no trainer polling (it is restarting): stop and continue-as-new wait on this
@@ -377,10 +262,10 @@ class TrainingRunWorkflow:
         restarted while the trainer served another run): push it again, as for a chain change. Replicas poll
         every 0.5 s, so a report within VERSION_MISSING_GRACE_S of a push may predate it and is not acted on.
         No patch: only replicas of this code set version_missing, so no recorded history takes this branch."""
-        if (not report.version_missing or not self.state.trainer_ready or self._republish_wanted
+        if (not report.version_missing or not self.state.trainer_ready or self.relays.republish_wanted
                 or workflow.time() - self._version_pushed_at < timeouts.VERSION_MISSING_GRACE_S):
             return
-        self._republish_wanted = True
+        self.relays.republish_wanted = True
         self.ledger.note_event("version_missing", report.replica_id, workflow.time())
         workflow.logger.warning("version_missing", extra={"replica_id": report.replica_id,
                                                           "policy_version": self.state.policy_version})
@@ -432,7 +317,7 @@ class TrainingRunWorkflow:
         paused or starved run still continues as new); False when the run is stopping."""
         t0, idle = workflow.time(), not self._flights
         await workflow.wait_condition(lambda: self.state.stopping or self._has_batch() or self._segment_full()
-                                      or self._failed_replica() is not None or self._republish_wanted
+                                      or self._failed_replica() is not None or self.relays.republish_wanted
                                       or bool(self.state.leaving and self._left_replicas())
                                       or self._trainer_returned())
         if idle:
@@ -461,7 +346,7 @@ class TrainingRunWorkflow:
         are all complete, back to back: the trainer then waits for no workflow round trip between them."""
         assert self._cfg is not None and self._policy is not None
         limit = min(steps_to_publish(self._policy, self.state.step), self._cfg.run.steps - self.state.step)
-        inputs = self._with_checks(self.ledger.next_train_inputs(self._cfg, self._chain(), limit))
+        inputs = self._with_checks(self.ledger.next_train_inputs(self._cfg, self.relays.chain(), limit))
         first = inputs[0]
         t0 = workflow.time()
         try:
@@ -485,7 +370,7 @@ class TrainingRunWorkflow:
     def _with_checks(self, inputs: list[TrainStepInput]) -> list[TrainStepInput]:
         """The relays out of the chain go with each step (the trainer probes them); one step per activity in
         histories from before `train-steps`."""
-        if relays_out := self._relay_health.relays_out(self._joined()):
+        if relays_out := self.relays.relays_out():
             inputs = [dataclasses.replace(i, relays_out=relays_out) for i in inputs]
         if len(inputs) > 1 and not workflow.patched("train-steps"):
             inputs = inputs[:1]
@@ -505,7 +390,7 @@ class TrainingRunWorkflow:
         assert self._cfg is not None
         for inp, res in zip(inputs, results, strict=True):
             self.ledger.commit_step(inp, res, keep_last=self._cfg.trainer.keep_last, at=workflow.time())
-        self._note_relay_checks(results)
+        self.relays.note_checks(results)
         self._note_history()
         self._maybe_repack(after_step=True)
 
@@ -530,7 +415,7 @@ class TrainingRunWorkflow:
         in_flight = self._in_flight_batches()
         step = self.state.step + len(in_flight)
         limit = min(steps_to_publish(self._policy, step), self._cfg.run.steps - step)
-        inputs = self._with_checks(self.ledger.train_inputs_after(self._cfg, self._chain(), in_flight, limit)
+        inputs = self._with_checks(self.ledger.train_inputs_after(self._cfg, self.relays.chain(), in_flight, limit)
                                    if limit > 0 else [])
         if not inputs:
             return False
@@ -665,7 +550,7 @@ class TrainingRunWorkflow:
         return ClaimPromptsResult(
             leases=leases,
             newest_policy_version=self.state.policy_version,
-            relays=[r for _, r in sorted(self.state.relays.items()) if r.address in self._chain()],
+            relays=self.relays.members(),
             stop=stop,
             handover=handover,
             leave=leave,
@@ -742,14 +627,15 @@ class TrainingRunWorkflow:
         self._updates += 1
         if not workflow.patched("scale"):
             raise ApplicationError("this run's workers predate `laminar scale`", type="ScaleUnsupported")
-        relays_started, relays_removed = self._scale_relays(inp.relays) if inp.relays is not None else ([], [])
+        relays_started, relays_removed = ([], []) if inp.relays is None else self.relays.scale(
+            inp.relays, start_watchers=not (self._handover or self._closing or self.state.stopping))
         if inp.replicas is None:
             res = ScaleResult(replicas_target=len(self._replica_ids()), started=[], removed=[])
         elif self.state.pool:
             res = self._scale_ask(inp.replicas)
         else:
             res = self._scale_to(inp.replicas)
-        return dataclasses.replace(res, relays_target=len(self._relay_ids()), relays_started=relays_started,
+        return dataclasses.replace(res, relays_target=len(self.relays.ids()), relays_started=relays_started,
                                    relays_removed=relays_removed)
 
     def _scale_to(self, target: int) -> ScaleResult:
@@ -773,26 +659,6 @@ class TrainingRunWorkflow:
         # (a segment handing over starts the new ids in the next segment, from state.replica_ids)
         return ScaleResult(replicas_target=len(plan.active), started=plan.start, removed=plan.remove)
 
-    def _scale_relays(self, target: int) -> tuple[list[str], list[str]]:
-        """`laminar scale --relays`: new hosts' relays are watched (each joins the chain when its relay worker
-        polls); removed ones leave the chain at once (their watcher and activity are cancelled, the trainer
-        republishes to the chain that remains)."""
-        start, remove = plan_relays(self._relay_ids(), target)
-        at = workflow.time()
-        self.state.relay_ids = sorted([r for r in self._relay_ids() if r not in remove] + start, key=replica_index)
-        for relay_id in remove:
-            for key in (relay_id, f"{relay_id}/rejoin"):
-                task = self._relay_tasks.pop(key, None)
-                if task is not None and not task.done():
-                    task.cancel()
-            self._lose_relay(relay_id)
-            self.ledger.note_event("relay_removed", relay_id, at)
-        if not self._handover and not self._closing and not self.state.stopping:
-            for relay_id in start:
-                self._relay_tasks[relay_id] = asyncio.create_task(self._watch_relay(relay_id))
-                self.ledger.note_event("relay_added", relay_id, at)
-        return start, remove
-
     @scale.validator
     def _validate_scale(self, inp: ScaleInput) -> None:
         if self._error is not None:
@@ -802,7 +668,7 @@ class TrainingRunWorkflow:
         if inp.replicas is not None:
             check_target(inp.replicas)
         if inp.relays is not None:
-            plan_relays(self._relay_ids(), inp.relays)  # raises on a target out of range
+            plan_relays(self.relays.ids(), inp.relays)  # raises on a target out of range
         if self.state.stopping or self._finished:
             raise ValueError(f"scale: run {self.state.run_id} is {self._phase()}; a stopping run is not scaled")
 
@@ -842,7 +708,7 @@ class TrainingRunWorkflow:
         return dataclasses.replace(
             st, replicas_target=self._ask() if self.state.pool else len(self._replica_ids()),
             replicas_running=sum(1 for t in self._replicas.values() if not t.done()),
-            scale_groups_returned=self.state.scale_groups_returned, relays_target=len(self._relay_ids()))
+            scale_groups_returned=self.state.scale_groups_returned, relays_target=len(self.relays.ids()))
 
     def _watchdog_facts(self) -> dict[str, Any]:
         if self._cfg is None:
@@ -991,10 +857,10 @@ class TrainingRunWorkflow:
             workflow.logger.warning("replicas_drain_timed_out")
         self._closing = True
         watchdog_task = [self._watchdog_task] if self._watchdog_task is not None else []
-        for task in list(self._replicas.values()) + list(self._relay_tasks.values()) + watchdog_task:
+        for task in list(self._replicas.values()) + list(self.relays.tasks.values()) + watchdog_task:
             if not task.done():
                 task.cancel()
-        await workflow.wait_condition(lambda: all(t.done() for t in self._relay_tasks.values()))
+        await workflow.wait_condition(lambda: all(t.done() for t in self.relays.tasks.values()))
         await workflow.wait_condition(workflow.all_handlers_finished)
 
     async def _continue_as_new(self) -> None:
