@@ -25,7 +25,6 @@ with workflow.unsafe.imports_passed_through():
     from laminar.messages import (
         CONTROL_QUEUE,
         ROLLOUT_QUEUE,
-        TRAINER_QUEUE,
         AddExperienceInput,
         AddExperienceResult,
         ClaimPromptsInput,
@@ -33,20 +32,13 @@ with workflow.unsafe.imports_passed_through():
         PoolAsk,
         RelayInfo,
         ReplicaGrant,
-        ReplicaReport,
-        RepublishInput,
         RolloutReplicaInput,
         RunStatus,
         ScaleInput,
         ScaleResult,
-        TrainerInitInput,
-        TrainerInitResult,
-        TrainStepInput,
-        TrainStepResult,
-        TrainStepsInput,
         WorkflowReset,
     )
-    from laminar.policy import Policy, fresh_lease_room, policy_for, steps_to_publish
+    from laminar.policy import Policy, fresh_lease_room, policy_for
     from laminar.refs import CheckpointRef
     from workflows import commands, timeouts
     from workflows.commands import Runtime
@@ -55,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.relay_chain import RelayChain
     from workflows.scale import check_target, plan_relays, plan_scale, replica_ids
     from workflows.state import RunState, TrainingRunInput
+    from workflows.trainer import Trainer
 
 __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
 
@@ -62,15 +55,6 @@ HANDOVER_STALLS_KEPT = 64  # hand-over stalls kept for the summary's p50 (max an
 SEARCH_ATTRIBUTES_EVERY_S = 5.0  # step, version and reward are upserted at most this often (a phase change: at once)
 TRAIN_AHEAD = 1  # trainer activities scheduled behind the running one (patch train-ahead; the trainer's queue runs
 # one at a time, so the next starts as the running one returns, without waiting for a workflow task)
-
-
-@dataclasses.dataclass
-class _TrainFlight:
-    """One trainer activity in flight: its steps' inputs, its handle, and when it was scheduled."""
-
-    inputs: list[TrainStepInput]
-    handle: Any
-    scheduled_at: float
 
 
 @workflow.defn(name=names.TRAINING_RUN_WORKFLOW)
@@ -85,11 +69,6 @@ class TrainingRunWorkflow:
         self._closing = False  # draining for continue-as-new or finish: relay watchers stop
         self._finished = False
         self._updates = 0  # updates handled in this history segment (the server caps them per run)
-        self._training = False  # a train_step activity is in flight
-        self._ahead = False  # patch train-ahead: trainer activities are scheduled ahead (_advance_trainer)
-        self._trainer_free_at = 0.0  # (train-ahead) when the last trainer activity returned
-        self._flights: list[_TrainFlight] = []  # (train-ahead) the trainer activities in flight, in step order
-        self._version_pushed_at = workflow.time()  # the last publish or republish (see _note_version_missing)
         self._search_upserted: tuple[str, float] = ("", 0.0)  # (phase, workflow time) of the last upsert
         self._watchdog_task: Any = None  # _watchdog's timer loop (patch `watchdog`)
         self._replicas_started = False  # run() started the replicas: a grant (slot pool) is applied from then on
@@ -109,6 +88,9 @@ class TrainingRunWorkflow:
         self.rt = Runtime()
         self.relays = RelayChain(self.state, self.ledger, self._cfg, self.rt, closing=lambda: self._closing,
                                  run_relay=lambda r, g: commands.run_relay(self.state.run_id, self._cfg, r, g))
+        self.trainer = Trainer(self.state, self.ledger, self._cfg, self._policy, self.rt, self.relays,
+                               train_steps_patched=lambda: workflow.patched("train-steps"),
+                               committed=self._committed, stepped=self._upsert_search_attributes)
 
     # -- the run, as a table of contents -----------------------------------------------------
 
@@ -121,45 +103,26 @@ class TrainingRunWorkflow:
         self.relays.start()
         await self.relays.wait_for_relays()
         if not self.state.trainer_ready:
-            await self._init_trainer()
+            await self.trainer.init()
         self._start_replicas()
         self._replicas_started = True
         self._apply_grant()  # a pooled run: the replicas its grant allows
         if workflow.patched("watchdog"):
             self._watchdog_task = asyncio.create_task(self._watchdog())
         self._upsert_search_attributes()
-        self._ahead = workflow.patched("train-ahead")
+        self.trainer.ahead = workflow.patched("train-ahead")
         while self.state.step < self._cfg.run.steps and not self.state.stopping:
             if self._should_continue_as_new():
                 await self._continue_as_new()
             if not await self._wait_for_batch():
                 break
             if self.relays.republish_wanted:
-                await self._republish()
-            if self._ahead:
-                self._advance_trainer()
-            elif self._has_batch():
-                await self._step()
+                await self.trainer.republish()
+            if self.trainer.ahead:
+                self.trainer.advance()
+            elif self.trainer.has_batch():
+                await self.trainer.step()
         return await self._finish()
-
-    async def _step(self) -> None:
-        """One trainer step; the first step of a continued segment measures the hand-over stall."""
-        self._note_handover_stall()
-        self._training = True
-        try:
-            await self._train_one_step()
-        finally:
-            self._training = False
-        self.state.last_step_at = self._version_pushed_at = workflow.time()
-        self._upsert_search_attributes()
-
-    def _note_handover_stall(self) -> None:
-        """The first step of a continued segment measures the hand-over stall."""
-        if self.state.handover_last_step_at is not None:
-            stall = max(0.0, workflow.time() - self.state.handover_last_step_at)
-            self.state.handover_stalls = (self.state.handover_stalls + [round(stall, 3)])[-HANDOVER_STALLS_KEPT:]
-            self.state.handover_stall_max = max(self.state.handover_stall_max, stall)
-            self.state.handover_last_step_at = None
 
     def _upsert_search_attributes(self) -> None:
         """Keep the run's search attributes (laminar/search.py) current: at once on a phase change, else at most
@@ -208,118 +171,22 @@ class TrainingRunWorkflow:
         code sends it, so no recorded history holds it."""
         self.ledger.note_reset(reset, workflow.time())
 
-    # -- trainer -----------------------------------------------------------------------------
-
-    async def _init_trainer(self) -> None:
-        assert self._cfg is not None
-        try:
-            res: TrainerInitResult = await workflow.execute_activity(
-                names.INIT_TRAINER,
-                TrainerInitInput(
-                    run_id=self.state.run_id,
-                    config=self._cfg.to_json(),
-                    checkpoint=self.state.checkpoint,
-                    relay_chain=self.relays.chain(),
-                ),
-                result_type=TrainerInitResult,
-                task_queue=TRAINER_QUEUE,
-                start_to_close_timeout=timeouts.TRAINER_ATTEMPT,
-                heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
-                retry_policy=timeouts.RETRY_UNTIL_REPLACED,
-                summary=f"init trainer at step {self.state.step}",
-            )
-        except ActivityError as e:
-            _fail_run_if_permanent(e, names.INIT_TRAINER)
-            raise
-        self.state.step, self.state.policy_version, self.state.trainer_ready = res.step, res.policy_version, True
-        self._version_pushed_at = workflow.time()
-        self.state.trainer_ready_at = workflow.time()
-
-    async def _republish(self) -> None:
-        """A relay joined the chain or left it: have the trainer push its current version again. In a barrier
-        mode (sync, one_step, stream) the replicas wait for that version, and a master relay that died before
-        forwarding it (or a relay that came back empty) would otherwise wedge the run: no step comes to publish
-        a newer one. Best effort: a failure is logged, never fatal (a later chain change asks again)."""
-        self.relays.republish_wanted = False
-        try:
-            await workflow.execute_activity(
-                names.REPUBLISH,
-                RepublishInput(run_id=self.state.run_id, step=self.state.step, relay_chain=self.relays.chain()),
-                result_type=int,
-                task_queue=TRAINER_QUEUE,
-                # bounded even with no trainer polling (it is restarting): stop and continue-as-new wait on this
-                schedule_to_close_timeout=timeouts.REPUBLISH_IN_ALL,
-                start_to_close_timeout=timeouts.REPUBLISH_ATTEMPT,
-                retry_policy=timeouts.REPUBLISH_RETRY,
-                summary=f"republish the version of step {self.state.step}",
-            )
-        except ActivityError as e:
-            workflow.logger.warning("republish_failed", extra={"error": str(e)})
-        self._version_pushed_at = workflow.time()
-
-    def _note_version_missing(self, report: ReplicaReport) -> None:
-        """A replica needs a version and no relay holds any of this run's (a relay dropped it, or every relay
-        restarted while the trainer served another run): push it again, as for a chain change. Replicas poll
-        every 0.5 s, so a report within VERSION_MISSING_GRACE_S of a push may predate it and is not acted on.
-        No patch: only replicas of this code set version_missing, so no recorded history takes this branch."""
-        if (not report.version_missing or not self.state.trainer_ready or self.relays.republish_wanted
-                or workflow.time() - self._version_pushed_at < timeouts.VERSION_MISSING_GRACE_S):
-            return
-        self.relays.republish_wanted = True
-        self.ledger.note_event("version_missing", report.replica_id, workflow.time())
-        workflow.logger.warning("version_missing", extra={"replica_id": report.replica_id,
-                                                          "policy_version": self.state.policy_version})
+    # -- trainer (workflows/trainer.py) -------------------------------------------------------
 
     def _hints(self, replica_id: str) -> dict[str, Any]:
         """What every answer to a replica carries besides its own result: its repack part and whether the
         trainer is starved."""
         return {"migrate": self.migrations.order_for(replica_id), "incoming": self.migrations.incoming_for(replica_id),
-                "hold_version": self.migrations.hold_for(replica_id), "trainer_starved": self._trainer_starved()}
-
-    def _trainer_starved(self) -> bool:
-        """The trainer is idle for want of complete groups (so a replica should not hold one back to batch
-        its reports: that wait would be the trainer's)."""
-        if self._ahead:  # starved as its running step ends: no step is scheduled behind it and no batch is there
-            return (self.state.trainer_ready and not self.state.paused and len(self._flights) <= 1
-                    and not self._has_batch())
-        return self.state.trainer_ready and not self._training and not self.state.paused and not self._has_batch()
-
-    def _has_batch(self) -> bool:
-        """The run mode's policy has a batch for the trainer (laminar/policy.py trainer_batch); with train-ahead,
-        for the step after those in flight, while the run has that step to take and there is room to schedule it."""
-        assert self._policy is not None and self._cfg is not None
-        if self.state.paused:
-            return False
-        if not self._ahead:
-            return self.ledger.trainable(self._policy) is not None
-        in_flight = self._in_flight_batches()
-        return (len(self._flights) <= self._train_ahead() and self.state.step + len(in_flight) < self._cfg.run.steps
-                and self.ledger.trainable_after(self._policy, in_flight) is not None)
-
-    def _train_ahead(self) -> int:
-        """Trainer activities scheduled behind the running one: TRAIN_AHEAD, or none with trainer.keep_last 1. Two
-        activities in flight name restore points at most one commit apart; a trainer that runs the later one
-        first (after a crash) deletes checkpoints older than its input's oldest retained one, which holds the
-        earlier input's restore point only when the run keeps two or more."""
-        assert self._cfg is not None
-        return TRAIN_AHEAD if self._cfg.trainer.keep_last >= 2 else 0
-
-    def _in_flight_batches(self) -> list[list[str]]:
-        """The group ids of every step in flight, in step order."""
-        return [[g for part in inp.batch for g in part.group_ids] for f in self._flights for inp in f.inputs]
-
-    def _trainer_returned(self) -> bool:
-        """(train-ahead) the oldest trainer activity in flight has returned: its steps are to commit."""
-        return bool(self._flights) and self._flights[0].handle.done()
+                "hold_version": self.migrations.hold_for(replica_id), "trainer_starved": self.trainer.starved()}
 
     async def _wait_for_batch(self) -> bool:
         """Wait until the trainer has a full batch of complete groups, or the history segment is full (a
         paused or starved run still continues as new); False when the run is stopping."""
-        t0, idle = workflow.time(), not self._flights
-        await workflow.wait_condition(lambda: self.state.stopping or self._has_batch() or self._segment_full()
+        t0, idle = workflow.time(), not self.trainer.flights
+        await workflow.wait_condition(lambda: self.state.stopping or self.trainer.has_batch() or self._segment_full()
                                       or self._failed_replica() is not None or self.relays.republish_wanted
                                       or bool(self.state.leaving and self._left_replicas())
-                                      or self._trainer_returned())
+                                      or self.trainer.returned())
         if idle:
             self.state.trainer_wait_s += workflow.time() - t0
         if self.state.leaving:
@@ -341,125 +208,10 @@ class TrainingRunWorkflow:
                 _fail_run_if_permanent(error, f"rollout {replica_id}")
             raise ApplicationError(f"rollout {replica_id} failed: {error}", type="ReplicaFailed", non_retryable=True)
 
-    async def _train_one_step(self) -> None:
-        """One trainer activity: one step, or (stream) every minibatch step up to the batch's publish whose groups
-        are all complete, back to back: the trainer then waits for no workflow round trip between them."""
-        assert self._cfg is not None and self._policy is not None
-        limit = min(steps_to_publish(self._policy, self.state.step), self._cfg.run.steps - self.state.step)
-        inputs = self._with_checks(self.ledger.next_train_inputs(self._cfg, self.relays.chain(), limit))
-        first = inputs[0]
-        t0 = workflow.time()
-        try:
-            if len(inputs) == 1:
-                results = [await workflow.execute_activity(
-                    names.TRAIN_STEP, first, result_type=TrainStepResult,
-                    summary=f"train step {first.step + 1}: {sum(len(p.group_ids) for p in first.batch)} groups",
-                    **self._train_options())]
-            else:
-                results = await workflow.execute_activity(
-                    names.TRAIN_STEPS, TrainStepsInput(first=first, then=[i.batch for i in inputs[1:]]),
-                    result_type=list[TrainStepResult],
-                    summary=f"train steps {first.step + 1}-{inputs[-1].step + 1}: "
-                            f"{sum(len(p.group_ids) for i in inputs for p in i.batch)} groups", **self._train_options())
-        except ActivityError as e:
-            _fail_run_if_permanent(e, f"train_step {first.step}")
-            raise
-        self.state.trainer_busy_s += workflow.time() - t0
-        self._commit_steps(inputs, results)
-
-    def _with_checks(self, inputs: list[TrainStepInput]) -> list[TrainStepInput]:
-        """The relays out of the chain go with each step (the trainer probes them); one step per activity in
-        histories from before `train-steps`."""
-        if relays_out := self.relays.relays_out():
-            inputs = [dataclasses.replace(i, relays_out=relays_out) for i in inputs]
-        if len(inputs) > 1 and not workflow.patched("train-steps"):
-            inputs = inputs[:1]
-        return inputs
-
-    def _train_options(self) -> dict[str, Any]:
-        assert self._cfg is not None
-        return dict(
-            task_queue=TRAINER_QUEUE,
-            start_to_close_timeout=timeouts.TRAINER_ATTEMPT,
-            heartbeat_timeout=timedelta(seconds=self._cfg.trainer.heartbeat_timeout_s),
-            retry_policy=timeouts.RETRY_UNTIL_REPLACED,
-            cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-        )
-
-    def _commit_steps(self, inputs: list[TrainStepInput], results: list[TrainStepResult]) -> None:
-        assert self._cfg is not None
-        for inp, res in zip(inputs, results, strict=True):
-            self.ledger.commit_step(inp, res, keep_last=self._cfg.trainer.keep_last, at=workflow.time())
-        self.relays.note_checks(results)
+    def _committed(self) -> None:
+        """A trainer activity's steps committed: note the history's size, and plan a repack."""
         self._note_history()
         self._maybe_repack(after_step=True)
-
-    # -- train-ahead: the next step is scheduled while one runs ------------------------------
-
-    def _advance_trainer(self) -> None:
-        """Commit the oldest trainer activity if it returned, then schedule the next ones whose batches
-        are complete, up to TRAIN_AHEAD behind the running one. The trainer's queue runs one activity at a time, so
-        the next starts as the running one returns: the step's result is recorded while the next step runs, and
-        no step waits for a workflow task. A step scheduled ahead counts against rollout.max_ready_groups (its
-        groups stay ready until it commits), and its input is whole on its own (Ledger.train_inputs_after), so a
-        trainer that restarts, or runs the two out of order after a crash, rewinds as for any step."""
-        if self._trainer_returned():  # one a call: the run loop looks for a continue-as-new between steps
-            self._commit_flight(self._flights.pop(0))
-        while len(self._flights) <= self._train_ahead() and self._has_batch() and self._schedule_steps():
-            pass
-        self._training = bool(self._flights)
-
-    def _schedule_steps(self) -> bool:
-        """Schedule the next trainer activity (the steps after those in flight); False when there was none."""
-        assert self._cfg is not None and self._policy is not None
-        in_flight = self._in_flight_batches()
-        step = self.state.step + len(in_flight)
-        limit = min(steps_to_publish(self._policy, step), self._cfg.run.steps - step)
-        inputs = self._with_checks(self.ledger.train_inputs_after(self._cfg, self.relays.chain(), in_flight, limit)
-                                   if limit > 0 else [])
-        if not inputs:
-            return False
-        if in_flight:
-            inputs[0] = dataclasses.replace(inputs[0], ahead=True)
-        self._note_handover_stall()
-        first = inputs[0]
-        if len(inputs) == 1:
-            handle = workflow.start_activity(
-                names.TRAIN_STEP, first, result_type=TrainStepResult,
-                summary=f"train step {first.step + 1}: {sum(len(p.group_ids) for p in first.batch)} groups",
-                **self._train_options())
-        else:
-            handle = workflow.start_activity(
-                names.TRAIN_STEPS, TrainStepsInput(first=first, then=[i.batch for i in inputs[1:]]),
-                result_type=list[TrainStepResult],
-                summary=f"train steps {first.step + 1}-{inputs[-1].step + 1}: "
-                        f"{sum(len(p.group_ids) for i in inputs for p in i.batch)} groups", **self._train_options())
-        self._flights.append(_TrainFlight(inputs=inputs, handle=handle, scheduled_at=workflow.time()))
-        return True
-
-    def _commit_flight(self, flight: _TrainFlight) -> None:
-        """A returned trainer activity: its steps commit (a permanent failure fails the run)."""
-        try:
-            out = flight.handle.result()
-        except ActivityError as e:
-            _fail_run_if_permanent(e, f"train_step {flight.inputs[0].step}")
-            raise
-        results = [out] if len(flight.inputs) == 1 else out
-        now = workflow.time()
-        # busy from when it could start: its scheduling, or the return of the activity ahead of it
-        self.state.trainer_busy_s += now - max(flight.scheduled_at, self._trainer_free_at)
-        self._trainer_free_at = now
-        self._commit_steps(flight.inputs, results)
-        self.state.last_step_at = self._version_pushed_at = now
-        self._upsert_search_attributes()
-
-    async def _settle_trainer(self) -> None:
-        """(train-ahead) Wait for every trainer activity in flight and commit them, scheduling none: before a
-        continue-as-new or the end of the run."""
-        while self._flights:
-            await workflow.wait_condition(self._trainer_returned)
-            self._commit_flight(self._flights.pop(0))
-        self._training = False
 
     def _maybe_repack(self, after_step: bool = False) -> None:
         """Dynamic repack (laminar mode): plan every rollout.repack_every_s of the engine's time and right after
@@ -518,7 +270,7 @@ class TrainingRunWorkflow:
         assert self._cfg is not None and self._policy is not None
         replica_id = inp.report.replica_id
         self.ledger.note_report(inp.report, at=workflow.time())
-        self._note_version_missing(inp.report)
+        self.trainer.note_version_missing(inp.report)
         resume_ok: list[str] = []
         departed = inp.first_claim and replica_id in self.state.departed
         if inp.first_claim:
@@ -700,7 +452,7 @@ class TrainingRunWorkflow:
             phase=self._phase(),
             total_steps=self._cfg.run.steps if self._cfg else 0,
             history_events=workflow.info().get_current_history_length(),
-            training=self._training,
+            training=self.trainer.training,
             **self._watchdog_facts(),
         )
         if self._cfg is None:
@@ -714,7 +466,7 @@ class TrainingRunWorkflow:
         if self._cfg is None:
             return {}
         return {"stall_warn_s": self._cfg.run.stall_warn_s, "replicas_wanted": self._cfg.rollout.replicas,
-                "has_batch": self._has_batch(), **self._grant_facts()}
+                "has_batch": self.trainer.has_batch(), **self._grant_facts()}
 
     async def _watchdog(self) -> None:
         """Look every run.stall_warn_s / 2 even while nothing reaches the workflow (every worker silent): a timer
@@ -733,7 +485,7 @@ class TrainingRunWorkflow:
         `stall` run event naming what the run waits for (a change of what it waits for is a new one). A batch
         that is there with no step in flight is not looked at: the main loop starts that step in this same
         workflow task (an update just completed the batch), so it is no wait."""
-        if self._cfg is None or (self._has_batch() and not self._training):
+        if self._cfg is None or (self.trainer.has_batch() and not self.trainer.training):
             return
         d = watchdog.diagnose(watchdog.facts_of_status(self.status(), workflow.time()))
         waits_for = d[0] if d is not None else ""
@@ -873,16 +625,16 @@ class TrainingRunWorkflow:
         while not self._replicas_returned() and not self.state.stopping:
             try:
                 await workflow.wait_condition(lambda: self._replicas_returned() or self.state.stopping
-                                              or self._can_step() or self._trainer_returned(),
+                                              or self._can_step() or self.trainer.returned(),
                                               timeout=max(0.0, deadline - workflow.time()))
             except TimeoutError:
                 workflow.logger.warning("replicas_drain_timed_out")
                 break
-            if self._ahead:
-                self._advance_trainer()
+            if self.trainer.ahead:
+                self.trainer.advance()
             elif self._can_step():
-                await self._step()
-        await self._settle_trainer()
+                await self.trainer.step()
+        await self.trainer.settle()
         await self._drain()
         if self.state.leaving:
             self._retire_left()  # every replica has returned (or was cancelled): removed ones leave now
@@ -895,14 +647,14 @@ class TrainingRunWorkflow:
     def _can_step(self) -> bool:
         """A batch is there and the run still has steps to take (a finished run must not wait on it)."""
         assert self._cfg is not None
-        return self._has_batch() and self.state.step < self._cfg.run.steps
+        return self.trainer.has_batch() and self.state.step < self._cfg.run.steps
 
     def _replicas_returned(self) -> bool:
         return all(t.done() for t in self._replicas.values())
 
     async def _finish(self) -> RunStatus:
         self.state.stopping = True
-        await self._settle_trainer()
+        await self.trainer.settle()
         await self._drain()
         await self._leave_pool()
         self._note_history()
