@@ -12,7 +12,14 @@ import pytest
 from temporalio.exceptions import ActivityError, ApplicationError, RetryState
 
 from laminar.config import RunConfig
-from laminar.messages import RelayInfo, ReplicaReport, StepMetrics, TrainerInitResult, TrainStepInput, TrainStepResult
+from laminar.messages import (
+    RelayInfo,
+    ReplicaReport,
+    StepMetrics,
+    TrainerInitResult,
+    TrainStepInput,
+    TrainStepResult,
+)
 from laminar.policy import policy_for
 from laminar.refs import SegmentRef
 from tests.fixtures.fake_runtime import FakeRuntime
