@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError, FailureError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from temporalio.converter import value_to_type
@@ -29,7 +29,6 @@ with workflow.unsafe.imports_passed_through():
         AddExperienceResult,
         ClaimPromptsInput,
         ClaimPromptsResult,
-        PoolAsk,
         RelayInfo,
         ReplicaGrant,
         RolloutReplicaInput,
@@ -42,6 +41,7 @@ with workflow.unsafe.imports_passed_through():
     from laminar.refs import CheckpointRef
     from workflows import commands, timeouts
     from workflows.commands import Runtime
+    from workflows.grants import SlotGrants
     from workflows.ledger import Ledger
     from workflows.migrations import Migrations
     from workflows.relay_chain import RelayChain
@@ -72,7 +72,6 @@ class TrainingRunWorkflow:
         self._search_upserted: tuple[str, float] = ("", 0.0)  # (phase, workflow time) of the last upsert
         self._watchdog_task: Any = None  # _watchdog's timer loop (patch `watchdog`)
         self._replicas_started = False  # run() started the replicas: a grant (slot pool) is applied from then on
-        self._ask_unsent = True  # the slot pool has not heard this segment's ask yet (see _tell_pool)
         try:
             self._cfg, state = _parse_input(inp)
             self._policy = policy_for(self._cfg)
@@ -91,6 +90,9 @@ class TrainingRunWorkflow:
         self.trainer = Trainer(self.state, self.ledger, self._cfg, self._policy, self.rt, self.relays,
                                train_steps_patched=lambda: workflow.patched("train-steps"),
                                committed=self._committed, stepped=self._upsert_search_attributes)
+        self.grants = SlotGrants(self.state, self._cfg, self.rt, workflow.info().workflow_id,
+                                 signal=commands.signal_pool, scale_to=self._scale_to, closing=lambda: self._closing,
+                                 may_apply=lambda: self._error is None and self._replicas_started and not self._finished)
 
     # -- the run, as a table of contents -----------------------------------------------------
 
@@ -99,14 +101,14 @@ class TrainingRunWorkflow:
         if self._error is not None or self._cfg is None:
             raise ApplicationError(self._error or "invalid input", type="InvalidConfig", non_retryable=True)
         if self.state.pool and workflow.patched("slot-pool"):
-            asyncio.create_task(self._tell_pool())  # the pool hears the ask while the trainer starts
+            self.rt.spawn(self.grants.tell())  # the pool hears the ask while the trainer starts
         self.relays.start()
         await self.relays.wait_for_relays()
         if not self.state.trainer_ready:
             await self.trainer.init()
         self._start_replicas()
         self._replicas_started = True
-        self._apply_grant()  # a pooled run: the replicas its grant allows
+        self.grants.apply()  # a pooled run: the replicas its grant allows
         if workflow.patched("watchdog"):
             self._watchdog_task = asyncio.create_task(self._watchdog())
         self._upsert_search_attributes()
@@ -384,7 +386,7 @@ class TrainingRunWorkflow:
         if inp.replicas is None:
             res = ScaleResult(replicas_target=len(self._replica_ids()), started=[], removed=[])
         elif self.state.pool:
-            res = self._scale_ask(inp.replicas)
+            res = self.grants.scale_ask(inp.replicas)
         else:
             res = self._scale_to(inp.replicas)
         return dataclasses.replace(res, relays_target=len(self.relays.ids()), relays_started=relays_started,
@@ -458,7 +460,7 @@ class TrainingRunWorkflow:
         if self._cfg is None:
             return st
         return dataclasses.replace(
-            st, replicas_target=self._ask() if self.state.pool else len(self._replica_ids()),
+            st, replicas_target=self.grants.ask() if self.state.pool else len(self._replica_ids()),
             replicas_running=sum(1 for t in self._replicas.values() if not t.done()),
             scale_groups_returned=self.state.scale_groups_returned, relays_target=len(self.relays.ids()))
 
@@ -466,7 +468,7 @@ class TrainingRunWorkflow:
         if self._cfg is None:
             return {}
         return {"stall_warn_s": self._cfg.run.stall_warn_s, "replicas_wanted": self._cfg.rollout.replicas,
-                "has_batch": self.trainer.has_batch(), **self._grant_facts()}
+                "has_batch": self.trainer.has_batch(), **self.grants.facts()}
 
     async def _watchdog(self) -> None:
         """Look every run.stall_warn_s / 2 even while nothing reaches the workflow (every worker silent): a timer
@@ -505,81 +507,11 @@ class TrainingRunWorkflow:
             return "paused"
         return "running" if self.state.trainer_ready else "starting"
 
-    # -- the slot pool: a run on a shared worker set runs min(ask, grant) replicas (workflows/pool.py) ------
-
-    def _ask(self) -> int:
-        """The replicas the run asks for: rollout.replicas, or its last `laminar scale` target."""
-        assert self._cfg is not None
-        return self.state.replicas_asked or self._cfg.rollout.replicas
-
-    def _scale_ask(self, replicas: int) -> ScaleResult:
-        """`laminar scale` on a pooled run changes its ask: the pool hears it, and the run runs min(ask, grant)."""
-        self.state.replicas_asked = replicas
-        self._ask_unsent = True
-        res = self._apply_grant()
-        return ScaleResult(replicas_target=replicas, started=res.started if res else [],
-                           removed=res.removed if res else [])
+    # -- the slot pool: a run on a shared worker set runs min(ask, grant) replicas (workflows/grants.py) ---
 
     @workflow.signal(name=names.REPLICA_GRANT)
     def replica_grant(self, grant: ReplicaGrant) -> None:
-        if not self.state.pool:
-            return  # not a pooled run: a stray signal changes nothing
-        self.state.grant, self.state.grant_note = max(0, grant.granted), grant.note
-        self._apply_grant()
-
-    def _apply_grant(self) -> ScaleResult | None:
-        """Start or retire replicas so that min(ask, grant) run, by `laminar scale`'s own path (retired ones leave
-        gracefully). Before run() has started the replicas, or while the run stops, only the grant is kept."""
-        if (not self.state.pool or self._cfg is None or self._error is not None or not self._replicas_started
-                or self.state.stopping or self._finished):
-            return None
-        target = min(self._ask(), max(0, self.state.grant))
-        if target == len([r for r in self._replica_ids() if r not in self.state.leaving]):
-            return None
-        return self._scale_to(target)
-
-    async def _tell_pool(self) -> None:
-        """State the run's ask to its slot pool at the start of each segment and after each scale; a pool that does
-        not take the signal (it is not running) is asked again every POOL_RETRY_S."""
-        assert self._cfg is not None
-        while not self._closing:
-            await workflow.wait_condition(lambda: self._ask_unsent or self._closing)
-            if self._closing:
-                return
-            self._ask_unsent = False
-            r = self._cfg.rollout
-            ask = PoolAsk(run_id=self.state.run_id, workflow_id=workflow.info().workflow_id, replicas=self._ask(),
-                          quota=min(r.quota, self._ask()), engine=r.engine)
-            try:
-                await workflow.get_external_workflow_handle(self.state.pool).signal(names.POOL_ASK, ask)
-                self.state.pool_error = ""
-            except FailureError as e:
-                self.state.pool_error = f"slot pool {self.state.pool} did not take the run's ask ({e}); asking again"
-                self._ask_unsent = True
-                await workflow.sleep(timedelta(seconds=timeouts.POOL_RETRY_S))
-
-    async def _leave_pool(self) -> None:
-        """A finished or stopped run gives its slots back at once (a failed one: the pool finds it gone)."""
-        if not self.state.pool or not workflow.patched("slot-pool"):
-            return
-        try:
-            await workflow.get_external_workflow_handle(self.state.pool).signal(names.POOL_LEAVE, self.state.run_id)
-        except FailureError as e:
-            workflow.logger.warning("pool_leave_failed", extra={"pool": self.state.pool, "error": str(e)})
-
-    def _grant_note(self) -> str:
-        if not self.state.pool:
-            return ""
-        if self.state.pool_error:
-            return self.state.pool_error
-        if self.state.grant < 0:
-            return f"waiting for a grant from slot pool {self.state.pool}"
-        return self.state.grant_note
-
-    def _grant_facts(self) -> dict[str, Any]:
-        if not self.state.pool:
-            return {}
-        return {"replicas_granted": self.state.grant, "grant_note": self._grant_note(), "replicas_wanted": self._ask()}
+        self.grants.granted(grant)
 
     # -- continue-as-new and finish ----------------------------------------------------------
 
@@ -656,7 +588,8 @@ class TrainingRunWorkflow:
         self.state.stopping = True
         await self.trainer.settle()
         await self._drain()
-        await self._leave_pool()
+        if self.state.pool and workflow.patched("slot-pool"):
+            await self.grants.leave()
         self._note_history()
         self._finished = True
         self._upsert_search_attributes()
