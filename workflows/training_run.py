@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from temporalio.converter import value_to_type
@@ -24,14 +24,12 @@ with workflow.unsafe.imports_passed_through():
     from laminar.errors import ConfigError
     from laminar.messages import (
         CONTROL_QUEUE,
-        ROLLOUT_QUEUE,
         AddExperienceInput,
         AddExperienceResult,
         ClaimPromptsInput,
         ClaimPromptsResult,
         RelayInfo,
         ReplicaGrant,
-        RolloutReplicaInput,
         RunStatus,
         ScaleInput,
         ScaleResult,
@@ -45,7 +43,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.ledger import Ledger
     from workflows.migrations import Migrations
     from workflows.relay_chain import RelayChain
-    from workflows.scale import check_target, plan_relays, plan_scale, replica_ids
+    from workflows.replica_set import ReplicaSet
+    from workflows.scale import check_target, plan_relays
     from workflows.state import RunState, TrainingRunInput
     from workflows.trainer import Trainer
 
@@ -64,7 +63,6 @@ class TrainingRunWorkflow:
         self._error: str | None = None
         self._cfg: RunConfig | None = None
         self._policy: Policy | None = None  # the run mode's decisions (laminar/policy.py), from the config
-        self._replicas: dict[str, Any] = {}
         self._handover = False
         self._closing = False  # draining for continue-as-new or finish: relay watchers stop
         self._finished = False
@@ -90,8 +88,12 @@ class TrainingRunWorkflow:
         self.trainer = Trainer(self.state, self.ledger, self._cfg, self._policy, self.rt, self.relays,
                                train_steps_patched=lambda: workflow.patched("train-steps"),
                                committed=self._committed, stepped=self._upsert_search_attributes)
+        self.replicas = ReplicaSet(
+            self.state, self.ledger, self.migrations, self._cfg, self.rt,
+            start=lambda r: commands.start_replica(self.state.run_id, self._cfg, r, self.state.continued_as_new),
+            may_start=lambda: not self._handover and not self._closing and not self.state.stopping)
         self.grants = SlotGrants(self.state, self._cfg, self.rt, workflow.info().workflow_id,
-                                 signal=commands.signal_pool, scale_to=self._scale_to, closing=lambda: self._closing,
+                                 signal=commands.signal_pool, scale_to=self.replicas.scale_to, closing=lambda: self._closing,
                                  may_apply=lambda: self._error is None and self._replicas_started and not self._finished)
 
     # -- the run, as a table of contents -----------------------------------------------------
@@ -106,7 +108,7 @@ class TrainingRunWorkflow:
         await self.relays.wait_for_relays()
         if not self.state.trainer_ready:
             await self.trainer.init()
-        self._start_replicas()
+        self.replicas.start_all()
         self._replicas_started = True
         self.grants.apply()  # a pooled run: the replicas its grant allows
         if workflow.patched("watchdog"):
@@ -186,29 +188,15 @@ class TrainingRunWorkflow:
         paused or starved run still continues as new); False when the run is stopping."""
         t0, idle = workflow.time(), not self.trainer.flights
         await workflow.wait_condition(lambda: self.state.stopping or self.trainer.has_batch() or self._segment_full()
-                                      or self._failed_replica() is not None or self.relays.republish_wanted
-                                      or bool(self.state.leaving and self._left_replicas())
+                                      or self.replicas.failed() is not None or self.relays.republish_wanted
+                                      or bool(self.state.leaving and self.replicas.left())
                                       or self.trainer.returned())
         if idle:
             self.state.trainer_wait_s += workflow.time() - t0
         if self.state.leaving:
-            self._retire_left()
-        self._fail_if_a_replica_failed()
+            self.replicas.retire_left()
+        self.replicas.fail_if_one_failed()
         return not self.state.stopping
-
-    def _failed_replica(self) -> str | None:
-        """A replica activity that failed: it retries without limit, so only a permanent error (a
-        ConfigError in the replica, say) ends it that way."""
-        return next((r for r, t in self._replicas.items()
-                     if t.done() and not t.cancelled() and t.exception() is not None), None)
-
-    def _fail_if_a_replica_failed(self) -> None:
-        replica_id = self._failed_replica()
-        if replica_id is not None:
-            error = self._replicas[replica_id].exception()
-            if isinstance(error, ActivityError):
-                _fail_run_if_permanent(error, f"rollout {replica_id}")
-            raise ApplicationError(f"rollout {replica_id} failed: {error}", type="ReplicaFailed", non_retryable=True)
 
     def _committed(self) -> None:
         """A trainer activity's steps committed: note the history's size, and plan a repack."""
@@ -231,36 +219,6 @@ class TrainingRunWorkflow:
         self.migrations.plan(c_max=r.repack_c_max, at=now, batch_limit=self._cfg.decode_batch_limit)
 
     # -- rollout replicas --------------------------------------------------------------------
-
-    def _replica_ids(self) -> list[str]:
-        """The replicas the run should have: rollout.replicas of them until a `laminar scale` (workflows/scale.py)."""
-        assert self._cfg is not None
-        if self.state.pool:  # a run in a slot pool runs only what it is granted (none before its first grant)
-            return list(self.state.replica_ids)
-        return list(self.state.replica_ids) or replica_ids(self._cfg.rollout.replicas)
-
-    def _start_replicas(self) -> None:
-        for replica_id in self._replica_ids():
-            self._start_replica(replica_id)
-
-    def _start_replica(self, replica_id: str) -> None:
-        assert self._cfg is not None
-        self._replicas[replica_id] = workflow.start_activity(
-            names.RUN_ROLLOUT_REPLICA,
-            RolloutReplicaInput(
-                run_id=self.state.run_id,
-                workflow_id=workflow.info().workflow_id,
-                replica_id=replica_id,
-                config=self._cfg.to_json(),
-                generation=self.state.continued_as_new,
-            ),
-            task_queue=ROLLOUT_QUEUE,
-            start_to_close_timeout=timeouts.SEGMENT_ACTIVITY,
-            heartbeat_timeout=timedelta(seconds=self._cfg.rollout.heartbeat_timeout_s),
-            retry_policy=timeouts.RETRY_UNTIL_REPLACED,
-            activity_id=f"rollout-{replica_id}",
-            summary=f"rollout {replica_id} (segment {self.state.continued_as_new})",
-        )
 
     @workflow.update(name=names.CLAIM_PROMPTS)
     def claim_prompts(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
@@ -287,7 +245,7 @@ class TrainingRunWorkflow:
             self.migrations.hand_off(replica_id, inp.handoff, workflow.time())
         if inp.taken:
             self.migrations.take(replica_id, inp.taken, workflow.time())
-        stop, handover, leave = self.state.stopping, self._handover, self._leaving(replica_id)
+        stop, handover, leave = self.state.stopping, self._handover, self.replicas.leaving(replica_id)
         leases = self.ledger.replay_claim(replica_id, inp.request_id)
         if leases is None:
             if inp.departure is not None:  # it leaves: its groups go to a replica of their version, or back
@@ -337,7 +295,7 @@ class TrainingRunWorkflow:
             self._maybe_repack()
         return AddExperienceResult(
             accepted=accepted, duplicates=duplicates, stop=self.state.stopping,
-            handover=self._handover, leave=self._leaving(inp.report.replica_id),
+            handover=self._handover, leave=self.replicas.leaving(inp.report.replica_id),
             failed=failed, claim=claim, **self._hints(inp.report.replica_id),
         )
 
@@ -384,34 +342,13 @@ class TrainingRunWorkflow:
         relays_started, relays_removed = ([], []) if inp.relays is None else self.relays.scale(
             inp.relays, start_watchers=not (self._handover or self._closing or self.state.stopping))
         if inp.replicas is None:
-            res = ScaleResult(replicas_target=len(self._replica_ids()), started=[], removed=[])
+            res = ScaleResult(replicas_target=len(self.replicas.ids()), started=[], removed=[])
         elif self.state.pool:
             res = self.grants.scale_ask(inp.replicas)
         else:
-            res = self._scale_to(inp.replicas)
+            res = self.replicas.scale_to(inp.replicas)
         return dataclasses.replace(res, relays_target=len(self.relays.ids()), relays_started=relays_started,
                                    relays_removed=relays_removed)
-
-    def _scale_to(self, target: int) -> ScaleResult:
-        """Bring the running replicas to `target` (`laminar scale`, or a slot pool's grant): start new ones, or ask the
-        chosen ones to leave (workflows/scale.py)."""
-        active = [r for r in self._replica_ids() if r not in self.state.leaving]
-        held: dict[str, int] = {}
-        for lease in self.state.open_leases.values():
-            held[lease.replica_id] = held.get(lease.replica_id, 0) + 1
-        plan = plan_scale(active, list(self.state.leaving), held, target, least=0 if self.state.pool else 1)
-        at = workflow.time()
-        for replica_id in plan.remove:
-            self.state.leaving.append(replica_id)
-            self.migrations.forget(replica_id)
-            self.ledger.note_event("replica_leaving", replica_id, at, held.get(replica_id, 0))
-        self.state.replica_ids = plan.active
-        if not self._handover and not self._closing and not self.state.stopping:
-            for replica_id in plan.start:
-                self._start_replica(replica_id)
-                self.ledger.note_event("replica_added", replica_id, at)
-        # (a segment handing over starts the new ids in the next segment, from state.replica_ids)
-        return ScaleResult(replicas_target=len(plan.active), started=plan.start, removed=plan.remove)
 
     @scale.validator
     def _validate_scale(self, inp: ScaleInput) -> None:
@@ -426,28 +363,6 @@ class TrainingRunWorkflow:
         if self.state.stopping or self._finished:
             raise ValueError(f"scale: run {self.state.run_id} is {self._phase()}; a stopping run is not scaled")
 
-    def _leaving(self, replica_id: str) -> bool:
-        return replica_id in self.state.leaving
-
-    def _left_replicas(self) -> list[str]:
-        """Removed replicas whose activity has returned (or whose activity this segment never started)."""
-        return [r for r in self.state.leaving if r not in self._replicas or self._replicas[r].done()]
-
-    def _retire_left(self) -> None:
-        """A removed replica returned. It handed its unfinished groups to others as it left (Departure); what it
-        still holds (it died before that, or predates departures) goes back to the pool, as a lost replica's does."""
-        for replica_id in self._left_replicas():
-            self.migrations.forget(replica_id)  # orders to or from it since the scale are void
-            released = self.ledger.release_leases_of(replica_id, keep=set())
-            self.state.scale_groups_returned += len(released)
-            self.state.leaving.remove(replica_id)
-            if replica_id in self.state.departed:
-                self.state.departed.remove(replica_id)  # no next incarnation to tell
-            self.state.replicas.pop(replica_id, None)
-            self.state.last_claims.pop(replica_id, None)
-            self._replicas.pop(replica_id, None)
-            self.ledger.note_event("replica_left", replica_id, workflow.time(), len(released))
-
     @workflow.query(name=names.STATUS)
     def status(self) -> RunStatus:
         st = self.ledger.status(
@@ -460,8 +375,8 @@ class TrainingRunWorkflow:
         if self._cfg is None:
             return st
         return dataclasses.replace(
-            st, replicas_target=self.grants.ask() if self.state.pool else len(self._replica_ids()),
-            replicas_running=sum(1 for t in self._replicas.values() if not t.done()),
+            st, replicas_target=self.grants.ask() if self.state.pool else len(self.replicas.ids()),
+            replicas_running=self.replicas.running(),
             scale_groups_returned=self.state.scale_groups_returned, relays_target=len(self.relays.ids()))
 
     def _watchdog_facts(self) -> dict[str, Any]:
@@ -535,13 +450,13 @@ class TrainingRunWorkflow:
         """Let replicas write their in-flight groups to the partial pool and return, then stop relays."""
         try:
             await workflow.wait_condition(
-                lambda: all(t.done() for t in self._replicas.values()), timeout=timeouts.DRAIN
+                self.replicas.returned, timeout=timeouts.DRAIN
             )
         except TimeoutError:
             workflow.logger.warning("replicas_drain_timed_out")
         self._closing = True
         watchdog_task = [self._watchdog_task] if self._watchdog_task is not None else []
-        for task in list(self._replicas.values()) + list(self.relays.tasks.values()) + watchdog_task:
+        for task in list(self.replicas.tasks.values()) + list(self.relays.tasks.values()) + watchdog_task:
             if not task.done():
                 task.cancel()
         await workflow.wait_condition(lambda: all(t.done() for t in self.relays.tasks.values()))
@@ -554,9 +469,9 @@ class TrainingRunWorkflow:
         assert self._cfg is not None
         self._handover = True
         deadline = workflow.time() + timeouts.DRAIN.total_seconds()
-        while not self._replicas_returned() and not self.state.stopping:
+        while not self.replicas.returned() and not self.state.stopping:
             try:
-                await workflow.wait_condition(lambda: self._replicas_returned() or self.state.stopping
+                await workflow.wait_condition(lambda: self.replicas.returned() or self.state.stopping
                                               or self._can_step() or self.trainer.returned(),
                                               timeout=max(0.0, deadline - workflow.time()))
             except TimeoutError:
@@ -569,7 +484,7 @@ class TrainingRunWorkflow:
         await self.trainer.settle()
         await self._drain()
         if self.state.leaving:
-            self._retire_left()  # every replica has returned (or was cancelled): removed ones leave now
+            self.replicas.retire_left()  # every replica has returned (or was cancelled): removed ones leave now
         self._note_history()
         self.state.continued_as_new += 1
         self.state.handover_last_step_at = self.state.last_step_at
@@ -580,9 +495,6 @@ class TrainingRunWorkflow:
         """A batch is there and the run still has steps to take (a finished run must not wait on it)."""
         assert self._cfg is not None
         return self.trainer.has_batch() and self.state.step < self._cfg.run.steps
-
-    def _replicas_returned(self) -> bool:
-        return all(t.done() for t in self._replicas.values())
 
     async def _finish(self) -> RunStatus:
         self.state.stopping = True
@@ -602,15 +514,6 @@ class TrainingRunWorkflow:
     def _note_history(self) -> None:
         n = workflow.info().get_current_history_length()
         self.state.history_events_max = max(self.state.history_events_max, n)
-
-
-def _fail_run_if_permanent(e: ActivityError, what: str) -> None:
-    """A trainer activity retries without limit, so its failure reaching the workflow is permanent (a
-    non-retryable ApplicationError: bad model path, no checkpoint that verifies, ...). Fail the run with
-    that error's own type and message, not the generic "Activity task failed"; a cancellation passes."""
-    cause = e.cause
-    if isinstance(cause, ApplicationError) and cause.non_retryable:
-        raise ApplicationError(f"{what} failed: {cause.message}", type=cause.type, non_retryable=True) from e
 
 
 def _check_claim(inp: ClaimPromptsInput) -> None:
