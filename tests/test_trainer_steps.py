@@ -6,6 +6,7 @@ failures, and a randomised interleaving of arrivals and returns that commits eve
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -175,8 +176,7 @@ async def test_relays_out_travel_with_each_step():
     cmds = FakeCommands()
     trainer, _, ledger, _, _ = _trainer(["run.steps=10"], cmds)
     trainer.relays.joined_signal(RelayInfo(relay_id="host-1", host_id="host-1", address="10.0.0.2:7000"))
-    trainer.relays.note_checks([TrainStepResult(step=0, policy_version=0, metrics=None, checkpoint=None,  # type: ignore[arg-type]
-                                                steps_redone=0, publish_stall_s=0.0, relays_failed=["10.0.0.1:7000"])])
+    trainer.relays.note_checks([dataclasses.replace(_result(0), relays_failed=["10.0.0.1:7000"])])
     _complete(ledger, 2, "0")
     trainer.advance()
     (inp,) = cmds.started[0]
