@@ -1,263 +1,245 @@
-"""workflows/relay_chain.py: relay-chain supervision on a real RunState and Ledger, with a fake runtime and fake
-relay activities (tests/fixtures/fake_runtime.py): joins, leaves, new incarnations, the watchers' backoff, the
-hand-over's rejoin deadline, `laminar scale --relays`, and a randomised interleaving that keeps the chain's
-invariants."""
+"""Relay tier end to end: real relay servers (threads in this process, and one real subprocess)."""
 
 from __future__ import annotations
 
-import asyncio
-import random
+import hashlib
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
 
 import pytest
+from prometheus_client import REGISTRY
 
-from laminar.config import RunConfig
-from laminar.messages import RelayInfo, TrainStepResult
-from tests.fixtures.fake_runtime import FakeRuntime, activity_error
-from workflows import timeouts
-from workflows.ledger import Ledger
-from workflows.relay_chain import RelayChain
-from workflows.state import RunState
+from laminar.errors import RelayError
+from relay import client, protocol
+from relay.server import RelayServer
 
-
-def _chain(relays: int = 3, trainer_ready: bool = True, run_relay=None, closing=lambda: False):
-    cfg = RunConfig.from_json({"relay": {"relays": relays}})
-    state = RunState(run_id="run-chain", trainer_ready=trainer_ready)
-    rt = FakeRuntime()
-
-    async def never_returns(relay_id: str, generation: int) -> None:
-        await asyncio.Event().wait()
-
-    chain = RelayChain(state, Ledger(state), cfg, rt, run_relay=run_relay or never_returns, closing=closing)
-    return chain, state, rt
+T = TypeVar("T")
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _info(i: int, incarnation: int = 0) -> RelayInfo:
-    return RelayInfo(relay_id=f"host-{i}", host_id=f"host-{i}", address=f"10.0.0.{i}:{7000 + incarnation}")
+def wait_until(probe: Callable[[], T], done: Callable[[T], bool], timeout_s: float, what: str) -> T:
+    """Poll probe() until done(value); fail naming what we waited for and the last value seen."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if done(value):
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}; last value: {value!r}")
+        time.sleep(0.02)
 
 
-def _result(relays_failed: list[str] = (), relays_passed: list[str] = ()) -> TrainStepResult:
-    return TrainStepResult(step=1, policy_version=1, metrics=None, checkpoint=None, steps_redone=0, publish_stall_s=0.0,
-                           relays_failed=list(relays_failed), relays_passed=list(relays_passed))
+def weights(policy_version: int, size: int = 256 * 1024) -> bytes:
+    """Deterministic, version-specific opaque bytes standing in for a safetensors file."""
+    seed = hashlib.sha256(f"v{policy_version}".encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
 
 
-def _events(state: RunState) -> list[tuple[str, str]]:
-    return [(e.kind, e.subject) for e in state.events]
+@pytest.fixture
+def relays() -> Iterator[Callable[..., tuple[RelayServer, str]]]:
+    started: list[RelayServer] = []
+
+    def start(relay_id: str, **kwargs) -> tuple[RelayServer, str]:
+        server = RelayServer(relay_id, **kwargs)
+        addr = server.start()
+        started.append(server)
+        return server, addr
+
+    yield start
+    for server in started:
+        server.stop()
 
 
-def test_joins_build_the_chain_in_relay_id_order_and_a_new_one_asks_for_a_republish():
-    chain, state, _ = _chain()
-    for i in (2, 0, 1):
-        chain.joined_signal(_info(i))
-    assert chain.chain() == ["10.0.0.0:7000", "10.0.0.1:7000", "10.0.0.2:7000"]
-    assert [r.relay_id for r in chain.members()] == ["host-0", "host-1", "host-2"]
-    assert chain.republish_wanted and chain.rejoined == {"host-0", "host-1", "host-2"}
-    chain.republish_wanted = False
-    chain.joined_signal(_info(1))  # the same incarnation again (a hand-over's rejoin): nothing to push
-    assert not chain.republish_wanted and _events(state)[-1] == ("relay_joined", "host-1")
+def versions_of(addrs: list[str]) -> list[int | None]:
+    return [client.latest_version(a) for a in addrs]
 
 
-@pytest.mark.parametrize(
-    ("case", "trainer_ready", "republish", "lost"),
-    [
-        ("new incarnation replaces the old", True, True, True),
-        ("new incarnation before the trainer is up", False, False, True),
-    ],
-)
-def test_a_new_incarnation_replaces_the_old_one(case, trainer_ready, republish, lost):
-    chain, state, _ = _chain(trainer_ready=trainer_ready)
-    chain.joined_signal(_info(0))
-    chain.republish_wanted = False
-    chain.joined_signal(_info(0, incarnation=1))
-    assert state.relays["host-0"].address == "10.0.0.0:7001", case
-    assert chain.republish_wanted is republish
-    assert (("relay_lost", "host-0") in _events(state)) is lost
+def test_push_reaches_every_relay_of_a_three_relay_chain(relays):
+    _, master = relays("master")
+    _, mid = relays("mid")
+    _, tail = relays("tail")
+    payload = weights(1, size=3 * 1024 * 1024 + 7)  # odd size: crosses several recv chunks
+    names = ("master", "mid", "tail")
+    before = {(kind, r): REGISTRY.get_sample_value(f"laminar_relay_{kind}_bytes_total", {"relay": r}) or 0.0
+              for kind in ("received", "forwarded") for r in names}  # the registry is per process
+    spent_s = client.push(master, 1, payload, chain=[mid, tail])
+    assert spent_s > 0
+    wait_until(lambda: versions_of([master, mid, tail]), lambda v: v == [1, 1, 1], 10, "version 1 on all relays")
+    for addr in (master, mid, tail):
+        version, got = client.fetch_latest(addr)
+        assert version == 1
+        assert hashlib.sha256(got).hexdigest() == hashlib.sha256(payload).hexdigest()
+        assert client.fetch_version(addr, 1) == payload
+    # master forwarded once (to mid), mid once (to tail), tail has nobody downstream.
+    assert [client.stats(a)["forwards_done"] for a in (master, mid, tail)] == [1, 1, 0]
+    st = client.stats(tail)
+    assert st["relay_id"] == "tail" and st["versions"] == [1] and st["bytes_held"] == len(payload)
+    # the Prometheus series (laminar/metrics.py): each relay received the payload once; the tail forwarded nothing
+    grew = {k: (REGISTRY.get_sample_value(f"laminar_relay_{k[0]}_bytes_total", {"relay": k[1]}) or 0.0) - v
+            for k, v in before.items()}
+    n = len(payload)
+    assert grew == {("received", "master"): n, ("received", "mid"): n, ("received", "tail"): n,
+                    ("forwarded", "master"): n, ("forwarded", "mid"): n, ("forwarded", "tail"): 0}
 
 
-def test_a_relay_on_notice_leaves_without_a_republish_and_a_stale_notice_changes_nothing():
-    chain, state, _ = _chain()
-    chain.joined_signal(_info(0))
-    chain.joined_signal(_info(1))
-    chain.republish_wanted = False
-    assert chain.leaving(_info(0, incarnation=9)) is False  # not the incarnation in the chain
-    assert chain.leaving(_info(0)) is True
-    assert chain.chain() == ["10.0.0.1:7000"] and not chain.republish_wanted
-    assert _events(state)[-2:] == [("relay_lost", "host-0"), ("relay_leaving", "host-0")]
-    assert chain.leaving(_info(0)) is False  # it had left already
+def test_empty_relay_reports_no_version(relays):
+    _, addr = relays("empty")
+    assert client.latest_version(addr) is None
+    assert client.fetch_latest(addr) == (None, None)
+    with pytest.raises(RelayError, match="does not hold policy_version 3"):
+        client.fetch_version(addr, 3)
 
 
-def test_failed_checks_take_a_relay_out_and_a_passed_probe_brings_it_back_with_a_republish():
-    chain, state, rt = _chain()
-    for i in range(3):
-        chain.joined_signal(_info(i))
-    chain.republish_wanted = False
-    a = "10.0.0.0:7000"
-    rt.t = 7.0
-    chain.note_checks([_result(relays_failed=[a])])
-    assert chain.chain() == ["10.0.0.1:7000", "10.0.0.2:7000"] and chain.relays_out() == [a]
-    assert [r.relay_id for r in chain.members()] == ["host-1", "host-2"]
-    assert not chain.republish_wanted  # a relay taken out loses nothing the chain holds
-    chain.note_checks([_result(relays_passed=[a])])
-    assert chain.chain() == [a, "10.0.0.1:7000", "10.0.0.2:7000"] and chain.republish_wanted
-    assert _events(state)[-2:] == [("relay_out", a), ("relay_back", a)]
+def _start_subprocess_relay(relay_id: str, stderr_path: Path, **kwargs) -> tuple[subprocess.Popen, str]:
+    code = (
+        "import threading\n"
+        "from laminar.logs import configure_logging\n"
+        "from relay.server import RelayServer\n"
+        "configure_logging()\n"
+        f"addr = RelayServer({relay_id!r}, **{kwargs!r}).start()\n"
+        "print(addr, flush=True)\n"
+        "threading.Event().wait()\n"
+    )
+    stderr = stderr_path.open("wb")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr)
+    stderr.close()
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    ready = sel.select(timeout=30)
+    sel.close()
+    line = proc.stdout.readline().decode().strip() if ready else ""
+    if not line:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"relay subprocess printed no address within 30 s; stderr: {stderr_path.read_text()!r}")
+    return proc, line
 
 
-def test_a_lost_relay_forgets_its_verdict():
-    chain, _, _ = _chain()
-    chain.joined_signal(_info(0))
-    chain.joined_signal(_info(1))
-    chain.note_checks([_result(relays_failed=["10.0.0.0:7000"])])
-    chain.lose("host-0")
-    chain.joined_signal(_info(0))  # back at the same address: starts afresh, in the chain
-    assert chain.chain() == ["10.0.0.0:7000", "10.0.0.1:7000"] and chain.health.out == {}
+def test_dead_middle_relay_in_a_subprocess_is_skipped(relays, tmp_path):
+    _, master = relays("master")
+    proc, mid = _start_subprocess_relay("mid", tmp_path / "mid.stderr")
+    try:
+        _, tail = relays("tail")
+        client.push(master, 1, weights(1), chain=[mid, tail])
+        wait_until(lambda: versions_of([master, mid, tail]), lambda v: v == [1, 1, 1], 10, "version 1 on all relays")
+
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+        client.push(master, 2, weights(2), chain=[mid, tail])
+        wait_until(lambda: versions_of([master, tail]), lambda v: v == [2, 2], 10, "version 2 past the dead relay")
+        assert client.fetch_latest(tail) == (2, weights(2))
+        st = client.stats(master)
+        # v1 went to mid (1 done); v2 failed at mid (1 failed) and then went to tail (2 done).
+        assert (st["forwards_done"], st["forwards_failed"]) == (2, 1)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
 
 
-async def test_the_watcher_backs_off_while_attempts_fail_fast_and_resets_after_a_long_one():
-    calls: list[tuple[str, int]] = []
-    durations = [1, 1, 1, 1, 1, 1, 100, 1]  # six fast failures, one long-lived attempt, a fast one
-    stop = asyncio.Event()
-
-    async def run_relay(relay_id: str, generation: int) -> None:
-        calls.append((relay_id, generation))
-        rt.t += durations[len(calls) - 1]
-        if len(calls) == len(durations):
-            stop.set()
-        raise activity_error()
-
-    chain, state, rt = _chain(relays=1, run_relay=run_relay, closing=lambda: stop.is_set())
-    chain.joined_signal(_info(0))
-    chain.start()
-    await asyncio.wait_for(asyncio.gather(*rt.tasks), 5)
-    assert calls == [("host-0", g) for g in range(1, 9)]
-    # 2, 4, 8, 16, 30 (capped), 30 after fast failures; 1 after the long attempt; the last ends as the segment closes
-    assert rt.sleeps == [2, 4, 8, 16, 30, 30, 1]
-    assert _events(state).count(("relay_lost", "host-0")) == 1  # lost once; later attempts found it gone already
+def test_stopped_middle_relay_is_skipped(relays):
+    _, master = relays("master")
+    mid_server, mid = relays("mid")
+    _, tail = relays("tail")
+    mid_server.stop()
+    client.push(master, 4, weights(4), chain=[mid, tail])
+    wait_until(lambda: client.latest_version(tail), lambda v: v == 4, 10, "version 4 on the tail")
+    wait_until(lambda: client.stats(master), lambda s: s["forwards_failed"] == 1 and s["forwards_done"] == 1,
+               10, "master to count one failed and one done forward")
 
 
-async def test_a_returned_attempt_loses_the_relay_and_a_cancelled_watcher_stops():
-    returned = asyncio.Event()
+def test_versions_are_monotonic(relays):
+    _, master = relays("master")
+    _, tail = relays("tail")
+    client.push(master, 5, weights(5), chain=[tail])
+    wait_until(lambda: client.latest_version(tail), lambda v: v == 5, 10, "version 5 on the tail")
 
-    async def run_relay(relay_id: str, generation: int) -> None:
-        if generation == 1:
-            returned.set()
-            return  # the activity returned (the relay's worker stopped it)
-        await asyncio.Event().wait()
+    client.push(master, 3, weights(3), chain=[tail])  # older: acknowledged, not stored, not forwarded
+    assert client.latest_version(master) == 5
+    assert client.fetch_latest(master) == (5, weights(5))
+    st = wait_until(lambda: client.stats(master), lambda s: s["forwards_pending"] == 0, 10, "master forwarder idle")
+    assert st["versions"] == [5] and st["forwards_done"] == 1
+    assert client.latest_version(tail) == 5
 
-    chain, state, rt = _chain(relays=1, run_relay=run_relay)
-    chain.joined_signal(_info(0))
-    chain.start()
-    await asyncio.wait_for(returned.wait(), 5)
-    for _ in range(5):
-        await asyncio.sleep(0)
-    assert "host-0" not in state.relays and chain.republish_wanted and rt.sleeps == [2]
-    chain.tasks["host-0"].cancel()
-    await asyncio.gather(*rt.tasks, return_exceptions=True)
-    assert chain.tasks["host-0"].done()
-
-
-async def test_an_attempt_that_fails_while_the_segment_closes_leaves_the_chain_alone():
-    closing = False
-
-    async def run_relay(relay_id: str, generation: int) -> None:
-        nonlocal closing
-        closing = True
-        raise activity_error()
-
-    chain, state, rt = _chain(relays=1, run_relay=run_relay, closing=lambda: closing)
-    chain.joined_signal(_info(0))
-    chain.start()
-    await asyncio.wait_for(asyncio.gather(*rt.tasks), 5)
-    assert "host-0" in state.relays and rt.sleeps == []
+    sock = client.open_connection(master)
+    try:
+        payload = memoryview(weights(3))
+        header = {"op": "put", "policy_version": 3, "run": "", "chain": [], "size": len(payload),
+                  "chunk_bytes": len(payload), "digest": None}
+        # One chunk: its d_i is the digest of bytes 0..end of chunk 0, the whole payload.
+        reply = client.send_version(sock, master, header, lambda i: (payload, protocol.digest_hex(payload)), 1,
+                                    lambda: protocol.digest_hex(payload))
+    finally:
+        sock.close()
+    assert reply["stored"] is False and reply["newest"] == 5
 
 
-async def test_an_inherited_relay_must_rejoin_within_two_heartbeat_timeouts():
-    chain, state, rt = _chain(relays=2)
-    state.relays = {"host-0": _info(0), "host-1": _info(1)}  # inherited from the previous segment
-    chain.joined_signal(_info(0))  # host-0 re-joins; host-1 never does
-    chain.start()
-    await asyncio.wait_for(chain.tasks["host-0/rejoin"], 5)
-    await asyncio.wait_for(chain.tasks["host-1/rejoin"], 5)
-    assert list(state.relays) == ["host-0"]
-    assert rt.timers == [timeouts.RELAY_REJOIN_HEARTBEATS * chain.cfg.relay.heartbeat_timeout_s]
-    for t in rt.tasks:
-        t.cancel()
+def test_same_version_rebroadcast_reaches_a_new_downstream(relays):
+    _, master = relays("master")
+    _, late = relays("late")
+    client.push(master, 1, weights(1), chain=[])
+    client.push(master, 1, weights(1), chain=[late])  # chain rebuilt: same bytes go to the new relay
+    wait_until(lambda: client.latest_version(late), lambda v: v == 1, 10, "version 1 on the late relay")
+    # Same version, different bytes (a restarted trainer re-published it): the new bytes replace the old.
+    client.push(master, 1, weights(99), chain=[late])
+    wait_until(lambda: client.fetch_latest(late)[1], lambda b: b == weights(99), 10, "replaced version 1 on late")
 
 
-async def test_a_new_run_waits_for_every_relay_then_for_one():
-    chain, state, rt = _chain(relays=3, trainer_ready=False)
-    waiting = asyncio.get_running_loop().create_task(chain.wait_for_relays())
-    chain.joined_signal(_info(0))
-    chain.joined_signal(_info(1))
-    await asyncio.wait_for(waiting, 5)  # two of three: the bounded wait ends, then one is enough
-    assert rt.timers == [timeouts.RELAY_JOIN.total_seconds()]
-    chain2, _, rt2 = _chain(relays=3, trainer_ready=True)  # a continued run needs one
-    waiting = asyncio.get_running_loop().create_task(chain2.wait_for_relays())
-    chain2.joined_signal(_info(2))
-    await asyncio.wait_for(waiting, 5)
-    assert rt2.timers == []
+def test_keep_versions_bounds_memory(relays):
+    _, master = relays("master", keep_versions=2)
+    for v in range(1, 5):
+        client.push(master, v, weights(v, size=1000 + v), chain=[])
+    st = client.stats(master)
+    # keep_versions=2 after versions 1..4: only 3 and 4 remain, 1003 + 1004 = 2007 bytes.
+    assert st["versions"] == [3, 4]
+    assert st["bytes_held"] == 2007
+    assert client.fetch_version(master, 3) == weights(3, size=1003)
+    with pytest.raises(RelayError, match=r"does not hold policy_version 1 \(holds \[3, 4\]"):
+        client.fetch_version(master, 1)
 
 
-async def test_scale_relays_starts_watchers_and_removes_the_highest_ids_from_the_chain():
-    started: list[str] = []
-
-    async def run_relay(relay_id: str, generation: int) -> None:
-        started.append(relay_id)
-        await asyncio.Event().wait()
-
-    chain, state, rt = _chain(relays=2, run_relay=run_relay)
-    chain.start()
-    for i in range(2):
-        chain.joined_signal(_info(i))
-    assert chain.scale(4, start_watchers=True) == (["host-2", "host-3"], [])
-    assert state.relay_ids == ["host-0", "host-1", "host-2", "host-3"]
-    await asyncio.sleep(0)
-    assert started == ["host-0", "host-1", "host-2", "host-3"]
-    chain.republish_wanted = False
-    assert chain.scale(1, start_watchers=True) == ([], ["host-1", "host-2", "host-3"])
-    assert chain.ids() == ["host-0"] and list(state.relays) == ["host-0"] and chain.republish_wanted
-    assert sorted(chain.tasks) == ["host-0"]
-    chain.joined_signal(_info(3))  # a removed relay's late join does not put it back
-    assert list(state.relays) == ["host-0"]
-    assert chain.scale(2, start_watchers=False) == (["host-1"], [])  # a segment handing over: the next one watches
-    assert sorted(chain.tasks) == ["host-0"] and chain.ids() == ["host-0", "host-1"]
-    for t in rt.tasks:
-        t.cancel()
-    await asyncio.gather(*rt.tasks, return_exceptions=True)
+def test_corrupted_payload_is_rejected(relays):
+    _, master = relays("master")
+    payload = weights(1)
+    corrupted = payload[:-1] + bytes([payload[-1] ^ 0xFF])
+    with pytest.raises(RelayError, match="whole-version digest mismatch"):
+        client.push(master, 1, corrupted, chain=[], digest=protocol.digest_hex(payload))
+    assert client.latest_version(master) is None
+    assert client.stats(master)["puts_rejected"] == 1
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_random_interleavings_keep_the_chain_invariants(seed):
-    rng = random.Random(seed)
-    chain, state, rt = _chain(relays=4)
-    incarnation = dict.fromkeys(range(6), 0)
-    for _ in range(200):
-        rt.t += rng.random()
-        i = rng.randrange(6)
-        op = rng.choice(["join", "join", "restart", "leave", "lose", "checks", "scale"])
-        before = dict(state.relays)
-        if op == "join":
-            chain.joined_signal(_info(i, incarnation[i]))
-        elif op == "restart":
-            incarnation[i] += 1
-            chain.joined_signal(_info(i, incarnation[i]))
-        elif op == "leave":
-            chain.leaving(_info(i, incarnation[i]))
-        elif op == "lose":
-            chain.republish_wanted = False
-            chain.lose(f"host-{i}")
-            assert chain.republish_wanted == (f"host-{i}" in before)
-        elif op == "checks":
-            addresses = [r.address for r in before.values()] + ["10.9.9.9:1"]
-            chain.note_checks([_result(relays_failed=rng.sample(addresses, rng.randrange(len(addresses))),
-                                       relays_passed=rng.sample(addresses, rng.randrange(len(addresses))))])
-        else:
-            chain.scale(rng.randrange(1, 7), start_watchers=False)
-        joined = chain.joined()
-        assert set(state.relays) <= set(chain.ids()), "only the run's relays are in the chain"
-        assert joined == [state.relays[r].address for r in sorted(state.relays)]
-        assert set(chain.chain()) <= set(joined) and (bool(chain.chain()) == bool(joined)), "never empty if any joined"
-        assert [a for a in joined if a in chain.chain()] == chain.chain(), "the chain keeps relay id order"
-        assert [r.address for r in chain.members()] == chain.chain()
-        assert set(chain.health.out) <= set(joined), "a verdict is held only on a joined incarnation"
-        assert chain.relays_out() == [a for a in joined if a in chain.health.out]
-        if chain.relays_out() != joined:  # (all of them out: the chain keeps them all)
-            assert chain.chain() == [a for a in joined if a not in chain.relays_out()]
+def test_bad_frame_gets_an_error_reply(relays):
+    _, master = relays("master")
+    host, port = protocol.parse_addr(master)
+    with socket.create_connection((host, port), timeout=10) as sock:
+        hello, _ = protocol.recv_frame(sock)
+        assert hello["op"] == "hello" and hello["auth"] is False and hello["relay_id"] == "master"
+        body = b"not json"
+        sock.sendall(protocol.HEADER_LEN.pack(len(body)) + body)
+        reply, _ = protocol.recv_frame(sock)
+    assert reply["ok"] is False and "not valid UTF-8 JSON" in reply["error"]
+    with pytest.raises(RelayError, match="unknown op 'frobnicate'"):
+        client.request(master, {"op": "frobnicate"})
+    with pytest.raises(RelayError, match="chunk_bytes=0 is not in"):
+        client.request(master, {"op": "put", "policy_version": 1, "size": 3, "chunk_bytes": 0, "chain": []})
+    assert client.latest_version(master) is None  # the relay still serves after bad input
+
+
+def test_client_error_names_a_closed_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    addr = f"127.0.0.1:{port}"
+    with pytest.raises(RelayError, match=f"relay {addr} could not be reached.*check that the relay process"):
+        client.latest_version(addr)
+    with pytest.raises(RelayError, match="not of the form host:port"):
+        client.latest_version("localhost")

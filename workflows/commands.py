@@ -1,9 +1,9 @@
 """The training run's thin Temporal side: every activity it schedules and every signal it sends, with their options,
 and the primitives (workflow time, timers, conditions, tasks) its deciding classes wait and log with.
 
-The deciding classes (workflows/relay_chain.py, workflows/grants.py, workflows/trainer.py) call Temporal only
+The deciding classes (workflows/relay_chain.py, trainer.py, replica_set.py, grants.py, status.py) call Temporal only
 through what they are given: a `Runtime` and, for the commands of their own, one of the functions below, so a test
-drives them with a fake runtime and fake commands. Nothing here decides anything: the order in which the workflow
+drives them with a fake runtime and fake commands (tests/fixtures/fake_runtime.py). Nothing here decides anything: the order in which the workflow
 calls these is the order of its commands (tests/test_replay_golden.py replays the recorded ones).
 """
 

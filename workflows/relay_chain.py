@@ -2,7 +2,7 @@
 
 Deterministic like workflows/ledger.py: it changes `RunState` (relays, relay_ids) and its own per-segment fields, and
 reaches Temporal only through what it is given, a `Runtime` (workflows/commands.py: time, timers, conditions, tasks)
-and `run_relay(relay_id, generation)`, one relay activity; tests/test_relay_chain.py drives it with fakes.
+and `run_relay(relay_id, generation)`, one relay activity; tests/test_relay_chain_supervision.py drives it with fakes.
 
 - Every relay the run has (relay.relays of them, `host-<i>`, until a `laminar scale --relays`) gets a watcher
   that keeps one `run_relay` activity. Its heartbeat timeout is the relay's failure detector: a relay whose
