@@ -3,8 +3,9 @@ and the primitives (workflow time, timers, conditions, tasks) its deciding class
 
 The deciding classes (workflows/relay_chain.py, trainer.py, replica_set.py, grants.py, status.py) call Temporal only
 through what they are given: a `Runtime` and, for the commands of their own, one of the functions below, so a test
-drives them with a fake runtime and fake commands (tests/fixtures/fake_runtime.py). Nothing here decides anything: the order in which the workflow
-calls these is the order of its commands (tests/test_replay_golden.py replays the recorded ones).
+drives them with a fake runtime and fake commands (tests/fixtures/fake_runtime.py). Nothing here decides anything:
+the order in which the workflow calls these is the order of its commands (tests/test_replay_golden.py replays the
+recorded ones).
 """
 
 from __future__ import annotations
