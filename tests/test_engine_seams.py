@@ -7,7 +7,8 @@
       rl/factory.py; one key that names the [modelled] section is no table); the config's vocabulary,
       `Literal[...]` types in laminar/config.py, is no table;
     - no identifier, attribute or import built from a name that means only an engine or backend (`vllm`,
-      `fsdp`: `cfg.trainer.fsdp_procs`, `FsdpTrainer`), nor naming an engine or trainer class; a config field's
+      `fsdp`: `cfg.trainer.fsdp_procs`, `FsdpTrainer`), nor naming an engine or trainer class (`Trainer`, also
+      the workflow's own class in workflows/trainer.py, only when imported from rl/); a config field's
       own declaration in laminar/config.py is the vocabulary (`modelled` also names the modelled hardware's
       config section, which sim/ shares: it is not checked as an identifier);
     - no isinstance of an engine or trainer class, no hasattr/getattr of an engine or trainer.
@@ -40,6 +41,7 @@ BACKENDS = set(typing.get_args(TrainerSection.model_fields["backend"].annotation
 NAMES = ENGINES | BACKENDS
 WORDS = {"vllm", "fsdp"}  # name parts that mean an engine or a backend and nothing else
 CLASSES = {"TorchEngine", "ModelledEngine", "VllmEngine", "Trainer", "FsdpTrainer", "ModelledTrainer"}
+GENERIC = {"Trainer"}  # also a name of the workflow's own (workflows/trainer.py): an identifier only when from rl/
 SKIP_DIRS = {"rl", "tests", "scripts", "build", "dist", "node_modules", "__pycache__"}
 
 
@@ -108,7 +110,9 @@ def _seam_breaks(tree: ast.AST) -> list[tuple[int, str]]:
               and any(_is_name(e) for e in node.elts)) or (
                 isinstance(node, ast.Dict) and sum(k is not None and _is_name(k) for k in node.keys) >= 2):
             found.append((node.lineno, "a table of engine names (a trait: rl/factory.py)"))
-        bad = [i for i in _identifiers(node) if i in CLASSES or _words(i) & WORDS]
+        bad = [i for i in _identifiers(node) if i in CLASSES - GENERIC or _words(i) & WORDS]
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "rl":
+            bad += [a.name for a in node.names if a.name in CLASSES]
         if bad and id(node) not in vocabulary:
             found.append((getattr(node, "lineno", 0), f"names an engine, trainer or backend: {bad[0]}"))
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
@@ -144,12 +148,14 @@ def test_the_seam_check_catches_each_kind_of_special_case():
             'from rl.vllm_engine import VllmEngine\n'  # 9
             'def start_vllm_worker(): pass\n'  # 10
             'served = sorted({"modelled", "torch", cfg.rollout.engine})\n'  # 11
+            'from rl.trainer import Trainer\n'  # 12
+            'from workflows.trainer import Trainer\n'  # the workflow's own Trainer: allowed
             'if cfg.rollout.device == "cuda": pass\n'  # not an engine name: allowed
             'engine: Literal["torch", "modelled", "vllm"] = Field("torch")\n'  # the vocabulary, a choice: allowed
             'class TrainerSection:\n    fsdp_procs: int = 2\n'  # a config field's declaration: allowed
             'run(engine="modelled", backend="single")\n'  # choosing one by name: allowed
             'speedup = cfg.modelled.speedup\n')  # the modelled hardware's section: allowed
-    assert sorted({line for line, _ in _seam_breaks(ast.parse(code))}) == list(range(1, 12))
+    assert sorted({line for line, _ in _seam_breaks(ast.parse(code))}) == list(range(1, 13))
     assert [why for line, why in _seam_breaks(ast.parse(code)) if line == 6] == [
         "compares to an engine name", "names an engine, trainer or backend: fsdp_procs"]
 
