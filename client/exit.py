@@ -1,11 +1,18 @@
-"""How a process that used a Temporal client ends."""
+"""How a process that used a Temporal client ends: on a signal, and at its exit."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import NoReturn
+
+
+def stop_like_ctrl_c() -> None:
+    """SIGTERM / SIGHUP stop the command like Ctrl-C: nothing it started may outlive it."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
 
 
 def run_then_exit(program: Callable[[], object]) -> NoReturn:

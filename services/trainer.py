@@ -35,9 +35,7 @@ from typing import TYPE_CHECKING
 
 from laminar import metrics as prom
 from laminar.config import RunConfig
-from laminar.errors import CorruptDataError, InconsistentStateError, RelayError, StepOutOfTurnError
-from laminar.logs import get_logger
-from laminar.messages import (
+from laminar.contract import (
     BatchPart,
     RepublishInput,
     StepMetrics,
@@ -46,6 +44,8 @@ from laminar.messages import (
     TrainStepInput,
     TrainStepResult,
 )
+from laminar.errors import CorruptDataError, InconsistentStateError, RelayError, StepOutOfTurnError
+from laminar.logs import get_logger
 from laminar.notice import NOTICE, Notice
 from laminar.records import Trajectory
 from laminar.refs import CheckpointRef

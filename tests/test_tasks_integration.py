@@ -12,7 +12,7 @@ import re
 import pytest
 
 from client.run_control import start_workflow
-from laminar.messages import RunStatus
+from laminar.contract import RunStatus
 from rl.tasks.prompt_file import FilePrompts
 from storage import keys
 from storage.trajectories import _from_parquet

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from laminar.contract import Lease
 from laminar.errors import CorruptDataError
-from laminar.messages import Lease
 from rl.engine import TorchEngine
 from rl.engine_api import Finished
 from rl.model import build_model, model_state_dict

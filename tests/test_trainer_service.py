@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from laminar.config import RunConfig
+from laminar.contract import BatchPart, TrainStepInput, TrainStepResult
 from laminar.errors import CorruptDataError, InconsistentStateError, StepOutOfTurnError
-from laminar.messages import BatchPart, TrainStepInput, TrainStepResult
 from laminar.records import Trajectory
 from laminar.refs import SegmentRef
 from rl.tasks import get_task

@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 
 from client.settings import Settings
-from laminar import names
+from laminar import contract
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, LaminarError
 from laminar.logs import configure_logging
@@ -298,7 +298,7 @@ def pause(run_id: str) -> None:
     from client.run_control import send_control
 
     with _exit_codes():
-        phase = asyncio.run(send_control(Settings.from_env(), run_id, names.PAUSE))
+        phase = asyncio.run(send_control(Settings.from_env(), run_id, contract.PAUSE))
     console.print(f"run_id={run_id} phase={phase}", highlight=False)
 
 
@@ -308,7 +308,7 @@ def resume(run_id: str) -> None:
     from client.run_control import send_control
 
     with _exit_codes():
-        phase = asyncio.run(send_control(Settings.from_env(), run_id, names.RESUME))
+        phase = asyncio.run(send_control(Settings.from_env(), run_id, contract.RESUME))
     console.print(f"run_id={run_id} phase={phase}", highlight=False)
 
 
@@ -327,7 +327,7 @@ def drill(
                                "fault goes to its source replica's process)."),
 ) -> None:
     """Inject a failure into a live run, watch it recover, report (also stored under runs/<id>/drills/)."""
-    from laminar.messages import DrillInput
+    from laminar.contract import DrillInput
     from workers.drill_command import render_report, run_drill
 
     with _exit_codes():

@@ -124,7 +124,7 @@ def heartbeats_bench(
     import asyncio
 
     from bench.heartbeats import measure
-    from workers.run_command import stop_like_ctrl_c
+    from client.exit import stop_like_ctrl_c
 
     stop_like_ctrl_c()  # SIGTERM too: its own dev server and workflow go with it
 
@@ -145,7 +145,7 @@ def overhead_bench(
     """The single-process loop, then `laminar run`, on the same config: wall time, tokens/s, time to reward,
     reward rise, ratios, and laminar's time breakdown. Extra `--section.key=value` arguments override both."""
     from bench.overhead import ratios, run_laminar, run_loop
-    from workers.run_command import stop_like_ctrl_c
+    from client.exit import stop_like_ctrl_c
 
     stop_like_ctrl_c()  # SIGTERM too: its `laminar run` child and that run end with it
     from client.settings import Settings
@@ -254,7 +254,7 @@ def throughput_bench(
             elif note:
                 bar.update(tasks[label], info=note)
 
-        from workers.run_command import stop_like_ctrl_c
+        from client.exit import stop_like_ctrl_c
 
         stop_like_ctrl_c()  # SIGTERM too: its runs are ended, its workers stopped (bench/throughput.py)
         try:

@@ -1,4 +1,4 @@
-"""`laminar chaos`: the command line of a chaos run (workers/chaos_command.py does the work)."""
+"""`laminar chaos`: the command line of a chaos run (chaos/command.py does the work)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from laminar.chaos import KINDS, parse_duration, parse_kinds
+from chaos.schedule import KINDS, parse_duration, parse_kinds
 from laminar.errors import ConfigError, LaminarError
 
 console = Console()
@@ -36,8 +36,8 @@ def register(app: typer.Typer) -> None:
         """Run CONFIG under a seeded schedule of overlapping faults that all heal; check its records at the end.
 
         Extra `--section.key=value` arguments override config values."""
-        from reporting.checker import format_verdict
-        from workers.chaos_command import rejudge, run_chaos
+        from chaos.checker import format_verdict
+        from chaos.command import rejudge, run_chaos
 
         try:
             if judge is not None:

@@ -279,8 +279,8 @@ def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replica
                      kv_binds: bool, json_path: Path | None) -> None:
     """Simulator and real stack (bench/throughput.py run_bench, the modelled engine) on the same configs."""
     from bench.throughput import WORKLOADS, BenchSpec, run_bench
+    from client.exit import stop_like_ctrl_c
     from workers.cli_bench import launch_bench_workers
-    from workers.run_command import stop_like_ctrl_c
 
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad or not workloads:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import socket
 import time
 from dataclasses import asdict
@@ -21,14 +20,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 
 from client.connect import connect, store_for
+from client.exit import stop_like_ctrl_c
 from client.run_control import lost_error, new_run_id, report_slots, start_or_attach
-from client.settings import Settings
+from client.settings import Settings, process_table_path
 from client.watch import watch_run
 from devstack.stack import DevStack
 from laminar.config import RunConfig
+from laminar.contract import RunStatus, SlotReport
 from laminar.errors import ConfigError, LaminarError, RunLostError
 from laminar.logs import get_logger
-from laminar.messages import RunStatus, SlotReport
 from reporting.summary import build_profile, build_summary, format_profile, reward_rise
 from storage import keys
 from workers.launcher import (
@@ -36,7 +36,6 @@ from workers.launcher import (
     metrics_url,
     plan_processes,
     process_cpu_s,
-    process_table_path,
     rollout_slots,
 )
 
@@ -72,12 +71,6 @@ def make_launcher(kind: str, cfg: RunConfig, settings: Settings, tag: str, ray_a
     # On a cluster, relays listen on their node's IP unless LAMINAR_RELAY_BIND says otherwise.
     bind_node_ip = bool(ray_address) and not os.environ.get("LAMINAR_RELAY_BIND", "").strip()
     return RayLauncher(procs, plan_placements(cfg, procs, bind_node_ip), tag, ray_address)
-
-
-def stop_like_ctrl_c() -> None:
-    """SIGTERM / SIGHUP stop the command like Ctrl-C: nothing it started may outlive it."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler)
 
 
 def _spare_slots(cfg: RunConfig) -> int:

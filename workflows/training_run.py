@@ -19,10 +19,9 @@ from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 with workflow.unsafe.imports_passed_through():
     from temporalio.converter import value_to_type
 
-    from laminar import names, search, watchdog
+    from laminar import contract, search, watchdog
     from laminar.config import RunConfig
-    from laminar.errors import ConfigError
-    from laminar.messages import (
+    from laminar.contract import (
         CONTROL_QUEUE,
         ROLLOUT_QUEUE,
         TRAINER_QUEUE,
@@ -48,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
         WorkflowReset,
         relay_queue,
     )
+    from laminar.errors import ConfigError
     from laminar.policy import Policy, fresh_lease_room, policy_for, steps_to_publish
     from laminar.refs import CheckpointRef
     from workflows import timeouts
@@ -55,7 +55,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.migrations import Migrations
     from workflows.relay_health import RelayHealth
     from workflows.scale import check_target, plan_relays, plan_scale, relay_ids, replica_ids, replica_index
-    from workflows.state import RunState, TrainingRunInput
+    from workflows.state import RunState
 
 __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
 
@@ -74,7 +74,7 @@ class _TrainFlight:
     scheduled_at: float
 
 
-@workflow.defn(name=names.TRAINING_RUN_WORKFLOW)
+@workflow.defn(name=contract.TRAINING_RUN_WORKFLOW)
 class TrainingRunWorkflow:
     @workflow.init
     def __init__(self, inp: Any) -> None:
@@ -202,7 +202,7 @@ class TrainingRunWorkflow:
             started = workflow.time()
             try:
                 await workflow.execute_activity(
-                    names.RUN_RELAY,
+                    contract.RUN_RELAY,
                     RunRelayInput(run_id=self.state.run_id, workflow_id=workflow.info().workflow_id, relay_id=relay_id),
                     task_queue=relay_queue(relay_id),
                     start_to_close_timeout=timeouts.SEGMENT_ACTIVITY,
@@ -278,7 +278,7 @@ class TrainingRunWorkflow:
                 workflow.logger.info("relay_back", extra={"address": address})
                 self._republish_wanted = self.state.trainer_ready
 
-    @workflow.update(name=names.RELAY_LEAVING)
+    @workflow.update(name=contract.RELAY_LEAVING)
     def relay_leaving(self, info: RelayInfo) -> bool:
         """A relay on notice (laminar/notice.py) leaves the chain at once instead of by heartbeat timeout; the
         trainer's next push goes to the chain without it. No republish: the relay keeps serving until what it was
@@ -293,7 +293,7 @@ class TrainingRunWorkflow:
         self.ledger.note_event("relay_leaving", info.relay_id, workflow.time())
         return True
 
-    @workflow.signal(name=names.RELAY_JOINED)
+    @workflow.signal(name=contract.RELAY_JOINED)
     def relay_joined(self, info: RelayInfo) -> None:
         if self._cfg is not None and info.relay_id not in self._relay_ids():
             return  # `laminar scale --relays` removed it: a late join does not put it back in the chain
@@ -307,7 +307,7 @@ class TrainingRunWorkflow:
         self._rejoined_relays.add(info.relay_id)
         self.ledger.note_event("relay_joined", info.relay_id, workflow.time())
 
-    @workflow.signal(name=names.TRAINER_CHECKPOINTED)
+    @workflow.signal(name=contract.TRAINER_CHECKPOINTED)
     def trainer_checkpointed(self, ref: CheckpointRef) -> None:
         """The trainer left on notice between steps and wrote a deadline checkpoint (workers/processes.py): the
         ledger commits it if the run is still at its step, so the successor redoes no step. No patch: the
@@ -316,7 +316,7 @@ class TrainingRunWorkflow:
         if self._cfg is not None:
             self.ledger.commit_deadline_checkpoint(ref, self._cfg.trainer.keep_last, workflow.time())
 
-    @workflow.signal(name=names.WORKFLOW_RESET)
+    @workflow.signal(name=contract.WORKFLOW_RESET)
     def workflow_reset(self, reset: WorkflowReset) -> None:
         """The repairer (services/repair.py) reset this run's wedged workflow to an earlier workflow task: noted
         for the status and the run's events. No patch: the handler issues no command, and only a repairer of this
@@ -329,7 +329,7 @@ class TrainingRunWorkflow:
         assert self._cfg is not None
         try:
             res: TrainerInitResult = await workflow.execute_activity(
-                names.INIT_TRAINER,
+                contract.INIT_TRAINER,
                 TrainerInitInput(
                     run_id=self.state.run_id,
                     config=self._cfg.to_json(),
@@ -344,7 +344,7 @@ class TrainingRunWorkflow:
                 summary=f"init trainer at step {self.state.step}",
             )
         except ActivityError as e:
-            _fail_run_if_permanent(e, names.INIT_TRAINER)
+            _fail_run_if_permanent(e, contract.INIT_TRAINER)
             raise
         self.state.step, self.state.policy_version, self.state.trainer_ready = res.step, res.policy_version, True
         self._version_pushed_at = workflow.time()
@@ -358,7 +358,7 @@ class TrainingRunWorkflow:
         self._republish_wanted = False
         try:
             await workflow.execute_activity(
-                names.REPUBLISH,
+                contract.REPUBLISH,
                 RepublishInput(run_id=self.state.run_id, step=self.state.step, relay_chain=self._chain()),
                 result_type=int,
                 task_queue=TRAINER_QUEUE,
@@ -467,12 +467,12 @@ class TrainingRunWorkflow:
         try:
             if len(inputs) == 1:
                 results = [await workflow.execute_activity(
-                    names.TRAIN_STEP, first, result_type=TrainStepResult,
+                    contract.TRAIN_STEP, first, result_type=TrainStepResult,
                     summary=f"train step {first.step + 1}: {sum(len(p.group_ids) for p in first.batch)} groups",
                     **self._train_options())]
             else:
                 results = await workflow.execute_activity(
-                    names.TRAIN_STEPS, TrainStepsInput(first=first, then=[i.batch for i in inputs[1:]]),
+                    contract.TRAIN_STEPS, TrainStepsInput(first=first, then=[i.batch for i in inputs[1:]]),
                     result_type=list[TrainStepResult],
                     summary=f"train steps {first.step + 1}-{inputs[-1].step + 1}: "
                             f"{sum(len(p.group_ids) for i in inputs for p in i.batch)} groups", **self._train_options())
@@ -540,12 +540,12 @@ class TrainingRunWorkflow:
         first = inputs[0]
         if len(inputs) == 1:
             handle = workflow.start_activity(
-                names.TRAIN_STEP, first, result_type=TrainStepResult,
+                contract.TRAIN_STEP, first, result_type=TrainStepResult,
                 summary=f"train step {first.step + 1}: {sum(len(p.group_ids) for p in first.batch)} groups",
                 **self._train_options())
         else:
             handle = workflow.start_activity(
-                names.TRAIN_STEPS, TrainStepsInput(first=first, then=[i.batch for i in inputs[1:]]),
+                contract.TRAIN_STEPS, TrainStepsInput(first=first, then=[i.batch for i in inputs[1:]]),
                 result_type=list[TrainStepResult],
                 summary=f"train steps {first.step + 1}-{inputs[-1].step + 1}: "
                         f"{sum(len(p.group_ids) for i in inputs for p in i.batch)} groups", **self._train_options())
@@ -607,7 +607,7 @@ class TrainingRunWorkflow:
     def _start_replica(self, replica_id: str) -> None:
         assert self._cfg is not None
         self._replicas[replica_id] = workflow.start_activity(
-            names.RUN_ROLLOUT_REPLICA,
+            contract.RUN_ROLLOUT_REPLICA,
             RolloutReplicaInput(
                 run_id=self.state.run_id,
                 workflow_id=workflow.info().workflow_id,
@@ -623,7 +623,7 @@ class TrainingRunWorkflow:
             summary=f"rollout {replica_id} (segment {self.state.continued_as_new})",
         )
 
-    @workflow.update(name=names.CLAIM_PROMPTS)
+    @workflow.update(name=contract.CLAIM_PROMPTS)
     def claim_prompts(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
         self._updates += 1
         return self._claim(inp)
@@ -681,7 +681,7 @@ class TrainingRunWorkflow:
         if self._error is not None:
             raise ValueError(f"run failed validation: {self._error}")
 
-    @workflow.update(name=names.ADD_EXPERIENCE)
+    @workflow.update(name=contract.ADD_EXPERIENCE)
     def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
         """A report: its complete groups become ready, its failed ones are closed; a claim it carries is answered
         after them, as a claim_prompts update that follows it would be (no patch: the handler issues no command,
@@ -715,28 +715,28 @@ class TrainingRunWorkflow:
 
     # -- operator controls -------------------------------------------------------------------
 
-    @workflow.update(name=names.PAUSE)
+    @workflow.update(name=contract.PAUSE)
     def pause(self) -> str:
         self._updates += 1
         self.state.paused = True
         self._upsert_search_attributes()
         return self._phase()
 
-    @workflow.update(name=names.RESUME)
+    @workflow.update(name=contract.RESUME)
     def resume(self) -> str:
         self._updates += 1
         self.state.paused = False
         self._upsert_search_attributes()
         return self._phase()
 
-    @workflow.update(name=names.STOP)
+    @workflow.update(name=contract.STOP)
     def stop(self) -> str:
         self._updates += 1
         self.state.stopping = True
         self._upsert_search_attributes()
         return self._phase()
 
-    @workflow.update(name=names.SCALE)
+    @workflow.update(name=contract.SCALE)
     def scale(self, inp: ScaleInput) -> ScaleResult:
         """`laminar scale`: start replicas on free slots, or ask the chosen ones to leave (workflows/scale.py)."""
         self._updates += 1
@@ -828,7 +828,7 @@ class TrainingRunWorkflow:
             self._replicas.pop(replica_id, None)
             self.ledger.note_event("replica_left", replica_id, workflow.time(), len(released))
 
-    @workflow.query(name=names.STATUS)
+    @workflow.query(name=contract.STATUS)
     def status(self) -> RunStatus:
         st = self.ledger.status(
             phase=self._phase(),
@@ -902,7 +902,7 @@ class TrainingRunWorkflow:
         return ScaleResult(replicas_target=replicas, started=res.started if res else [],
                            removed=res.removed if res else [])
 
-    @workflow.signal(name=names.REPLICA_GRANT)
+    @workflow.signal(name=contract.REPLICA_GRANT)
     def replica_grant(self, grant: ReplicaGrant) -> None:
         if not self.state.pool:
             return  # not a pooled run: a stray signal changes nothing
@@ -933,7 +933,7 @@ class TrainingRunWorkflow:
             ask = PoolAsk(run_id=self.state.run_id, workflow_id=workflow.info().workflow_id, replicas=self._ask(),
                           quota=min(r.quota, self._ask()), engine=r.engine)
             try:
-                await workflow.get_external_workflow_handle(self.state.pool).signal(names.POOL_ASK, ask)
+                await workflow.get_external_workflow_handle(self.state.pool).signal(contract.POOL_ASK, ask)
                 self.state.pool_error = ""
             except FailureError as e:
                 self.state.pool_error = f"slot pool {self.state.pool} did not take the run's ask ({e}); asking again"
@@ -945,7 +945,7 @@ class TrainingRunWorkflow:
         if not self.state.pool or not workflow.patched("slot-pool"):
             return
         try:
-            await workflow.get_external_workflow_handle(self.state.pool).signal(names.POOL_LEAVE, self.state.run_id)
+            await workflow.get_external_workflow_handle(self.state.pool).signal(contract.POOL_LEAVE, self.state.run_id)
         except FailureError as e:
             workflow.logger.warning("pool_leave_failed", extra={"pool": self.state.pool, "error": str(e)})
 
@@ -1023,8 +1023,8 @@ class TrainingRunWorkflow:
         self._note_history()
         self.state.continued_as_new += 1
         self.state.handover_last_step_at = self.state.last_step_at
-        workflow.continue_as_new(TrainingRunInput(config=self._cfg.to_json(), state=self.state),
-                                 task_timeout=timeouts.WORKFLOW_TASK)
+        workflow.continue_as_new(contract.TrainingRunInput(config=self._cfg.to_json(), state=self.state),
+                                 task_timeout=contract.WORKFLOW_TASK)
 
     def _can_step(self) -> bool:
         """A batch is there and the run still has steps to take (a finished run must not wait on it)."""

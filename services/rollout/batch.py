@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from laminar import metrics as prom
+from laminar.contract import FailedGroup, Lease
 from laminar.logs import get_logger
-from laminar.messages import FailedGroup, Lease
 from laminar.records import Trajectory
 from rl.engine_api import Engine, Finished, InFlight
 from rl.tasks import Prompt, RewardFailure
