@@ -139,7 +139,8 @@ async def query_pool(settings: Settings, timeout_s: float = CONTROL_ANSWER_S) ->
     """`laminar pool`: the slots, the worker sets that give them, and each run's ask and grant."""
     handle = (await connect(settings)).get_workflow_handle(pool_workflow_id())
     try:
-        return await handle.query(contract.POOL_STATUS, result_type=PoolStatus, rpc_timeout=timedelta(seconds=timeout_s))
+        return await handle.query(contract.POOL_STATUS, result_type=PoolStatus,
+                                  rpc_timeout=timedelta(seconds=timeout_s))
     except RPCError as e:
         if e.status == RPCStatusCode.NOT_FOUND:
             raise LaminarError(f"no slot pool {pool_workflow_id()} in namespace {settings.namespace}: start "
@@ -243,7 +244,8 @@ async def _wedged(handle) -> str:
         return ""
     return (f"its workflow task has failed {attempt} times (last: {error or 'unknown'}); the run is wedged. Every "
             "control worker's repairer resets a wedged run to its last good workflow task within about "
-            f"{contract.REPAIR_SWEEP_S:g} s (README, 'Wedged runs'); one that a reset cannot repair is ended with the reason")
+            f"{contract.REPAIR_SWEEP_S:g} s (README, 'Wedged runs'); one that a reset cannot repair is ended with the "
+            "reason")
 
 
 def _rpc_failed(settings: Settings, run_id: str, what: str, e: RPCError) -> LaminarError:

@@ -1,6 +1,6 @@
-"""The names of laminar/contract.py against the handlers: every activity the workers can register (each `@activity.defn` under
-activities/) and every workflow type, update, signal and query of the two workflows is declared there under its
-kind, and every name declared there is handled. A name declared but never handled, or handled under a name that
+"""The names of laminar/contract.py against the handlers: every activity the workers can register (each
+`@activity.defn` under activities/) and every workflow type, update, signal and query of the workflows is declared
+there under its kind, and every name declared there is handled. A name declared but never handled, or handled under a name that
 is not declared, fails here; callers spell names only through the module, so they cannot drift apart."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The repairer (services/repair_verdict.py decides, services/repair.py acts) against the chaos run's wedged history and
-against real wedged runs on a real Temporal dev server, their worker a real process killed by pid.
+"""The repairer (services/repair_verdict.py decides, services/repair.py acts) against the chaos run's wedged
+history and against real wedged runs on a real Temporal dev server, their worker a real process killed by pid.
 
 The wedge is injected with tests.wedge's interceptors: a live run issues a command its replay does not (the
 failure the chaos run left: `[TMPRL1100]`), so every cold replay fails until the run is reset."""
@@ -20,6 +20,7 @@ from temporalio.worker import Replayer
 from client.converter import DATA_CONVERTER
 from services import repair_verdict
 from services.repair import Repairer, prefix_through, task_events
+from services.repair_verdict import COMPLETED, FAILED, OTHER, SCHEDULED, STARTED, TIMED_OUT
 from tests import wedge
 from tests.fixtures.temporal import temporal_address
 from tests.fixtures.waiting import async_wait_until
@@ -60,18 +61,18 @@ E = repair_verdict.TaskEvent
 
 
 def _task(first: int, end: str, message: str = "", reset: bool = False) -> list[repair_verdict.TaskEvent]:
-    return [E(first, repair_verdict.SCHEDULED), E(first + 1, repair_verdict.STARTED), E(first + 2, end, message, reset)]
+    return [E(first, SCHEDULED), E(first + 1, STARTED), E(first + 2, end, message, reset)]
 
 
 def test_a_healthy_run_has_no_verdict():
-    events = _task(2, repair_verdict.COMPLETED) + [E(5, repair_verdict.OTHER)] + _task(6, repair_verdict.COMPLETED)
+    events = _task(2, COMPLETED) + [E(5, OTHER)] + _task(6, COMPLETED)
     assert repair_verdict.verdict(events, pending_attempt=1) is None
     # a task that timed out is retried by the server: not a wedge
-    assert repair_verdict.verdict(events + _task(9, repair_verdict.TIMED_OUT), pending_attempt=2) is None
+    assert repair_verdict.verdict(events + _task(9, TIMED_OUT), pending_attempt=2) is None
 
 
 def test_another_error_is_a_wedge_only_once_it_keeps_failing():
-    events = _task(2, repair_verdict.COMPLETED) + _task(5, repair_verdict.FAILED, "boom")
+    events = _task(2, COMPLETED) + _task(5, FAILED, "boom")
     # the first failure is in the history; a pending attempt N means N - 2 more failed since (kept out of it)
     assert repair_verdict.verdict(events, pending_attempt=repair_verdict.FAILING_ATTEMPTS) is None  # 4 failures
     v = repair_verdict.verdict(events, pending_attempt=repair_verdict.FAILING_ATTEMPTS + 1)  # 5
@@ -81,31 +82,31 @@ def test_another_error_is_a_wedge_only_once_it_keeps_failing():
 
 def test_a_reset_that_did_not_help_gives_up():
     nd = "[TMPRL1100] Nondeterminism error: HistoryEvent(id: 9, TimerStarted)"
-    before = _task(2, repair_verdict.COMPLETED) + _task(5, repair_verdict.COMPLETED) + [E(8, repair_verdict.OTHER), E(9, repair_verdict.OTHER)]
-    first = repair_verdict.verdict(before + _task(10, repair_verdict.FAILED, nd), pending_attempt=2)
+    before = _task(2, COMPLETED) + _task(5, COMPLETED) + [E(8, OTHER), E(9, OTHER)]
+    first = repair_verdict.verdict(before + _task(10, FAILED, nd), pending_attempt=2)
     assert first is not None and first.give_up == "" and first.reset_to == 4
     # the reset run: events up to the point, the reset marker, then the same failure before any completion
-    after = _task(2, repair_verdict.COMPLETED) + [E(5, repair_verdict.SCHEDULED), E(6, repair_verdict.STARTED),
-                                          E(7, repair_verdict.FAILED, "reset", reset=True)] + _task(8, repair_verdict.FAILED, nd)
+    after = _task(2, COMPLETED) + [E(5, SCHEDULED), E(6, STARTED),
+                                          E(7, FAILED, "reset", reset=True)] + _task(8, FAILED, nd)
     again = repair_verdict.verdict(after, pending_attempt=2)
     assert again is not None and "does not repair" in again.give_up
     # a later, separate wedge (a task completed since the reset) is reset again
-    later = after[:-1] + [E(10, repair_verdict.COMPLETED)] + _task(11, repair_verdict.FAILED, nd.replace("9,", "12,"))
+    later = after[:-1] + [E(10, COMPLETED)] + _task(11, FAILED, nd.replace("9,", "12,"))
     assert repair_verdict.verdict(later, pending_attempt=2).give_up == ""
 
 
 def test_failures_count_the_history_and_the_pending_attempts():
     # two failures in the history (the second after a new event), the pending task on its 3rd attempt: 2 + 1
-    events = _task(2, repair_verdict.COMPLETED) + _task(5, repair_verdict.FAILED, "boom") + _task(8, repair_verdict.FAILED, "boom")
+    events = _task(2, COMPLETED) + _task(5, FAILED, "boom") + _task(8, FAILED, "boom")
     assert repair_verdict.failures(events, pending_attempt=3) == 3
     assert repair_verdict.failures(events, pending_attempt=1) == 2
-    assert repair_verdict.failures(_task(2, repair_verdict.COMPLETED), pending_attempt=0) == 0
+    assert repair_verdict.failures(_task(2, COMPLETED), pending_attempt=0) == 0
     assert repair_verdict.verdict(events, pending_attempt=3, failing_attempts=3) is not None
     assert repair_verdict.verdict(events, pending_attempt=1, failing_attempts=3) is None
 
 
 def test_a_reset_marker_alone_is_not_a_wedge():
-    events = _task(2, repair_verdict.COMPLETED) + _task(5, repair_verdict.FAILED, "reset", reset=True)
+    events = _task(2, COMPLETED) + _task(5, FAILED, "reset", reset=True)
     assert repair_verdict.verdict(events, pending_attempt=1) is None
 
 

@@ -43,7 +43,8 @@ async def run_drill(settings: Settings, inp: DrillInput, report_path: Path | Non
                     activities=[acts.plan_drill, acts.interrupt_store, acts.observe_recovery])
     async with worker:
         handle = await client.start_workflow(
-            contract.RECOVERY_DRILL_WORKFLOW, inp, id=f"drill/{inp.run_id}/{inp.drill_id}", task_queue=CONTROL_UNCACHED_QUEUE,
+            contract.RECOVERY_DRILL_WORKFLOW, inp, id=f"drill/{inp.run_id}/{inp.drill_id}",
+            task_queue=CONTROL_UNCACHED_QUEUE,
             result_type=DrillReport,
         )
         report: DrillReport = await handle.result()

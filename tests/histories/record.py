@@ -212,7 +212,8 @@ async def search_attributes(rec: Recorder) -> list[Path]:
     (h,) = await rec.chain(handle)
     require("search-attributes" in patch_ids(h), "no search-attributes patch marker")
     require(count(h, "UPSERT_WORKFLOW_SEARCH_ATTRIBUTES") >= 4, "fewer than 4 search attribute upserts")
-    require({contract.PAUSE, contract.RESUME, contract.STOP} <= set(update_names(h)), f"updates {sorted(set(update_names(h)))}")
+    require({contract.PAUSE, contract.RESUME, contract.STOP} <= set(update_names(h)),
+            f"updates {sorted(set(update_names(h)))}")
     return [rec.write("training_run_search_attributes", h)]
 
 
