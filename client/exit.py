@@ -1,4 +1,4 @@
-"""How a process that used a Temporal client ends: on a signal, and at its exit."""
+"""How a command ends: a process that used a Temporal client, and one that started processes (SIGTERM as Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,6 @@ import signal
 import sys
 from collections.abc import Callable
 from typing import NoReturn
-
-
-def stop_like_ctrl_c() -> None:
-    """SIGTERM / SIGHUP stop the command like Ctrl-C: nothing it started may outlive it."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler)
 
 
 def run_then_exit(program: Callable[[], object]) -> NoReturn:
@@ -35,3 +29,9 @@ def run_then_exit(program: Callable[[], object]) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def stop_like_ctrl_c() -> None:
+    """SIGTERM / SIGHUP stop the command like Ctrl-C: nothing it started may outlive it."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)

@@ -45,6 +45,7 @@ PROMPT_TOKEN_ID = 5  # every fake prompt token
 RESPONSE_TOKEN_ID = 7  # every fake response token but a final <eos>
 TOKEN_LOGPROB = -1.0  # behaviour log-prob recorded for every fake token
 LONG_TAIL_SIGMA = math.log(10) / 2.326  # lognormal sigma with p99 / p50 = 10 (z_0.99 = 2.326)
+PREEMPT_FREE = 0.05  # a full KV cache preempts the newest sequences until this fraction is free (as sim/core.py)
 WALL_S_PER_STEP = 0.05  # one `step()` call advances at most this much wall time of decoding (s)
 # The `tools` workload (multi-turn tool calling). Turns per trajectory: uniform in 2..6 (1..5 tool calls; our
 # assumption, below the paper's "up to 8 tool calls" of section 8.1). Each turn's length: the long_tail lognormal
@@ -160,6 +161,8 @@ class _Seq:
     tool_until: float | None = None  # waiting for a tool until this engine clock time: KV held, no decode
     context: int = 0  # tool output tokens in the context (KV), not generated: never in response_ids
     pending: int = 0  # tool output tokens not prefilled yet
+    order: int = 0  # admission order: a full cache preempts the newest first
+    waiting: bool = False  # not resident: queued (no room yet) or preempted; holds no KV, re-prefilled on admission
 
     def tokens(self) -> int:
         return len(self.prompt_ids) + self.context + len(self.response_ids)
@@ -179,10 +182,16 @@ class ModelledEngine:
     roofline_batch above it (memory- then compute-bound). Each step's modelled cost is slept as
     cost / speedup wall seconds in one `sleep` call.
 
-    KV cache: `kv_usage()` = (prompt + response tokens of in-flight sequences, kv_capacity_tokens). A request is
-    admitted only if its prompt + prefix fits in what is left, and `free_slots()` is 0 once less than one
-    prompt (modelled.prompt_tokens) fits, so a replica stops claiming. Growth during decode is not preempted
-    (as a real engine would): usage may exceed capacity until sequences finish.
+    KV cache, as vLLM's scheduler (and sim/core.py) treats it: `kv_usage()` = (prompt + context + response
+    tokens of resident sequences, kv_capacity_tokens). A request whose prompt + prefix can never fit
+    (> kv_capacity_tokens) is refused at `add` with a permanent error; one that does not fit now waits, not
+    resident, and is admitted (prefilled) when room frees, oldest first. A full cache during decode preempts the
+    newest active sequences (recompute: they free their KV, wait, and are prefilled again with their response
+    so far) until PREEMPT_FREE of the cache is free and one decode step fits; a lone active sequence is never
+    preempted. `free_slots()` is 0 while any sequence waits, or once less than one prompt
+    (modelled.prompt_tokens) fits, so a replica stops claiming. The config refuses a longest sequence
+    (prompt_tokens + max_response_tokens) the cache cannot hold (laminar/config.py), as vLLM refuses a
+    max_model_len its cache cannot hold.
 
     Weights: `load_weights` ignores the tensors (the modelled trainer publishes a tiny real payload) and
     charges the transfer: with `global_sync` a global NCCL broadcast (weight_bytes / broadcast_gbytes_s);
@@ -201,8 +210,9 @@ class ModelledEngine:
     re-issues it (full latency again).
 
     Counters (modelled seconds unless a count): `modelled_seconds` (everything charged), `load_seconds`,
-    `reprefill_tokens` (prompt + prefix tokens prefilled again after interrupts), `interrupts`,
-    `tool_wait_seconds` (steps with every sequence waiting for a tool), `tool_calls`.
+    `reprefill_tokens` (prompt + prefix tokens prefilled again after interrupts and preemptions), `interrupts`,
+    `preemptions` (sequences preempted by a full cache), `tool_wait_seconds` (steps with every sequence waiting
+    for a tool), `tool_calls`.
     """
 
     def __init__(
@@ -233,6 +243,8 @@ class ModelledEngine:
         self.clock_s = 0.0  # this engine's modelled clock: everything charged plus tool waits
         self.tool_wait_seconds = 0.0
         self.tool_calls = 0
+        self.preemptions = 0
+        self._admitted = 0  # admission counter (_Seq.order)
 
     # -- time ----------------------------------------------------------------------------------------------
 
@@ -293,9 +305,11 @@ class ModelledEngine:
         except BaseException:
             self._slots = held + [None] * (len(self._slots) - len(held))
             raise
-        tokens = sum(s.tokens() for s in held if s.prefilled)
+        # a preempted (waiting) sequence holds no KV: it is charged when it is admitted again (_admit_waiting)
+        tokens = sum(s.tokens() for s in held if s.prefilled and not s.waiting)
         for i, s in enumerate(held):
-            s.prefilled = False
+            if not s.waiting:
+                s.prefilled = False
             self._slots[i] = s
         self.reprefill_tokens += tokens
         self.interrupts += 1
@@ -304,9 +318,10 @@ class ModelledEngine:
     # -- admission -----------------------------------------------------------------------------------------
 
     def free_slots(self) -> int:
-        """Free sequence slots, or 0 once the KV cache cannot hold one more prompt."""
+        """Free sequence slots, or 0 while a sequence waits for room or once the KV cache cannot hold one more
+        prompt."""
         used, capacity = self.kv_usage()
-        if capacity - used < self.m.prompt_tokens:
+        if capacity - used < self.m.prompt_tokens or any(s is not None and s.waiting for s in self._slots):
             return 0
         return sum(1 for s in self._slots if s is None)
 
@@ -314,8 +329,14 @@ class ModelledEngine:
         return sum(1 for s in self._slots if s is not None)
 
     def kv_usage(self) -> tuple[int, int]:
-        """(tokens held by in-flight sequences, kv_capacity_tokens)."""
-        return sum(s.tokens() for s in self._slots if s is not None), self.m.kv_capacity_tokens
+        """(tokens held by resident in-flight sequences, kv_capacity_tokens)."""
+        return sum(s.tokens() for s in self._slots if s is not None and not s.waiting), self.m.kv_capacity_tokens
+
+    def _kv_target(self, active: int) -> int:
+        """KV use a preemption brings the cache down to (and re-admission stays under): PREEMPT_FREE of it free,
+        and room for one decode step of `active` sequences (sim/core.py's rule)."""
+        capacity = self.m.kv_capacity_tokens
+        return min(int(capacity * (1 - PREEMPT_FREE)), capacity - active)
 
     def add(
         self,
@@ -342,12 +363,17 @@ class ModelledEngine:
         slot = first_free_slot(self._slots, request_id)
         used, capacity = self.kv_usage()
         need = len(prompt_ids) + len(prefix_ids)
-        if used + need > capacity:
+        if need > capacity:  # permanent: no amount of waiting makes room for it
             raise EngineError(
-                f"request {request_id}: {need} prompt + prefix tokens do not fit in the KV cache ({used} of "
-                f"modelled.kv_capacity_tokens={capacity} in use); wait for free_slots() > 0"
+                f"request {request_id}: {need} prompt + prefix tokens can never fit in the KV cache "
+                f"(modelled.kv_capacity_tokens={capacity}); raise kv_capacity_tokens or lower "
+                "modelled.max_response_tokens / modelled.prompt_tokens"
             )
         s = _Seq(request_id, list(prompt_ids), target, drawn > self.m.max_response_tokens, prefix_ids, prefix_logprobs)
+        self._admitted += 1
+        s.order = self._admitted
+        # no room now, or others already wait (first come, first served): it waits, holding no KV
+        s.waiting = used + need > capacity or any(q is not None and q.waiting for q in self._slots)
         s.calls, s.latencies = tool_plan(self.m, self.run_seed, prompt_id, sample)
         while s.calls and s.calls[0] < len(prefix_ids):  # finished calls: their output is context again
             s.calls.pop(0)
@@ -376,13 +402,14 @@ class ModelledEngine:
                 s.tool_until = None
                 s.context += TOOL_OUTPUT_TOKENS
                 s.pending += TOOL_OUTPUT_TOKENS
-        new = [s for s in self._slots if s is not None and not s.prefilled]
+        self._admit_waiting()
+        new = [s for s in self._slots if s is not None and not s.waiting and not s.prefilled]
         cost = self.costs.prefill_s(sum(s.tokens() for s in new)
                                     + sum(s.pending for s in self._slots if s is not None and s.prefilled))
         for s in self._slots:
-            if s is not None:
+            if s is not None and not s.waiting:
                 s.prefilled, s.pending = True, 0
-        held = [(i, s) for i, s in enumerate(self._slots) if s is not None]
+        held = [(i, s) for i, s in enumerate(self._slots) if s is not None and not s.waiting]
         if not held:
             return []
         active = [(i, s) for i, s in held if s.tool_until is None]
@@ -395,9 +422,13 @@ class ModelledEngine:
                 self.tool_wait_seconds += wait
                 self._sleep(wait / self.m.speedup)
             return []
+        active = self._preempt_if_full(active)
         step_s = self.decode_step_s(len(active))
         fit = max(1, int(WALL_S_PER_STEP * self.m.speedup / step_s))
         k = min(min(s.next_stop() - len(s.response_ids) for _, s in active), fit)
+        if len(active) > 1:  # stop when the cache is full: the next step preempts
+            used, capacity = self.kv_usage()
+            k = min(k, max(1, (capacity - used) // len(active)))
         if returns:  # stop at the first tool return so that sequence rejoins the batch
             k = min(k, max(1, math.ceil((min(returns) - self.clock_s - cost) / step_s)))
         self._charge(cost + k * step_s)
@@ -414,6 +445,35 @@ class ModelledEngine:
             elif s.calls and len(s.response_ids) == s.calls[0]:
                 self._start_tool(s)
         return finished
+
+    def _admit_waiting(self) -> None:
+        """Waiting sequences become resident, oldest first, while they fit under the preemption target (or the
+        cache holds nothing); a preempted one is prefilled again with its response so far (recompute)."""
+        waiting = sorted((s for s in self._slots if s is not None and s.waiting), key=lambda s: s.order)
+        for s in waiting:
+            used, _ = self.kv_usage()
+            active = sum(1 for q in self._slots if q is not None and not q.waiting and q.tool_until is None)
+            if used > 0 and used + s.tokens() > self._kv_target(active + 1):
+                return  # first come, first served: nothing younger jumps the queue
+            s.waiting = False
+            if s.prefilled:  # preempted: its prompt + context + response are prefilled again
+                s.prefilled = False
+                self.reprefill_tokens += s.tokens()
+
+    def _preempt_if_full(self, active: list[tuple[int, _Seq]]) -> list[tuple[int, _Seq]]:
+        """The cache cannot take one more decode step of every active sequence: preempt the newest until it is at
+        the target (or one is left); returns the sequences still active."""
+        used, capacity = self.kv_usage()
+        if used + len(active) <= capacity:
+            return active
+        keep = sorted(active, key=lambda e: e[1].order)
+        while len(keep) > 1 and used > self._kv_target(len(keep)):
+            _, s = keep.pop()
+            used -= s.tokens()
+            s.waiting = True  # keeps prefilled=True: _admit_waiting charges its recompute
+            s.pending = 0
+            self.preemptions += 1
+        return sorted(keep)  # slot order, as without preemption
 
 
 # -- trainer -----------------------------------------------------------------------------------------------

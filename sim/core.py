@@ -137,8 +137,8 @@ class SimConfig:
     # Fewer events: at 1,024 sequences a replica finishes one about every 3 steps. 0: exact.
     finish_quantum_steps: int = 16
     control: ControlTiming | None = None
-    # KV full during decode: preempt the newest sequences (vLLM's recompute preemption) and re-prefill them when
-    # room frees. False: as the modelled engine (rl/modelled.py), growth past capacity is not preempted.
+    # KV full during decode: preempt the newest sequences (vLLM's recompute preemption, as rl/modelled.py does) and
+    # re-prefill them when room frees. False: growth past capacity is not preempted (a cache without a limit).
     preempt: bool = True
 
     def run_config(self) -> RunConfig:

@@ -144,5 +144,5 @@ def from_run_config(cfg: RunConfig, *, iterations: int, warmup: int) -> SimConfi
         max_ready_groups=cfg.rollout.max_ready_groups, max_staleness=cfg.trainer.max_staleness,
         load_s=costs.load_s(global_sync=global_sync), publish_stall_s=costs.publish_stall_s(global_sync),
         finish_quantum_steps=0,  # exact: these runs are small
-        preempt=False,  # the modelled engine lets the cache overrun instead of preempting
+        preempt=True,  # the modelled engine preempts the newest at a full cache, as vLLM and the simulator do
     )

@@ -186,10 +186,54 @@ def test_kv_capacity_limits_admission_and_free_slots():
     assert e.free_slots() == 3  # 4 of 10 tokens used: one more prompt of 4 fits
     e.add("g00000000/1", [5] * 4)
     assert e.kv_usage() == (8, 10) and e.free_slots() == 0  # 2 left: less than a prompt, though 2 slots are free
-    with pytest.raises(EngineError, match="modelled.kv_capacity_tokens=10"):
-        e.add("g00000000/2", [5] * 4)
-    e.step()  # both run to the cap of 5 and leave: the cache is empty again
+    e.add("g00000000/2", [5] * 4)  # no room now: it waits, holding no KV (vLLM's waiting queue)
+    assert e.kv_usage() == (8, 10) and e.in_flight() == 3 and e.free_slots() == 0
+    done = []
+    for _ in range(50):
+        done += e.step()
+        used, capacity = e.kv_usage()
+        assert used <= capacity or e.in_flight() - 1 <= 1  # never past the cache with two or more resident
+        if len(done) == 3:
+            break
+    assert sorted(f.request_id for f in done) == ["g00000000/0", "g00000000/1", "g00000000/2"]
+    assert all(len(f.response_ids) == 5 for f in done)  # each to the cap of 5
     assert e.kv_usage() == (0, 10) and e.free_slots() == 4
+
+
+def test_a_request_that_can_never_fit_the_cache_is_refused_at_once():
+    e, _ = engine("modelled.kv_capacity_tokens=10", slots=4)
+    with pytest.raises(EngineError, match="can never fit in the KV cache .modelled.kv_capacity_tokens=10"):
+        e.add("g00000000/0", [5] * 9, prefix_ids=[7] * 2, prefix_logprobs=[-1.0] * 2)  # 11 > 10, even empty
+    assert e.in_flight() == 0
+
+
+def test_a_config_whose_longest_sequence_cannot_fit_the_cache_is_refused():
+    with pytest.raises(ConfigError, match=r"prompt_tokens \(256\) \+ max_response_tokens \(8192\) = 8448 exceeds "
+                                          r"kv_capacity_tokens=6144.*lower max_response_tokens to at most 5888"):
+        cfg("modelled.max_response_tokens=8192", "modelled.kv_capacity_tokens=6144")
+    assert cfg("modelled.max_response_tokens=5888", "modelled.kv_capacity_tokens=6144").modelled.kv_capacity_tokens
+
+
+def test_a_full_cache_preempts_the_newest_and_recomputes_it_later():
+    # 4 sequences of prompt 4, cap 5: 4 x 9 = 36 tokens at the end, against a cache of 24. Growth fills it while
+    # they decode: the newest are preempted (their KV freed), wait, and are prefilled again with their response
+    e, clock = engine("modelled.kv_capacity_tokens=24", "modelled.speedup=1000", slots=4)
+    for i in range(4):
+        e.add(f"g00000000/{i}", [5] * 4)
+    assert e.kv_usage() == (16, 24)
+    done = []
+    for _ in range(100):
+        done += e.step()
+        used, capacity = e.kv_usage()
+        resident = sum(1 for s in e._slots if s is not None and not s.waiting)
+        assert used <= capacity or resident <= 1
+        if len(done) == 4:
+            break
+    assert sorted(f.request_id for f in done) == [f"g00000000/{i}" for i in range(4)]
+    assert all(len(f.response_ids) == 5 and len(f.logprobs) == 5 for f in done)
+    assert e.preemptions >= 1
+    assert e.reprefill_tokens > 0  # the preempted ones were prefilled again: prompt + response so far
+    assert e.kv_usage() == (0, 24) and e.free_slots() == 4
 
 
 def test_slots_and_weights_gate_admission():

@@ -16,7 +16,8 @@ from rich.console import Console
 from client.settings import Settings
 from laminar.errors import ConfigError
 
-model_app = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False)
+model_app = typer.Typer(help="Pretrained models: import a GGUF file as a model directory.", no_args_is_help=True,
+                        pretty_exceptions_show_locals=False)  # mounted as `laminar model` (cli/main.py)
 console = Console()
 err = Console(stderr=True)
 
@@ -38,7 +39,3 @@ def import_gguf_command(
         err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         raise typer.Exit(2) from None
 
-
-def register(app: typer.Typer) -> None:
-    """Add `model` to the `laminar` command line (workers/cli.py)."""
-    app.add_typer(model_app, name="model", help="Pretrained models: import a GGUF file as a model directory.")
