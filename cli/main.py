@@ -47,6 +47,7 @@ from laminar import contract
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, LaminarError
 from laminar.logs import configure_logging
+from rl.factory import check_engines
 
 app = typer.Typer(
     help="Laminar on Temporal: fault-tolerant asynchronous RL post-training.",
@@ -65,7 +66,7 @@ def _load_config(config: Path | None, overrides: list[str], steps: int | None, r
     path, extra = config_and_overrides(config, overrides)
     if steps is not None:
         extra.append(f"run.steps={steps}")
-    cfg = RunConfig.load(path, extra)
+    cfg = check_engines(RunConfig.load(path, extra))  # the engines fit together (rl.factory)
     return cfg.with_run_id(run_id) if run_id else cfg
 
 

@@ -254,7 +254,7 @@ class ClaimPromptsResult:
 class FailedGroup:
     """replica -> workflow (in `add_experience`): a group whose reward or generation failed on every try
     (task.max_group_retries + 1): its lease is closed as failed, counted, and the group never trained on.
-    reason: raised | timeout | nan | wrong_type | sandbox | generation (rl/tasks/scoring.py)."""
+    reason: raised | timeout | nan | wrong_type | sandbox | generation (envs/tasks/scoring.py)."""
 
     group_id: str
     prompt_id: int

@@ -29,7 +29,7 @@ reads a clock or the store.
 | laminar_rollout_in_flight_trajectories | gauge | replica | sequences in the engine's batch |
 | laminar_rollout_policy_version | gauge | replica | policy version of the replica's weights (-1: none yet) |
 | laminar_rollout_weight_load_seconds | histogram | replica, via | time to load a version (shared_memory or tcp) |
-| laminar_rollout_group_retries_total | counter | replica, reason | groups generated again after a failed reward or generation (reason: rl/tasks/scoring.py) |
+| laminar_rollout_group_retries_total | counter | replica, reason | groups generated again after a failed reward or generation (reason: envs/tasks/scoring.py) |
 | laminar_rollout_groups_failed_total | counter | replica, reason | groups dropped after task.max_group_retries retries (never trained on; groups_failed in the run status) |
 | laminar_control_update_seconds | histogram | update | round trip of a claim_prompts or add_experience update, as the replica measured it (a report includes writing its segment) |
 | laminar_control_update_retries_total | counter | update | update attempts that failed (server or control worker unreachable) and were sent again |

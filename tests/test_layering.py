@@ -1,8 +1,11 @@
 """Import layering: no module imports upward. Every module of the repository (tests excepted) is parsed with `ast`,
 so imports inside functions, under `if TYPE_CHECKING:` and `importlib.import_module("...")` calls count too.
 
-- `laminar/` imports only itself; `storage/`, `rl/`, `relay/` and `workflows/` import only `laminar/` and
-  themselves; `reporting/` only `laminar/` and `storage/`; `client/watch.py` (the run-watching helper every
+- `laminar/` imports only itself; `storage/`, `envs/`, `relay/` and `workflows/` import only `laminar/` and
+  themselves, except that `workflows/` may ask `rl.factory` (the engines' traits: deterministic, import-light;
+  the one place engine names mean something); `rl/` only `laminar/` and `envs/` (engines serve a task's prompts;
+  environments know no engine);
+  `reporting/` only `laminar/` and `storage/`; `client/watch.py` (the run-watching helper every
   caller shares) only `laminar/`.
 - `client/` imports `laminar/`, `storage/` and `devstack/`, never `workflows/`: it starts, signals and queries
   workflows through the Temporal contract (`laminar/contract.py`) alone.
@@ -28,9 +31,10 @@ TOP_MAY_IMPORT = {"cli": {"workers"}}  # ... except the command line, which star
 ONLY = {
     "laminar": set(),
     "storage": {"laminar"},
-    "rl": {"laminar"},
+    "envs": {"laminar"},
+    "rl": {"laminar", "envs"},
     "relay": {"laminar"},
-    "workflows": {"laminar"},
+    "workflows": {"laminar", "rl.factory"},
     "reporting": {"laminar", "storage"},
     "client": {"laminar", "storage", "devstack"},
     "client.watch": {"laminar"},
@@ -141,6 +145,13 @@ def f():
     # storage may import laminar, not rl
     assert violations("storage.fake", "from laminar.refs import Ref\nfrom storage import keys\n", packages) == []
     assert "storage may import only itself and laminar/" in violations("storage.fake", "import rl.engine", packages)[0]
+    # workflows may ask rl.factory and nothing else of rl
+    assert violations("workflows.fake", "from rl.factory import time_scale\n", packages) == []
+    assert violations("workflows.fake", "from rl.engine import TorchEngine\n", packages)
+    # rl may import the environments; the environments import no engine
+    assert violations("rl.fake", "from envs.tasks import Prompt\n", packages | {"envs"}) == []
+    assert "envs may import only itself and laminar/" in violations("envs.tasks.fake", "from rl.engine import E",
+                                                                    packages | {"envs"})[0]
     # bench may import the launcher from nowhere, even lazily; workers may import workers; cli may import workers,
     # but not the other way round, and nothing else imports cli
     assert violations("bench.fake", "def g():\n    from workers.launcher import LocalLauncher\n", packages)

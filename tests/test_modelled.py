@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from envs.tasks import get_task
 from laminar.config import RunConfig
 from laminar.contract import BatchPart, TrainStepInput
 from laminar.errors import ConfigError, EngineError
@@ -32,7 +33,6 @@ from rl.modelled import (
     response_length,
     tool_plan,
 )
-from rl.tasks import get_task
 from services.trainer import TrainerService
 from storage import keys
 from storage.objects import LocalObjectStore

@@ -48,6 +48,7 @@ with workflow.unsafe.imports_passed_through():
     from laminar.errors import ConfigError
     from laminar.policy import Policy, fresh_lease_room, policy_for
     from laminar.refs import CheckpointRef
+    from rl.factory import decode_batch_limit, time_scale  # the engines' traits (deterministic)
     from workflows import commands, timeouts
     from workflows.commands import Runtime
     from workflows.grants import SlotGrants
@@ -194,13 +195,13 @@ class TrainingRunWorkflow:
         if not self._policy.repacks or self.seg.handover or self.state.stopping:
             return
         r = self._cfg.rollout
-        every_s = r.repack_every_s / self._cfg.time_scale
+        every_s = r.repack_every_s / time_scale(self._cfg)
         now = workflow.time()
         if not after_step and now - self.state.last_plan_at < every_s:
             return
         if not workflow.patched("repack"):
             return
-        self.migrations.plan(c_max=r.repack_c_max, at=now, batch_limit=self._cfg.decode_batch_limit)
+        self.migrations.plan(c_max=r.repack_c_max, at=now, batch_limit=decode_batch_limit(self._cfg))
 
     # -- rollout replicas: claims and reports (the ledger leases; workflows/replica_set.py runs them) ---
 
