@@ -65,9 +65,9 @@ from typing import Any, get_args
 
 from client.settings import Settings
 from laminar.config import MODES, Engine, RunConfig
+from laminar.contract import RunStatus
 from laminar.errors import LaminarError
 from laminar.logs import get_logger
-from laminar.messages import RunStatus
 from reporting.report import version_intervals  # per-replica timeline, in modelled s with scale=time_scale
 from reporting.summary import build_profile, percentile
 from rl.factory import check_engines, time_modelled

@@ -22,13 +22,13 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle
 from client.connect import connect, store_for
 from client.exit import stop_like_ctrl_c
 from client.run_control import lost_error, new_run_id, report_slots, start_or_attach
-from client.settings import Settings
+from client.settings import Settings, process_table_path
 from client.watch import watch_run
 from devstack.stack import DevStack
 from laminar.config import RunConfig
+from laminar.contract import RunStatus, SlotReport
 from laminar.errors import ConfigError, LaminarError, RunLostError
 from laminar.logs import get_logger
-from laminar.messages import RunStatus, SlotReport
 from reporting.summary import build_profile, build_summary, format_profile, reward_rise
 from storage import keys
 from workers.launcher import (
@@ -36,7 +36,6 @@ from workers.launcher import (
     metrics_url,
     plan_processes,
     process_cpu_s,
-    process_table_path,
     rollout_slots,
 )
 

@@ -19,7 +19,7 @@ from client.run_control import new_run_id, start_workflow
 from client.settings import Settings
 from client.watch import watch_run
 from laminar.config import RunConfig
-from laminar.messages import RunStatus
+from laminar.contract import RunStatus
 from rl.factory import check_engines
 
 

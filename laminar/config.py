@@ -188,7 +188,7 @@ class RolloutSection(_Section):
         0, ge=0, le=1024,
         description="On a shared worker set (`laminar start` on `laminar workers`): rollout slots guaranteed to this "
         "run, at most rollout.replicas (count; 0: its fair share only). Above the quotas, slots are shared max-min "
-        "fairly (laminar/fairshare.py).",
+        "fairly (workflows/fairshare.py).",
     )
 
     @model_validator(mode="after")

@@ -57,7 +57,7 @@ from wsgiref.simple_server import make_server
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Info, make_wsgi_app, start_http_server
 from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
 
-from laminar import names
+from laminar import contract
 from laminar.listeners import check_bind
 from laminar.logs import get_logger
 
@@ -107,7 +107,7 @@ CONTROL_UPDATE_RETRIES = Counter("laminar_control_update_retries",
 CONTROL_WORKFLOW_RESETS = Counter("laminar_control_workflow_resets", "Wedged run workflows reset by the repairer.",
                                   ["run"])
 
-UPDATES = {"claim": names.CLAIM_PROMPTS, "report": names.ADD_EXPERIENCE}  # the replica's call kinds -> update names
+UPDATES = {"claim": contract.CLAIM_PROMPTS, "report": contract.ADD_EXPERIENCE}  # the replica's call kinds -> update names
 
 RELAY_RECEIVED = Counter("laminar_relay_received_bytes", "Version bytes received.", ["relay"])
 RELAY_FORWARDED = Counter("laminar_relay_forwarded_bytes", "Version bytes forwarded down the chain.", ["relay"])

@@ -36,9 +36,7 @@ from typing import TYPE_CHECKING
 from envs.tools import turn_counts
 from laminar import metrics as prom
 from laminar.config import RunConfig
-from laminar.errors import CorruptDataError, InconsistentStateError, RelayError, StepOutOfTurnError
-from laminar.logs import get_logger
-from laminar.messages import (
+from laminar.contract import (
     BatchPart,
     RepublishInput,
     StepMetrics,
@@ -47,6 +45,8 @@ from laminar.messages import (
     TrainStepInput,
     TrainStepResult,
 )
+from laminar.errors import CorruptDataError, InconsistentStateError, RelayError, StepOutOfTurnError
+from laminar.logs import get_logger
 from laminar.notice import NOTICE, Notice
 from laminar.records import Trajectory
 from laminar.refs import CheckpointRef

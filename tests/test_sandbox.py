@@ -275,7 +275,7 @@ def _python_task(hostile: str):
 
 @pytest.mark.parametrize("kind", list(HOSTILE))
 def test_each_hostile_program_ends_as_a_failed_group_retried_then_dropped(kind):
-    from laminar.messages import Lease
+    from laminar.contract import Lease
     from rl.engine_api import Finished
     from services.rollout.batch import Batch
     from tests.test_tools import _engine

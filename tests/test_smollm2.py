@@ -116,7 +116,7 @@ async def test_the_example_runs_two_steps_through_a_rollout_drill(tmp_path_facto
     from client.settings import Settings
     from devstack.stack import DevStack
     from laminar.config import RunConfig
-    from laminar.messages import DrillInput, RunStatus
+    from laminar.contract import DrillInput, RunStatus
     from rl.gguf_import import default_dir
     from tests.fixtures.s3 import free_port
     from workers.launcher import LocalLauncher, plan_processes

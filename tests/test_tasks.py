@@ -277,7 +277,7 @@ def test_a_failing_group_is_retried_then_dropped_and_its_lease_closed_once_as_fa
 
 
 def test_only_the_lease_holder_fails_a_group():
-    from laminar.messages import FailedGroup
+    from laminar.contract import FailedGroup
 
     ledger = Ledger(RunState(run_id="r"))
     (lease,) = ledger.lease("replica-0", 1)
@@ -308,7 +308,7 @@ def test_only_the_lease_holder_fails_a_group():
     ("stream", 2, 1, [["g00000000", "g00000001"], ["g00000002"]]),
 ])
 def test_a_barrier_mode_trains_a_batch_short_of_its_failed_groups(mode, minibatches, failing, expected_steps):
-    from laminar.messages import FailedGroup
+    from laminar.contract import FailedGroup
     from laminar.policy import policy_for
 
     b = 2 * minibatches

@@ -13,7 +13,7 @@ import pytest
 
 from client.run_control import start_workflow
 from envs.tasks.prompt_file import FilePrompts
-from laminar.messages import RunStatus
+from laminar.contract import RunStatus
 from storage import keys
 from storage.trajectories import _from_parquet
 from tests.fixtures.stack import small_config

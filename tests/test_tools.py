@@ -10,8 +10,8 @@ import torch
 from envs.tasks.tool_use import ToolsTask
 from envs.tools import Episode, ToolResult, call, parse_call
 from envs.tools.calculator import Calculator, evaluate
+from laminar.contract import Lease
 from laminar.errors import CorruptDataError
-from laminar.messages import Lease
 from rl.engine import TorchEngine
 from rl.engine_api import Finished
 from rl.model import build_model, model_state_dict

@@ -33,8 +33,8 @@ from envs.tasks import Prompt, RewardFailure
 from envs.tasks.scoring import RewardRunner
 from envs.tools import Episode, Tool, ToolCall, call, parse_call, recorded_calls
 from laminar import metrics as prom
+from laminar.contract import FailedGroup, Lease
 from laminar.logs import get_logger
-from laminar.messages import FailedGroup, Lease
 from laminar.records import Trajectory
 from rl.engine_api import Engine, Finished, InFlight
 
