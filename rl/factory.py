@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 # (config.json as a dict, tokenizer, task) of the run, from its published model files (services/model_files.py)
 RunFiles = Callable[[], tuple[dict, Any, Any]]
+# a LoRA run's base weights {name: tensor}, published by its trainer (services/model_files.py load_run_base)
+RunBase = Callable[[], dict]
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,14 @@ def engine_traits(cfg: RunConfig) -> EngineTraits:
     return ENGINE_TRAITS[cfg.rollout.engine]
 
 
-def build_engine(cfg: RunConfig, *, policy: Policy, seed: int, run_files: RunFiles) -> tuple[Engine, Any]:
-    """(engine, task) of one rollout replica; seed: its sampling seed (the modelled engine samples nothing)."""
+def build_engine(cfg: RunConfig, *, policy: Policy, seed: int, run_files: RunFiles,
+                 run_base: RunBase | None = None) -> tuple[Engine, Any]:
+    """(engine, task) of one rollout replica; seed: its sampling seed (the modelled engine samples nothing).
+    run_base: read (once) by a torch engine of a LoRA run, whose versions are adapters (rl/lora.py)."""
+    if cfg.trainer.lora is not None:  # the config pairs it with the torch engine only
+        if run_base is None:
+            raise ValueError("trainer.lora is set: a torch engine needs run_base, the run's base weights")
+        return _torch_engine(cfg, policy, seed, run_files, run_base)
     return _ENGINES[cfg.rollout.engine](cfg, policy, seed, run_files)
 
 
@@ -60,8 +68,9 @@ def _vllm_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles)
                       device=r.device, dtype=r.dtype), task
 
 
-def _torch_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles):
-    """One GPU per replica where the process has them (rl.model.ROLLOUT_DEVICES; given back at close)."""
+def _torch_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles, run_base: RunBase | None = None):
+    """One GPU per replica where the process has them (rl.model.ROLLOUT_DEVICES; given back at close). With
+    run_base (a LoRA run) the model holds the base weights and each version's adapter is merged into them."""
     import torch
 
     from rl.engine import TorchEngine
@@ -74,10 +83,15 @@ def _torch_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles
     if device.type == "cuda":
         index = ROLLOUT_DEVICES.acquire(torch.cuda.device_count())
         device, on_close = torch.device("cuda", index), lambda: ROLLOUT_DEVICES.release(index)
-    return TorchEngine(build_model(hf, seed=0).to(device, dtype), tokenizer,
+    model, fingerprint = build_model(hf, seed=0).to(device, dtype), None
+    if run_base is not None:
+        from rl.lora import load_base
+
+        fingerprint = load_base(model, run_base())
+    return TorchEngine(model, tokenizer,
                        max_inflight_seqs=r.max_inflight_groups * r.group_size, max_new_tokens=r.max_new_tokens,
                        max_prompt_len=r.max_prompt_len, temperature=r.temperature, seed=seed, eos_id=task.eos_id,
-                       on_close=on_close), task
+                       on_close=on_close, base_fingerprint=fingerprint), task
 
 
 _ENGINES = {"torch": _torch_engine, "vllm": _vllm_engine, "modelled": _modelled_engine}
@@ -108,4 +122,8 @@ def build_trainer(cfg: RunConfig, *, policy: Policy, max_staleness: int, model_d
     from rl.trainer import Trainer
 
     device, dtype = placement("trainer", cfg.trainer.device, cfg.trainer.dtype)
+    if cfg.trainer.lora is not None:  # adapters only (rl/lora.py)
+        from rl.lora import LoraTrainer
+
+        return LoraTrainer(model.to(device), section, compute_dtype=dtype, **common)
     return Trainer(model.to(device), section, compute_dtype=dtype, **common)
