@@ -193,3 +193,45 @@ def test_fingerprint_is_precision_independent_for_the_same_values() -> None:
     bf = {k: v.to(torch.bfloat16) for k, v in sd.items()}
     assert base_fingerprint(bf) == base_fingerprint({k: v.float() for k, v in bf.items()})
     assert base_fingerprint(sd) != base_fingerprint(bf)
+
+
+def test_laminar_run_with_lora_then_eval_and_export(tmp_path) -> None:
+    """A real run with trainer.lora on (dev stack, worker processes, relay chain): it finishes with no group
+    consumed twice; its adapter checkpoint evaluates and exports (peft adapter, and merged)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.fixtures.stack import TEST_OVERRIDES
+    from tests.test_cli import _laminar
+
+    home = tmp_path / "home"
+    env = {"LAMINAR_HOME": str(home)}
+    overrides = [f"--{o}" for o in TEST_OVERRIDES if not o.startswith("run.steps")] + [
+        "--task.name=math", "--rollout.max_new_tokens=8"]  # math: a task laminar eval has a held-out split of
+    out = _laminar(["run", "examples/tiny.toml", "--steps", "6", "--summary", str(tmp_path / "s.json"),
+                    "--run-id", "t-lora-e2e", *overrides, "--trainer.lora={\"r\": 4, \"alpha\": 8}"], env, timeout=420)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["steps"] == 6 and summary["groups_consumed_twice"] == 0 and summary["groups_consumed"] == 12
+    store = home / "store" if (home / "store").is_dir() else None
+    assert store is None or (store / "runs" / "t-lora-e2e" / "model" / "base.json").exists()
+    # laminar eval on the adapter checkpoint (merged into the run's published base); it needs only the store
+    cmd = [sys.executable, "-m", "workers.cli"]
+    config = tmp_path / "math.toml"
+    config.write_text('[task]\nname = "math"\n[rollout]\nmax_new_tokens = 8\n[eval]\nsize = 4\n')
+    ev = subprocess.run([*cmd, "eval", str(config), "--checkpoint", "t-lora-e2e@6", "--json"],
+                        env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stdout[-2000:] + ev.stderr[-2000:]
+    assert json.loads(ev.stdout)["policy_version"] == 6
+    for merge in (False, True):
+        target = tmp_path / ("merged" if merge else "adapter")
+        ex = _laminar(["model", "export", "t-lora-e2e@6", "--out", str(target), *(["--merge"] if merge else [])],
+                      env, timeout=300)
+        assert ex.returncode == 0, ex.stdout[-2000:] + ex.stderr[-2000:]
+        assert ex.stdout.strip().endswith("merged" if merge else "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    from rl.model import load_pretrained
+
+    model, _, _ = load_pretrained(tmp_path / "merged")  # a plain Hugging Face directory
+    assert model is not None
