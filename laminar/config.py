@@ -568,21 +568,28 @@ class RunConfig(_Section):
         return self.model_copy(update={"run": self.run.model_copy(update={"run_id": run_id})})
 
 
+# engines a LoRA run may use (rl/lora.py): a trainer with real weights, an engine that merges adapters. vLLM would load
+# each version through its LoRA request API (an adapter directory on disk); not built nor tested on a CPU host yet
+LORA_TRAINERS = ("torch",)
+LORA_ROLLOUT_ENGINES = ("torch",)
+
+
 def _check_lora(cfg: RunConfig) -> None:
     """trainer.lora needs a trainer and engines that hold real weights and know adapters (rl/lora.py)."""
-    if cfg.trainer.engine != "torch":
+    if cfg.trainer.engine not in LORA_TRAINERS:
         raise ValueError(
             f"trainer.lora is set but trainer.engine={cfg.trainer.engine!r} has no weights to adapt; remove "
-            "trainer.lora, or set trainer.engine='torch' and rollout.engine='torch'")
+            f"trainer.lora, or set trainer.engine to one of {LORA_TRAINERS}")
     if cfg.trainer.backend != "single":
         raise ValueError(
             f"trainer.lora is not supported with trainer.backend={cfg.trainer.backend!r} yet (the FSDP ranks would "
             "shard and gather the frozen base too); use trainer.backend='single', or remove trainer.lora")
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine not in LORA_ROLLOUT_ENGINES:
         raise ValueError(
-            "trainer.lora with rollout.engine='vllm' is not implemented: vLLM would load each version as a LoRA "
-            "adapter (its LoRA request API, from an adapter directory on disk) and that path is untested here (no "
-            "vLLM build with LoRA on this CPU host); use rollout.engine='torch', or remove trainer.lora")
+            f"trainer.lora with rollout.engine={cfg.rollout.engine!r} is not implemented: only {LORA_ROLLOUT_ENGINES} "
+            "merge adapters into base weights they hold (vLLM would load each version as a LoRA adapter through its "
+            "LoRA request API; not built here, no vLLM with LoRA on a CPU host to test it); use rollout.engine="
+            "'torch', or remove trainer.lora")
 
 
 def apply_overrides(data: dict[str, Any], items: list[str]) -> None:
