@@ -235,3 +235,27 @@ def test_laminar_run_with_lora_then_eval_and_export(tmp_path) -> None:
 
     model, _, _ = load_pretrained(tmp_path / "merged")  # a plain Hugging Face directory
     assert model is not None
+
+
+def test_the_transformers_path_trains_and_applies_adapters_too() -> None:
+    """rl/hf_model.py (an architecture the built-in model does not cover): peft injects into the transformers model;
+    the version's module names are the checkpoint's own, and the engine merges them into the same names."""
+    pytest.importorskip("transformers")
+    from rl.hf_model import build_hf_model
+
+    hf = {**HF, "architectures": ["LlamaForCausalLM"], "head_dim": 8, "pad_token_id": 0}
+    trainer = LoraTrainer(build_hf_model(hf, seed=0), section(), group_size=3)
+    assert all(".lora_" in n for n in trainer._named)
+    for version in range(2):
+        trainer.step(on_policy_batch(trainer.model, version), trainer_version=version)
+    payload = bytes_to_state_dict(state_dict_to_bytes(trainer.policy_state_dict()))
+    assert all(k.startswith(("model.layers.", "lora.")) for k in payload)
+    model = build_hf_model(hf, seed=3)
+    fp = load_base(model, model_state_dict(build_hf_model(hf, seed=0)))
+    assert fp == trainer.fingerprint
+    engine = TorchEngine(model, None, max_inflight_seqs=2, max_new_tokens=4, temperature=1.0, seed=0, eos_id=2,
+                         base_fingerprint=fp)
+    engine.load_weights(payload, policy_version=2)
+    ids = torch.tensor([[1, 3, 4, 5, 6, 2]])
+    with torch.no_grad():
+        assert torch.allclose(engine.model(ids), trainer.model(ids), atol=1e-5)
