@@ -259,3 +259,15 @@ def test_the_transformers_path_trains_and_applies_adapters_too() -> None:
     ids = torch.tensor([[1, 3, 4, 5, 6, 2]])
     with torch.no_grad():
         assert torch.allclose(engine.model(ids), trainer.model(ids), atol=1e-5)
+
+
+def test_the_single_process_loop_trains_adapters_with_lora_on(tmp_path) -> None:
+    """rl/sync_loop.py (`laminar bench overhead`): with trainer.lora its trainer trains adapters and its engine merges
+    each version into the base it holds."""
+    from rl.base_model import build_base_model
+    from rl.sync_loop import run_sync_loop
+
+    cfg = RunConfig.load(None, ["--model.pretrain_steps=5", "--task.max_count=8", "--rollout.max_new_tokens=8",
+                                "--rollout.group_size=4", "--trainer.groups_per_step=2", '--trainer.lora={"r": 2}'])
+    result = run_sync_loop(cfg, build_base_model(cfg, tmp_path / "base"), steps=2)
+    assert len(result.metrics) == 2 and all(m.updated for m in result.metrics)
