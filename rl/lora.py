@@ -117,9 +117,19 @@ def check_targets(model: nn.Module, spec: LoraSection) -> None:
             "(tie_word_embeddings), so merging its adapter would change the embeddings too; leave lm_head out")
 
 
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("trainer.lora is set, but peft, which trains the adapters, is not installed where the trainer "
+                          "runs: pip install 'laminar[lora]' (peft==0.21.2), or remove trainer.lora") from None
+    return peft
+
+
 def attach(model: nn.Module, spec: LoraSection) -> str:
     """Check the targets, fingerprint the base, freeze it and inject the adapters in place; returns the fingerprint."""
-    from peft import LoraConfig, inject_adapter_in_model
+    peft = _peft()
+    LoraConfig, inject_adapter_in_model = peft.LoraConfig, peft.inject_adapter_in_model
 
     from rl.model import model_state_dict
 
