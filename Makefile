@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint clean browser proxy netfilter
+.PHONY: setup run test lint docs clean browser proxy netfilter
 
 setup: $(STAMP) netfilter
 
@@ -72,6 +72,11 @@ netfilter:
 
 lint: setup
 	$(BIN)/ruff check .
+
+# The documentation site (mkdocs.yml, docs/) at http://127.0.0.1:8000, rebuilt on every edit. `make test` builds it
+# with --strict (tests/test_docs.py): a broken link, a stale generated page or an undocumented config field fails.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 clean:
 	-$(BIN)/laminar dev down

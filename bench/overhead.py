@@ -81,7 +81,7 @@ def run_laminar(config_path: Path, overrides: list[str]) -> dict[str, Any]:
     run_id = "bench-overhead-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="laminar-bench-") as tmp:
         summary_path = Path(tmp) / "summary.json"
-        child = subprocess.Popen([sys.executable, "-m", "workers.cli", "run", str(config_path), "--run-id", run_id,
+        child = subprocess.Popen([sys.executable, "-m", "cli.main", "run", str(config_path), "--run-id", run_id,
                                   "--summary", str(summary_path), *overrides])
         try:
             if child.wait() != 0:

@@ -1,8 +1,9 @@
-"""How a process that used a Temporal client ends."""
+"""How a command ends: a process that used a Temporal client, and one that started processes (SIGTERM as Ctrl-C)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -28,3 +29,9 @@ def run_then_exit(program: Callable[[], object]) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def stop_like_ctrl_c() -> None:
+    """SIGTERM / SIGHUP stop the command like Ctrl-C: nothing it started may outlive it."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)

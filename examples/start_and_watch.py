@@ -1,7 +1,7 @@
 """Start a run and watch it with the Python client.
 
 Needs a running stack: `laminar dev up` and the workers (`laminar worker control|trainer|relay|rollout`,
-see README), or any Temporal address and store given by LAMINAR_* settings.
+see docs/guides/deployment.md), or any Temporal address and store given by LAMINAR_* settings.
 
     python examples/start_and_watch.py examples/tiny.toml --steps 20 --set trainer.lr=0.001
 """

@@ -78,19 +78,6 @@ def parse_kinds(text: str) -> list[str]:
     return [k for k in KINDS if k in kinds]
 
 
-def parse_duration(text: str) -> float:
-    """`30m`, `90s`, `1h`, `45` (seconds) -> seconds; ConfigError otherwise."""
-    t = text.strip().lower()
-    unit = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(t[-1:], None)
-    try:
-        value = float(t[:-1] if unit else t) * (unit or 1.0)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ConfigError(f"--duration {text!r}: give a positive time such as 30m, 150s or 1h")
-    return value
-
-
 def targets_for(kinds: list[str], processes: list[str]) -> dict[str, list[str]]:
     """What each kind can hit, given the run's process names (the launcher's table)."""
     relays = [p for p in processes if p.startswith("relay-")]

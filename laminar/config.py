@@ -36,6 +36,8 @@ class _Section(BaseModel):
 
 
 class RunSection(_Section):
+    """The run itself: its id, scheduling mode, length, seed, history bounds and watchdog."""
+
     run_id: str = Field("", description="Run id; empty means generated at start (`run-<utc time>`).")
     mode: Mode = Field(
         "laminar",
@@ -80,6 +82,8 @@ class RunSection(_Section):
 
 
 class ModelSection(_Section):
+    """The policy model: a Hugging Face directory, or the shape of the tiny built-in model."""
+
     path: str = Field(
         "",
         description="Hugging Face model directory (config.json, *.safetensors, tokenizer.json). "
@@ -108,6 +112,8 @@ class ModelSection(_Section):
 
 
 class TaskSection(_Section):
+    """The task: prompts plus a verifiable reward (docs/guides/tasks.md)."""
+
     name: str = Field(
         "repeat", min_length=1, max_length=300,
         description="The task (prompts + reward): a built-in (`repeat`, `file`, `math`; rl/tasks/loader.py), "
@@ -115,8 +121,8 @@ class TaskSection(_Section):
     max_count: int = Field(48, ge=2, le=4096, description="`repeat`: largest requested response length (tokens).")
     prompts: str = Field(
         "", max_length=4096,
-        description="A local JSONL or Parquet prompt file (columns id, prompt or messages, answer, metadata: README "
-        "'Tasks'), read by tasks that take one (`file`, user tasks); empty: the task generates its prompts.")
+        description="A local JSONL or Parquet prompt file (columns id, prompt or messages, answer, metadata: "
+        "docs/guides/tasks.md), read by tasks that take one (`file`, user tasks); empty: the task generates its prompts.")
     params: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for the task's constructor (a TOML table).")
     reward_timeout_s: float = Field(
@@ -129,6 +135,8 @@ class TaskSection(_Section):
 
 
 class RolloutSection(_Section):
+    """The rollout replicas: how many, what they generate, their engine and dynamic repack."""
+
     replicas: int = Field(2, ge=1, le=1024, description="Rollout replicas (long-running activities).")
     group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt (GRPO group size).")
     max_inflight_groups: int = Field(
@@ -217,6 +225,8 @@ class LoraSection(_Section):
 
 
 class TrainerSection(_Section):
+    """The trainer: batch, optimizer, loss and off-policy correction, checkpoints, engine and backend."""
+
     groups_per_step: int = Field(4, ge=1, le=65536, description="Complete groups consumed per step (groups).")
     lr: float = Field(2e-3, gt=0.0, le=1.0, description="AdamW learning rate (1/step).")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay (unitless).")
@@ -299,6 +309,8 @@ class TrainerSection(_Section):
 
 
 class RelaySection(_Section):
+    """The weight relays: one per (simulated) host, chained."""
+
     relays: int = Field(2, ge=1, le=1024, description="Relays, one per (simulated) host (count).")
     heartbeat_timeout_s: float = Field(
         3.0, ge=1.0, le=3600.0, description="Relay heartbeat timeout: the failure detector of a dead relay (s)."
@@ -553,7 +565,8 @@ class RunConfig(_Section):
             try:
                 data = tomllib.loads(p.read_text())
             except FileNotFoundError:
-                raise ConfigError(f"config file {p} does not exist; pass a TOML file such as examples/tiny.toml") from None
+                raise ConfigError(f"config file {p} does not exist; pass a TOML file such as examples/tiny.toml "
+                                  "(`laminar init` writes a starter), or leave it out for the packaged default") from None
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
             except (OSError, UnicodeDecodeError) as e:

@@ -1,6 +1,6 @@
 """The runs' custom search attributes: what `temporal workflow list --query` and `laminar list` search.
 
-TrainingRunWorkflow keeps them up to date (workflows/training_run.py `_upsert_search_attributes`) when the
+TrainingRunWorkflow keeps them up to date (workflows/status.py `upsert_search_attributes`) when the
 run was started with them, which the starter does only where the namespace has them registered
 (`laminar dev up` registers them; elsewhere `register` or `temporal operator search-attribute create`).
 A server without them therefore still runs every run; its runs are just not searchable by these names.

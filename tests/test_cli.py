@@ -11,7 +11,7 @@ from laminar.messages import RunStatus, workflow_id_for
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import wait_until
 
-LAMINAR = [sys.executable, "-m", "workers.cli"]
+LAMINAR = [sys.executable, "-m", "cli.main"]
 
 
 def _laminar(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:

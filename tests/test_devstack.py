@@ -24,7 +24,7 @@ from tests.fixtures.s3 import free_port
 from tests.fixtures.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRY = "from workers.cli_dev import dev_app; dev_app()"
+ENTRY = "from cli.dev import dev_app; dev_app()"
 
 
 def pid_gone(pid: int) -> bool:

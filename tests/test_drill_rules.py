@@ -236,9 +236,9 @@ def test_tokens_lost_come_from_the_runs_counter_before_and_after():
 def test_laminar_drill_rejects_a_bad_preempt_target_before_starting_anything(tmp_path):
     import asyncio
 
+    from cli.drill import run_drill
     from client.settings import Settings
     from laminar.messages import DrillInput
-    from workers.drill_command import run_drill
 
     settings = Settings.from_env({"LAMINAR_HOME": str(tmp_path)})  # nothing listens there: no connection is made
     for target in ("", "store", "trainer:2"):

@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 from temporalio.client import Client
 
+from cli.drill import run_drill
 from client.connect import connect, store_for
 from client.run_control import start_workflow
 from client.settings import Settings
@@ -22,7 +23,6 @@ from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import assert_all_payloads_small, terminate_running
 from tests.fixtures.waiting import async_wait_until
-from workers.drill_command import run_drill
 from workers.launcher import LocalLauncher, plan_processes
 
 # 4 replicas on 2 hosts, each rollout worker 2 + 1 spare slots: whatever Temporal's placement, every

@@ -138,7 +138,7 @@ async def test_laminar_eval_of_a_checkpoint_of_an_ended_run(stack, tmp_path):
     config.write_text('[task]\nname = "math"\n[rollout]\nmax_new_tokens = 8\n'
                       '[eval]\nsize = 12\nsamples = 2\ntemperature = 1.0\n')
     env = {**os.environ, "LAMINAR_HOME": str(stack.home), "LAMINAR_STORE": stack.settings.store_url}
-    out = subprocess.run([sys.executable, "-m", "workers.cli", "eval", str(config), "--checkpoint",
+    out = subprocess.run([sys.executable, "-m", "cli.main", "eval", str(config), "--checkpoint",
                           f"{cfg.run.run_id}@{cfg.run.steps}", "--json"], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -147,6 +147,6 @@ async def test_laminar_eval_of_a_checkpoint_of_an_ended_run(stack, tmp_path):
     record = json.loads(stack.store.get(keys.eval_result(cfg.run.run_id, cfg.run.steps)))
     assert len(record["per_prompt"]) == 12 and all(len(p["rewards"]) == 2 for p in record["per_prompt"])
     assert record["accuracy"] == pytest.approx(shown["accuracy"]) and 0.0 <= record["accuracy"] <= 1.0
-    missing = subprocess.run([sys.executable, "-m", "workers.cli", "eval", str(config), "--checkpoint",
+    missing = subprocess.run([sys.executable, "-m", "cli.main", "eval", str(config), "--checkpoint",
                               f"{cfg.run.run_id}@999"], capture_output=True, text=True, env=env, timeout=300)
     assert missing.returncode == 1 and "no committed checkpoint at step 999" in missing.stderr

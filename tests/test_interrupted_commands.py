@@ -30,7 +30,7 @@ from laminar.messages import RunStatus, workflow_id_for
 from tests.fixtures.s3 import free_port
 from tests.fixtures.waiting import async_wait_until
 
-LAMINAR = [sys.executable, "-m", "workers.cli"]
+LAMINAR = [sys.executable, "-m", "cli.main"]
 FAST = ["--modelled.response_p50_tokens=64", "--modelled.max_response_tokens=512"]
 COMMANDS = {
     "bench throughput": ["bench", "throughput", "--modes", "laminar,sync", "--replicas", "2", "--iterations", "20",
@@ -132,7 +132,7 @@ async def test_list_marks_a_run_whose_owning_command_is_gone_as_orphaned(env, cl
 
 
 def test_owner_line_marks_only_a_running_run_of_a_gone_process_on_this_host_as_orphaned():
-    from workers.cli_report import owner_line
+    from cli.report import owner_line
 
     gone = subprocess.Popen(["true"])
     gone.wait()

@@ -12,7 +12,7 @@ from client.settings import Settings
 from laminar.config import RunConfig
 from workers.launcher import ManagedProcess, plan_processes
 
-BASE = [sys.executable, "-m", "workers.cli", "worker"]
+BASE = [sys.executable, "-m", "cli.main", "worker"]
 
 
 def _plan(tmp_path: Path, relays: int, replicas: int) -> list[ManagedProcess]:

@@ -217,7 +217,7 @@ def test_laminar_run_with_lora_then_eval_and_export(tmp_path) -> None:
     store = home / "store" if (home / "store").is_dir() else None
     assert store is None or (store / "runs" / "t-lora-e2e" / "model" / "base.json").exists()
     # laminar eval on the adapter checkpoint (merged into the run's published base); it needs only the store
-    cmd = [sys.executable, "-m", "workers.cli"]
+    cmd = [sys.executable, "-m", "cli.main"]
     config = tmp_path / "math.toml"
     config.write_text('[task]\nname = "math"\n[rollout]\nmax_new_tokens = 8\n[eval]\nsize = 4\n')
     ev = subprocess.run([*cmd, "eval", str(config), "--checkpoint", "t-lora-e2e@6", "--json"],

@@ -29,7 +29,7 @@ from tests.fixtures.devhome import Dev, own_dev_stack
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until
 
-LAMINAR = [sys.executable, "-m", "workers.cli"]
+LAMINAR = [sys.executable, "-m", "cli.main"]
 OVERRIDES = [f"--{o}" for o in TEST_OVERRIDES if not o.startswith("run.steps")]  # checkpoint_every=3
 RUN = "t-lost"
 

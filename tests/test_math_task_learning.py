@@ -3,7 +3,7 @@
 The real stack (its own Temporal dev server under a temporary LAMINAR_HOME, worker processes, the tiny base
 model built with its 1000-step warm-up), as a user runs it. The summary's rise is the mean reward over the last
 fifth of steps minus the mean over the first tenth (reporting/summary.py). Measured on a 2-core machine shared
-with other jobs (README 'Tasks'): 400 steps, see the README for the numbers.
+with other jobs (docs/guides/tasks.md, 'The math task'): 400 steps, the numbers are there.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_laminar_run_math_example_learns(tmp_path):
     summary_path = tmp_path / "summary.json"
     t0 = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "workers.cli", "run", "examples/math.toml", "--summary", str(summary_path)],
+        [sys.executable, "-m", "cli.main", "run", "examples/math.toml", "--summary", str(summary_path)],
         env={**os.environ, "LAMINAR_HOME": str(tmp_path / "home")}, capture_output=True, text=True, timeout=1100)
     wall = time.monotonic() - t0
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

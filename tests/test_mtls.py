@@ -309,7 +309,7 @@ async def test_client_and_worker_without_a_client_certificate_are_refused(mtls):
     assert "without TLS" in str(e.value) and "set LAMINAR_TEMPORAL_TLS=true" in str(e.value)
     # A worker process without a certificate exits 1 with the same one-line message, instead of serving.
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "workers.cli", "worker", "control"],
+    out = subprocess.run([sys.executable, "-m", "cli.main", "worker", "control"],
                          env=_worker_env(mtls.without_certificate()), capture_output=True, text=True, timeout=60)
     took = time.monotonic() - t0
     said = " ".join(out.stderr.split())  # the console wraps long lines

@@ -35,12 +35,12 @@ from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.temporal import temporal_address
 from tests.fixtures.waiting import async_wait_until
 
-LAMINAR = [sys.executable, "-m", "workers.cli"]
+LAMINAR = [sys.executable, "-m", "cli.main"]
 RUNS = 3
 STEPS = [3, 8, 8]  # the first run ends first, so its slots go to the two still going
 RUN_TIMEOUT_S = 600  # three runs on one trainer and 4 rollout slots, on a busy 2-core machine
 # The default example's workers: rollout.replicas=2 on relay.relays=2 hosts, one replica each plus one spare slot
-# (workers/run_command.py), so 4 rollout slots for 3 runs asking 2 each. Max-min fair: level 1 costs 3 slots,
+# (cli/run.py), so 4 rollout slots for 3 runs asking 2 each. Max-min fair: level 1 costs 3 slots,
 # level 2 would cost 6 > 4, so each run gets 1 and the slot left goes to the oldest: 2, 1, 1.
 SLOTS = 4
 CONTINUE_EVERY = 2  # each run continues as new every 2 steps: its grant and ask carry over, it re-states its ask

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 from temporalio.client import WorkflowHandle
 
+from cli.drill import run_drill
+from cli.run import check_launcher
 from client.connect import connect
 from client.run_control import stop_run
 from client.settings import Settings
@@ -33,10 +35,8 @@ from laminar.messages import DrillInput, DrillReport, RunStatus, workflow_id_for
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until, wait_until
-from workers.drill_command import run_drill
 from workers.launcher import plan_processes
 from workers.launcher_ray import NAMESPACE, ROLE_CPUS, host_groups, plan_placements
-from workers.run_command import check_launcher
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_CPUS = 2  # per Ray node: one host's relay + rollout (1 + 1), or control + trainer
@@ -88,7 +88,7 @@ def test_launcher_option_errors_name_the_fix():
 
 
 def test_default_path_never_imports_ray():
-    code = ("import sys, workers.cli, workers.run_command, workers.launcher, workers.processes; "
+    code = ("import sys, cli.main, cli.run, workers.launcher, workers.processes; "
             "sys.exit(1 if 'ray' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
@@ -178,7 +178,7 @@ async def test_run_and_drills_on_a_ray_cluster(ray_cluster, tmp_path):
     overrides = [f"--{o}" for o in [*TEST_OVERRIDES, "run.steps=1000", "rollout.replicas=4",
                                      "trainer.heartbeat_timeout_s=5", "trainer.checkpoint_every=4"]]
     summary = tmp_path / "summary.json"
-    argv = [sys.executable, "-m", "workers.cli", "run", str(REPO / "examples/tiny.toml"), "--launcher", "ray",
+    argv = [sys.executable, "-m", "cli.main", "run", str(REPO / "examples/tiny.toml"), "--launcher", "ray",
             "--ray-address", address, "--run-id", run_id, "--summary", str(summary), *overrides]
     out = open(tmp_path / "run.out", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "LAMINAR_HOME": str(home)},

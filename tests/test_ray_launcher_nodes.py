@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from cli.run import _spare_slots, make_launcher
 from client.connect import connect
 from client.run_control import scale_run, start_run, stop_run
 from client.settings import Settings
@@ -41,7 +42,6 @@ from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until
 from workers.launcher_ray import NAMESPACE, RayLauncher
-from workers.run_command import _spare_slots, make_launcher
 
 pytestmark = pytest.mark.slow  # up to 5 Ray nodes and a run through three node losses: minutes on 2 cores
 

@@ -21,7 +21,7 @@ from structlog.testing import capture_logs
 
 from rl.tools.sandbox import PythonSandbox, SandboxLimits, SandboxUnavailable, run_python
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root (README 'Python sandbox')")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root (docs/guides/tools.md, 'The Python sandbox')")
 
 # Small limits keep the tests quick; wall_s is the timing bound's unit.
 LIMITS = SandboxLimits(wall_s=2.0, cpu_s=30, memory_bytes=512 << 20, output_bytes=64 << 10, processes=16)

@@ -30,7 +30,7 @@ from rl.tools.sandbox import SandboxLimits, limits_kind, run_python
 from tests.fixtures.temporal import temporal_address
 from tests.test_sandbox import no_leftovers  # noqa: F401 - the autouse fixture: no sandbox process left
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root (README 'Python sandbox')")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root (docs/guides/tools.md, 'The Python sandbox')")
 
 ROOT = Path(__file__).resolve().parents[1]  # the project directory
 TOOL = SandboxLimits()  # the <python> tool's defaults (PythonSandbox())

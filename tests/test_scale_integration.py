@@ -130,7 +130,7 @@ async def test_scale_up_and_down_while_training(scale_stack):
 async def _laminar(home: Path, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
     """The `laminar` command line in a real process, against this module's stack."""
     env = {**os.environ, "LAMINAR_HOME": str(home), "PYTHONPATH": os.getcwd()}
-    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "workers.cli", *args], env=env,
+    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli.main", *args], env=env,
                                    capture_output=True, text=True, timeout=timeout_s)
 
 

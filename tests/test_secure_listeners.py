@@ -34,7 +34,7 @@ from relay import client
 from relay.server import RelayServer
 
 ROOT = Path(__file__).resolve().parents[1]
-LAMINAR = [sys.executable, "-m", "workers.cli"]
+LAMINAR = [sys.executable, "-m", "cli.main"]
 
 
 @pytest.fixture(scope="module")

@@ -225,7 +225,7 @@ def test_simulate_command_writes_table_json_and_rejects_bad_input(tmp_path):
 
     from typer.testing import CliRunner
 
-    from workers.cli import app
+    from cli.main import app
     out = tmp_path / "sim.json"
     res = CliRunner().invoke(app, ["simulate", "--model", "7b", "--gpus", "16", "--modes", "laminar,sync",
                                    "--workload", "uniform", "--iterations", "3", "--warmup", "1", "--json", str(out)])

@@ -110,6 +110,7 @@ def test_the_rollout_prompt_is_the_models_chat_template(imported, gguf_model):
 async def test_the_example_runs_two_steps_through_a_rollout_drill(tmp_path_factory):
     """examples/smollm2.toml as written (model directory cached under .laminar/models/), 2 steps, the rollout
     worker killed once step 1 is done; its replicas come back on the restarted worker."""
+    from cli.drill import run_drill
     from client.connect import connect
     from client.run_control import start_workflow
     from client.settings import Settings
@@ -118,7 +119,6 @@ async def test_the_example_runs_two_steps_through_a_rollout_drill(tmp_path_facto
     from laminar.messages import DrillInput, RunStatus
     from rl.gguf_import import default_dir
     from tests.fixtures.s3 import free_port
-    from workers.drill_command import run_drill
     from workers.launcher import LocalLauncher, plan_processes
 
     model_dir = import_gguf(default_dir(ROOT / ".laminar")).path  # once per checkout

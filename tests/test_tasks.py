@@ -81,7 +81,7 @@ def test_bad_task_config_is_a_config_error_naming_the_field(overrides, message):
 def test_laminar_run_checks_the_task_before_anything_starts(overrides, message):
     from typer.testing import CliRunner
 
-    from workers.cli import app
+    from cli.main import app
 
     res = CliRunner().invoke(app, ["run", "examples/tiny.toml", *[f"--{o}" for o in overrides]])
     assert res.exit_code != 0 and message in " ".join(res.output.split()), res.output

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from cli.drill import run_drill
 from client.connect import connect, store_for
 from client.run_control import start_workflow
 from client.settings import Settings
@@ -22,7 +23,6 @@ from storage import keys
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import terminate_running
-from workers.drill_command import run_drill
 from workers.launcher import LocalLauncher, plan_processes
 
 OVERRIDES = ["run.steps=1000", "trainer.heartbeat_timeout_s=5", "trainer.checkpoint_every=4"]

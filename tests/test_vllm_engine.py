@@ -56,7 +56,7 @@ def test_vllm_on_cpu_passes_every_contract_test() -> None:
 
 def test_the_torch_path_never_imports_vllm() -> None:
     """In the venv where vllm is installed, importing the workers, the rollout and the trainer loads no vllm."""
-    code = ("import sys, workers.cli, services.rollout, services.trainer, rl.engine, rl.trainer; "
+    code = ("import sys, cli.main, services.rollout, services.trainer, rl.engine, rl.trainer; "
             "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
             "assert not bad, bad[:5]; import vllm; print('vllm', vllm.__version__)")
     r = subprocess.run([str(VLLM_PYTHON), "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -82,7 +82,7 @@ def test_laminar_run_learns_with_vllm_on_cpu_and_a_rollout_drill_recovers(tmp_pa
                 break
             time.sleep(0.5)
         drill = subprocess.run([laminar, "drill", run_id, "--fault", "rollout", "--at-step", "20", "--report",
-                                str(tmp_path / "drill.json"), "--timeout-s", "400"], cwd=ROOT, env=env,
+                                str(tmp_path / "drill.json"), "--timeout", "400s"], cwd=ROOT, env=env,
                                capture_output=True, text=True, timeout=900)
         _, err = run.communicate(timeout=900)
     finally:

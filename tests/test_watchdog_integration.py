@@ -72,7 +72,7 @@ async def test_a_starved_run_shows_what_it_waits_for_and_clears_when_fed(stack):
         # the real command prints it too (the table wraps long cells, so compare without whitespace)
         env = {**os.environ, "LAMINAR_HOME": str(stack.home), "LAMINAR_TEMPORAL_ADDRESS": stack.settings.temporal_address,
                "LAMINAR_STORE": stack.settings.store_url, "PYTHONPATH": os.getcwd(), "COLUMNS": "300"}
-        out = subprocess.run([sys.executable, "-m", "workers.cli", "status", run_id], env=env, capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "cli.main", "status", run_id], env=env, capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         printed = "".join(out.stdout.split())

@@ -63,7 +63,7 @@ class WedgeRepro:
             if self.done:
                 break
             handled += 1
-            self.relays = []  # as _lose_relay: the chain is empty until the backoff ends
+            self.relays = []  # as RelayChain.lose: the chain is empty until the backoff ends
             run_id = workflow.info().run_id
             stalls = not os.environ.get("WEDGE_NO_STALL")  # a worker started to replace a stalled one does not
             if stalls and self.stall_s and not workflow.unsafe.is_replaying() and run_id not in _STOPPED_ONCE:

@@ -28,6 +28,7 @@ import psutil
 from rich.console import Console
 
 from client.connect import connect, store_for
+from client.exit import stop_like_ctrl_c
 from client.run_control import end_runs_now, new_run_id
 from client.settings import Settings
 from devstack.stack import DevStack
@@ -53,7 +54,6 @@ from reporting.checker import (
 )
 from services.nemesis import FaultRecord, Nemesis, partition_tool, read_table
 from workers.launcher import process_table_path
-from workers.run_command import stop_like_ctrl_c
 
 console = Console()
 STEPS_UNBOUNDED = 1_000_000  # chaos stops the run itself at --duration
@@ -88,7 +88,7 @@ def run_chaos(config: Path, overrides: list[str], duration_s: float | None, seed
     out = out or home / "chaos" / run_id
     out.mkdir(parents=True, exist_ok=True)
     table_path = process_table_path(home, run_id)
-    argv = [sys.executable, "-m", "workers.cli", "run", str(config), "--run-id", run_id, "--log-format", "json",
+    argv = [sys.executable, "-m", "cli.main", "run", str(config), "--run-id", run_id, "--log-format", "json",
             "--summary", str(out / "summary.json"), f"--run.steps={STEPS_UNBOUNDED}", *overrides]
     say(f"chaos run_id={run_id} out={out}", highlight=False)
     stop_like_ctrl_c()  # SIGTERM too: the child and the run are ended on the way out
@@ -259,11 +259,11 @@ def _alive(pid: int) -> bool:
 
 
 def _strays(home: Path, known: set[int]) -> list[int]:
-    """Worker processes (`workers.cli worker`) of this LAMINAR_HOME that the table does not list."""
+    """Worker processes (`cli.main worker`) of this LAMINAR_HOME that the table does not list."""
     out = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info.get("cmdline") or []
-        if "workers.cli" in cmd and "worker" in cmd and p.info["pid"] not in known:
+        if "cli.main" in cmd and "worker" in cmd and p.info["pid"] not in known:
             try:
                 if p.environ().get("LAMINAR_HOME") == str(home) and p.status() != psutil.STATUS_ZOMBIE:
                     out.append(p.info["pid"])

@@ -2,7 +2,7 @@
 machine's preemption warning or a cluster's drain would, and wait until it has left.
 
 A worker is named as the launchers name it: `control`, `trainer`, `relay-<host>`, `rollout-<host>`. It is found
-among this machine's processes by its command line (`... workers.cli worker <role>`) and its LAMINAR_HOME and
+among this machine's processes by its command line (`... cli.main worker <role>`) and its LAMINAR_HOME and
 LAMINAR_HOST_ID, so the command works for `laminar run`, `laminar workers` and hand-started workers alike. A
 worker that got the notice stops taking work at once and exits 0 once its activities have left (a rollout
 replica hands its groups to other replicas; the trainer finishes its step and checkpoints; a relay leaves the
@@ -31,7 +31,7 @@ class Drained:
 
 def worker_name(cmdline: list[str], environ: dict[str, str]) -> str | None:
     """The launcher's name of a worker process, from its command line and environment (None: not a worker)."""
-    if "workers.cli" not in cmdline or "worker" not in cmdline:
+    if "cli.main" not in cmdline or "worker" not in cmdline:
         return None
     rest = cmdline[cmdline.index("worker") + 1:]
     role = next((a for a in rest if not a.startswith("-") and not a.isdigit()), None)

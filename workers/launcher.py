@@ -58,7 +58,7 @@ def plan_processes(cfg: RunConfig, settings: Settings, log_dir: Path, spare_slot
     replica whose worker died is retried at once on a surviving worker. allow_faults: every process
     accepts recovery-drill faults on its own fault queue. metrics: each process serves Prometheus metrics
     on a free port of its own (LAMINAR_METRICS_PORT; a restarted process keeps its port)."""
-    base = [sys.executable, "-m", "workers.cli", "worker", *(["--allow-faults"] if allow_faults else [])]
+    base = [sys.executable, "-m", "cli.main", "worker", *(["--allow-faults"] if allow_faults else [])]
     env = {**os.environ, **settings.to_env()}
     procs = [
         ManagedProcess("control", [*base, "control"], env, log_dir / "control.log"),

@@ -172,7 +172,7 @@ class _WorkerActor:
             # forked dies, so the child dies with this actor's process, never before.
             try:
                 with open(log_path, "ab") as out:
-                    self.proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", *args],
+                    self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "worker", *args],
                                                  env=child_env, stdout=out, stderr=subprocess.STDOUT,
                                                  stdin=subprocess.DEVNULL, start_new_session=True,
                                                  preexec_fn=_die_with_parent)

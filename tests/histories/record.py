@@ -29,6 +29,7 @@ from pathlib import Path
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
 
+from cli.drill import run_drill
 from client.connect import connect, store_for
 from client.run_control import ensure_pool, start_workflow
 from client.settings import Settings
@@ -57,7 +58,6 @@ from tests.histories import (
     patch_ids,
     update_names,
 )
-from workers.drill_command import run_drill
 from workers.launcher import LocalLauncher, plan_processes
 
 RUN_TIMEOUT_S = 300.0

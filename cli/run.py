@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import socket
 import time
 from dataclasses import asdict
@@ -21,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 
 from client.connect import connect, store_for
+from client.exit import stop_like_ctrl_c
 from client.run_control import lost_error, new_run_id, report_slots, start_or_attach
 from client.settings import Settings
 from client.watch import watch_run
@@ -58,6 +58,32 @@ def check_launcher(kind: str, ray_address: str | None) -> None:
         import_ray()
 
 
+def check_binds(settings: Settings, relay_host: str | None) -> None:
+    """Refuse up front, before any process starts, to run relays (at relay_host; None: they get a run token) or
+    metrics endpoints off loopback without their secret (laminar/listeners.py)."""
+    from laminar.listeners import check_bind
+    from laminar.metrics import METRICS_RISK
+    from relay.auth import RELAY_RISK
+
+    if relay_host is not None:
+        check_bind("the weight relay", relay_host, secret=settings.relay_token, variable="LAMINAR_RELAY_TOKEN",
+                   insecure=settings.insecure, risk=RELAY_RISK)
+    check_bind("the metrics endpoint", settings.metrics_bind, secret=settings.metrics_token,
+               variable="LAMINAR_METRICS_TOKEN", insecure=settings.insecure, risk=METRICS_RISK)
+
+
+def check_run(cfg: RunConfig, settings: Settings) -> None:
+    """What `laminar run` and `laminar start` both check before a run starts (ConfigError, exit 2): a model.path
+    that is missing or unreadable, a task that cannot be named, read or built with its params, and metrics
+    endpoints off loopback without their secret (a run's relays get a run token)."""
+    from rl.tasks.loader import check_task
+    from services.model_files import check_model_path
+
+    check_model_path(cfg)
+    check_task(cfg.task)
+    check_binds(settings, None)
+
+
 def make_launcher(kind: str, cfg: RunConfig, settings: Settings, tag: str, ray_address: str | None = None,
                   allow_faults: bool = False) -> LocalLauncher | RayLauncher:
     """`local` (the default: child processes under a supervisor) or `ray` (workers/launcher_ray.py; imports Ray),
@@ -72,12 +98,6 @@ def make_launcher(kind: str, cfg: RunConfig, settings: Settings, tag: str, ray_a
     # On a cluster, relays listen on their node's IP unless LAMINAR_RELAY_BIND says otherwise.
     bind_node_ip = bool(ray_address) and not os.environ.get("LAMINAR_RELAY_BIND", "").strip()
     return RayLauncher(procs, plan_placements(cfg, procs, bind_node_ip), tag, ray_address)
-
-
-def stop_like_ctrl_c() -> None:
-    """SIGTERM / SIGHUP stop the command like Ctrl-C: nothing it started may outlive it."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler)
 
 
 def _spare_slots(cfg: RunConfig) -> int:
@@ -113,7 +133,7 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, repor
     try:
         code = asyncio.run(_drive(cfg, settings, launcher, summary_path, console, temporal_pid))
         if code == 0 and report_dir is not None:
-            from workers.cli_report import write_report
+            from cli.report import write_report
 
             write_report(store_for(settings), cfg.run.run_id, report_dir, console)
         return code

@@ -47,7 +47,7 @@ async def run_drill(settings: Settings, inp: DrillInput, report_path: Path | Non
             result_type=DrillReport,
         )
         report: DrillReport = await handle.result()
-    log_dir = settings.home / "logs" / inp.run_id  # the local launcher's (workers/run_command.py make_launcher)
+    log_dir = settings.home / "logs" / inp.run_id  # the local launcher's (cli/run.py make_launcher)
     if log_dir.is_dir():
         calls = count_tool_calls(log_dir)
         report = dataclasses.replace(report, tool_calls_rerun=calls.rerun, notes=(

@@ -1,5 +1,14 @@
-"""The `laminar` command line: run, start, status, stop, worker, dev.
+"""The `laminar` command line: one Typer app (`cli.main:app`, the `laminar` entry point `cli.main:main`).
 
+Every command is registered here, on this app: the run commands below with `@app.command`, the other modules'
+commands with `app.command(...)(function)`, and the command groups (`dev`, `bench`, `model`) with `app.add_typer`.
+
+    run, fork, start, status, report, list, stop, scale, drain, pool, pause, resume, drill, workers, worker
+    init (cli/init.py), eval (cli/eval.py), chaos (cli/chaos.py), simulate and plan (cli/sim.py)
+    dev up|down|status (cli/dev.py), bench relay|heartbeats|overhead|throughput (cli/bench.py),
+    model import-gguf (cli/model.py)
+
+Durations are written one way (cli/options.py): `30s`, `5m`, `1h`, or plain seconds.
 Exit codes: 0 success, 1 the run or a command failed, 2 invalid input (config, settings).
 """
 
@@ -18,38 +27,45 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from cli.bench import bench_app
+from cli.chaos import chaos_command
+from cli.dev import dev_app
+from cli.eval import eval_command
+from cli.init import init_command
+from cli.model import model_app
+from cli.options import (
+    CONFIG_HELP,
+    DURATION_HELP,
+    EXTRA_ARGS,
+    config_and_overrides,
+    duration,
+    old_seconds_option,
+)
+from cli.sim import plan_command, simulate_command
 from client.settings import Settings
 from laminar import names
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, LaminarError
 from laminar.logs import configure_logging
-from workers.cli_bench import bench_app
-from workers.cli_chaos import register as register_chaos
-from workers.cli_dev import dev_app
-from workers.cli_eval import register as register_eval
-from workers.cli_model import register as register_model
-from workers.cli_sim import register as register_sim
 
 app = typer.Typer(
     help="Laminar on Temporal: fault-tolerant asynchronous RL post-training.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
 )
-app.add_typer(dev_app, name="dev", help="The embedded dev stack: Temporal dev server (+ optional S3).")
-app.add_typer(bench_app, name="bench", help="Systems benchmarks (relay broadcast).")
-register_sim(app)  # laminar simulate, laminar plan
-register_model(app)  # laminar model import-gguf
-register_chaos(app)  # laminar chaos
-register_eval(app)  # laminar eval
+app.add_typer(dev_app, name="dev", help="The embedded dev stack: Temporal dev server (+ optional S3 server).")
+app.add_typer(bench_app, name="bench", help="Systems benchmarks: relay broadcast, heartbeat cost, orchestration "
+              "overhead, throughput of every run mode.")
+app.add_typer(model_app, name="model", help="Pretrained models: import a GGUF file as a model directory.")
 console = Console()
 err = Console(stderr=True)
 
 
 def _load_config(config: Path | None, overrides: list[str], steps: int | None, run_id: str | None) -> RunConfig:
-    extra = list(overrides)
+    path, extra = config_and_overrides(config, overrides)
     if steps is not None:
         extra.append(f"run.steps={steps}")
-    cfg = RunConfig.load(config, extra)
+    cfg = RunConfig.load(path, extra)
     return cfg.with_run_id(run_id) if run_id else cfg
 
 
@@ -79,24 +95,10 @@ def _accept_insecure(insecure: bool) -> None:
         os.environ["LAMINAR_INSECURE"] = "1"
 
 
-def _check_binds(settings: Settings, relay_host: str | None) -> None:
-    """Refuse up front, before any process starts, to run relays (at relay_host; None: they get a run token) or
-    metrics endpoints off loopback without their secret (laminar/listeners.py)."""
-    from laminar.listeners import check_bind
-    from laminar.metrics import METRICS_RISK
-    from relay.auth import RELAY_RISK
-
-    if relay_host is not None:
-        check_bind("the weight relay", relay_host, secret=settings.relay_token, variable="LAMINAR_RELAY_TOKEN",
-                   insecure=settings.insecure, risk=RELAY_RISK)
-    check_bind("the metrics endpoint", settings.metrics_bind, secret=settings.metrics_token,
-               variable="LAMINAR_METRICS_TOKEN", insecure=settings.insecure, risk=METRICS_RISK)
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings=EXTRA_ARGS)
 def run(
     ctx: typer.Context,
-    config: Path = typer.Argument(Path("examples/tiny.toml"), help="Run config (TOML)."),
+    config: Path | None = typer.Argument(None, help=CONFIG_HELP, show_default=False),
     steps: int | None = typer.Option(None, help="Override run.steps."),
     run_id: str | None = typer.Option(None, "--run-id", help="Run id (default: generated)."),
     summary: Path | None = typer.Option(None, help="Write the run summary JSON here."),
@@ -106,24 +108,21 @@ def run(
     ray_address: str | None = typer.Option(None, "--ray-address", help="Ray cluster to use (default: a local Ray)."),
     insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
 ) -> None:
-    """Run the embedded default end to end: dev stack, workers, workflow, live progress, summary.
+    """Run a config end to end on this machine (default: the packaged tiny config): dev stack, workers, workflow,
+    live progress, summary.
 
     Extra `--section.key=value` arguments override config values.
     """
-    from rl.tasks.loader import check_task
-    from services.model_files import check_model_path
-    from workers.run_command import check_launcher, run_local
+    from cli.run import check_launcher, check_run, run_local
 
     with _exit_codes():
         _accept_insecure(insecure)
         check_launcher(launcher, ray_address)
         cfg = _load_config(config, ctx.args, steps, run_id)
-        check_model_path(cfg)  # this host runs the trainer: a bad model.path fails before anything starts
-        check_task(cfg.task)  # ... and a task that cannot be named, read or built with its params
-        _check_binds(Settings.from_env(), None)  # run makes a relay token; metrics endpoints need theirs
+        check_run(cfg, Settings.from_env())  # model path, task, listener binds: before anything starts
         configure_logging(log_format)
         if report is not None:
-            from workers.cli_report import check_matplotlib
+            from reporting.report import check_matplotlib
 
             check_matplotlib()  # fail before the run, not after it
         code = run_local(cfg, summary_path=summary, console=console, report_dir=report, launcher_kind=launcher,
@@ -131,7 +130,7 @@ def run(
     raise typer.Exit(code)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings=EXTRA_ARGS)
 def fork(
     ctx: typer.Context,
     parent: str = typer.Argument(..., help="The run to continue: its config and checkpoints are read from the store."),
@@ -145,14 +144,14 @@ def fork(
     progress, summary). The way on when Temporal lost a run's state (its database was reset or replaced): the new
     run has a new id, records its parent (run.parent, run.parent_step, runs/<id>/run.json) and writes nothing of
     the parent's. Extra `--section.key=value` arguments override the parent's config."""
+    from cli.run import check_binds, run_local
     from client.connect import store_for
     from client.fork import fork_config
-    from workers.run_command import run_local
 
     with _exit_codes():
         _accept_insecure(insecure)
         settings = Settings.from_env()
-        _check_binds(settings, None)
+        check_binds(settings, None)
         cfg = fork_config(store_for(settings), parent, run_id, list(ctx.args), steps)
         console.print(f"fork of run {parent} from its checkpoint at step {cfg.run.parent_step}: new run "
                       f"{cfg.run.run_id}, {cfg.run.steps} steps", highlight=False)
@@ -161,19 +160,26 @@ def fork(
     raise typer.Exit(code)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings=EXTRA_ARGS)
 def start(
     ctx: typer.Context,
-    config: Path = typer.Argument(..., help="Run config (TOML)."),
+    config: Path | None = typer.Argument(None, help=CONFIG_HELP, show_default=False),
     steps: int | None = typer.Option(None, help="Override run.steps."),
     run_id: str | None = typer.Option(None, "--run-id", help="Run id (default: generated)."),
+    insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
 ) -> None:
-    """Start a run on running workers (Python client); prints the run id."""
+    """Start a run on running workers (`laminar workers`); prints the run id. The config is checked as `laminar run`
+    checks it (model path, task, listener binds) before the run starts.
+
+    Extra `--section.key=value` arguments override config values."""
+    from cli.run import check_run
     from client.run_control import start_run
 
     with _exit_codes():
+        _accept_insecure(insecure)
         cfg = _load_config(config, ctx.args, steps, run_id)
         settings = Settings.from_env()
+        check_run(cfg, settings)  # the same checks as `laminar run`, before the run starts
         rid = asyncio.run(start_run(settings, cfg))
     console.print(f"run_id={rid}", highlight=False)
 
@@ -199,7 +205,7 @@ def report(
     out: Path | None = typer.Option(None, "--out", help="Directory for the PNGs and report.html (default reports/<run>)."),
 ) -> None:
     """Plots and one self-contained HTML page of a run, from its records in the object store."""
-    from workers.cli_report import report as write
+    from cli.report import report as write
 
     with _exit_codes():
         write(run_id, out, console)
@@ -211,7 +217,7 @@ def list_runs(
     limit: int = typer.Option(20, help="Show at most this many runs, newest first."),
 ) -> None:
     """List runs (TrainingRunWorkflow executions) with their mode, phase, step, policy version and reward."""
-    from workers.cli_report import list_command
+    from cli.report import list_command
 
     with _exit_codes():
         list_command(query, limit, console)
@@ -261,8 +267,9 @@ def scale(
 @app.command()
 def drain(
     worker: str = typer.Argument(..., help="The worker to drain: control, trainer, relay-<host> or rollout-<host>."),
-    wait_s: float | None = typer.Option(None, "--wait", help="Seconds to wait for it to leave (default: the "
-                                        "notice, LAMINAR_NOTICE_S, plus 10)."),
+    timeout: str | None = typer.Option(None, "--timeout", help=f"How long to wait for it to leave ({DURATION_HELP}; "
+                                       "default: the notice, LAMINAR_NOTICE_S, plus 10 s)."),
+    wait_s: float | None = old_seconds_option("--wait"),
 ) -> None:
     """Give a worker the notice, as a preemption warning would: it takes no new work, its activities leave cleanly
     (replicas hand their groups to others, the trainer checkpoints, a relay leaves the chain) and it exits 0."""
@@ -270,7 +277,8 @@ def drain(
 
     with _exit_codes():
         settings = Settings.from_env()
-        out = drain_worker(settings.home, worker, wait_s if wait_s is not None else settings.notice_s + 10)
+        wait = duration(timeout, "--timeout", wait_s, "--wait")
+        out = drain_worker(settings.home, worker, wait if wait is not None else settings.notice_s + 10)
     for d in out:
         left = f"left in {d.left_s:.1f} s" if d.left_s is not None else "still running"
         console.print(f"worker={d.name} pid={d.pid} {left}", highlight=False)
@@ -321,37 +329,43 @@ def drill(
                                "rollout | relay | trainer, optionally :ID (rollout:replica-1)."),
     at_step: int = typer.Option(0, "--at-step", help="Inject once the run has completed this many steps."),
     report: Path | None = typer.Option(None, help="Also write the report here as JSON."),
-    timeout_s: float = typer.Option(300.0, "--timeout-s", help="Give up waiting for recovery after (s)."),
-    outage_s: float = typer.Option(3.0, "--outage-s", help="store: how long the S3 server stays down (s)."),
+    timeout: str | None = typer.Option(None, "--timeout", help=f"Give up waiting for recovery after this long "
+                                       f"({DURATION_HELP}).", show_default="5m"),
+    outage: str | None = typer.Option(None, "--outage", help=f"store: how long the S3 server stays down "
+                                      f"({DURATION_HELP}).", show_default="3s"),
+    timeout_s: float | None = old_seconds_option("--timeout-s"),
+    outage_s: float | None = old_seconds_option("--outage-s"),
     during: str = typer.Option("", help="migration: wait for a pending repack migration and inject then (a rollout "
                                "fault goes to its source replica's process)."),
 ) -> None:
     """Inject a failure into a live run, watch it recover, report (also stored under runs/<id>/drills/)."""
+    from cli.drill import render_report, run_drill
     from laminar.messages import DrillInput
-    from workers.drill_command import render_report, run_drill
 
     with _exit_codes():
         settings = Settings.from_env()
         configure_logging(settings.log_format, "warning")
         inp = DrillInput(run_id=run_id, drill_id="", fault=fault, target=target, at_step=at_step,
-                         timeout_s=timeout_s, outage_s=outage_s, during=during)
+                         timeout_s=duration(timeout, "--timeout", timeout_s, "--timeout-s", default="5m"),
+                         outage_s=duration(outage, "--outage", outage_s, "--outage-s", default="3s"), during=during)
         result = asyncio.run(run_drill(settings, inp, report))
     console.print(render_report(result))
     if not result.recovered or result.groups_lost or result.groups_consumed_twice:
         raise typer.Exit(1)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings=EXTRA_ARGS)
 def workers(
     ctx: typer.Context,
-    config: Path = typer.Argument(Path("examples/tiny.toml"), help="Config that sizes the workers (hosts, replicas)."),
+    config: Path | None = typer.Argument(None, help="Config that sizes the workers (hosts, replicas); default: the "
+                                         "packaged tiny config.", show_default=False),
     launcher: str = typer.Option("local", "--launcher", help="local (child processes) | ray (Ray actors)."),
     ray_address: str | None = typer.Option(None, "--ray-address", help="Ray cluster to use (default: a local Ray)."),
     allow_faults: bool = typer.Option(False, "--allow-faults", help="Every process accepts recovery-drill faults."),
     insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
 ) -> None:
     """Start every worker process a config needs and keep them until Ctrl-C (start runs with `laminar start`)."""
-    from workers.run_command import serve_workers
+    from cli.run import check_binds, serve_workers
 
     with _exit_codes():
         _accept_insecure(insecure)
@@ -359,7 +373,7 @@ def workers(
         settings = Settings.from_env()
         configure_logging(settings.log_format)
         on_node_ip = launcher == "ray" and ray_address and not os.environ.get("LAMINAR_RELAY_BIND", "").strip()
-        _check_binds(settings, "the Ray node's address" if on_node_ip else settings.relay_bind)
+        check_binds(settings, "the Ray node's address" if on_node_ip else settings.relay_bind)
         code = serve_workers(cfg, console, launcher, ray_address, allow_faults)
     raise typer.Exit(code)
 
@@ -394,6 +408,14 @@ def worker(
             asyncio.run(main_fn(settings, allow_faults, slots))
         else:
             asyncio.run(main_fn(settings, allow_faults))
+
+
+# the commands of the other modules, after this module's own (the order of `laminar --help`)
+app.command("init")(init_command)
+app.command("eval", context_settings=EXTRA_ARGS)(eval_command)
+app.command("chaos", context_settings=EXTRA_ARGS)(chaos_command)
+app.command("simulate")(simulate_command)
+app.command("plan")(plan_command)
 
 
 def main() -> None:

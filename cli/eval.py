@@ -19,7 +19,7 @@ err = Console(stderr=True)
 
 def eval_command(
     ctx: typer.Context,
-    config: Path = typer.Argument(..., help="Run config (TOML): its [eval] and [task] sections are used."),
+    config: Path = typer.Argument(..., help="Run config (TOML): its \\[eval] and \\[task] sections are used."),
     checkpoint: str = typer.Option(..., "--checkpoint", help="RUN_ID@STEP (a committed checkpoint), RUN_ID (its "
                                    "newest), or a Hugging Face model directory."),
     prompts: Path | None = typer.Option(None, "--prompts", help="JSONL or Parquet evaluation prompts (default: "
@@ -59,8 +59,3 @@ def eval_command(
     console.print(table)
     console.print(f"record: {outcome.key} ({outcome.wall_s:.1f} s)", highlight=False)
 
-
-def register(app: typer.Typer) -> None:
-    """Add `eval` to the `laminar` command line (workers/cli.py)."""
-    app.command(name="eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
-        eval_command)

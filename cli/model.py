@@ -19,7 +19,9 @@ from rich.console import Console
 from client.settings import Settings
 from laminar.errors import ConfigError
 
-model_app = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False)
+model_app = typer.Typer(help="Pretrained models: import a GGUF file as a model directory; export a checkpoint as one.",
+                        no_args_is_help=True,
+                        pretty_exceptions_show_locals=False)  # mounted as `laminar model` (cli/main.py)
 console = Console()
 err = Console(stderr=True)
 
@@ -64,8 +66,3 @@ def export_command(
         raise typer.Exit(1) from None
     console.print(f"{out}: {kind}", highlight=False)
 
-
-def register(app: typer.Typer) -> None:
-    """Add `model` to the `laminar` command line (workers/cli.py)."""
-    app.add_typer(model_app, name="model", help="Pretrained models: import a GGUF file as a model directory; export a "
-                  "checkpoint as one.")

@@ -1,6 +1,8 @@
-"""`laminar bench`: measurements that never run as timed tests (see docs/relay.md).
+"""`laminar bench`: measurements that never run as timed tests (mounted as `bench` by cli/main.py).
 
     laminar bench relay --size 256MiB --relays 1,2,4,8 [--rate 1000] [--json out.json] [--plot out.png]
+    laminar bench heartbeats --replicas 0,16,64 [--window 30s]
+    laminar bench overhead [CONFIG] [--steps N] [--json PATH]
     laminar bench throughput --modes laminar,sync,one_step,stream,partial_rollout --replicas 8
         [--engine modelled|torch] [--workload long_tail|uniform|tools|both|all] [--iterations N] [--json PATH] [--plot PATH]
 """
@@ -17,17 +19,19 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from laminar.errors import LaminarError
+from cli.options import DURATION_HELP, EXTRA_ARGS, config_and_overrides, duration, old_seconds_option
+from laminar.errors import ConfigError, LaminarError
 
-bench_app = typer.Typer(help="Benchmarks: relay broadcast.", no_args_is_help=True,
-                        pretty_exceptions_show_locals=False)
+bench_app = typer.Typer(help="Systems benchmarks: relay broadcast, heartbeat cost, orchestration overhead, "
+                        "throughput of every run mode.", no_args_is_help=True, pretty_exceptions_show_locals=False)
 console = Console()
 err = Console(stderr=True)
 
 
 @bench_app.callback()
 def _bench() -> None:
-    """Benchmarks: measured, never asserted in tests."""
+    """Systems benchmarks, measured and printed (never asserted in tests): relay broadcast, heartbeat cost,
+    orchestration overhead, throughput of every run mode."""
 
 def parse_size(text: str) -> int:
     """'268435456', '256MiB', '1.5GB' -> bytes (pydantic's ByteSize: decimal and binary units)."""
@@ -118,41 +122,52 @@ def render_table(report: dict) -> Table:
 @bench_app.command("heartbeats")
 def heartbeats_bench(
     replicas: str = typer.Option("0,16,64", help="Heartbeating activities to measure, comma-separated."),
-    window_s: float = typer.Option(30.0, min=5.0, help="Measurement window per count (s)."),
+    window: str | None = typer.Option(None, "--window", help=f"Measurement window per count ({DURATION_HELP}; at "
+                                      "least 5s).", show_default="30s"),
+    window_s: float | None = old_seconds_option("--window-s"),
 ) -> None:
     """What second-scale failure detection costs the Temporal server: heartbeat RPCs/s and server CPU."""
     import asyncio
 
     from bench.heartbeats import measure
-    from workers.run_command import stop_like_ctrl_c
+    from client.exit import stop_like_ctrl_c
 
+    try:
+        seconds = duration(window, "--window", window_s, "--window-s", default="30s")
+        if seconds < 5:
+            raise ConfigError(f"--window {window or window_s}: measure at least 5s per count")
+    except ConfigError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
     stop_like_ctrl_c()  # SIGTERM too: its own dev server and workflow go with it
 
     table = Table("activities", "heartbeat RPCs/s", "server CPU %")
     for n in sorted({int(x) for x in replicas.split(",") if x.strip()}):
-        row = asyncio.run(measure(n, window_s))
+        row = asyncio.run(measure(n, seconds))
         table.add_row(str(n), str(row["heartbeat_rpcs_per_s"]), str(row["server_cpu_percent"]))
     console.print(table)
 
 
-@bench_app.command("overhead", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@bench_app.command("overhead", context_settings=EXTRA_ARGS)
 def overhead_bench(
     ctx: typer.Context,
-    config: Path = typer.Argument(Path("examples/tiny.toml"), help="Run config (TOML), used by both sides."),
+    config: Path | None = typer.Argument(None, help="Run config (TOML), used by both sides; default: the packaged "
+                                         "tiny config.", show_default=False),
     steps: int | None = typer.Option(None, help="Override run.steps."),
     json_path: Path | None = typer.Option(None, "--json", help="Write {\"loop\": ..., \"laminar\": ...} here."),
 ) -> None:
     """The single-process loop, then `laminar run`, on the same config: wall time, tokens/s, time to reward,
     reward rise, ratios, and laminar's time breakdown. Extra `--section.key=value` arguments override both."""
     from bench.overhead import ratios, run_laminar, run_loop
-    from workers.run_command import stop_like_ctrl_c
+    from client.exit import stop_like_ctrl_c
 
     stop_like_ctrl_c()  # SIGTERM too: its `laminar run` child and that run end with it
     from client.settings import Settings
     from laminar.config import RunConfig
     from reporting.summary import format_profile
 
-    overrides = [*ctx.args, *([f"--run.steps={steps}"] if steps is not None else [])]
+    config, overrides = config_and_overrides(config, ctx.args)
+    overrides += [f"--run.steps={steps}"] if steps is not None else []
     try:
         cfg = RunConfig.load(config, overrides)
         err.print("[dim]single-process loop ...[/dim]")
@@ -177,7 +192,7 @@ def overhead_bench(
         console.print(f"wrote {json_path}")
 
 
-@bench_app.command("throughput", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@bench_app.command("throughput", context_settings=EXTRA_ARGS)
 def throughput_bench(
     ctx: typer.Context,
     modes: str = typer.Option("laminar,sync,one_step,stream,partial_rollout",
@@ -254,7 +269,7 @@ def throughput_bench(
             elif note:
                 bar.update(tasks[label], info=note)
 
-        from workers.run_command import stop_like_ctrl_c
+        from client.exit import stop_like_ctrl_c
 
         stop_like_ctrl_c()  # SIGTERM too: its runs are ended, its workers stopped (bench/throughput.py)
         try:

@@ -1,7 +1,7 @@
 """`laminar simulate` and `laminar plan`: the discrete-event simulator at GPU scale (sim/, docs/simulator.md).
 
     laminar simulate --model 7b|32b|72b [--gpus 16,32,...] [--modes ...] [--workload math|uniform|tool]
-        [--repack on|off] [--relay-bench docs/relay-bench.json] [--fail rollout@600 ...] [--json F] [--plot F]
+        [--repack on|off] [--relay-bench docs/relay-bench.json] [--fail rollout@10m ...] [--json F] [--plot F]
     laminar simulate --validate [--modes ...] [--workloads long_tail,uniform] [--iterations N] [--kv-binds]
     laminar plan --model 7b --gpus 256 [--workload math]
 """
@@ -62,15 +62,19 @@ def _check_workload(workload: str) -> str:
 
 
 def parse_failure(text: str) -> tuple[str, float]:
-    """'rollout@600' -> ('rollout', 600.0): a failure kind and the modelled second it strikes."""
+    """'rollout@600' or 'rollout@10m' -> ('rollout', 600.0): a failure kind and the modelled time it strikes (a
+    duration as every flag writes one: cli/options.py parse_duration)."""
+    from cli.options import parse_duration
+    from laminar.errors import ConfigError
+
     kind, _, at = text.partition("@")
     try:
-        t = float(at)
-    except ValueError:
+        t = parse_duration(at, "--fail", allow_zero=True)
+    except ConfigError:
         t = -1.0
     if kind not in FAILURES or t < 0:
-        raise typer.BadParameter(f"--fail {text!r} is not KIND@SECONDS with KIND one of {', '.join(FAILURES)} "
-                                 f"(e.g. rollout@600)")
+        raise typer.BadParameter(f"--fail {text!r} is not KIND@TIME with KIND one of {', '.join(FAILURES)} and "
+                                 f"TIME as 30s, 10m, 1h or plain seconds (e.g. rollout@600, rollout@10m)")
     return kind, t
 
 
@@ -155,8 +159,8 @@ def simulate_command(
     warmup: int = typer.Option(3, min=1, help="Of which excluded from the metrics (warm-up)."),
     relay_bench: Path | None = typer.Option(None, "--relay-bench", help="Relay chain bandwidths from a `laminar "
                                             "bench relay --json` report (e.g. docs/relay-bench.json)."),
-    fail: list[str] = typer.Option([], "--fail", help="KIND@SECONDS (rollout, relay, trainer, preempt): predict "
-                                   "the throughput a failure costs; repeatable."),
+    fail: list[str] = typer.Option([], "--fail", help="KIND@TIME (rollout, relay, trainer, preempt; TIME as 10m "
+                                   "or plain seconds): predict the throughput a failure costs; repeatable."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the report as JSON here."),
     plot_path: Path | None = typer.Option(None, "--plot", help="Write the plots (PNG) here."),
     validate: bool = typer.Option(False, "--validate", help="Run the simulator and `laminar bench throughput` on "
@@ -282,8 +286,8 @@ def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replica
                      kv_binds: bool, json_path: Path | None) -> None:
     """Simulator and real stack (bench/throughput.py run_bench, the modelled engine) on the same configs."""
     from bench.throughput import WORKLOADS, BenchSpec, run_bench
-    from workers.cli_bench import launch_bench_workers
-    from workers.run_command import stop_like_ctrl_c
+    from cli.bench import launch_bench_workers
+    from client.exit import stop_like_ctrl_c
 
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad or not workloads:
@@ -325,8 +329,3 @@ def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replica
     if not all(r["within_15pct"] for r in rows):
         raise typer.Exit(1)
 
-
-def register(app: typer.Typer) -> None:
-    """Add `simulate` and `plan` to the `laminar` command line (workers/cli.py)."""
-    app.command("simulate")(simulate_command)
-    app.command("plan")(plan_command)
