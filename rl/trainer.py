@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from laminar.config import TrainerSection
+from laminar.errors import ConfigError
 from laminar.records import Trajectory
 from rl.grpo import behaviour_drift, clipped_token_loss, group_advantages, split_stale
 from rl.model import CausalLM, load_model_state, model_state_dict
@@ -252,6 +253,9 @@ class Trainer:
         return {"model": model, "optim": optim}
 
     def _load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        if "lora.base_fingerprint" in sd:  # rl/lora.py LoraTrainer restores those
+            raise ConfigError("this checkpoint holds a LoRA adapter, not full weights; restore it with trainer.lora set "
+                              "as in the run that wrote it (`laminar model export --merge` makes full weights of it)")
         load_model_state(self.model, sd)
 
     def load_state_parts(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:

@@ -271,3 +271,11 @@ def test_the_single_process_loop_trains_adapters_with_lora_on(tmp_path) -> None:
                                 "--rollout.group_size=4", "--trainer.groups_per_step=2", '--trainer.lora={"r": 2}'])
     result = run_sync_loop(cfg, build_base_model(cfg, tmp_path / "base"), steps=2)
     assert len(result.metrics) == 2 and all(m.updated for m in result.metrics)
+
+
+def test_a_full_trainer_refuses_an_adapter_checkpoint() -> None:
+    from rl.trainer import Trainer
+
+    parts = lora_trainer().state_parts()
+    with pytest.raises(ConfigError, match="holds a LoRA adapter, not full weights"):
+        Trainer(build_model(HF, seed=0), TrainerSection(), group_size=3).load_state_parts(parts)
