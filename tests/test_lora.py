@@ -279,3 +279,23 @@ def test_a_full_trainer_refuses_an_adapter_checkpoint() -> None:
     parts = lora_trainer().state_parts()
     with pytest.raises(ConfigError, match="holds a LoRA adapter, not full weights"):
         Trainer(build_model(HF, seed=0), TrainerSection(), group_size=3).load_state_parts(parts)
+
+
+def test_the_exported_adapter_loads_in_peft_with_the_trainer_s_logits(tmp_path) -> None:
+    """`laminar model export` of an adapter checkpoint: peft's own PeftModel.from_pretrained on the base (a
+    transformers Llama holding the same weights) computes what the trainer's model computes."""
+    pytest.importorskip("transformers")
+    from peft import PeftModel
+
+    from rl.hf_model import build_hf_model
+
+    trainer = lora_trainer()
+    for version in range(2):
+        trainer.step(on_policy_batch(trainer.model, version), trainer_version=version)
+    base = build_hf_model({**HF, "architectures": ["LlamaForCausalLM"], "head_dim": 8}, seed=3)
+    load_base(base, model_state_dict(build_model(HF, seed=0)))
+    out = write_peft_adapter(tmp_path / "adapter", trainer.policy_state_dict())
+    peft_model = PeftModel.from_pretrained(base.hf, str(out)).eval()
+    ids = torch.tensor([[1, 3, 4, 5, 6, 2]])
+    with torch.no_grad():
+        assert torch.allclose(peft_model(input_ids=ids).logits.float(), trainer.model(ids), atol=1e-5)
