@@ -23,7 +23,11 @@ Interfaces
 - `merged_state_dict(base, payload)`: the full Hugging Face state dict (eval of an adapter checkpoint, merged export);
   `write_peft_adapter(out, payload, spec)`: a peft adapter directory (adapter_config.json, adapter_model.safetensors).
 - The base reaches rollout replicas once per run: the trainer publishes the model's safetensors beside config.json
-  (services/model_files.py `publish_base_weights`, only with LoRA on); replicas read them when their engine is built.
+  (services/model_files.py `publish_base_weights`, only with LoRA on, sha256 per file); replicas read them when their
+  engine is built (`load_run_base`, checked), and so do `laminar eval` and `laminar model export` of an adapter
+  checkpoint (services/evaluate.py `load_checkpoint_weights`, services/export.py: a peft directory, or `--merge`).
+- Engines: the torch engine merges (above); the modelled engine ignores tensors; vLLM is refused at config load
+  (laminar/config.py LORA_ROLLOUT_ENGINES) until its LoRA request path is built and tested.
 
 Invariants (tests/test_lora.py)
 1. Only adapter parameters require grad; a trainer step changes no base weight.
