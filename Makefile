@@ -60,7 +60,7 @@ proxy:
 		&& { $(PROXY_APT) || { apt-get update -q >/dev/null && $(PROXY_APT); }; }; } \
 		|| echo "nginx + libnginx-mod-stream not installed (apt-get install needs root and a reachable Debian mirror): tests/test_mtls.py skips its proxy tests"
 
-# A packet filter for `laminar chaos`'s partition faults (services/nemesis.py drops a relay's data-plane port with
+# A packet filter for `laminar chaos`'s partition faults (chaos/nemesis.py drops a relay's data-plane port with
 # iptables or nft): Debian's iptables through apt where neither exists (needs root). Where apt is not usable it says
 # so, and the chaos report marks each partition fault skipped with the same reason.
 NETFILTER_APT = apt-get install -y -q --no-install-recommends iptables >/dev/null 2>&1

@@ -12,9 +12,8 @@ from dataclasses import asdict
 from temporalio import activity
 from temporalio.client import Client
 
-from laminar import names
-from laminar.errors import StoreError
-from laminar.messages import (
+from laminar import contract
+from laminar.contract import (
     DrillInput,
     DrillPlan,
     DrillReport,
@@ -23,6 +22,7 @@ from laminar.messages import (
     RunStatus,
     workflow_id_for,
 )
+from laminar.errors import StoreError
 from services import drill as rules
 from storage import keys
 from storage.objects import ObjectStore
@@ -41,7 +41,7 @@ class DrillActivities:
 
     async def _status(self, run_id: str) -> RunStatus:
         handle = self.client.get_workflow_handle(workflow_id_for(run_id))
-        return await handle.query(names.STATUS, result_type=RunStatus)
+        return await handle.query(contract.STATUS, result_type=RunStatus)
 
     async def _try_status(self, run_id: str) -> RunStatus | None:
         """None while the run cannot answer. Bounded: with the control worker down a query waits for the server's
@@ -51,7 +51,7 @@ class DrillActivities:
         except Exception:  # the control worker may be down: that is what some drills do
             return None
 
-    @activity.defn(name=names.PLAN_DRILL)
+    @activity.defn(name=contract.PLAN_DRILL)
     async def plan_drill(self, inp: DrillInput) -> DrillPlan:
         while True:
             st = await self._try_status(inp.run_id)
@@ -62,7 +62,7 @@ class DrillActivities:
             activity.heartbeat(st.step if st else None)
             await asyncio.sleep(POLL_S)
 
-    @activity.defn(name=names.INTERRUPT_STORE)
+    @activity.defn(name=contract.INTERRUPT_STORE)
     async def interrupt_store(self, inp: DrillInput) -> InjectFaultResult:
         if self._interrupt is None:
             raise RuntimeError("this drill runner cannot interrupt the store: run it where `laminar dev up --s3` runs")
@@ -73,7 +73,7 @@ class DrillActivities:
         stopped_at, _back_at = task.result()
         return InjectFaultResult(process="s3", pid=0, injected_at=stopped_at)
 
-    @activity.defn(name=names.OBSERVE_RECOVERY)
+    @activity.defn(name=contract.OBSERVE_RECOVERY)
     async def observe_recovery(self, inp: ObserveInput) -> DrillReport:
         plan, injected_at, run_id = inp.plan, inp.injected.injected_at, inp.drill.run_id
         deadline = time.time() + inp.drill.timeout_s

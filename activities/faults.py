@@ -12,9 +12,9 @@ import time
 
 from temporalio import activity
 
-from laminar import names
+from laminar import contract
+from laminar.contract import InjectFaultInput, InjectFaultResult
 from laminar.logs import get_logger
-from laminar.messages import InjectFaultInput, InjectFaultResult
 
 log = get_logger(__name__)
 
@@ -23,7 +23,7 @@ class FaultActivities:
     def __init__(self, process: str) -> None:
         self.process = process
 
-    @activity.defn(name=names.INJECT_FAULT)
+    @activity.defn(name=contract.INJECT_FAULT)
     async def inject_fault(self, inp: InjectFaultInput) -> InjectFaultResult:
         """Acknowledge, then signal this process after delay_s: SIGKILL (no cleanup: a real crash), or for
         `preempt` SIGTERM (the notice a spot machine gets: the worker leaves within its notice)."""

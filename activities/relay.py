@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 from temporalio import activity
 
-from laminar import names
+from laminar import contract
+from laminar.contract import RelayInfo, RunRelayInput
 from laminar.logs import get_logger
-from laminar.messages import RelayInfo, RunRelayInput
 from laminar.notice import NOTICE, Notice
 
 log = get_logger(__name__)
@@ -41,7 +41,7 @@ class RelayActivities:
         self._busy = busy  # RelayServer.busy: something is in flight through the relay
         self._notice = notice
 
-    @activity.defn(name=names.RUN_RELAY)
+    @activity.defn(name=contract.RUN_RELAY)
     async def run_relay(self, inp: RunRelayInput) -> str:
         if inp.relay_id != self.relay_id:
             raise RuntimeError(
@@ -51,7 +51,7 @@ class RelayActivities:
         handle = activity.client().get_workflow_handle(inp.workflow_id)
         info = RelayInfo(relay_id=self.relay_id, host_id=self.host_id, address=self.address)
         if not self._notice.given:
-            await handle.signal(names.RELAY_JOINED, info)
+            await handle.signal(contract.RELAY_JOINED, info)
             log.info("relay_joined", relay_id=self.relay_id, address=self.address, run_id=inp.run_id)
         try:
             beat_at = 0.0
@@ -70,7 +70,7 @@ class RelayActivities:
         t0 = time.monotonic()
         try:
             # bounded: a control plane that is away must not hold the relay past its notice
-            dropped = await asyncio.wait_for(handle.execute_update(names.RELAY_LEAVING, info, result_type=bool),
+            dropped = await asyncio.wait_for(handle.execute_update(contract.RELAY_LEAVING, info, result_type=bool),
                                              timeout=max(0.5, self._notice.remaining_s() / 2))
         except Exception as e:  # noqa: BLE001 - the run ended, or its control plane is away: leave all the same
             log.warning("relay_leaving_not_acknowledged", relay_id=self.relay_id, run_id=inp.run_id, error=str(e))

@@ -24,10 +24,9 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.errors import permanent_errors
 from activities.heartbeat import background_heartbeat
-from laminar import names
+from laminar import contract
 from laminar.config import RunConfig
-from laminar.logs import get_logger
-from laminar.messages import (
+from laminar.contract import (
     AddExperienceInput,
     AddExperienceResult,
     ClaimPromptsInput,
@@ -35,6 +34,7 @@ from laminar.messages import (
     RolloutReplicaInput,
     RolloutReplicaResult,
 )
+from laminar.logs import get_logger
 from laminar.metrics import CONTROL_UPDATE_RETRIES
 from laminar.notice import NOTICE
 from services.rollout import RolloutReplica
@@ -105,7 +105,7 @@ class _TemporalControl:
     def claim(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
         if inp.first_claim:
             self._check_current_attempt()
-        return self._update(names.CLAIM_PROMPTS, inp, ClaimPromptsResult)
+        return self._update(contract.CLAIM_PROMPTS, inp, ClaimPromptsResult)
 
     def _check_current_attempt(self) -> None:
         """Before a first claim: this attempt must be the replica activity's current one in the workflow's current
@@ -131,7 +131,7 @@ class _TemporalControl:
                                    "no first claim")
 
     def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
-        return self._update(names.ADD_EXPERIENCE, inp, AddExperienceResult)
+        return self._update(contract.ADD_EXPERIENCE, inp, AddExperienceResult)
 
     def heartbeat(self, details: dict) -> None:
         activity.heartbeat(details)
@@ -151,7 +151,7 @@ class RolloutActivities:
         self.store = store
         self.host_id = host_id
 
-    @activity.defn(name=names.RUN_ROLLOUT_REPLICA, no_thread_cancel_exception=True)
+    @activity.defn(name=contract.RUN_ROLLOUT_REPLICA, no_thread_cancel_exception=True)
     @permanent_errors()  # a ConfigError (bad run config) fails the replica for good, not retried forever
     def run_rollout_replica(self, inp: RolloutReplicaInput) -> RolloutReplicaResult:
         info = activity.info()

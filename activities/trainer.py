@@ -11,9 +11,8 @@ from temporalio import activity
 
 from activities.errors import permanent_errors
 from activities.heartbeat import background_heartbeat
-from laminar import names
-from laminar.errors import CorruptDataError
-from laminar.messages import (
+from laminar import contract
+from laminar.contract import (
     RepublishInput,
     TrainerInitInput,
     TrainerInitResult,
@@ -21,6 +20,7 @@ from laminar.messages import (
     TrainStepResult,
     TrainStepsInput,
 )
+from laminar.errors import CorruptDataError
 from services.trainer import TrainerService
 
 
@@ -28,13 +28,13 @@ class TrainerActivities:
     def __init__(self, service: TrainerService) -> None:
         self.service = service
 
-    @activity.defn(name=names.INIT_TRAINER)
+    @activity.defn(name=contract.INIT_TRAINER)
     def init_trainer(self, inp: TrainerInitInput) -> TrainerInitResult:
         # Loading (or first building) the model reports no progress: beat until it returns.
         with background_heartbeat(stall_s=None), permanent_errors(CorruptDataError):
             return self.service.init(inp)
 
-    @activity.defn(name=names.TRAIN_STEP)
+    @activity.defn(name=contract.TRAIN_STEP)
     def train_step(self, inp: TrainStepInput) -> TrainStepResult:
         with background_heartbeat() as progress, permanent_errors(CorruptDataError):
             info = activity.info()
@@ -42,7 +42,7 @@ class TrainerActivities:
             return self.service.train_step(inp, heartbeat=progress.tick, schedule_to_start_s=queued_s,
                                            scheduled_at=info.scheduled_time.timestamp(), attempt=info.attempt)
 
-    @activity.defn(name=names.TRAIN_STEPS)
+    @activity.defn(name=contract.TRAIN_STEPS)
     def train_steps(self, inp: TrainStepsInput) -> list[TrainStepResult]:
         """Several steps back to back: after the first, each starts where the last ended (no rewind, no wait for
         the workflow). A retry runs them all again from the first input, as train_step's retry does."""
@@ -55,6 +55,6 @@ class TrainerActivities:
                                             attempt=info.attempt)
                     for i, step in enumerate(steps)]
 
-    @activity.defn(name=names.REPUBLISH)
+    @activity.defn(name=contract.REPUBLISH)
     def republish(self, inp: RepublishInput) -> int:
         return self.service.republish(inp)

@@ -64,12 +64,14 @@ from pathlib import Path
 from typing import Any, get_args
 
 from client.settings import Settings
-from laminar.config import MODELLED_TIME, MODES, Engine, RunConfig
+from laminar.config import MODES, Engine, RunConfig
+from laminar.contract import RunStatus
 from laminar.errors import LaminarError
 from laminar.logs import get_logger
-from laminar.messages import RunStatus
 from reporting.report import version_intervals  # per-replica timeline, in modelled s with scale=time_scale
 from reporting.summary import build_profile, percentile
+from rl.factory import check_engines, time_modelled
+from rl.factory import time_scale as engine_time_scale
 from storage.objects import ObjectStore
 from storage.records import TrajRow, step_records, trajectory_rows
 
@@ -122,7 +124,7 @@ def scaled_overrides(mode: str, replicas: int, engine: str, workload: str, itera
         f"rollout.engine={engine}",
         f"trainer.engine={engine}",
         f"modelled.workload={workload}",
-        *([f"modelled.speedup={WORKLOAD_SPEEDUP[workload]:g}"] if engine in MODELLED_TIME else []),
+        *([f"modelled.speedup={WORKLOAD_SPEEDUP[workload]:g}"] if time_modelled(engine) else []),
         f"rollout.group_size={GROUP_SIZE}",
         f"rollout.max_inflight_groups={GROUPS_PER_REPLICA}",
         f"trainer.groups_per_step={groups_per_step}",
@@ -131,8 +133,8 @@ def scaled_overrides(mode: str, replicas: int, engine: str, workload: str, itera
 
 
 def time_scale(cfg: RunConfig) -> float:
-    """Modelled seconds per wall second: modelled.speedup for the modelled engine, 1 for torch."""
-    return cfg.time_scale
+    """Modelled seconds per wall second: modelled.speedup for the modelled engine, 1 for torch (rl.factory)."""
+    return engine_time_scale(cfg)
 
 
 # -- records -------------------------------------------------------------------------------------------
@@ -389,7 +391,7 @@ class BenchSpec:
     def run_config(self, mode: str, workload: str, stamp: str, repack: bool = True) -> RunConfig:
         overrides = [*scaled_overrides(mode, self.replicas, self.engine, workload, self.iterations),
                      f"rollout.repack={str(repack and mode == 'laminar').lower()}", *self.extra_overrides]
-        cfg = RunConfig.load(self.config_path, overrides)
+        cfg = check_engines(RunConfig.load(self.config_path, overrides))
         suffix = "-norepack" if mode == "laminar" and not repack else ""
         return cfg.with_run_id(f"bench-{stamp}-{workload.replace('_', '')}-{mode.replace('_', '')}{suffix}")
 
@@ -435,7 +437,7 @@ def run_bench(spec: BenchSpec, progress: Progress, launch: LaunchWorkers) -> dic
             "stream_minibatches": STREAM_MINIBATCHES,
             "relays": first.relay.relays, "seed": first.run.seed, "time_scale": time_scale(first),
             "time_scale_by_workload": {w: time_scale(spec.run_config(spec.modes[0], w, "cfg")) for w in spec.workloads},
-            "modelled": first.modelled.model_dump(mode="json") if spec.engine in MODELLED_TIME else None,
+            "modelled": first.modelled.model_dump(mode="json") if time_modelled(spec.engine) else None,
             "cpus": os.cpu_count(), "config_file": str(spec.config_path) if spec.config_path else None,
         },
     }

@@ -28,9 +28,9 @@ from typing import Any
 
 from temporalio.api.enums.v1 import EventType
 
-from laminar import names
+from laminar import contract
 
-TRAIN_ACTIVITIES = {names.TRAIN_STEP, names.TRAIN_STEPS}
+TRAIN_ACTIVITIES = {contract.TRAIN_STEP, contract.TRAIN_STEPS}
 PARTS = ("trainer_tail", "to_workflow_task", "workflow_task", "batch_not_ready", "schedule_to_start",
          "trainer_head")
 

@@ -165,11 +165,12 @@ def overhead_bench(
     from client.settings import Settings
     from laminar.config import RunConfig
     from reporting.summary import format_profile
+    from rl.factory import check_engines
 
     config, overrides = config_and_overrides(config, ctx.args)
     overrides += [f"--run.steps={steps}"] if steps is not None else []
     try:
-        cfg = RunConfig.load(config, overrides)
+        cfg = check_engines(RunConfig.load(config, overrides))
         err.print("[dim]single-process loop ...[/dim]")
         loop = run_loop(cfg, Settings.from_env().home)
         err.print(f"[dim]loop: {loop}[/dim]")

@@ -1,4 +1,4 @@
-"""`laminar chaos`: the command line of a chaos run (workers/chaos_command.py does the work)."""
+"""`laminar chaos`: the command line of a chaos run (chaos/command.py does the work)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from chaos.schedule import KINDS, parse_kinds
 from cli.options import CONFIG_HELP, DURATION_HELP, config_and_overrides, parse_duration
-from laminar.chaos import KINDS, parse_kinds
 from laminar.errors import ConfigError, LaminarError
 
 console = Console()
@@ -34,8 +34,8 @@ def chaos_command(
     """Run CONFIG under a seeded schedule of overlapping faults that all heal; check its records at the end.
 
     Extra `--section.key=value` arguments override config values."""
-    from reporting.checker import format_verdict
-    from workers.chaos_command import rejudge, run_chaos
+    from chaos.checker import format_verdict
+    from chaos.command import rejudge, run_chaos
 
     try:
         if judge is not None:

@@ -20,9 +20,9 @@ from activities.drill import DrillActivities
 from client.connect import connect, store_for
 from client.settings import Settings
 from devstack.stack import DevStack
-from laminar import names
+from laminar import contract
+from laminar.contract import CONTROL_UNCACHED_QUEUE, FAULTS, DrillInput, DrillReport
 from laminar.errors import ConfigError
-from laminar.messages import CONTROL_UNCACHED_QUEUE, FAULTS, DrillInput, DrillReport
 from reporting.tool_calls import count_tool_calls
 from services.drill import parse_preempt_target
 
@@ -43,7 +43,8 @@ async def run_drill(settings: Settings, inp: DrillInput, report_path: Path | Non
                     activities=[acts.plan_drill, acts.interrupt_store, acts.observe_recovery])
     async with worker:
         handle = await client.start_workflow(
-            names.RECOVERY_DRILL_WORKFLOW, inp, id=f"drill/{inp.run_id}/{inp.drill_id}", task_queue=CONTROL_UNCACHED_QUEUE,
+            contract.RECOVERY_DRILL_WORKFLOW, inp, id=f"drill/{inp.run_id}/{inp.drill_id}",
+            task_queue=CONTROL_UNCACHED_QUEUE,
             result_type=DrillReport,
         )
         report: DrillReport = await handle.result()

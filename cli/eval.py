@@ -33,11 +33,12 @@ def eval_command(
     from laminar.config import RunConfig
     from laminar.errors import ConfigError, LaminarError
     from laminar.logs import configure_logging
+    from rl.factory import check_engines
     from services.evaluate import evaluate
 
     configure_logging("console", level="warning")  # logs on stderr: stdout is the result (--json parses)
     try:
-        cfg = RunConfig.load(config, list(ctx.args))
+        cfg = check_engines(RunConfig.load(config, list(ctx.args)))
         outcome = evaluate(store_for(Settings.from_env()), cfg, checkpoint, str(prompts) if prompts else "")
     except ConfigError as e:
         err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)

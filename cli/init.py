@@ -1,7 +1,7 @@
 """`laminar init [DIR]`: a starter run config and a prompts file to edit (laminar/defaults/starter.toml).
 
 Writes DIR/laminar.toml (the file task, the tiny model) and DIR/prompts.jsonl (copy-the-words prompts with their
-answers, one JSON object a line: the columns of rl/tasks/prompt_file.py). The config names the prompts file by its
+answers, one JSON object a line: the columns of envs/tasks/prompt_file.py). The config names the prompts file by its
 absolute path, so `laminar run DIR/laminar.toml` works from any directory. Existing files are kept unless --force.
 """
 

@@ -43,10 +43,11 @@ from cli.options import (
 )
 from cli.sim import plan_command, simulate_command
 from client.settings import Settings
-from laminar import names
+from laminar import contract
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, LaminarError
 from laminar.logs import configure_logging
+from rl.factory import check_engines
 
 app = typer.Typer(
     help="Laminar on Temporal: fault-tolerant asynchronous RL post-training.",
@@ -65,7 +66,7 @@ def _load_config(config: Path | None, overrides: list[str], steps: int | None, r
     path, extra = config_and_overrides(config, overrides)
     if steps is not None:
         extra.append(f"run.steps={steps}")
-    cfg = RunConfig.load(path, extra)
+    cfg = check_engines(RunConfig.load(path, extra))  # the engines fit together (rl.factory)
     return cfg.with_run_id(run_id) if run_id else cfg
 
 
@@ -306,7 +307,7 @@ def pause(run_id: str) -> None:
     from client.run_control import send_control
 
     with _exit_codes():
-        phase = asyncio.run(send_control(Settings.from_env(), run_id, names.PAUSE))
+        phase = asyncio.run(send_control(Settings.from_env(), run_id, contract.PAUSE))
     console.print(f"run_id={run_id} phase={phase}", highlight=False)
 
 
@@ -316,7 +317,7 @@ def resume(run_id: str) -> None:
     from client.run_control import send_control
 
     with _exit_codes():
-        phase = asyncio.run(send_control(Settings.from_env(), run_id, names.RESUME))
+        phase = asyncio.run(send_control(Settings.from_env(), run_id, contract.RESUME))
     console.print(f"run_id={run_id} phase={phase}", highlight=False)
 
 
@@ -340,7 +341,7 @@ def drill(
 ) -> None:
     """Inject a failure into a live run, watch it recover, report (also stored under runs/<id>/drills/)."""
     from cli.drill import render_report, run_drill
-    from laminar.messages import DrillInput
+    from laminar.contract import DrillInput
 
     with _exit_codes():
         settings = Settings.from_env()

@@ -20,7 +20,7 @@ from rich.table import Table
 from client.connect import connect, store_for
 from client.run_control import OWNER_MEMO
 from client.settings import Settings
-from laminar import names
+from laminar import contract
 from laminar.search import SEARCH_ATTRIBUTES
 from reporting import report as run_report
 from reporting.report import check_matplotlib
@@ -45,7 +45,7 @@ async def list_runs(settings: Settings, query: str, limit: int) -> list[dict]:
     """TrainingRunWorkflow executions, newest first, as dicts of what `laminar list` prints."""
     client = await connect(settings, core_logs=False)
     # one row per run: a segment that continued as new is followed by the run's next one
-    where = (f"WorkflowType = '{names.TRAINING_RUN_WORKFLOW}' AND ExecutionStatus != 'ContinuedAsNew'"
+    where = (f"WorkflowType = '{contract.TRAINING_RUN_WORKFLOW}' AND ExecutionStatus != 'ContinuedAsNew'"
              + (f" AND ({query})" if query else ""))
     out = []
     async for wf in client.list_workflows(where, limit=limit):

@@ -22,13 +22,13 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle
 from client.connect import connect, store_for
 from client.exit import stop_like_ctrl_c
 from client.run_control import lost_error, new_run_id, report_slots, start_or_attach
-from client.settings import Settings
+from client.settings import Settings, process_table_path
 from client.watch import watch_run
 from devstack.stack import DevStack
 from laminar.config import RunConfig
+from laminar.contract import RunStatus, SlotReport
 from laminar.errors import ConfigError, LaminarError, RunLostError
 from laminar.logs import get_logger
-from laminar.messages import RunStatus, SlotReport
 from reporting.summary import build_profile, build_summary, format_profile, reward_rise
 from storage import keys
 from workers.launcher import (
@@ -36,7 +36,6 @@ from workers.launcher import (
     metrics_url,
     plan_processes,
     process_cpu_s,
-    process_table_path,
     rollout_slots,
 )
 
@@ -76,7 +75,7 @@ def check_run(cfg: RunConfig, settings: Settings) -> None:
     """What `laminar run` and `laminar start` both check before a run starts (ConfigError, exit 2): a model.path
     that is missing or unreadable, a task that cannot be named, read or built with its params, and metrics
     endpoints off loopback without their secret (a run's relays get a run token)."""
-    from rl.tasks.loader import check_task
+    from envs.tasks.loader import check_task
     from services.model_files import check_model_path
 
     check_model_path(cfg)
@@ -176,15 +175,11 @@ def serve_workers(cfg: RunConfig, console: Console, launcher_kind: str = "local"
         launcher.stop_all()
 
 
-def engines_served(cfg: RunConfig) -> list[str]:
-    """The rollout engines every worker of a set started for `cfg` serves: the torch and modelled engines run in any
-    rollout worker; vLLM only in a set started for it (rl/vllm_engine.py)."""
-    return sorted({"modelled", "torch", cfg.rollout.engine})
-
-
 def worker_set_slots(cfg: RunConfig, home: Path) -> SlotReport:
     """What a `laminar workers` set gives its slot pool: its rollout slots (spares included: docs/decisions.md) and
     engines, under a name stable for this host and home, so a restarted set replaces its own report."""
+    from rl.factory import engines_served
+
     slots = sum(rollout_slots(cfg.rollout.replicas, cfg.relay.relays, _spare_slots(cfg)))
     return SlotReport(reporter=f"{socket.gethostname()}:{home}", slots=slots, engines=engines_served(cfg))
 
@@ -284,7 +279,7 @@ def _print_summary(s: dict, console: Console) -> None:
         f"history_max={s['temporal_history_events_max']}",
         highlight=False,
     )
-    if s.get("tool_latency_s", {}).get("calls"):  # multi-turn tool calls (rl/tools/__init__.py)
+    if s.get("tool_latency_s", {}).get("calls"):  # multi-turn tool calls (envs/tools/__init__.py)
         lat = s["tool_latency_s"]
         console.print(f"tool_calls/trajectory={s['tool_calls_per_trajectory']} multi_turn_share={s['multi_turn_share']} "
                       f"tool_latency_s p50={lat['p50']} max={lat['max']} calls={lat['calls']}", highlight=False)

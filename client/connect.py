@@ -9,9 +9,9 @@ from temporalio.client import Client
 from temporalio.runtime import Runtime, TelemetryConfig
 from temporalio.service import TLSConfig
 
+from client.converter import DATA_CONVERTER
 from client.settings import Settings
 from devstack.record import S3_CREDENTIALS, read_record
-from laminar.converter import DATA_CONVERTER
 from laminar.errors import LaminarError
 from storage.objects import ObjectStore, open_store
 

@@ -17,6 +17,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from client.settings import Settings
 from laminar.config import RunConfig, apply_overrides
+from laminar.contract import workflow_id_for
 from laminar.errors import (
     ConfigError,
     LaminarError,
@@ -25,7 +26,6 @@ from laminar.errors import (
     RunLostError,
     StoreError,
 )
-from laminar.messages import workflow_id_for
 from storage import keys
 from storage.objects import ObjectStore
 from storage.runs import StoredRun, newest_checkpoint, stored_run

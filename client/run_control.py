@@ -23,10 +23,9 @@ from temporalio.service import RPCError, RPCStatusCode
 from client.connect import connect, store_for
 from client.fork import lost_error, taken_error
 from client.settings import Settings
-from laminar import names, search, watchdog
+from laminar import contract, search, watchdog
 from laminar.config import RunConfig
-from laminar.errors import ConfigError, LaminarError, StoreError
-from laminar.messages import (
+from laminar.contract import (
     CONTROL_QUEUE,
     CONTROL_UNCACHED_QUEUE,
     PoolStatus,
@@ -37,13 +36,10 @@ from laminar.messages import (
     pool_workflow_id,
     workflow_id_for,
 )
+from laminar.errors import ConfigError, LaminarError, StoreError
 from storage import keys
 from storage.objects import ObjectStore
 from storage.runs import RunMarker, stored_run, write_marker
-from workflows import timeouts
-from workflows.pool import PoolInput
-from workflows.state import TrainingRunInput
-from workflows.timeouts import REPAIR_SWEEP_S
 
 
 def new_run_id() -> str:
@@ -69,11 +65,11 @@ async def start_workflow(client: Client, cfg: RunConfig, pool: str = "", owner: 
     command that owns the run (its memo; "" for none)."""
     try:
         return await client.start_workflow(
-            names.TRAINING_RUN_WORKFLOW,
-            TrainingRunInput(config=cfg.to_json(), pool=pool),
+            contract.TRAINING_RUN_WORKFLOW,
+            contract.TrainingRunInput(config=cfg.to_json(), pool=pool),
             id=workflow_id_for(cfg.run.run_id),
             task_queue=CONTROL_QUEUE,
-            task_timeout=timeouts.WORKFLOW_TASK,
+            task_timeout=contract.WORKFLOW_TASK,
             result_type=RunStatus,
             id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,  # its store prefix holds the old run
@@ -115,10 +111,10 @@ async def ensure_pool(client: Client, report: SlotReport | None = None) -> str:
     """Start the rollout queue's slot pool unless it runs (idempotent; with `report`: signal-with-start of a worker
     set's slots); returns its workflow id."""
     pool_id = pool_workflow_id()
-    signal = {"start_signal": names.POOL_SLOTS, "start_signal_args": [report]} if report is not None else {}
+    signal = {"start_signal": contract.POOL_SLOTS, "start_signal_args": [report]} if report is not None else {}
     try:
         await client.start_workflow(
-            names.SLOT_POOL_WORKFLOW, PoolInput(), id=pool_id, task_queue=CONTROL_UNCACHED_QUEUE,
+            contract.SLOT_POOL_WORKFLOW, contract.PoolInput(), id=pool_id, task_queue=CONTROL_UNCACHED_QUEUE,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING, **signal)
     except RPCError as e:
         raise LaminarError(f"slot pool {pool_id}: could not start it or signal it: {e}") from None
@@ -133,7 +129,7 @@ async def report_slots(settings: Settings, report: SlotReport) -> str:
 async def leave_pool(client: Client, run_id: str) -> None:
     """Tell the pool a run is gone (`laminar stop --force`: a terminated run cannot say so itself)."""
     try:
-        await client.get_workflow_handle(pool_workflow_id()).signal(names.POOL_LEAVE, run_id)
+        await client.get_workflow_handle(pool_workflow_id()).signal(contract.POOL_LEAVE, run_id)
     except RPCError as e:
         if e.status != RPCStatusCode.NOT_FOUND:  # no pool: nothing to leave
             raise LaminarError(f"slot pool {pool_workflow_id()}: could not signal that run {run_id} left: {e}") from None
@@ -143,7 +139,8 @@ async def query_pool(settings: Settings, timeout_s: float = CONTROL_ANSWER_S) ->
     """`laminar pool`: the slots, the worker sets that give them, and each run's ask and grant."""
     handle = (await connect(settings)).get_workflow_handle(pool_workflow_id())
     try:
-        return await handle.query(names.POOL_STATUS, result_type=PoolStatus, rpc_timeout=timedelta(seconds=timeout_s))
+        return await handle.query(contract.POOL_STATUS, result_type=PoolStatus,
+                                  rpc_timeout=timedelta(seconds=timeout_s))
     except RPCError as e:
         if e.status == RPCStatusCode.NOT_FOUND:
             raise LaminarError(f"no slot pool {pool_workflow_id()} in namespace {settings.namespace}: start "
@@ -247,7 +244,8 @@ async def _wedged(handle) -> str:
         return ""
     return (f"its workflow task has failed {attempt} times (last: {error or 'unknown'}); the run is wedged. Every "
             "control worker's repairer resets a wedged run to its last good workflow task within about "
-            f"{REPAIR_SWEEP_S:g} s (README, 'Wedged runs'); one that a reset cannot repair is ended with the reason")
+            f"{contract.REPAIR_SWEEP_S:g} s (README, 'Wedged runs'); one that a reset cannot repair is ended with the "
+            "reason")
 
 
 def _rpc_failed(settings: Settings, run_id: str, what: str, e: RPCError) -> LaminarError:
@@ -272,7 +270,7 @@ async def query_status(settings: Settings, run_id: str, timeout_s: float = CONTR
     """The run's status query, answered by the control worker within timeout_s or a clear error."""
     handle = await _handle(settings, run_id)
     try:
-        return await handle.query(names.STATUS, result_type=RunStatus, rpc_timeout=timedelta(seconds=timeout_s))
+        return await handle.query(contract.STATUS, result_type=RunStatus, rpc_timeout=timedelta(seconds=timeout_s))
     except RPCError as e:
         if e.status in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):  # the rpc_timeout expired
             raise _no_answer(run_id, "status", timeout_s, await _wedged(handle)) from None
@@ -291,7 +289,7 @@ async def send_control(settings: Settings, run_id: str, name: str, timeout_s: fl
 
 
 async def stop_run(settings: Settings, run_id: str) -> str:
-    return await send_control(settings, run_id, names.STOP)
+    return await send_control(settings, run_id, contract.STOP)
 
 
 async def scale_run(settings: Settings, run_id: str, replicas: int | None = None, relays: int | None = None,
@@ -304,13 +302,13 @@ async def scale_run(settings: Settings, run_id: str, replicas: int | None = None
         raise ConfigError("scale: give --replicas N, --relays M, or both")
     handle = await _handle(settings, run_id)
     try:
-        return await handle.execute_update(names.SCALE, ScaleInput(replicas=replicas, relays=relays),
+        return await handle.execute_update(contract.SCALE, ScaleInput(replicas=replicas, relays=relays),
                                            result_type=ScaleResult,
                                            rpc_timeout=timedelta(seconds=timeout_s))
     except WorkflowUpdateRPCTimeoutOrCancelledError:
-        raise _no_answer(run_id, names.SCALE, timeout_s, await _wedged(handle)) from None
+        raise _no_answer(run_id, contract.SCALE, timeout_s, await _wedged(handle)) from None
     except RPCError as e:
-        raise _rpc_failed(settings, run_id, names.SCALE, e) from None
+        raise _rpc_failed(settings, run_id, contract.SCALE, e) from None
 
 
 async def terminate_run(settings: Settings, run_id: str) -> None:

@@ -281,6 +281,12 @@ class Settings:
         return self if self.relay_token else replace(self, relay_token=secrets.token_hex(16))
 
 
+def process_table_path(home: Path, run_id: str) -> Path:
+    """`<LAMINAR_HOME>/runs/<run_id>/processes.json`: the local launcher's process table of a `laminar run`
+    (workers/launcher.py writes it; `laminar chaos` reads it: chaos/command.py, chaos/nemesis.py)."""
+    return home / "runs" / run_id / "processes.json"
+
+
 def _invalid(name: str, value: str, fix: str) -> ConfigError:
     return ConfigError(f"{name}={value!r} is invalid; {fix}")
 

@@ -12,9 +12,9 @@ from datetime import timedelta
 from temporalio.client import WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 
-from laminar import names
+from laminar import contract
+from laminar.contract import RunStatus
 from laminar.errors import RunLostError
-from laminar.messages import RunStatus
 
 POLL_S = 1.0
 QUERY_TIMEOUT_S = 5.0  # a status query the control worker has not answered by then shows as waiting
@@ -33,7 +33,7 @@ async def watch_run(handle: WorkflowHandle, on_status: Callable[[RunStatus | Non
         while not result.done():
             asked = time.time()
             try:
-                st = await handle.query(names.STATUS, result_type=RunStatus,
+                st = await handle.query(contract.STATUS, result_type=RunStatus,
                                         rpc_timeout=timedelta(seconds=QUERY_TIMEOUT_S))
             except Exception as e:  # an outage, or the control worker (re)starting: keep polling
                 if isinstance(e, RPCError) and e.status == RPCStatusCode.UNAVAILABLE:

@@ -19,7 +19,8 @@ from client.run_control import new_run_id, start_workflow
 from client.settings import Settings
 from client.watch import watch_run
 from laminar.config import RunConfig
-from laminar.messages import RunStatus
+from laminar.contract import RunStatus
+from rl.factory import check_engines
 
 
 def main(
@@ -30,7 +31,7 @@ def main(
 ) -> None:
     """Start a run from CONFIG and print its progress until it ends."""
     overrides = [*set_, *([f"run.steps={steps}"] if steps else [])]
-    cfg = RunConfig.load(config, overrides).with_run_id(new_run_id())  # validated before anything starts
+    cfg = check_engines(RunConfig.load(config, overrides)).with_run_id(new_run_id())  # validated before anything starts
     asyncio.run(watch(cfg))
 
 

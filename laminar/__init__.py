@@ -1,4 +1,5 @@
-"""Laminar on Temporal: shared core (config, errors, refs, records, logging).
+"""Laminar on Temporal: shared core (config, the Temporal contract, errors, refs, records, logging, the run-mode
+policy).
 
 This package holds only light, deterministic types that every other package may import,
 including Temporal workflow code (no torch, no boto3, no I/O at import time).

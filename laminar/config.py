@@ -23,10 +23,8 @@ MODES = ("laminar", "sync", "one_step", "stream", "partial_rollout")  # laminar/
 Mode = Literal["laminar", "sync", "one_step", "stream", "partial_rollout"]
 Engine = Literal["torch", "modelled"]
 RolloutEngine = Literal["torch", "modelled", "vllm"]
-# which trainer engines each rollout engine pairs with (a modelled engine's trajectories carry no real tokens)
-TRAINERS_FOR: dict[str, tuple[str, ...]] = {"torch": ("torch",), "vllm": ("torch",), "modelled": ("modelled",)}
-BACKEND_ENGINES: dict[str, tuple[str, ...]] = {"single": ("torch", "modelled"), "fsdp": ("torch",)}  # has weights
-MODELLED_TIME = ("modelled",)  # rollout engines whose time is modelled: modelled.speedup x faster than wall time
+# The engine and backend names are the config's vocabulary; what each engine is and which fit together (their
+# traits) live in rl/factory.py alone, which the commands and the workflow ask (check_engines, time_scale).
 Device = Literal["cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -116,8 +114,8 @@ class TaskSection(_Section):
 
     name: str = Field(
         "repeat", min_length=1, max_length=300,
-        description="The task (prompts + reward): a built-in (`repeat`, `file`, `math`; rl/tasks/loader.py), "
-        "\"package.module:Class\", or an entry point of the `laminar.tasks` group (rl/tasks/__init__.py).")
+        description="The task (prompts + reward): a built-in (`repeat`, `file`, `math`; envs/tasks/loader.py), "
+        "\"package.module:Class\", or an entry point of the `laminar.tasks` group (envs/tasks/__init__.py).")
     max_count: int = Field(48, ge=2, le=4096, description="`repeat`: largest requested response length (tokens).")
     prompts: str = Field(
         "", max_length=4096,
@@ -190,7 +188,7 @@ class RolloutSection(_Section):
         0, ge=0, le=1024,
         description="On a shared worker set (`laminar start` on `laminar workers`): rollout slots guaranteed to this "
         "run, at most rollout.replicas (count; 0: its fair share only). Above the quotas, slots are shared max-min "
-        "fairly (laminar/fairshare.py).",
+        "fairly (workflows/fairshare.py).",
     )
 
     @model_validator(mode="after")
@@ -486,19 +484,7 @@ class RunConfig(_Section):
     tracking: TrackingSection = TrackingSection()
 
     @model_validator(mode="after")
-    def _engines_and_modes_fit(self) -> RunConfig:
-        if self.trainer.engine not in TRAINERS_FOR[self.rollout.engine]:
-            pairs = "; ".join(f"{r} with {' or '.join(t)}" for r, t in TRAINERS_FOR.items())
-            raise ValueError(
-                f"rollout.engine={self.rollout.engine!r} and trainer.engine={self.trainer.engine!r} must match: a "
-                f"modelled engine's trajectories carry no real tokens to train on; pair rollout.engine with "
-                f"trainer.engine as in: {pairs}"
-            )
-        if self.trainer.engine not in (fits := BACKEND_ENGINES[self.trainer.backend]):
-            raise ValueError(
-                f"trainer.backend={self.trainer.backend!r} needs trainer.engine={' or '.join(map(repr, fits))} (got "
-                f"{self.trainer.engine!r}); the modelled trainer has no weights to shard"
-            )
+    def _modes_fit(self) -> RunConfig:
         lookahead = lookahead_of(self.run.mode)
         need = (lookahead + 1) * self.trainer.groups_per_step if lookahead is not None else 0
         if self.rollout.max_ready_groups < need:
@@ -518,23 +504,9 @@ class RunConfig(_Section):
                 f"run.parent={self.run.parent!r} and run.parent_step={self.run.parent_step} go together: a forked run "
                 "names its parent and the parent's checkpoint step, a fresh one neither; `laminar fork` sets both"
             )
-        if self.trainer.lora is not None:
-            _check_lora(self)
         if self.run.parent and self.run.parent == self.run.run_id:
             raise ValueError(f"run.parent={self.run.parent!r} is the run's own id; a fork needs a new --run-id")
         return self
-
-    @property
-    def time_scale(self) -> float:
-        """Engine seconds per wall second: modelled.speedup where the rollout engine's time is modelled, else 1."""
-        return self.modelled.speedup if self.rollout.engine in MODELLED_TIME else 1.0
-
-    @property
-    def decode_batch_limit(self) -> int:
-        """Sequences one replica decodes at full speed: its slots, capped at modelled.roofline_batch where the
-        rollout engine's time is modelled."""
-        slots = self.rollout.max_inflight_groups * self.rollout.group_size
-        return min(self.modelled.roofline_batch, slots) if self.rollout.engine in MODELLED_TIME else slots
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -579,30 +551,6 @@ class RunConfig(_Section):
 
     def with_run_id(self, run_id: str) -> RunConfig:
         return self.model_copy(update={"run": self.run.model_copy(update={"run_id": run_id})})
-
-
-# engines a LoRA run may use (rl/lora.py): a trainer with real weights, an engine that merges adapters. vLLM would load
-# each version through its LoRA request API (an adapter directory on disk); not built nor tested on a CPU host yet
-LORA_TRAINERS = ("torch",)
-LORA_ROLLOUT_ENGINES = ("torch",)
-
-
-def _check_lora(cfg: RunConfig) -> None:
-    """trainer.lora needs a trainer and engines that hold real weights and know adapters (rl/lora.py)."""
-    if cfg.trainer.engine not in LORA_TRAINERS:
-        raise ValueError(
-            f"trainer.lora is set but trainer.engine={cfg.trainer.engine!r} has no weights to adapt; remove "
-            f"trainer.lora, or set trainer.engine to one of {LORA_TRAINERS}")
-    if cfg.trainer.backend != "single":
-        raise ValueError(
-            f"trainer.lora is not supported with trainer.backend={cfg.trainer.backend!r} yet (the FSDP ranks would "
-            "shard and gather the frozen base too); use trainer.backend='single', or remove trainer.lora")
-    if cfg.rollout.engine not in LORA_ROLLOUT_ENGINES:
-        raise ValueError(
-            f"trainer.lora with rollout.engine={cfg.rollout.engine!r} is not implemented: only {LORA_ROLLOUT_ENGINES} "
-            "merge adapters into base weights they hold (vLLM would load each version as a LoRA adapter through its "
-            "LoRA request API; not built here, no vLLM with LoRA on a CPU host to test it); use rollout.engine="
-            "'torch', or remove trainer.lora")
 
 
 def apply_overrides(data: dict[str, Any], items: list[str]) -> None:

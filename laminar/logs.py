@@ -13,6 +13,17 @@ import structlog
 _configured = False
 
 
+class _Stderr:
+    """sys.stderr as it is when a line is written, not when logging was configured: a caller that swaps stderr
+    for a while (a test's CliRunner, a redirect) and closes its stream leaves logging writing to the real one."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(fmt: str = "console", level: str = "info", stream=None) -> None:
     """Configure structlog and stdlib logging for this process; later calls are ignored."""
     global _configured
@@ -20,7 +31,7 @@ def configure_logging(fmt: str = "console", level: str = "info", stream=None) ->
         return
     if fmt not in ("console", "json"):
         raise ValueError(f"log format {fmt!r} is not one of console, json")
-    stream = stream or sys.stderr
+    stream = stream or _Stderr()
     renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[

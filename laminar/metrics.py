@@ -29,7 +29,7 @@ reads a clock or the store.
 | laminar_rollout_in_flight_trajectories | gauge | replica | sequences in the engine's batch |
 | laminar_rollout_policy_version | gauge | replica | policy version of the replica's weights (-1: none yet) |
 | laminar_rollout_weight_load_seconds | histogram | replica, via | time to load a version (shared_memory or tcp) |
-| laminar_rollout_group_retries_total | counter | replica, reason | groups generated again after a failed reward or generation (reason: rl/tasks/scoring.py) |
+| laminar_rollout_group_retries_total | counter | replica, reason | groups generated again after a failed reward or generation (reason: envs/tasks/scoring.py) |
 | laminar_rollout_groups_failed_total | counter | replica, reason | groups dropped after task.max_group_retries retries (never trained on; groups_failed in the run status) |
 | laminar_control_update_seconds | histogram | update | round trip of a claim_prompts or add_experience update, as the replica measured it (a report includes writing its segment) |
 | laminar_control_update_retries_total | counter | update | update attempts that failed (server or control worker unreachable) and were sent again |
@@ -57,7 +57,7 @@ from wsgiref.simple_server import make_server
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Info, make_wsgi_app, start_http_server
 from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
 
-from laminar import names
+from laminar import contract
 from laminar.listeners import check_bind
 from laminar.logs import get_logger
 
@@ -107,7 +107,7 @@ CONTROL_UPDATE_RETRIES = Counter("laminar_control_update_retries",
 CONTROL_WORKFLOW_RESETS = Counter("laminar_control_workflow_resets", "Wedged run workflows reset by the repairer.",
                                   ["run"])
 
-UPDATES = {"claim": names.CLAIM_PROMPTS, "report": names.ADD_EXPERIENCE}  # the replica's call kinds -> update names
+UPDATES = {"claim": contract.CLAIM_PROMPTS, "report": contract.ADD_EXPERIENCE}  # the replica's call kinds -> update names
 
 RELAY_RECEIVED = Counter("laminar_relay_received_bytes", "Version bytes received.", ["relay"])
 RELAY_FORWARDED = Counter("laminar_relay_forwarded_bytes", "Version bytes forwarded down the chain.", ["relay"])

@@ -14,7 +14,7 @@ class Trajectory:
     `finish_reason` is "stop" (EOS), "length" (hit max_new_tokens) or "partial" (in-flight prefix
     in the partial-response pool).
     `tool_mask`: empty when every response token is the model's; otherwise one entry per response token, 1 for
-    a model token and 0 for a tool-output token (multi-turn tool calls, rl/tools/__init__.py), which the
+    a model token and 0 for a tool-output token (multi-turn tool calls, envs/tools/__init__.py), which the
     trainer leaves out of the loss and the log-prob comparisons. Segments written before it existed read as [].
     """
 

@@ -72,7 +72,7 @@ def diagnose(f: Facts) -> tuple[str, str] | None:
 
 
 def facts_of_status(st: Any, now: float) -> Facts:
-    """The facts of a RunStatus (laminar/messages.py) at time `now` (the same clock as its `at` times)."""
+    """The facts of a RunStatus (laminar/contract.py) at time `now` (the same clock as its `at` times)."""
     since = st.last_step_at if st.last_step_at is not None else st.trainer_ready_at
     return Facts(
         phase=st.phase,

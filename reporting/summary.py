@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from laminar.messages import RunStatus
+from laminar.contract import RunStatus
 from laminar.timing import merge
 from storage import records
 from storage.objects import ObjectStore

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from envs.tasks import build_task
 from laminar.config import RunConfig
 from laminar.logs import get_logger
 from rl.model import build_model, save_pretrained
-from rl.tasks import build_task
 
 log = get_logger(__name__)
 
@@ -69,8 +69,8 @@ def fingerprint(cfg: RunConfig) -> str:
         "seed": cfg.run.seed,
         "recipe": [RECIPE_VERSION, DEMO_ACCURACY, PRETRAIN_BATCH, PRETRAIN_LR],
     }
-    if cfg.task.name in ("math", "tools"):  # their warm-up leaves the held-out split out (rl/tasks/math.py)
-        from rl.tasks.math import HOLDOUT_BUCKETS
+    if cfg.task.name in ("math", "tools"):  # their warm-up leaves the held-out split out (envs/tasks/math.py)
+        from envs.tasks.math import HOLDOUT_BUCKETS
 
         data["holdout_buckets"] = HOLDOUT_BUCKETS
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()

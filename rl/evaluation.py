@@ -1,7 +1,7 @@
 """Held-out evaluation: the prompts, the generation with an engine, the scoring and the summary record
 (docs/evaluation.md). No Temporal, no store: `laminar eval` (cli/eval.py) drives it in one process.
 
-Scoring is the training reward's: `task.reward` through rl.tasks.scoring.score with task.reward_timeout_s, so an
+Scoring is the training reward's: `task.reward` through envs.tasks.scoring.score with task.reward_timeout_s, so an
 eval and a training group agree on what a right answer is. A sample whose reward cannot be computed, or whose
 prompt the engine cannot admit, is a failure: counted in `failures`, scored 0 in the accuracies (never dropped, so
 a failing checker cannot raise accuracy), and left out of mean_reward.
@@ -15,10 +15,10 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from envs.tasks import Prompt, RewardFailure
 from laminar.config import EvalSection, RunConfig
 from laminar.errors import ConfigError, EngineError
 from laminar.evalstats import EvalSummary, PromptResult
-from rl.tasks import Prompt, RewardFailure
 
 
 def eval_prompts(task: Any, section: EvalSection, prompts_file: str = "") -> list[Prompt]:
@@ -29,7 +29,7 @@ def eval_prompts(task: Any, section: EvalSection, prompts_file: str = "") -> lis
         raise ConfigError(f"task {type(task).__name__} renders no prompt rows, so it cannot be evaluated on held-out "
                           "prompts; evaluate a text task (math, file, a TextTask subclass)")
     if path:
-        from rl.tasks.prompt_file import FilePrompts
+        from envs.tasks.prompt_file import FilePrompts
 
         source = FilePrompts(path, shuffle=False)
         rows = [source.rows[i] for i in range(min(section.size, len(source)))]
@@ -46,7 +46,7 @@ def eval_prompts(task: Any, section: EvalSection, prompts_file: str = "") -> lis
 def generate_and_score(engine: Any, task: Any, prompts: list[Prompt], samples: int,
                        reward_timeout_s: float) -> list[PromptResult]:
     """Every prompt's `samples` responses from the engine (continuous batching), each scored once."""
-    from rl.tasks.scoring import score
+    from envs.tasks.scoring import score
 
     results = [PromptResult(id=p.source_id or str(p.prompt_id)) for p in prompts]
     pending = [(i, k) for i in range(len(prompts)) for k in range(samples)]

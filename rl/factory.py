@@ -1,8 +1,11 @@
 """Engines and trainers from the run config: the one place that maps `rollout.engine`, `trainer.engine` and
 `trainer.backend` to classes (rl/engine_api.py has the protocols they implement).
 
-Callers never compare engine names or ask an engine which class it is: they call `build_engine`,
-`build_trainer`, and read `engine_traits` for what a launcher must know before any engine exists.
+Engine and trainer names and traits live here alone (tests/test_engine_seams.py): callers never compare engine
+names or ask an engine which class it is; they call `build_engine`, `build_trainer`, and ask the traits
+(`check_engines`, `time_scale`, `decode_batch_limit`, `trainer_gpus`, `engines_served`, `engine_traits`) for what
+they must know before any engine exists. Deterministic and import-light: the workflow asks `check_engines`,
+`time_scale` and `decode_batch_limit`.
 Import-light: the engine and trainer modules (torch models, vLLM) are imported by the builder that needs them.
 """
 
@@ -14,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from laminar.config import RunConfig
+from laminar.errors import ConfigError
 from laminar.policy import Policy
 
 if TYPE_CHECKING:
@@ -27,23 +31,109 @@ RunBase = Callable[[], dict]
 
 @dataclass(frozen=True)
 class EngineTraits:
+    """What the rest of the system may know of a rollout engine without naming it."""
+
     spare_slots: int  # spare replica slots a rollout worker keeps: 1 takes over a dead worker's replica; 0 when
     # a process holds one engine only (vLLM, rl/vllm_engine.py)
+    trainers: tuple[str, ...]  # the trainer engines it pairs with (a modelled engine's trajectories carry no real
+    # tokens to train on)
+    modelled_time: bool = False  # its time is modelled: modelled.speedup x faster than wall time, and its decode
+    # batch runs at full speed up to modelled.roofline_batch
+    every_worker: bool = True  # every rollout worker serves it; False: only a worker set started for it (vLLM)
+    lora: bool = False  # it applies LoRA versions (trainer.lora, rl/lora.py): merges each adapter into base weights
 
 
-ENGINE_TRAITS = {"torch": EngineTraits(spare_slots=1), "vllm": EngineTraits(spare_slots=0),
-                 "modelled": EngineTraits(spare_slots=1)}
+@dataclass(frozen=True)
+class BackendTraits:
+    """What the rest of the system may know of a trainer backend (trainer.backend) without naming it."""
+
+    trainers: tuple[str, ...]  # the trainer engines it runs (a sharded backend needs weights to shard)
+    sharded: bool = False  # trainer.fsdp_procs rank processes (one GPU each on CUDA); else one process
+    lora: bool = False  # it trains LoRA adapters (trainer.lora, rl/lora.py)
+
+
+ENGINE_TRAITS = {"torch": EngineTraits(spare_slots=1, trainers=("torch",), lora=True),
+                 "vllm": EngineTraits(spare_slots=0, trainers=("torch",), every_worker=False),
+                 "modelled": EngineTraits(spare_slots=1, trainers=("modelled",), modelled_time=True)}
+BACKEND_TRAITS = {"single": BackendTraits(trainers=("torch", "modelled"), lora=True),
+                  "fsdp": BackendTraits(trainers=("torch",), sharded=True)}
 
 
 def engine_traits(cfg: RunConfig) -> EngineTraits:
     return ENGINE_TRAITS[cfg.rollout.engine]
 
 
+def check_engines(cfg: RunConfig) -> RunConfig:
+    """The run's engines fit together (rollout.engine with trainer.engine, trainer.backend with trainer.engine);
+    ConfigError naming the fields and the fix if not. Every caller that validates a run config asks this: the
+    commands when they load a config and the workflow on its input (beside RunConfig.from_json)."""
+    r, t = cfg.rollout, cfg.trainer
+    if t.engine not in ENGINE_TRAITS[r.engine].trainers:
+        pairs = "; ".join(f"{name} with {' or '.join(e.trainers)}" for name, e in ENGINE_TRAITS.items())
+        raise ConfigError(
+            f"rollout.engine={r.engine!r} and trainer.engine={t.engine!r} must match: a modelled engine's "
+            f"trajectories carry no real tokens to train on; pair rollout.engine with trainer.engine as in: {pairs}")
+    if t.engine not in (fits := BACKEND_TRAITS[t.backend].trainers):
+        raise ConfigError(
+            f"trainer.backend={t.backend!r} needs trainer.engine={' or '.join(map(repr, fits))} (got {t.engine!r}); "
+            "the modelled trainer has no weights to shard")
+    if t.lora is not None:
+        _check_lora(cfg)
+    return cfg
+
+
+def _check_lora(cfg: RunConfig) -> None:
+    """trainer.lora needs an engine that merges adapters into base weights it holds (which pairs with a trainer
+    that has weights) and a backend that trains adapters. vLLM would load each version through its LoRA request API
+    (an adapter directory on disk): not built, nor tested (no vLLM with LoRA on a CPU host here)."""
+    r, t = cfg.rollout, cfg.trainer
+    if not ENGINE_TRAITS[r.engine].lora:
+        fits = [name for name, e in ENGINE_TRAITS.items() if e.lora]
+        raise ConfigError(
+            f"trainer.lora with rollout.engine={r.engine!r} is not implemented: only {fits} apply LoRA versions "
+            "(merged into the base weights the engine holds; vLLM's LoRA request API is not wired yet); set "
+            f"rollout.engine to one of {fits} (and trainer.engine to one it pairs with), or remove trainer.lora")
+    if not BACKEND_TRAITS[t.backend].lora:
+        fits = [name for name, b in BACKEND_TRAITS.items() if b.lora]
+        raise ConfigError(
+            f"trainer.lora is not supported with trainer.backend={t.backend!r} yet (its ranks would shard and gather "
+            f"the frozen base too); set trainer.backend to one of {fits}, or remove trainer.lora")
+
+
+def time_modelled(engine: str) -> bool:
+    """Whether the rollout engine's time is modelled (modelled.speedup applies to it)."""
+    return ENGINE_TRAITS[engine].modelled_time
+
+
+def time_scale(cfg: RunConfig) -> float:
+    """Engine seconds per wall second: modelled.speedup where the rollout engine's time is modelled, else 1.
+    Deterministic (the workflow asks it)."""
+    return cfg.modelled.speedup if time_modelled(cfg.rollout.engine) else 1.0
+
+
+def decode_batch_limit(cfg: RunConfig) -> int:
+    """Sequences one replica decodes at full speed: its slots, capped at modelled.roofline_batch where the
+    rollout engine's time is modelled. Deterministic (the workflow asks it)."""
+    slots = cfg.rollout.max_inflight_groups * cfg.rollout.group_size
+    return min(cfg.modelled.roofline_batch, slots) if time_modelled(cfg.rollout.engine) else slots
+
+
+def trainer_gpus(cfg: RunConfig) -> int:
+    """GPUs the trainer worker holds on CUDA: one per rank of a sharded backend (trainer.fsdp_procs), else 1."""
+    return cfg.trainer.fsdp_procs if BACKEND_TRAITS[cfg.trainer.backend].sharded else 1
+
+
+def engines_served(cfg: RunConfig) -> list[str]:
+    """The rollout engines every worker of a set started for `cfg` serves: those any rollout worker runs, plus the
+    run's own (vLLM only in a set started for it, rl/vllm_engine.py)."""
+    return sorted({*(name for name, e in ENGINE_TRAITS.items() if e.every_worker), cfg.rollout.engine})
+
+
 def build_engine(cfg: RunConfig, *, policy: Policy, seed: int, run_files: RunFiles,
                  run_base: RunBase | None = None) -> tuple[Engine, Any]:
     """(engine, task) of one rollout replica; seed: its sampling seed (the modelled engine samples nothing).
     run_base: read (once) by a torch engine of a LoRA run, whose versions are adapters (rl/lora.py)."""
-    if cfg.trainer.lora is not None:  # the config pairs it with the torch engine only
+    if cfg.trainer.lora is not None:  # check_engines lets only engines with the lora trait through: torch
         if run_base is None:
             raise ValueError("trainer.lora is set: a torch engine needs run_base, the run's base weights")
         return _torch_engine(cfg, policy, seed, run_files, run_base)
@@ -95,6 +185,14 @@ def _torch_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles
 
 
 _ENGINES = {"torch": _torch_engine, "vllm": _vllm_engine, "modelled": _modelled_engine}
+
+
+def build_local_engine(model: Any, tokenizer: Any, **kw: Any) -> Engine:
+    """An engine over a model this process holds already (`laminar eval`: a checkpoint's weights, whatever engine
+    the run rolled out with): the torch engine. kw: TorchEngine's (max_inflight_seqs, max_new_tokens, ...)."""
+    from rl.engine import TorchEngine
+
+    return TorchEngine(model, tokenizer, **kw)
 
 
 def build_trainer(cfg: RunConfig, *, policy: Policy, max_staleness: int, model_dir: Callable[[], Path]

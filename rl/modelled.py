@@ -31,13 +31,13 @@ from hashlib import blake2b
 import numpy as np
 import torch
 
+from envs.tasks import Prompt
 from laminar.config import ModelledSection, RunConfig
 from laminar.errors import EngineError
 from laminar.records import Trajectory
 from rl.costs import TOOL_OUTPUT_TOKENS, CostModel, tool_latency_s
 from rl.engine import Finished, abort_slots, check_resumable, first_free_slot, inflight_state
 from rl.grpo import split_stale
-from rl.tasks import Prompt
 from rl.trainer import UpdateMetrics
 
 EOS_ID = 2  # the fake <eos> that ends a "stop" response

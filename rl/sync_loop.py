@@ -8,12 +8,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from envs.tasks import build_task
 from laminar.config import RunConfig
 from laminar.logs import get_logger
 from laminar.records import Trajectory
 from rl.engine import TorchEngine
 from rl.model import load_pretrained
-from rl.tasks import build_task
 from rl.trainer import Trainer, UpdateMetrics
 
 log = get_logger(__name__)

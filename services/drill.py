@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from laminar import names
+from laminar import contract
+from laminar.contract import FAULTS, PREEMPT_ROLES, DrillReport, RunStatus
 from laminar.errors import ConfigError
-from laminar.messages import FAULTS, PREEMPT_ROLES, DrillReport, RunStatus
 
 THROUGHPUT_WINDOW_S = 10.0  # the sliding window of throughput_restored_at: at least this long ...
 THROUGHPUT_WINDOW_STEPS = 5  # ... and at least this many of the steps before the fault (one step is no rate)
@@ -109,7 +109,7 @@ def detected_at(fault: str, target: str, injected_at: float, status: RunStatus,
         return _first_event(status, "relay_lost", target, injected_at)
     wanted = f"rollout-{target}" if fault == "rollout" else None
     for a in activities:
-        mine = a.activity_id == wanted if wanted else a.activity_type in (names.TRAIN_STEP, names.TRAIN_STEPS)
+        mine = a.activity_id == wanted if wanted else a.activity_type in (contract.TRAIN_STEP, contract.TRAIN_STEPS)
         if mine and a.attempt > 1 and a.last_attempt_complete_time and a.last_attempt_complete_time >= injected_at:
             return a.last_attempt_complete_time
     if fault == "rollout":  # the retry may already have claimed (and the pending view moved on)

@@ -72,8 +72,8 @@ def load_checkpoint(store: ObjectStore, checkpoint: str) -> tuple[str, LoadedChe
 
 def load_policy(store: ObjectStore, cfg: RunConfig, checkpoint: str) -> tuple[Any, Any, Any, EvalTarget]:
     """(model, tokenizer, task, target) of a checkpoint reference or a model directory."""
+    from envs.tasks import build_task
     from rl.model import build_model, load_pretrained
-    from rl.tasks import build_task
 
     path = Path(checkpoint)
     if path.is_dir():
@@ -108,14 +108,14 @@ def load_checkpoint_weights(store: ObjectStore, run_id: str, model: Any, weights
 
 def evaluate(store: ObjectStore, cfg: RunConfig, checkpoint: str, prompts_file: str = "") -> EvalOutcome:
     """Evaluate and store the record; the record of a version evaluated again is replaced (the newest wins)."""
-    from rl.engine import TorchEngine
+    from rl.factory import build_local_engine
     from rl.model import model_state_dict
 
     started = time.perf_counter()
     model, tokenizer, task, target = load_policy(store, cfg, checkpoint)
     prompts = eval_prompts(task, cfg.eval, prompts_file)
     width = max(len(p.token_ids) for p in prompts)
-    engine = TorchEngine(model, tokenizer, max_inflight_seqs=min(EVAL_SLOTS, len(prompts) * cfg.eval.samples),
+    engine = build_local_engine(model, tokenizer, max_inflight_seqs=min(EVAL_SLOTS, len(prompts) * cfg.eval.samples),
                          max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.eval.temperature,
                          seed=cfg.run.seed, eos_id=task.eos_id, max_prompt_len=max(width, cfg.rollout.max_prompt_len))
     engine.load_weights(model_state_dict(model), target.policy_version)

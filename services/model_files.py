@@ -13,11 +13,11 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from envs.tasks import build_task
+from envs.tasks.tokenizer import with_model_specials
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 from rl.base_model import build_base_model, fingerprint
-from rl.tasks import build_task
-from rl.tokenizer import with_model_specials
 from storage import keys
 from storage.objects import ObjectStore
 

@@ -1,9 +1,9 @@
-"""The repairer: finds training runs whose workflow is wedged and resets them (laminar/repair.py decides).
+"""The repairer: finds training runs whose workflow is wedged and resets them (services/repair_verdict.py decides).
 
 Every control worker runs one (workers/processes.py), so a repairer lives as long as any process that serves the
 runs: `laminar run` and `laminar workers` both start a control worker. Each sweep lists the running training runs,
 and for each whose pending workflow task is on its second attempt or later, or whose newest workflow-task end is a
-failure (a healthy run's is a completion), reads its history and asks `laminar.repair.verdict`. For a wedged run it:
+failure (a healthy run's is a completion), reads its history and asks `services.repair_verdict.verdict`. For a wedged run it:
 - checks the reset point by replaying the history up to it (and that point's commands) with this worker's own
   workflow code; an earlier completed task is tried when it does not replay;
 - resets the run to that point without reapplying the updates that came after it (their callers have gone: a
@@ -35,36 +35,36 @@ from temporalio.client import Client, WorkflowHistory
 from temporalio.service import RPCError
 from temporalio.worker import Replayer
 
-from laminar import names, repair
+from laminar import contract
+from laminar.contract import WorkflowReset
 from laminar.logs import get_logger
-from laminar.messages import WorkflowReset
+from services import repair_verdict
 from storage import keys
 from storage.objects import ObjectStore
-from workflows.timeouts import REPAIR_SWEEP_S
 
 log = get_logger(__name__)
 
-SWEEP_S = REPAIR_SWEEP_S  # how often the repairer looks: a wedged run is repaired within about this long
+SWEEP_S = contract.REPAIR_SWEEP_S  # how often the repairer looks: a wedged run is repaired within about this long
 _KIND = {
-    EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED: repair.SCHEDULED,
-    EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED: repair.STARTED,
-    EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED: repair.COMPLETED,
-    EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT: repair.TIMED_OUT,
-    EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED: repair.FAILED,
+    EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED: repair_verdict.SCHEDULED,
+    EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED: repair_verdict.STARTED,
+    EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED: repair_verdict.COMPLETED,
+    EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT: repair_verdict.TIMED_OUT,
+    EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED: repair_verdict.FAILED,
 }
 _RESET_CAUSE = WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_RESET_WORKFLOW
 
 
-def task_events(history: WorkflowHistory) -> list[repair.TaskEvent]:
-    """The history as laminar.repair reads it."""
+def task_events(history: WorkflowHistory) -> list[repair_verdict.TaskEvent]:
+    """The history as services.repair_verdict reads it."""
     out = []
     for e in history.events:
-        kind = _KIND.get(e.event_type, repair.OTHER)
-        if kind == repair.FAILED:
+        kind = _KIND.get(e.event_type, repair_verdict.OTHER)
+        if kind == repair_verdict.FAILED:
             a = e.workflow_task_failed_event_attributes
-            out.append(repair.TaskEvent(e.event_id, kind, a.failure.message, a.cause == _RESET_CAUSE))
+            out.append(repair_verdict.TaskEvent(e.event_id, kind, a.failure.message, a.cause == _RESET_CAUSE))
         else:
-            out.append(repair.TaskEvent(e.event_id, kind))
+            out.append(repair_verdict.TaskEvent(e.event_id, kind))
     return out
 
 
@@ -92,8 +92,8 @@ class Repairer:
 
     def __init__(self, client: Client, workflows: Sequence[type], store: ObjectStore | None = None,
                  on_reset: Callable[[WorkflowReset], None] | None = None, data_converter=None,
-                 workflow_type: str = names.TRAINING_RUN_WORKFLOW,
-                 failing_attempts: int = repair.FAILING_ATTEMPTS) -> None:
+                 workflow_type: str = contract.TRAINING_RUN_WORKFLOW,
+                 failing_attempts: int = repair_verdict.FAILING_ATTEMPTS) -> None:
         self.client = client
         self.failing_attempts = failing_attempts
         self.workflow_type = workflow_type
@@ -136,7 +136,7 @@ class Repairer:
         if attempt < 2 and not await self._failing_lately(workflow_id, run_id):
             return None  # its last workflow task did not fail: healthy
         history = await handle.fetch_history()
-        v = repair.verdict(task_events(history), attempt, self.failing_attempts)
+        v = repair_verdict.verdict(task_events(history), attempt, self.failing_attempts)
         if v is None:
             return None
         step = max(_search_int(desc, "LaminarStep"), self._newest_step(workflow_id))
@@ -157,9 +157,9 @@ class Repairer:
                 execution=WorkflowExecution(workflow_id=workflow_id, run_id=run_id)))
         for e in resp.history.events:  # newest first
             kind = _KIND.get(e.event_type)
-            if kind in (repair.COMPLETED, repair.TIMED_OUT):
+            if kind in (repair_verdict.COMPLETED, repair_verdict.TIMED_OUT):
                 return False
-            if kind == repair.FAILED:
+            if kind == repair_verdict.FAILED:
                 return e.workflow_task_failed_event_attributes.cause != _RESET_CAUSE
         return False
 
@@ -172,7 +172,7 @@ class Repairer:
                         error=str(result.replay_failure)[:300])
         return None
 
-    async def _reset(self, handle, v: repair.Verdict, reset_to: int, step_before: int) -> Outcome:
+    async def _reset(self, handle, v: repair_verdict.Verdict, reset_to: int, step_before: int) -> Outcome:
         wid, old_run = handle.id, handle.run_id
         current = await self.client.get_workflow_handle(wid).describe()
         if current.run_id != old_run:  # another repairer (or an operator) got here first
@@ -193,7 +193,7 @@ class Repairer:
                                old_run_id=old_run, new_run_id=resp.run_id, step_before=step_before,
                                step_after=step_after, at=time.time())
         try:
-            await new.signal(names.WORKFLOW_RESET, record)
+            await new.signal(contract.WORKFLOW_RESET, record)
         except RPCError as e:  # the status misses it; the store record and the log still hold it
             log.warning("workflow_reset_not_signalled", workflow_id=wid, error=str(e))
         self._write(wid, record)
@@ -204,7 +204,7 @@ class Repairer:
                     step_after=step_after, steps_redone=max(0, step_before - step_after))
         return Outcome(wid, "reset", record=record)
 
-    async def _fail(self, handle, v: repair.Verdict, why: str) -> Outcome:
+    async def _fail(self, handle, v: repair_verdict.Verdict, why: str) -> Outcome:
         reason = (f"laminar repair: the run's workflow is wedged ({v.error[:300]}; bad event {v.bad_event_id}) "
                   f"and cannot be repaired: {why}. Start a new run from its newest checkpoint.")
         log.error("workflow_wedged_run_failed", workflow_id=handle.id, run_id=handle.run_id, reason=reason)
@@ -243,7 +243,7 @@ def _search_int(desc, name: str) -> int:
 async def _step_of(handle, default: int, timeout_s: float = 30.0) -> int:
     """The reset run's step (a query replays it to the reset point); `default` if it does not answer."""
     try:
-        st = await asyncio.wait_for(handle.query(names.STATUS), timeout=timeout_s)
+        st = await asyncio.wait_for(handle.query(contract.STATUS), timeout=timeout_s)
         return int(st["step"] if isinstance(st, dict) else st.step)
     except Exception:
         return default

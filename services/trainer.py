@@ -33,11 +33,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from envs.tools import turn_counts
 from laminar import metrics as prom
 from laminar.config import RunConfig
-from laminar.errors import CorruptDataError, InconsistentStateError, RelayError, StepOutOfTurnError
-from laminar.logs import get_logger
-from laminar.messages import (
+from laminar.contract import (
     BatchPart,
     RepublishInput,
     StepMetrics,
@@ -46,6 +45,8 @@ from laminar.messages import (
     TrainStepInput,
     TrainStepResult,
 )
+from laminar.errors import CorruptDataError, InconsistentStateError, RelayError, StepOutOfTurnError
+from laminar.logs import get_logger
 from laminar.notice import NOTICE, Notice
 from laminar.records import Trajectory
 from laminar.refs import CheckpointRef
@@ -54,7 +55,6 @@ from relay import client as relay_client
 from relay.breaker import BREAKERS
 from rl.factory import build_trainer
 from rl.model import state_dict_to_bytes
-from rl.tools import turn_counts
 
 if TYPE_CHECKING:
     from rl.engine_api import PolicyTrainer
@@ -509,7 +509,7 @@ class TrainerService:
         lengths = sorted(len(t.response_ids) for t in trajectories)
         record = {"step": self.step, **asdict(m), **timing, "response_lengths": lengths,
                   "policy_versions": sorted({t.policy_version for t in trajectories}), "time": time.time()}
-        counts = [turn_counts(t.extra) for t in trajectories]  # multi-turn tool calls (rl/tools/__init__.py)
+        counts = [turn_counts(t.extra) for t in trajectories]  # multi-turn tool calls (envs/tools/__init__.py)
         record |= {"trajectories": len(trajectories), "tool_calls": sum(c[1] for c in counts),
                    "multi_turn": sum(1 for c in counts if c[0] >= 2),
                    "tool_latency_s": [round(x, 6) for c in counts for x in c[2]]}

@@ -40,7 +40,7 @@ import numpy as np
 
 from laminar import policy as policy_mod
 from laminar.config import RunConfig
-from laminar.messages import BatchPart, StepMetrics, TrainStepInput, TrainStepResult
+from laminar.contract import BatchPart, StepMetrics, TrainStepInput, TrainStepResult
 from laminar.policy import Policy, policy_for, staleness_bound
 from laminar.refs import SegmentRef
 from rl.costs import CostModel

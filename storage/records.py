@@ -43,7 +43,7 @@ def profiles(store: ObjectStore, run_id: str, role: str) -> list[dict[str, Any]]
 
 
 def drill_reports(store: ObjectStore, run_id: str) -> list[dict[str, Any]]:
-    """The run's drill reports (laminar.messages.DrillReport as written by activities/drill.py), in key order."""
+    """The run's drill reports (laminar.contract.DrillReport as written by activities/drill.py), in key order."""
     return [json.loads(store.get(k)) for k in store.list(keys.drill_reports_prefix(run_id)) if k.endswith(".json")]
 
 

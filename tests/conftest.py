@@ -12,3 +12,17 @@ def _fresh_relay_breakers():
 
     BREAKERS.clear()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_found():
+    """A command run in process (typer's CliRunner) configures logging for the process, with cached loggers
+    (laminar/logs.py); undo it after the test so a later test's `structlog.testing.capture_logs` sees every event."""
+    yield
+    import structlog
+
+    from laminar import logs
+
+    if logs._configured:
+        structlog.reset_defaults()
+        logs._configured = False

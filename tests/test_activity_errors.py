@@ -13,7 +13,7 @@ from temporalio.testing import ActivityEnvironment
 from activities.heartbeat import background_heartbeat
 from activities.trainer import TrainerActivities
 from laminar.config import RunConfig
-from laminar.messages import TrainerInitInput
+from laminar.contract import TrainerInitInput
 from services.trainer import TrainerService
 from storage.objects import LocalObjectStore
 

@@ -42,7 +42,7 @@ from bench.throughput import (
     window,
 )
 from laminar.config import MODES, RunConfig
-from laminar.messages import ReplicaReport, RunStatus
+from laminar.contract import ReplicaReport, RunStatus
 from storage import keys
 from storage.objects import LocalObjectStore
 from storage.records import step_records

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from laminar.chaos import KINDS, schedule_from_json
-from services.nemesis import partition_tool
+from chaos.nemesis import partition_tool
+from chaos.schedule import KINDS, schedule_from_json
 
 ROOT = Path(__file__).resolve().parents[1]
 # 4 replicas on the example's 2 hosts (each rollout worker 2 + 1 spare slots), as the drills run them

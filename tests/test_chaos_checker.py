@@ -8,8 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from laminar.messages import RunStatus
-from reporting.checker import (
+from chaos.checker import (
     check_accounting,
     check_checkpoints,
     check_faults,
@@ -23,6 +22,7 @@ from reporting.checker import (
     kind_summary,
     throughput_restored,
 )
+from laminar.contract import RunStatus
 
 T0 = 1_000.0
 

@@ -14,7 +14,7 @@ import pytest
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
-from laminar.converter import DATA_CONVERTER
+from client.converter import DATA_CONVERTER
 from workflows.training_run import TrainingRunWorkflow
 
 HISTORY = Path(__file__).parent / "fixtures" / "chaos_nondeterminism_history.json.gz"

@@ -15,10 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from devstack.stack import DevStack, free_port
-from laminar.chaos import Fault, Schedule
-from laminar.errors import StoreError
-from services.nemesis import (
+from chaos.nemesis import (
     NO_PACKET_FILTER,
     Nemesis,
     _partition_commands,
@@ -27,6 +24,9 @@ from services.nemesis import (
     read_table,
     sweep_stale_rules,
 )
+from chaos.schedule import Fault, Schedule
+from devstack.stack import DevStack, free_port
+from laminar.errors import StoreError
 from storage.objects import open_store
 from tests.fixtures.waiting import wait_until
 from workers.launcher import LocalLauncher, ManagedProcess

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from laminar.chaos import (
+from chaos.schedule import (
     HOLD_S,
     KINDS,
     format_schedule,

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from laminar.messages import RunStatus, workflow_id_for
+from laminar.contract import RunStatus, workflow_id_for
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import wait_until
 

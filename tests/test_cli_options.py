@@ -166,7 +166,7 @@ def test_the_packaged_default_config_is_examples_tiny():
 
 
 def test_init_writes_a_config_that_loads_and_a_prompts_file_it_names(tmp_path, monkeypatch):
-    from rl.tasks.loader import build_task, check_task
+    from envs.tasks.loader import build_task, check_task
 
     monkeypatch.chdir(tmp_path)  # the config names the prompts by absolute path: any directory works
     code, out, _ = _invoke(["init", "starter"], tmp_path / "home")

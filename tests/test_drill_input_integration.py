@@ -14,7 +14,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
-from laminar.messages import CONTROL_UNCACHED_QUEUE
+from laminar.contract import CONTROL_UNCACHED_QUEUE
 
 # A valid input, as `laminar drill` sends it (the run need not exist: validation comes first); each case spoils one field.
 GOOD = {"run_id": "no-such-run", "drill_id": "d", "fault": "rollout", "runner_queue": "laminar-drill-test"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from laminar.contract import RelayInfo, ReplicaReport, RunStatus
 from laminar.errors import ConfigError
-from laminar.messages import RelayInfo, ReplicaReport, RunStatus
 from services import drill as rules
 
 
@@ -238,7 +238,7 @@ def test_laminar_drill_rejects_a_bad_preempt_target_before_starting_anything(tmp
 
     from cli.drill import run_drill
     from client.settings import Settings
-    from laminar.messages import DrillInput
+    from laminar.contract import DrillInput
 
     settings = Settings.from_env({"LAMINAR_HOME": str(tmp_path)})  # nothing listens there: no connection is made
     for target in ("", "store", "trainer:2"):

@@ -18,7 +18,7 @@ from client.connect import connect, store_for
 from client.run_control import start_workflow
 from client.settings import Settings
 from devstack.stack import DevStack
-from laminar.messages import DrillInput, DrillReport, RunStatus
+from laminar.contract import DrillInput, DrillReport, RunStatus
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import assert_all_payloads_small, terminate_running

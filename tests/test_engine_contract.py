@@ -322,19 +322,20 @@ def test_interrupt_continues_in_flight_sequences_under_the_new_version(e: Subjec
             assert float(gaps(e, [f], B, skip=held[f.request_id]).max()) <= TOL[e.dtype][0]
 
 
-# -- choosing an engine and its device (laminar/config.py, rl.model.placement) --------------------------------
+# -- choosing an engine and its device (laminar/config.py, rl.factory.check_engines, rl.model.placement) --------------------------------
 
 
 def test_engine_and_backend_choices_are_validated_with_the_fix_named() -> None:
     from laminar.errors import ConfigError
+    from rl.factory import check_engines
 
-    cfg = RunConfig.load(None, ["rollout.engine=vllm"])  # vLLM generates, the torch trainer learns
+    cfg = check_engines(RunConfig.load(None, ["rollout.engine=vllm"]))  # vLLM generates, the torch trainer learns
     assert (cfg.rollout.engine, cfg.trainer.engine, cfg.rollout.device, cfg.rollout.dtype) == ("vllm", "torch", "cpu",
                                                                                               "float32")
     with pytest.raises(ConfigError, match="rollout.engine='vllm' and trainer.engine='modelled' must match"):
-        RunConfig.load(None, ["rollout.engine=vllm", "trainer.engine=modelled"])
+        check_engines(RunConfig.load(None, ["rollout.engine=vllm", "trainer.engine=modelled"]))
     with pytest.raises(ConfigError, match="trainer.backend='fsdp' needs trainer.engine='torch'"):
-        RunConfig.load(None, ["rollout.engine=modelled", "trainer.engine=modelled", "trainer.backend=fsdp"])
+        check_engines(RunConfig.load(None, ["rollout.engine=modelled", "trainer.engine=modelled", "trainer.backend=fsdp"]))
     with pytest.raises(ConfigError, match="rollout.device"):
         RunConfig.load(None, ["rollout.device=tpu"])
 

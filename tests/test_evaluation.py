@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
+from envs.tasks import get_task
+from envs.tasks.math import WARMUP_IDS, is_held_out, problem_key
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 from laminar.evalstats import PromptResult, summarise
 from rl.evaluation import eval_prompts
-from rl.tasks import get_task
-from rl.tasks.math import WARMUP_IDS, is_held_out, problem_key
 
 LEVELS = [{"max_terms": 2, "max_digits": 1}, {"max_terms": 3, "max_digits": 2}]
 
@@ -64,7 +64,7 @@ def test_eval_prompts_from_a_file_in_file_order(tmp_path):
 
 
 def _row(path, i):
-    from rl.tasks.prompt_file import FilePrompts
+    from envs.tasks.prompt_file import FilePrompts
 
     return FilePrompts(path, shuffle=False).rows[i]
 

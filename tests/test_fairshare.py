@@ -1,4 +1,4 @@
-"""laminar/fairshare.py: worked examples, then the allocator's rules as properties over random pools."""
+"""workflows/fairshare.py: worked examples, then the allocator's rules as properties over random pools."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from laminar.fairshare import Ask, allocate, check_quota
+from workflows.fairshare import Ask, allocate, check_quota
 
 
 def _granted(slots: int, asks: list[Ask], engines=None) -> dict[str, int]:
@@ -140,7 +140,7 @@ def test_status_shows_asked_granted_running_and_why():
     from dataclasses import replace
 
     from client.run_control import _grant_rows
-    from laminar.messages import RunStatus
+    from laminar.contract import RunStatus
 
     base = RunStatus(run_id="r", phase="running", step=0, total_steps=3, policy_version=0, ready_groups=0,
                      open_leases=0, groups_generated=0, groups_consumed=0, groups_consumed_twice=0, tokens_consumed=0,

@@ -14,11 +14,11 @@ import random
 import pytest
 import torch
 
+from envs.tasks.tokenizer import build_word_tokenizer
 from laminar.config import RunConfig
 from laminar.records import Trajectory
 from rl.fsdp import FsdpTrainer
 from rl.model import build_model, load_pretrained, save_pretrained
-from rl.tokenizer import build_word_tokenizer
 from rl.trainer import Trainer
 
 HF = {

@@ -10,9 +10,9 @@ import random
 import pytest
 from temporalio.exceptions import FailureError
 
-from laminar import names
+from laminar import contract
 from laminar.config import RunConfig
-from laminar.messages import PoolAsk, ReplicaGrant, ScaleResult
+from laminar.contract import PoolAsk, ReplicaGrant, ScaleResult
 from tests.fixtures.fake_runtime import FakeRuntime
 from workflows import timeouts
 from workflows.grants import SlotGrants
@@ -107,7 +107,7 @@ async def test_the_ask_is_told_and_retried_while_the_pool_does_not_take_it():
     for _ in range(50):
         await asyncio.sleep(0)
     assert h.rt.sleeps == [timeouts.POOL_RETRY_S, timeouts.POOL_RETRY_S]
-    assert h.signals == [(POOL, names.POOL_ASK, PoolAsk(run_id="run-a", workflow_id="run/run-a", replicas=2, quota=1,
+    assert h.signals == [(POOL, contract.POOL_ASK, PoolAsk(run_id="run-a", workflow_id="run/run-a", replicas=2, quota=1,
                                                         engine=h.grants.cfg.rollout.engine))]
     assert h.state.pool_error == "" and not h.grants.ask_unsent
     h.grants.scale_ask(1)  # the ask changes: told again (quota bounded by the ask)
@@ -132,7 +132,7 @@ async def test_a_pool_that_is_gone_shows_in_the_note():
 async def test_leaving_the_pool_signals_it_and_a_gone_pool_is_only_logged():
     h = Harness()
     await h.grants.leave()
-    assert h.signals == [(POOL, names.POOL_LEAVE, "run-a")]
+    assert h.signals == [(POOL, contract.POOL_LEAVE, "run-a")]
     h2 = Harness(failures=1)
     await h2.grants.leave()  # no raise: the pool finds the run gone
     assert h2.signals == []

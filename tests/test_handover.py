@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from client.run_control import start_workflow
-from laminar.messages import RunStatus
+from laminar.contract import RunStatus
 from tests.fixtures.stack import quiet_status, small_config
 from tests.fixtures.temporal import history_chain
 from tests.fixtures.waiting import async_wait_until

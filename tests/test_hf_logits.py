@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from envs.tasks.tokenizer import build_word_tokenizer  # noqa: E402
 from rl.model import build_model, load_pretrained, save_pretrained  # noqa: E402
-from rl.tokenizer import build_word_tokenizer  # noqa: E402
 
 BASE = {"vocab_size": 40, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-6,

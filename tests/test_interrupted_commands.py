@@ -24,9 +24,9 @@ from client.connect import connect
 from client.run_control import start_workflow
 from client.settings import Settings
 from devstack.stack import DevStack
-from laminar import names
+from laminar import contract
 from laminar.config import RunConfig
-from laminar.messages import RunStatus, workflow_id_for
+from laminar.contract import RunStatus, workflow_id_for
 from tests.fixtures.s3 import free_port
 from tests.fixtures.waiting import async_wait_until
 
@@ -59,7 +59,7 @@ async def client(env) -> AsyncIterator[Client]:
 
 
 async def _running_runs(client: Client) -> list[str]:
-    where = f"WorkflowType = '{names.TRAINING_RUN_WORKFLOW}' AND ExecutionStatus = 'Running'"
+    where = f"WorkflowType = '{contract.TRAINING_RUN_WORKFLOW}' AND ExecutionStatus = 'Running'"
     return [wf.id async for wf in client.list_workflows(where)]
 
 
@@ -116,7 +116,7 @@ async def test_list_marks_a_run_whose_owning_command_is_gone_as_orphaned(env, cl
     await start_workflow(client, cfg, owner="laminar bench throughput")  # owned by this (live) test process
     orphan = f"{run_id}-b"
     handle = await client.start_workflow(
-        names.TRAINING_RUN_WORKFLOW, {"config": cfg.with_run_id(orphan).to_json()}, id=workflow_id_for(orphan),
+        contract.TRAINING_RUN_WORKFLOW, {"config": cfg.with_run_id(orphan).to_json()}, id=workflow_id_for(orphan),
         task_queue="no-worker-polls-this", memo={"laminar_owner": {"command": "laminar bench throughput",
                                                                    "pid": gone.pid, "host": os.uname().nodename}})
     try:

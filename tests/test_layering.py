@@ -1,9 +1,17 @@
 """Import layering: no module imports upward. Every module of the repository (tests excepted) is parsed with `ast`,
 so imports inside functions, under `if TYPE_CHECKING:` and `importlib.import_module("...")` calls count too.
 
-- `laminar/` imports only itself; `storage/`, `rl/`, `relay/` and `workflows/` import only `laminar/` and
-  themselves; `reporting/` only `laminar/` and `storage/`; `client/watch.py` (the run-watching helper every
+- `laminar/` imports only itself; `storage/`, `envs/`, `relay/` and `workflows/` import only `laminar/` and
+  themselves, except that `workflows/` may ask `rl.factory` (the engines' traits: deterministic, import-light;
+  the one place engine names mean something); `rl/` only `laminar/` and `envs/` (engines serve a task's prompts;
+  environments know no engine);
+  `reporting/` only `laminar/` and `storage/`; `client/watch.py` (the run-watching helper every
   caller shares) only `laminar/`.
+- `client/` imports `laminar/`, `storage/` and `devstack/`, never `workflows/`: it starts, signals and queries
+  workflows through the Temporal contract (`laminar/contract.py`) alone.
+- `chaos/` (the `laminar chaos` room) imports `laminar/`, `storage/`, `reporting/`, `client/` and `devstack/`; its
+  schedule only `laminar/`, its nemesis only `laminar/` and the schedule, its checker only `laminar/`,
+  `storage/` and `reporting/`. Only `cli/` imports it.
 - Nothing imports the top, `cli/` (every command) and `workers/` (launchers, worker processes), except that `cli/`
   imports `workers/`; `bench/` gets the launcher passed in.
 
@@ -18,16 +26,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TOP = {"cli", "workers"}  # nothing imports them ...
 TOP_MAY_IMPORT = {"cli": {"workers"}}  # ... except the command line, which starts the workers
-# Module or package -> the first-party packages it may import besides itself (the longest matching name rules).
+# Module or package -> the first-party packages or modules it may import besides itself (the longest matching
+# name rules; an allowed name allows the modules under it).
 ONLY = {
     "laminar": set(),
     "storage": {"laminar"},
-    "rl": {"laminar"},
+    "envs": {"laminar"},
+    "rl": {"laminar", "envs"},
     "relay": {"laminar"},
-    "workflows": {"laminar"},
+    "workflows": {"laminar", "rl.factory"},
     "reporting": {"laminar", "storage"},
+    "client": {"laminar", "storage", "devstack"},
     "client.watch": {"laminar"},
+    "chaos": {"laminar", "storage", "reporting", "client", "devstack"},
+    "chaos.schedule": {"laminar"},
+    "chaos.nemesis": {"laminar", "chaos.schedule"},
+    "chaos.checker": {"laminar", "storage", "reporting"},
 }
+ONLY_FROM_CLI = {"chaos"}  # a command's room: only cli/ imports it
 
 
 def first_party() -> set[str]:
@@ -79,10 +95,20 @@ def violations(module: str, source: str, packages: set[str], is_package: bool = 
                 out.append(f"{module}:{line} imports {name}: nothing may import {target}/ (the top: cli/ the "
                            "commands, workers/ the launchers; only cli/ imports workers/); move the piece it needs "
                            "to a lower package (client/) or have the caller pass it in")
-        elif rule is not None and target not in ONLY[rule] and not (name == rule or name.startswith(rule + ".")):
-            allowed = " and ".join(f"{p}/" for p in sorted(ONLY[rule])) or "nothing else"
+        elif rule is not None and not any(_under(name, p) for p in [rule, *ONLY[rule]]):
+            allowed = " and ".join(_shown(p) for p in sorted(ONLY[rule])) or "nothing else"
             out.append(f"{module}:{line} imports {name}: {rule} may import only itself and {allowed}")
+        elif target in ONLY_FROM_CLI and own not in (target, "cli"):
+            out.append(f"{module}:{line} imports {name}: only the CLI imports {target}/ (it is a command's room)")
     return out
+
+
+def _under(name: str, allowed: str) -> bool:
+    return name == allowed or name.startswith(allowed + ".")
+
+
+def _shown(allowed: str) -> str:
+    return f"{allowed}/" if "." not in allowed else allowed.replace(".", "/") + ".py"
 
 
 def test_no_module_imports_upward() -> None:
@@ -119,17 +145,48 @@ def f():
     # storage may import laminar, not rl
     assert violations("storage.fake", "from laminar.refs import Ref\nfrom storage import keys\n", packages) == []
     assert "storage may import only itself and laminar/" in violations("storage.fake", "import rl.engine", packages)[0]
+    # workflows may ask rl.factory and nothing else of rl
+    assert violations("workflows.fake", "from rl.factory import time_scale\n", packages) == []
+    assert violations("workflows.fake", "from rl.engine import TorchEngine\n", packages)
+    # rl may import the environments; the environments import no engine
+    assert violations("rl.fake", "from envs.tasks import Prompt\n", packages | {"envs"}) == []
+    assert "envs may import only itself and laminar/" in violations("envs.tasks.fake", "from rl.engine import E",
+                                                                    packages | {"envs"})[0]
     # bench may import the launcher from nowhere, even lazily; workers may import workers; cli may import workers,
     # but not the other way round, and nothing else imports cli
     assert violations("bench.fake", "def g():\n    from workers.launcher import LocalLauncher\n", packages)
     assert violations("workers.launcher_ray", "from workers.launcher import LocalLauncher\n", packages) == []
     assert violations("cli.main", "from workers.launcher import LocalLauncher\n", packages) == []
     assert violations("cli.main", "from cli.run import run_local\n", packages) == []
-    assert "nothing may import cli/" in violations("workers.chaos_command", "from cli.run import x\n", packages)[0]
+    assert "nothing may import cli/" in violations("chaos.command", "from cli.run import x\n", packages)[0]
     assert "nothing may import cli/" in violations("bench.fake", "import cli.main\n", packages)[0]
     # the watching helper: laminar only, not even the rest of client/
-    assert violations("client.watch", "from laminar.messages import RunStatus\nimport temporalio\n", packages) == []
+    assert violations("client.watch", "from laminar.contract import RunStatus\nimport temporalio\n", packages) == []
     assert violations("client.watch", "from client.settings import Settings\n", packages)
     assert violations("client.run_control", "from client.settings import Settings\n", packages) == []
     # a relative import resolves against the module: `from .. import x` in storage.a.b is storage
     assert violations("storage.a.b", "from .. import keys\nfrom ..c import d\n", packages) == []
+
+
+def test_the_contract_and_chaos_rules() -> None:
+    packages = {"laminar", "storage", "workers", "client", "devstack", "workflows", "reporting", "services", "chaos",
+                "cli"}
+    # client/ starts and queries runs through laminar/contract.py, never through workflows/
+    assert violations("client.run_control", "from laminar.contract import TrainingRunInput\n", packages) == []
+    found = violations("client.run_control", "from workflows.state import TrainingRunInput\n", packages)
+    assert found and "client may import only itself and devstack/ and laminar/ and storage/" in found[0]
+    # chaos/: the schedule is pure, the nemesis carries out a schedule, the command ties the room together
+    assert violations("chaos.schedule", "from chaos.nemesis import Nemesis\n", packages)
+    assert violations("chaos.nemesis", "from chaos.schedule import Fault\nfrom laminar.logs import get_logger\n",
+                      packages) == []
+    assert "chaos/schedule.py" in violations("chaos.nemesis", "from client.settings import Settings\n", packages)[0]
+    assert violations("chaos.checker", "from reporting.summary import reward_rise\n", packages) == []
+    assert violations("chaos.command", "from chaos.checker import judge\nfrom client.exit import stop_like_ctrl_c\n"
+                      "from devstack.stack import DevStack\n", packages) == []
+    assert violations("chaos.command", "from workflows.pool import PoolInput\n", packages)
+    assert violations("chaos.command", "from workers.launcher import process_table_path\n", packages)
+    # only the command line imports chaos/
+    assert violations("cli.chaos", "from chaos.command import run_chaos\n", packages) == []
+    assert violations("workers.launcher", "from chaos.command import run_chaos\n", packages)
+    assert "only the CLI imports chaos/" in violations("services.fake", "from chaos.nemesis import Nemesis\n",
+                                                        packages)[0]

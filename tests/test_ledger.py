@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from laminar.config import RunConfig
-from laminar.messages import (
+from laminar.contract import (
     BatchPart,
     FailedGroup,
     ReplicaReport,
@@ -262,8 +262,8 @@ def test_stream_minibatches_already_complete_go_to_the_trainer_together_up_to_th
     assert second.config == first.config and second.fallbacks == first.fallbacks
     assert first == ledger.next_train_input(cfg, ["relay-0"])  # nothing was consumed by asking
     # what travels: the first input whole and the later batches alone; the trainer rebuilds the same inputs
-    from laminar.converter import DATA_CONVERTER  # what every laminar client and worker decodes with
-    from laminar.messages import TrainStepsInput
+    from client.converter import DATA_CONVERTER  # what every laminar client and worker decodes with
+    from laminar.contract import TrainStepsInput
 
     msg = TrainStepsInput(first=first, then=[second.batch])
     conv = DATA_CONVERTER.payload_converter

@@ -5,7 +5,7 @@ input that hands both to the trainer, and a recorded fallback past a corrupt che
 from __future__ import annotations
 
 from laminar.config import RunConfig
-from laminar.messages import BatchPart, StepMetrics, TrainStepResult
+from laminar.contract import BatchPart, StepMetrics, TrainStepResult
 from laminar.refs import CheckpointRef, SegmentRef
 from storage import keys
 from storage.objects import sha256_hex

@@ -54,10 +54,15 @@ def test_config_is_off_by_default_and_errors_name_field_value_and_fix() -> None:
     with pytest.raises(ConfigError, match=re.escape("trainer.lora.r=0: Input should be greater than or equal to 1 "
                                                     "(LoRA rank")):
         RunConfig.load(None, ["--trainer.lora.r=0"])
+    from rl.factory import check_engines  # the engine rules (names and traits live there)
+
     with pytest.raises(ConfigError, match="rollout.engine='vllm' is not implemented"):
-        RunConfig.load(None, ["--trainer.lora.r=4", "--rollout.engine=vllm"])
+        check_engines(RunConfig.load(None, ["--trainer.lora.r=4", "--rollout.engine=vllm"]))
     with pytest.raises(ConfigError, match="trainer.backend='fsdp'"):
-        RunConfig.load(None, ["--trainer.lora.r=4", "--trainer.backend=fsdp"])
+        check_engines(RunConfig.load(None, ["--trainer.lora.r=4", "--trainer.backend=fsdp"]))
+    with pytest.raises(ConfigError, match="rollout.engine='modelled' is not implemented"):
+        check_engines(RunConfig.load(None, ["--trainer.lora.r=4", "--rollout.engine=modelled",
+                                            "--trainer.engine=modelled"]))
 
 
 def test_target_modules_that_match_nothing_fail_at_trainer_init_listing_the_modules() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from laminar.messages import RunStatus, workflow_id_for
+from laminar.contract import RunStatus, workflow_id_for
 from services.drill import groups_lost
 from storage.objects import LocalObjectStore
 from storage.runs import read_marker

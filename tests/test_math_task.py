@@ -8,18 +8,18 @@ import random
 
 import pytest
 
-from laminar.config import RunConfig
-from laminar.errors import ConfigError
-from rl.tasks import build_task, get_task, known_tasks
-from rl.tasks.answers import (
+from envs.tasks import build_task, get_task, known_tasks
+from envs.tasks.answers import (
     arithmetic_answer,
     exact_match,
     extract_answer,
     freeform_answer,
     math_verify_match,
 )
-from rl.tasks.gsm8k import Gsm8kPrompts, gsm8k_answer
-from rl.tasks.math import WARMUP_IDS, countdown_reward, curriculum_level, spaced
+from envs.tasks.gsm8k import Gsm8kPrompts, gsm8k_answer
+from envs.tasks.math import WARMUP_IDS, countdown_reward, curriculum_level, spaced
+from laminar.config import RunConfig
+from laminar.errors import ConfigError
 
 
 def _ids(task, text: str) -> list[int]:

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from client.run_control import start_workflow
 from laminar import metrics, search
-from laminar.messages import RunStatus
+from laminar.contract import RunStatus
 from storage.records import step_records
 from tests.fixtures.stack import small_config
 from tests.fixtures.waiting import async_wait_until

@@ -3,7 +3,7 @@ per group at every moment, retried messages change nothing, a restart voids what
 
 from __future__ import annotations
 
-from laminar.messages import Departure, Handoff, ReplicaReport, Taken
+from laminar.contract import Departure, Handoff, ReplicaReport, Taken
 from laminar.refs import SegmentRef
 from storage import keys
 from storage.objects import sha256_hex

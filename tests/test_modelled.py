@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from envs.tasks import get_task
 from laminar.config import RunConfig
+from laminar.contract import BatchPart, TrainStepInput
 from laminar.errors import ConfigError, EngineError
-from laminar.messages import BatchPart, TrainStepInput
 from laminar.records import Trajectory
 from relay import client as relay_client
 from relay.server import RelayServer
@@ -32,7 +33,6 @@ from rl.modelled import (
     response_length,
     tool_plan,
 )
-from rl.tasks import get_task
 from services.trainer import TrainerService
 from storage import keys
 from storage.objects import LocalObjectStore
@@ -466,7 +466,7 @@ def test_lognormal_sigma_puts_p99_at_ten_times_the_median():
 def test_republish_pushes_the_current_version_to_the_chain_it_is_given(tmp_path):
     # The workflow asks after a relay joined or left the chain. Only a trainer whose policy is at the step the
     # workflow records pushes (again); a restarted one (nothing in memory) or one at another step skips (-1).
-    from laminar.messages import RepublishInput
+    from laminar.contract import RepublishInput
 
     store = LocalObjectStore(tmp_path / "store")
     trajs = TrajectoryStore(store)

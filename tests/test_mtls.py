@@ -35,8 +35,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from client.connect import connect
 from client.settings import Settings
 from devstack.stack import DevStack, free_port, port_free
+from laminar.contract import CONTROL_QUEUE, RunStatus, workflow_id_for
 from laminar.errors import ConfigError, LaminarError
-from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
 from storage.objects import open_store
 from tests.fixtures.s3 import create_bucket, stop_process
 from tests.fixtures.stack import small_config

@@ -25,9 +25,9 @@ import pytest
 from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
 from temporalio.client import Client
 
-from laminar import names
-from laminar.converter import DATA_CONVERTER
-from laminar.messages import PoolStatus, RunStatus, pool_workflow_id, workflow_id_for
+from client.converter import DATA_CONVERTER
+from laminar import contract
+from laminar.contract import PoolStatus, RunStatus, pool_workflow_id, workflow_id_for
 from storage import keys
 from storage.objects import S3ObjectStore
 from tests.fixtures.s3 import create_bucket, stop_process
@@ -60,7 +60,7 @@ async def _pool_reports(client: Client, slots: int) -> PoolStatus:
     nothing, so runs started before the report would run their full ask until it comes)."""
     async def reported() -> PoolStatus | None:
         try:
-            p = await client.get_workflow_handle(pool_workflow_id()).query(names.POOL_STATUS, result_type=PoolStatus)
+            p = await client.get_workflow_handle(pool_workflow_id()).query(contract.POOL_STATUS, result_type=PoolStatus)
         except Exception:  # noqa: BLE001 - not started yet, or no control worker yet
             return None
         return p if p.slots == slots else None
@@ -123,7 +123,7 @@ async def test_three_runs_share_one_worker_set(temporal_env, moto_server, tmp_pa
               "reported", reported,
               "replica_leaving", [sorted(k for k in f.event_times if k.startswith("replica_leaving/")) for f in finals])
         # and every run left the pool as it finished
-        left = await pool.query(names.POOL_STATUS, result_type=PoolStatus)
+        left = await pool.query(contract.POOL_STATUS, result_type=PoolStatus)
         assert left.runs == [] and left.slots == SLOTS, left
         store = S3ObjectStore(bucket, endpoint_url=moto_server)
         waits = {}
@@ -161,14 +161,14 @@ class _ShareWatch:
     async def run(self) -> None:
         while True:
             try:
-                p = await self.pool.query(names.POOL_STATUS, result_type=PoolStatus)
+                p = await self.pool.query(contract.POOL_STATUS, result_type=PoolStatus)
                 if self.shared is None and len(p.runs) == len(self.handles) and sum(r.granted for r in p.runs) == p.slots:
                     self.shared = p
                 others = [h.id.removeprefix("run/") for h in self.handles[1:]]
                 if self.shared is not None and [r.run_id for r in p.runs] == others:
                     self.after_first = [r.granted for r in p.runs]
                 for h in self.handles:
-                    st = await h.query(names.STATUS, result_type=RunStatus)
+                    st = await h.query(contract.STATUS, result_type=RunStatus)
                     if st.grant_note:
                         self.notes[st.run_id].add(st.grant_note)
             except Exception:  # noqa: BLE001 - a query racing a continue-as-new or a finish: look again
@@ -217,7 +217,7 @@ async def test_a_run_left_no_slot_says_why_then_runs(temporal_env, moto_server, 
         hq = client.get_workflow_handle(workflow_id_for(q), result_type=RunStatus)
 
         async def q_granted() -> bool:
-            return (await hq.query(names.STATUS, result_type=RunStatus)).replicas_granted == 2
+            return (await hq.query(contract.STATUS, result_type=RunStatus)).replicas_granted == 2
         await async_wait_until(q_granted, 120, f"{q} granted 2", interval_s=0.5)
         await asyncio.to_thread(start, w, "--steps", "3", "--rollout.replicas=1", f"--run.stall_warn_s={STARVED_WARN_S}")
         note = "granted 0 of 1 asked: 2 runs share 2 slots, 2 held by other runs' quotas"
@@ -255,7 +255,7 @@ def test_trainer_republishes_a_run_it_has_moved_away_from(tmp_path):
     # relay (a new one here): the republish pushes the version the trainer kept for "r" (it used to skip, -1).
     from dataclasses import replace
 
-    from laminar.messages import RepublishInput
+    from laminar.contract import RepublishInput
     from relay import client as relay_client
     from relay.server import RelayServer
     from services.trainer import TrainerService
@@ -289,7 +289,7 @@ def test_replica_reports_its_version_missing_only_when_no_relay_holds_one(tmp_pa
     # A replica that needs weights (none loaded) and whose poll reaches a relay holding nothing of its run reports
     # version_missing; once a relay holds a version of its run (another run's do not count), it does not.
     from laminar import metrics as prom
-    from laminar.messages import RelayInfo
+    from laminar.contract import RelayInfo
     from laminar.policy import policy_for
     from relay import client as relay_client
     from relay.server import RelayServer

@@ -1,6 +1,6 @@
-"""laminar/names.py against the handlers: every activity the workers can register (each `@activity.defn` under
-activities/) and every workflow type, update, signal and query of the two workflows is declared there under its
-kind, and every name declared there is handled. A name declared but never handled, or handled under a name that
+"""The names of laminar/contract.py against the handlers: every activity the workers can register (each
+`@activity.defn` under activities/) and every workflow type, update, signal and query of the workflows is declared
+there under its kind, and every name declared there is handled. A name declared but never handled, or handled under a name that
 is not declared, fails here; callers spell names only through the module, so they cannot drift apart."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pkgutil
 from temporalio import activity, workflow
 
 import activities
-from laminar import names
+from laminar import contract
 from workflows.pool import SlotPoolWorkflow
 from workflows.recovery_drill import RecoveryDrillWorkflow
 from workflows.training_run import TrainingRunWorkflow
@@ -51,21 +51,22 @@ def _handled() -> dict[str, set[str]]:
 
 
 def _declared() -> dict[str, str]:
-    """Every name constant of laminar/names.py: value -> constant."""
-    return {v: k for k, v in vars(names).items() if k.isupper() and isinstance(v, str)}
+    """Every name constant of laminar/contract.py (its task queues aside): value -> constant."""
+    return {v: k for k, v in vars(contract).items()
+            if k.isupper() and isinstance(v, str) and v not in contract.QUEUES}
 
 
 def test_every_handled_name_is_declared_under_its_kind():
     for kind, handled in _handled().items():
-        declared = set(getattr(names, kind))
-        assert handled - declared == set(), f"handled but not in names.{kind}: {sorted(handled - declared)}"
-        assert declared - handled == set(), f"in names.{kind} but never handled: {sorted(declared - handled)}"
+        declared = set(getattr(contract, kind))
+        assert handled - declared == set(), f"handled but not in contract.{kind}: {sorted(handled - declared)}"
+        assert declared - handled == set(), f"in contract.{kind} but never handled: {sorted(declared - handled)}"
 
 
 def test_every_declared_name_is_handled():
     handled = set().union(*_handled().values())
     unhandled = {const: value for value, const in _declared().items() if value not in handled}
-    assert unhandled == {}, f"declared in laminar/names.py but no handler registers them: {unhandled}"
+    assert unhandled == {}, f"declared in laminar/contract.py but no handler registers them: {unhandled}"
 
 
 def test_the_recorded_names_keep_their_values():
@@ -78,3 +79,10 @@ def test_the_recorded_names_keep_their_values():
         "claim_prompts", "add_experience", "pause", "resume", "stop", "scale", "relay_leaving", "relay_joined",
         "trainer_checkpointed", "workflow_reset", "status", "replica_grant", "pool_slots", "pool_ask", "pool_leave", "pool_status",
     ])
+
+
+def test_every_task_queue_is_listed():
+    """The contract's string constants are names or queues: a queue constant left out of QUEUES would count as an
+    undeclared name above."""
+    queues = {k for k, v in vars(contract).items() if k.isupper() and k.endswith("_QUEUE") and isinstance(v, str)}
+    assert {getattr(contract, k) for k in queues} == set(contract.QUEUES)

@@ -19,7 +19,7 @@ import pytest_asyncio
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from client.run_control import CONTROL_ANSWER_S
-from laminar.messages import RunStatus, workflow_id_for
+from laminar.contract import RunStatus, workflow_id_for
 from services.drill import groups_lost
 from tests.fixtures.devhome import Dev, own_dev_stack
 from tests.fixtures.stack import TEST_OVERRIDES

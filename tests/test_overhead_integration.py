@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from client.run_control import start_workflow
-from laminar import names
-from laminar.messages import RunStatus
+from laminar import contract
+from laminar.contract import RunStatus
 from reporting.summary import build_profile
 from services.rollout import HEARTBEAT_EVERY_S
 from tests.fixtures.stack import small_config
@@ -52,7 +52,7 @@ async def test_groups_are_reported_as_they_complete_and_every_process_profiles_t
     train_activities = sum(1 for e in history.events
                            if e.HasField("activity_task_scheduled_event_attributes")
                            and e.activity_task_scheduled_event_attributes.activity_type.name
-                           in (names.TRAIN_STEP, names.TRAIN_STEPS))
+                           in (contract.TRAIN_STEP, contract.TRAIN_STEPS))
     assert 1 <= train_activities <= cfg.run.steps
     assert profile["trainer"]["latency"]["train_step_schedule_to_start"]["n"] == train_activities
     assert profile["cpu_s"] == {"trainer": 1.0}

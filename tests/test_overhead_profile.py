@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench.overhead import ratios, side, time_to_reward
-from laminar.messages import RunStatus
+from laminar.contract import RunStatus
 from laminar.timing import TimeBreakdown, merge
 from reporting.summary import build_profile, build_summary, format_profile
 from storage import keys

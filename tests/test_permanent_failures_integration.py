@@ -14,7 +14,7 @@ from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
 from client.run_control import start_workflow
-from laminar.messages import RunStatus
+from laminar.contract import RunStatus
 from storage import keys
 from tests.fixtures.stack import quiet_status, small_config
 from tests.fixtures.waiting import async_wait_until, wait_until

@@ -30,8 +30,8 @@ from client.run_control import stop_run
 from client.settings import Settings
 from devstack.stack import DevStack
 from laminar.config import RunConfig
+from laminar.contract import DrillInput, DrillReport, RunStatus, workflow_id_for
 from laminar.errors import ConfigError, LaminarError
-from laminar.messages import DrillInput, DrillReport, RunStatus, workflow_id_for
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until, wait_until

@@ -37,7 +37,7 @@ from client.run_control import scale_run, start_run, stop_run
 from client.settings import Settings
 from devstack.stack import DevStack
 from laminar.config import RunConfig
-from laminar.messages import RunStatus, workflow_id_for
+from laminar.contract import RunStatus, workflow_id_for
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until

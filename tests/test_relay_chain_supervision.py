@@ -11,7 +11,7 @@ import random
 import pytest
 
 from laminar.config import RunConfig
-from laminar.messages import RelayInfo, TrainStepResult
+from laminar.contract import RelayInfo, TrainStepResult
 from tests.fixtures.fake_runtime import FakeRuntime, activity_error
 from workflows import timeouts
 from workflows.ledger import Ledger

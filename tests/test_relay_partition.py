@@ -26,7 +26,7 @@ SIZE = 4 << 20  # a 4 MiB version: a push takes milliseconds on loopback, so the
 
 def scenario() -> dict[str, float | int | None | list | str]:
     from laminar.config import RunConfig
-    from laminar.messages import RelayInfo, TrainStepInput
+    from laminar.contract import RelayInfo, TrainStepInput
     from laminar.metrics import ReplicaMetrics
     from laminar.policy import policy_for
     from relay import client

@@ -1,5 +1,5 @@
-"""The repairer (laminar/repair.py decides, services/repair.py acts) against the chaos run's wedged history and
-against real wedged runs on a real Temporal dev server, their worker a real process killed by pid.
+"""The repairer (services/repair_verdict.py decides, services/repair.py acts) against the chaos run's wedged
+history and against real wedged runs on a real Temporal dev server, their worker a real process killed by pid.
 
 The wedge is injected with tests.wedge's interceptors: a live run issues a command its replay does not (the
 failure the chaos run left: `[TMPRL1100]`), so every cold replay fails until the run is reset."""
@@ -17,9 +17,10 @@ import pytest
 from temporalio.client import WorkflowExecutionStatus, WorkflowHistory
 from temporalio.worker import Replayer
 
-from laminar import repair
-from laminar.converter import DATA_CONVERTER
+from client.converter import DATA_CONVERTER
+from services import repair_verdict
 from services.repair import Repairer, prefix_through, task_events
+from services.repair_verdict import COMPLETED, FAILED, OTHER, SCHEDULED, STARTED, TIMED_OUT
 from tests import wedge
 from tests.fixtures.temporal import temporal_address
 from tests.fixtures.waiting import async_wait_until
@@ -37,7 +38,7 @@ def _fixture() -> WorkflowHistory:
 
 
 def test_verdict_on_the_chaos_history_resets_before_the_timed_out_task():
-    v = repair.verdict(task_events(_fixture()), pending_attempt=3)
+    v = repair_verdict.verdict(task_events(_fixture()), pending_attempt=3)
     assert v is not None and v.nondeterminism and "[TMPRL1100]" in v.error
     assert v.bad_event_id == 132  # the first TimerStarted of completion 131, named by the error
     # 131 completed task 129, into which the SDK merged task 124 (timed out at 126); the completed task before
@@ -56,57 +57,57 @@ async def test_the_chosen_point_replays_and_the_bad_one_does_not():
     assert bad.replay_failure is not None and "TMPRL1100" in str(bad.replay_failure)
 
 
-E = repair.TaskEvent
+E = repair_verdict.TaskEvent
 
 
-def _task(first: int, end: str, message: str = "", reset: bool = False) -> list[repair.TaskEvent]:
-    return [E(first, repair.SCHEDULED), E(first + 1, repair.STARTED), E(first + 2, end, message, reset)]
+def _task(first: int, end: str, message: str = "", reset: bool = False) -> list[repair_verdict.TaskEvent]:
+    return [E(first, SCHEDULED), E(first + 1, STARTED), E(first + 2, end, message, reset)]
 
 
 def test_a_healthy_run_has_no_verdict():
-    events = _task(2, repair.COMPLETED) + [E(5, repair.OTHER)] + _task(6, repair.COMPLETED)
-    assert repair.verdict(events, pending_attempt=1) is None
+    events = _task(2, COMPLETED) + [E(5, OTHER)] + _task(6, COMPLETED)
+    assert repair_verdict.verdict(events, pending_attempt=1) is None
     # a task that timed out is retried by the server: not a wedge
-    assert repair.verdict(events + _task(9, repair.TIMED_OUT), pending_attempt=2) is None
+    assert repair_verdict.verdict(events + _task(9, TIMED_OUT), pending_attempt=2) is None
 
 
 def test_another_error_is_a_wedge_only_once_it_keeps_failing():
-    events = _task(2, repair.COMPLETED) + _task(5, repair.FAILED, "boom")
+    events = _task(2, COMPLETED) + _task(5, FAILED, "boom")
     # the first failure is in the history; a pending attempt N means N - 2 more failed since (kept out of it)
-    assert repair.verdict(events, pending_attempt=repair.FAILING_ATTEMPTS) is None  # 4 failures
-    v = repair.verdict(events, pending_attempt=repair.FAILING_ATTEMPTS + 1)  # 5
+    assert repair_verdict.verdict(events, pending_attempt=repair_verdict.FAILING_ATTEMPTS) is None  # 4 failures
+    v = repair_verdict.verdict(events, pending_attempt=repair_verdict.FAILING_ATTEMPTS + 1)  # 5
     # no event named: the failing task (scheduled at 5) is the bad one; reset to the completion before it
     assert v is not None and not v.nondeterminism and v.bad_event_id == 5 and v.reset_to == 4
 
 
 def test_a_reset_that_did_not_help_gives_up():
     nd = "[TMPRL1100] Nondeterminism error: HistoryEvent(id: 9, TimerStarted)"
-    before = _task(2, repair.COMPLETED) + _task(5, repair.COMPLETED) + [E(8, repair.OTHER), E(9, repair.OTHER)]
-    first = repair.verdict(before + _task(10, repair.FAILED, nd), pending_attempt=2)
+    before = _task(2, COMPLETED) + _task(5, COMPLETED) + [E(8, OTHER), E(9, OTHER)]
+    first = repair_verdict.verdict(before + _task(10, FAILED, nd), pending_attempt=2)
     assert first is not None and first.give_up == "" and first.reset_to == 4
     # the reset run: events up to the point, the reset marker, then the same failure before any completion
-    after = _task(2, repair.COMPLETED) + [E(5, repair.SCHEDULED), E(6, repair.STARTED),
-                                          E(7, repair.FAILED, "reset", reset=True)] + _task(8, repair.FAILED, nd)
-    again = repair.verdict(after, pending_attempt=2)
+    after = _task(2, COMPLETED) + [E(5, SCHEDULED), E(6, STARTED),
+                                          E(7, FAILED, "reset", reset=True)] + _task(8, FAILED, nd)
+    again = repair_verdict.verdict(after, pending_attempt=2)
     assert again is not None and "does not repair" in again.give_up
     # a later, separate wedge (a task completed since the reset) is reset again
-    later = after[:-1] + [E(10, repair.COMPLETED)] + _task(11, repair.FAILED, nd.replace("9,", "12,"))
-    assert repair.verdict(later, pending_attempt=2).give_up == ""
+    later = after[:-1] + [E(10, COMPLETED)] + _task(11, FAILED, nd.replace("9,", "12,"))
+    assert repair_verdict.verdict(later, pending_attempt=2).give_up == ""
 
 
 def test_failures_count_the_history_and_the_pending_attempts():
     # two failures in the history (the second after a new event), the pending task on its 3rd attempt: 2 + 1
-    events = _task(2, repair.COMPLETED) + _task(5, repair.FAILED, "boom") + _task(8, repair.FAILED, "boom")
-    assert repair.failures(events, pending_attempt=3) == 3
-    assert repair.failures(events, pending_attempt=1) == 2
-    assert repair.failures(_task(2, repair.COMPLETED), pending_attempt=0) == 0
-    assert repair.verdict(events, pending_attempt=3, failing_attempts=3) is not None
-    assert repair.verdict(events, pending_attempt=1, failing_attempts=3) is None
+    events = _task(2, COMPLETED) + _task(5, FAILED, "boom") + _task(8, FAILED, "boom")
+    assert repair_verdict.failures(events, pending_attempt=3) == 3
+    assert repair_verdict.failures(events, pending_attempt=1) == 2
+    assert repair_verdict.failures(_task(2, COMPLETED), pending_attempt=0) == 0
+    assert repair_verdict.verdict(events, pending_attempt=3, failing_attempts=3) is not None
+    assert repair_verdict.verdict(events, pending_attempt=1, failing_attempts=3) is None
 
 
 def test_a_reset_marker_alone_is_not_a_wedge():
-    events = _task(2, repair.COMPLETED) + _task(5, repair.FAILED, "reset", reset=True)
-    assert repair.verdict(events, pending_attempt=1) is None
+    events = _task(2, COMPLETED) + _task(5, FAILED, "reset", reset=True)
+    assert repair_verdict.verdict(events, pending_attempt=1) is None
 
 
 # -- real wedged runs on a real server --------------------------------------------------------------------------
@@ -185,8 +186,8 @@ async def _attempts(handle) -> int:
 
 
 async def _failed_times(handle, times: int) -> bool:
-    """The run's workflow tasks failed at least `times` times in a row (laminar.repair.failures)."""
-    return repair.failures(task_events(await handle.fetch_history()), await _attempts(handle)) >= times
+    """The run's workflow tasks failed at least `times` times in a row (services.repair_verdict.failures)."""
+    return repair_verdict.failures(task_events(await handle.fetch_history()), await _attempts(handle)) >= times
 
 
 @pytest.mark.slow  # make test stays under 15 min; run with -m slow

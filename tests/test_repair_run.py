@@ -19,8 +19,8 @@ import pytest
 
 from client.run_control import query_status, start_workflow
 from client.settings import Settings
+from laminar.contract import RunStatus
 from laminar.errors import LaminarError
-from laminar.messages import RunStatus
 from services.drill import groups_lost
 from storage import keys
 from storage.objects import open_store

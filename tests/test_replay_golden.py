@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from temporalio.worker import Replayer
 
-from laminar import names
-from laminar.converter import DATA_CONVERTER
+from client.converter import DATA_CONVERTER
+from laminar import contract
 from tests.histories import MAX_FILE_BYTES, count, history_files, load, patch_ids, workflow_type
 from workflows.pool import SlotPoolWorkflow
 from workflows.recovery_drill import RecoveryDrillWorkflow
@@ -29,7 +29,7 @@ FILES = history_files()
 # A training run's shortest history is a few steps: start, relays, init, replicas, steps, drain (> 20 events). A
 # drill's is plan, inject, observe: 3 activities of 3 events each and their workflow tasks (> 10 events).
 # A slot pool's: a report, two asks, their grants (signals in, external signals out) and the leaves (> 10 events).
-MIN_EVENTS = {names.TRAINING_RUN_WORKFLOW: 20, names.RECOVERY_DRILL_WORKFLOW: 10, names.SLOT_POOL_WORKFLOW: 10}
+MIN_EVENTS = {contract.TRAINING_RUN_WORKFLOW: 20, contract.RECOVERY_DRILL_WORKFLOW: 10, contract.SLOT_POOL_WORKFLOW: 10}
 
 
 def source_patch_ids(directory: Path = WORKFLOWS_DIR) -> dict[str, str]:

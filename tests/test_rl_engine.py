@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from envs.tasks import get_task
 from laminar.errors import EngineError
 from rl.engine import TorchEngine
 from rl.model import build_model, model_state_dict
-from rl.tasks import get_task
 
 TASK = get_task("repeat", seed=0, max_count=16)
 HF = {

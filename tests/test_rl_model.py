@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from envs.tasks.tokenizer import build_word_tokenizer
 from laminar.errors import ConfigError
 from rl.model import (
     KVCache,
@@ -17,7 +18,6 @@ from rl.model import (
     save_pretrained,
     state_dict_to_bytes,
 )
-from rl.tokenizer import build_word_tokenizer
 
 WORDS = ["a", "b", "c", ":", "1", "2", "3"]
 

@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
+from envs.tasks import get_task, known_tasks
+from envs.tasks.tokenizer import build_word_tokenizer, special_ids
 from laminar.errors import ConfigError
-from rl.tasks import get_task, known_tasks
-from rl.tokenizer import build_word_tokenizer, special_ids
 
 
 def test_unknown_task_lists_known_ones():

@@ -6,7 +6,7 @@ plane is the replica's `ControlPort` seam, answered the way the workflow answers
 
 from __future__ import annotations
 
-from laminar.messages import (
+from laminar.contract import (
     AddExperienceInput,
     AddExperienceResult,
     ClaimPromptsInput,

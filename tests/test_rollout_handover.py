@@ -6,7 +6,7 @@ the long tail. The replica runs its real loop and a real torch engine; the contr
 from __future__ import annotations
 
 from laminar.config import RunConfig
-from laminar.messages import (
+from laminar.contract import (
     AddExperienceInput,
     AddExperienceResult,
     ClaimPromptsInput,
@@ -158,7 +158,7 @@ def test_an_empty_local_relay_falls_through_to_another_relay(tmp_path):
     # This host's relay restarted empty (a master-relay drill) while the other host's relay holds version 0.
     # The replica used to enter `with pull_local(...)` on the None it returns for "no version here" and die
     # with a TypeError on every retry; now it fetches the version over TCP from the other relay.
-    from laminar.messages import RelayInfo
+    from laminar.contract import RelayInfo
     from relay import client as relay_client
     from relay.server import RelayServer
     from rl.model import state_dict_to_bytes

@@ -14,9 +14,9 @@ import pytest
 from temporalio.client import WorkflowFailureError
 from temporalio.worker import Replayer
 
+from client.converter import DATA_CONVERTER
 from client.run_control import start_workflow
-from laminar.converter import DATA_CONVERTER
-from laminar.messages import CONTROL_QUEUE, RunStatus, workflow_id_for
+from laminar.contract import CONTROL_QUEUE, RunStatus, workflow_id_for
 from reporting.summary import build_summary
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import assert_payloads_small, history_chain, temporal_address, temporal_binary

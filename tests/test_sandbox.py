@@ -1,4 +1,4 @@
-"""The Python sandbox (rl/tools/sandbox.py): every hostile program runs in a real sandboxed process (namespaces,
+"""The Python sandbox (envs/tools/sandbox.py): every hostile program runs in a real sandboxed process (namespaces,
 an unprivileged uid, rlimits) and ends as a sandbox failure; a benign program's output and a raising program's
 traceback are output. Then each hostile program, called as `<python>` at the end of a model turn in the
 replica's environment loop (services/rollout/batch.py, real TorchEngine), ends as a failed group: retried, then
@@ -19,7 +19,7 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
-from rl.tools.sandbox import PythonSandbox, SandboxLimits, SandboxUnavailable, run_python
+from envs.tools.sandbox import PythonSandbox, SandboxLimits, SandboxUnavailable, run_python
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root (docs/guides/tools.md, 'The Python sandbox')")
 
@@ -258,7 +258,7 @@ def _python_task(hostile: str):
     spell a program, so the task's reading of a model turn (`turn_text`, the text the environment loop parses
     for a call) gives `<calc> 1 </calc>` as a `<python>` call of the hostile program and `<calc> 2 </calc>` as a
     call of `print('ok')`; any other turn is read as it is."""
-    from rl.tasks.tools import ToolsTask
+    from envs.tasks.tool_use import ToolsTask
 
     class PythonTask(ToolsTask):
         def __init__(self) -> None:
@@ -275,7 +275,7 @@ def _python_task(hostile: str):
 
 @pytest.mark.parametrize("kind", list(HOSTILE))
 def test_each_hostile_program_ends_as_a_failed_group_retried_then_dropped(kind):
-    from laminar.messages import Lease
+    from laminar.contract import Lease
     from rl.engine_api import Finished
     from services.rollout.batch import Batch
     from tests.test_tools import _engine

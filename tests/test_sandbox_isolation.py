@@ -1,4 +1,4 @@
-"""What a sandboxed program can see and use (rl/tools/sandbox.py, sandbox_root.py, sandbox_cgroup.py), each tried
+"""What a sandboxed program can see and use (envs/tools/sandbox.py, sandbox_root.py, sandbox_cgroup.py), each tried
 for real by a hostile program in a real sandbox with the `<python>` tool's default limits (`SandboxLimits()`):
 
 - the root holds only the allow-list: the interpreter, its standard library, the libraries it loads, /dev's
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from devstack.stack import free_port
-from rl.tools.sandbox import SandboxLimits, limits_kind, run_python
+from envs.tools.sandbox import SandboxLimits, limits_kind, run_python
 from tests.fixtures.temporal import temporal_address
 from tests.test_sandbox import no_leftovers  # noqa: F401 - the autouse fixture: no sandbox process left
 
@@ -145,12 +145,12 @@ print('mine', open('/proc/self/environ', 'rb').read())""")
 
 
 def test_the_reward_code_cannot_be_read_or_imported():
-    r = _run(f"""for p in ({str(ROOT / 'rl/tasks/math.py')!r}, {str(ROOT / 'rl/tasks/scoring.py')!r}):
+    r = _run(f"""for p in ({str(ROOT / 'envs/tasks/math.py')!r}, {str(ROOT / 'envs/tasks/scoring.py')!r}):
     try:
         print(len(open(p).read()))
     except OSError as e:
         print(type(e).__name__)
-for m in ('rl.tasks.math', 'laminar', 'services'):
+for m in ('envs.tasks.math', 'laminar', 'services'):
     try:
         __import__(m)
         print('imported', m)

@@ -19,7 +19,7 @@ from client.connect import connect, store_for
 from client.run_control import scale_run, start_workflow
 from client.settings import Settings
 from devstack.stack import DevStack
-from laminar.messages import RunStatus
+from laminar.contract import RunStatus
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import terminate_running

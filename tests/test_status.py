@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from laminar.config import RunConfig
-from laminar.messages import RelayInfo, ReplicaGrant, ScaleResult
+from laminar.contract import RelayInfo, ReplicaGrant, ScaleResult
 from laminar.policy import policy_for
 from tests.fixtures.fake_runtime import FakeRuntime
 from workflows.grants import SlotGrants

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from laminar.messages import FailedGroup, RunStatus
+from laminar.contract import FailedGroup, RunStatus
 from laminar.refs import CheckpointRef
 from reporting.summary import build_summary, percentile, reward_rise
 from storage import keys

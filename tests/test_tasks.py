@@ -14,16 +14,16 @@ import pyarrow.parquet as pq
 import pytest
 from prometheus_client import REGISTRY
 
+from envs.tasks import RewardFailure, build_task, get_task
+from envs.tasks.prompt_file import FilePrompts
+from envs.tasks.repeat import RepeatTask
+from envs.tasks.scoring import score
+from envs.tasks.text import FileTask, render
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 from laminar.refs import SegmentRef
 from rl.engine import TorchEngine
 from rl.model import build_model
-from rl.tasks import RewardFailure, build_task, get_task
-from rl.tasks.prompt_file import FilePrompts
-from rl.tasks.repeat import RepeatTask
-from rl.tasks.scoring import score
-from rl.tasks.text import FileTask, render
 from services.rollout.batch import Batch, Counters
 from tests.fixtures.user_task import FAILS, PROMPTS, REASON, TASK_NAME, CopyTask
 from workflows.ledger import Ledger
@@ -62,7 +62,7 @@ def test_an_entry_point_names_a_task(tmp_path, monkeypatch):
 @pytest.mark.parametrize(("overrides", "message"), [
     (["task.name=sorting"], "'sorting' is not a known task"),
     (["task.name=no_such_pkg.mod:Task"], "module 'no_such_pkg.mod' cannot be imported"),
-    (["task.name=rl.tasks.repeat:NoSuchTask"], "has no 'NoSuchTask'"),
+    (["task.name=envs.tasks.repeat:NoSuchTask"], "has no 'NoSuchTask'"),
     ([f"task.prompts={PROMPTS}"], "task 'repeat' reads no prompt file"),
     (["task.params={\"colour\": 1}"], "task.params has colour, which task 'repeat' does not take"),
     (["task.name=file"], "could not be built"),  # the file task without task.prompts
@@ -88,7 +88,7 @@ def test_laminar_run_checks_the_task_before_anything_starts(overrides, message):
 
 
 def test_check_task_builds_nothing_and_passes_a_good_task():
-    from rl.tasks.loader import check_task
+    from envs.tasks.loader import check_task
 
     check_task(_cfg(f"task.name={TASK_NAME}", f"task.prompts={PROMPTS}", "task.params={\"hang_s\": 2}").task)
     check_task(_cfg().task)
@@ -277,7 +277,7 @@ def test_a_failing_group_is_retried_then_dropped_and_its_lease_closed_once_as_fa
 
 
 def test_only_the_lease_holder_fails_a_group():
-    from laminar.messages import FailedGroup
+    from laminar.contract import FailedGroup
 
     ledger = Ledger(RunState(run_id="r"))
     (lease,) = ledger.lease("replica-0", 1)
@@ -308,7 +308,7 @@ def test_only_the_lease_holder_fails_a_group():
     ("stream", 2, 1, [["g00000000", "g00000001"], ["g00000002"]]),
 ])
 def test_a_barrier_mode_trains_a_batch_short_of_its_failed_groups(mode, minibatches, failing, expected_steps):
-    from laminar.messages import FailedGroup
+    from laminar.contract import FailedGroup
     from laminar.policy import policy_for
 
     b = 2 * minibatches

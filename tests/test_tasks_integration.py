@@ -12,8 +12,8 @@ import re
 import pytest
 
 from client.run_control import start_workflow
-from laminar.messages import RunStatus
-from rl.tasks.prompt_file import FilePrompts
+from envs.tasks.prompt_file import FilePrompts
+from laminar.contract import RunStatus
 from storage import keys
 from storage.trajectories import _from_parquet
 from tests.fixtures.stack import small_config

@@ -15,7 +15,7 @@ import asyncio
 import json
 
 from client.run_control import start_workflow
-from laminar.messages import RunStatus
+from laminar.contract import RunStatus
 from reporting.tool_calls import count_tool_calls
 from tests.fixtures.slow_tools import TASK_NAME
 from tests.fixtures.stack import small_config

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from envs.tasks.tool_use import ToolsTask
+from envs.tools import Episode, ToolResult, call, parse_call
+from envs.tools.calculator import Calculator, evaluate
+from laminar.contract import Lease
 from laminar.errors import CorruptDataError
-from laminar.messages import Lease
 from rl.engine import TorchEngine
 from rl.engine_api import Finished
 from rl.model import build_model, model_state_dict
-from rl.tasks.tools import ToolsTask
-from rl.tools import Episode, ToolResult, call, parse_call
-from rl.tools.calculator import Calculator, evaluate
 from rl.trainer import collate
 from services.rollout.batch import Batch
 from storage.objects import LocalObjectStore
@@ -197,7 +197,7 @@ def test_old_segments_without_the_mask_column_still_read():
 
 def test_episode_round_trips_through_a_row():
     ep = Episode(mask=[1, 1, 0, 0])
-    from rl.tools import ToolCall
+    from envs.tools import ToolCall
 
     ep.calls.append(ToolCall(0, "calculator", 0.25))
     back = Episode.from_row(ep.full_mask(7), ep.extra())

@@ -18,7 +18,7 @@ from client.connect import connect, store_for
 from client.run_control import start_workflow
 from client.settings import Settings
 from devstack.stack import DevStack
-from laminar.messages import DrillInput, RunStatus
+from laminar.contract import DrillInput, RunStatus
 from storage import keys
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config

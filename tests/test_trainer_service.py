@@ -10,12 +10,12 @@ import random
 import pytest
 import torch
 
+from envs.tasks import get_task
 from laminar.config import RunConfig
+from laminar.contract import BatchPart, TrainStepInput, TrainStepResult
 from laminar.errors import CorruptDataError, InconsistentStateError, StepOutOfTurnError
-from laminar.messages import BatchPart, TrainStepInput, TrainStepResult
 from laminar.records import Trajectory
 from laminar.refs import SegmentRef
-from rl.tasks import get_task
 from services.trainer import TrainerService
 from storage import keys
 from storage.checkpoints import CheckpointStore

@@ -13,7 +13,7 @@ import pytest
 from temporalio.exceptions import ActivityError, ApplicationError, RetryState
 
 from laminar.config import RunConfig
-from laminar.messages import (
+from laminar.contract import (
     RelayInfo,
     ReplicaReport,
     StepMetrics,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from laminar.config import RunConfig
+from laminar.contract import RelayInfo, ReplicaReport
 from laminar.errors import ConfigError
-from laminar.messages import RelayInfo, ReplicaReport
 from laminar.watchdog import Facts, diagnose, facts_of_status, stall_line
 from workflows.ledger import Ledger
 from workflows.state import RunState

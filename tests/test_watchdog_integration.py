@@ -15,7 +15,7 @@ import sys
 import time
 
 from client.run_control import query_status, start_workflow
-from laminar.messages import RunStatus
+from laminar.contract import RunStatus
 from laminar.watchdog import stall_line
 from services.drill import groups_lost
 from tests.fixtures.stack import small_config

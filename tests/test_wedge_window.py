@@ -4,7 +4,7 @@ the SDK's core keeps polling; the worker SIGSTOPped at random moments while sign
 server restart while the worker holds its completion), then replays each history from scratch.
 
 Two things are checked: the window opens at Temporal's default task timeout (10 s) for a stall as long as the chaos
-run's longest SIGSTOP (12 s), and the run's task timeout (workflows/timeouts.WORKFLOW_TASK) closes it. How often a
+run's longest SIGSTOP (12 s), and the run's task timeout (laminar.contract.WORKFLOW_TASK) closes it. How often a
 history fails to replay is printed (the figures are in docs/upstream/wedged-run.md); with temporalio 1.35.0 the
 SDK evicted the run in every try here, so the count is reported, not asserted."""
 
@@ -22,11 +22,11 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from devstack.stack import DevStack, free_port
+from laminar import contract
 from tests import wedge
-from workflows import timeouts
 
 ROOT = Path(__file__).resolve().parents[1]
-CHAOS_LONGEST_STOP_S = 12.0  # laminar/chaos.py HOLD_S["stop"][1]
+CHAOS_LONGEST_STOP_S = 12.0  # chaos/schedule.py HOLD_S["stop"][1]
 
 
 async def _timed_out_tasks(handle) -> int:
@@ -75,7 +75,7 @@ async def test_the_run_task_timeout_closes_the_window(own_server):
     _, address = own_server
     default = await _tries(address, "stall", 2, 10.0, CHAOS_LONGEST_STOP_S)
     assert default["timed_out"] == 2  # the window opens: a 12 s stall outlives Temporal's default 10 s
-    ours = await _tries(address, "stall", 2, timeouts.WORKFLOW_TASK.total_seconds(), CHAOS_LONGEST_STOP_S)
+    ours = await _tries(address, "stall", 2, contract.WORKFLOW_TASK.total_seconds(), CHAOS_LONGEST_STOP_S)
     assert ours["timed_out"] == 0 and ours["replay_failures"] == 0  # 30 s: the stalled task completes in time
 
 
@@ -125,7 +125,7 @@ async def _dead_holder_delay(address: str, task_timeout_s: float) -> float:
 @pytest.mark.slow
 async def test_what_a_dead_control_worker_costs_at_each_task_timeout(own_server):
     _, address = own_server
-    delays = {t: await _dead_holder_delay(address, t) for t in (10.0, timeouts.WORKFLOW_TASK.total_seconds())}
+    delays = {t: await _dead_holder_delay(address, t) for t in (10.0, contract.WORKFLOW_TASK.total_seconds())}
     print({f"task_timeout={t:g}s": f"{d:.1f}s" for t, d in delays.items()})
     for t, d in delays.items():  # the held task moves only when its timeout fires (minus the 1 s it was held)
         assert t - 2.0 <= d <= t + 15.0, (t, d)

@@ -269,11 +269,6 @@ class LocalLauncher:
         tmp.replace(self.table_path)
 
 
-def process_table_path(home: Path, run_id: str) -> Path:
-    """`<LAMINAR_HOME>/runs/<run_id>/processes.json`: the local launcher's process table of a `laminar run`."""
-    return home / "runs" / run_id / "processes.json"
-
-
 def process_table(processes, stopped: bool = False) -> dict:
     """The launcher's processes: name, role, host, current pid and every earlier pid, restarts."""
     rows = []

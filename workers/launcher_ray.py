@@ -41,6 +41,7 @@ from typing import Any
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, LaminarError
 from laminar.logs import get_logger
+from rl.factory import trainer_gpus
 from workers.launcher import ManagedProcess, process_cpu_s, slots_to_add
 
 log = get_logger(__name__)
@@ -84,8 +85,9 @@ class HostGroup:
 def plan_placements(cfg: RunConfig, procs: list[ManagedProcess], bind_node_ip: bool = False) -> list[Placement]:
     """The Ray placement of `plan_processes`'s processes (same names, argv and LAMINAR_* settings).
 
-    GPUs: the trainer 1 on CUDA (trainer.fsdp_procs with the fsdp backend), 0 on CPU; a rollout worker one per
-    replica of its host's share (spare slots take over a dead worker's replica and get none of their own)."""
+    GPUs: the trainer's on CUDA (rl.factory.trainer_gpus: one per rank of a sharded backend), 0 on CPU; a rollout
+    worker one per replica of its host's share (spare slots take over a dead worker's replica and get none of
+    their own)."""
     hosts = cfg.relay.relays
     out = []
     for p in procs:
@@ -96,7 +98,7 @@ def plan_placements(cfg: RunConfig, procs: list[ManagedProcess], bind_node_ip: b
         host = p.env.get("LAMINAR_HOST_ID") if role in ("relay", "rollout") else None
         gpus = 0.0
         if role == "trainer" and cfg.trainer.device == "cuda":
-            gpus = float(cfg.trainer.fsdp_procs if cfg.trainer.backend == "fsdp" else 1)
+            gpus = float(trainer_gpus(cfg))  # one per rank of a sharded backend (rl.factory)
         if role == "rollout" and cfg.rollout.device == "cuda":
             i = int(p.name.rsplit("-", 1)[1])
             gpus = float(cfg.rollout.replicas // hosts + (1 if i < cfg.rollout.replicas % hosts else 0))

@@ -22,9 +22,8 @@ from activities.heartbeat import HEARTBEAT_THROTTLE
 from activities.relay import RelayActivities
 from client.connect import connect, store_for
 from client.settings import Settings
-from laminar import names
-from laminar.logs import get_logger
-from laminar.messages import (
+from laminar import contract
+from laminar.contract import (
     CONTROL_QUEUE,
     CONTROL_UNCACHED_QUEUE,
     ROLLOUT_QUEUE,
@@ -33,6 +32,7 @@ from laminar.messages import (
     relay_queue,
     workflow_id_for,
 )
+from laminar.logs import get_logger
 from laminar.notice import NOTICE
 from workflows.pool import SlotPoolWorkflow
 from workflows.recovery_drill import RecoveryDrillWorkflow
@@ -109,7 +109,7 @@ async def control(settings: Settings, allow_faults: bool = False) -> None:
     interceptors = worker_interceptors()
     # runs: cached (a run's history is up to a segment of ~1,500 updates; replaying it for every task would cost more
     # than the task). The pool and drills, at a few tasks a minute, replay from scratch instead (max_cached_workflows=0):
-    # no cached instance, no window (workflows/timeouts.WORKFLOW_TASK). They stay registered here too, for those
+    # no cached instance, no window (laminar.contract.WORKFLOW_TASK). They stay registered here too, for those
     # started on this queue before the split.
     worker = Worker(client, task_queue=CONTROL_QUEUE,
                     workflows=[TrainingRunWorkflow, RecoveryDrillWorkflow, SlotPoolWorkflow],
@@ -178,7 +178,7 @@ async def _leave_trainer(client, service) -> None:
     try:
         # bounded: with the Temporal server gone the client would retry past the notice
         await asyncio.wait_for(
-            client.get_workflow_handle(workflow_id_for(service.run_id)).signal(names.TRAINER_CHECKPOINTED, ref),
+            client.get_workflow_handle(workflow_id_for(service.run_id)).signal(contract.TRAINER_CHECKPOINTED, ref),
             timeout=max(1.0, min(10.0, NOTICE.remaining_s())))
         log.info("deadline_checkpoint_signalled", run_id=service.run_id, step=ref.step)
     except Exception as e:  # the run ended meanwhile: nothing to commit it to, the successor replays instead

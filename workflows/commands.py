@@ -19,9 +19,9 @@ from typing import Any
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
-from laminar import names
+from laminar import contract
 from laminar.config import RunConfig
-from laminar.messages import (
+from laminar.contract import (
     ROLLOUT_QUEUE,
     TRAINER_QUEUE,
     PoolAsk,
@@ -74,7 +74,7 @@ async def run_relay(run_id: str, cfg: RunConfig, relay_id: str, generation: int)
     """One `run_relay` activity, until it returns or fails: its heartbeat timeout is the relay's failure detector,
     and the server never retries it (the watcher takes the relay out of the chain first)."""
     await workflow.execute_activity(
-        names.RUN_RELAY,
+        contract.RUN_RELAY,
         RunRelayInput(run_id=run_id, workflow_id=workflow.info().workflow_id, relay_id=relay_id),
         task_queue=relay_queue(relay_id),
         start_to_close_timeout=timeouts.SEGMENT_ACTIVITY,
@@ -91,7 +91,7 @@ async def init_trainer(run_id: str, cfg: RunConfig, checkpoint: CheckpointRef | 
                        relay_chain: list[str]) -> TrainerInitResult:
     try:
         return await workflow.execute_activity(
-            names.INIT_TRAINER,
+            contract.INIT_TRAINER,
             TrainerInitInput(run_id=run_id, config=cfg.to_json(), checkpoint=checkpoint, relay_chain=relay_chain),
             result_type=TrainerInitResult,
             task_queue=TRAINER_QUEUE,
@@ -101,7 +101,7 @@ async def init_trainer(run_id: str, cfg: RunConfig, checkpoint: CheckpointRef | 
             summary=f"init trainer at step {step}",
         )
     except ActivityError as e:
-        fail_run_if_permanent(e, names.INIT_TRAINER)
+        fail_run_if_permanent(e, contract.INIT_TRAINER)
         raise
 
 
@@ -109,7 +109,7 @@ async def republish(run_id: str, step: int, relay_chain: list[str]) -> None:
     """Have the trainer push its current version again; best effort: a failure is logged, never fatal."""
     try:
         await workflow.execute_activity(
-            names.REPUBLISH,
+            contract.REPUBLISH,
             RepublishInput(run_id=run_id, step=step, relay_chain=relay_chain),
             result_type=int,
             task_queue=TRAINER_QUEUE,
@@ -136,10 +136,10 @@ def start_train(cfg: RunConfig, inputs: list[TrainStepInput]) -> Any:
     )
     if len(inputs) == 1:
         return workflow.start_activity(
-            names.TRAIN_STEP, first, result_type=TrainStepResult,
+            contract.TRAIN_STEP, first, result_type=TrainStepResult,
             summary=f"train step {first.step + 1}: {sum(len(p.group_ids) for p in first.batch)} groups", **options)
     return workflow.start_activity(
-        names.TRAIN_STEPS, TrainStepsInput(first=first, then=[i.batch for i in inputs[1:]]),
+        contract.TRAIN_STEPS, TrainStepsInput(first=first, then=[i.batch for i in inputs[1:]]),
         result_type=list[TrainStepResult],
         summary=f"train steps {first.step + 1}-{inputs[-1].step + 1}: "
                 f"{sum(len(p.group_ids) for i in inputs for p in i.batch)} groups", **options)
@@ -150,7 +150,7 @@ def start_train(cfg: RunConfig, inputs: list[TrainStepInput]) -> Any:
 def start_replica(run_id: str, cfg: RunConfig, replica_id: str, segment: int) -> Any:
     """One `run_rollout_replica` activity for this history segment (it retries until replaced). Returns its handle."""
     return workflow.start_activity(
-        names.RUN_ROLLOUT_REPLICA,
+        contract.RUN_ROLLOUT_REPLICA,
         RolloutReplicaInput(run_id=run_id, workflow_id=workflow.info().workflow_id, replica_id=replica_id,
                             config=cfg.to_json(), generation=segment),
         task_queue=ROLLOUT_QUEUE,

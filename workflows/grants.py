@@ -20,9 +20,9 @@ from typing import Any
 
 from temporalio.exceptions import FailureError
 
-from laminar import names
+from laminar import contract
 from laminar.config import RunConfig
-from laminar.messages import PoolAsk, ReplicaGrant, ScaleResult
+from laminar.contract import PoolAsk, ReplicaGrant, ScaleResult
 from workflows import timeouts
 from workflows.commands import Runtime
 from workflows.state import RunState
@@ -82,7 +82,7 @@ class SlotGrants:
             ask = PoolAsk(run_id=self.state.run_id, workflow_id=self.workflow_id, replicas=self.ask(),
                           quota=min(r.quota, self.ask()), engine=r.engine)
             try:
-                await self.signal(self.state.pool, names.POOL_ASK, ask)
+                await self.signal(self.state.pool, contract.POOL_ASK, ask)
                 self.state.pool_error = ""
             except FailureError as e:
                 self.state.pool_error = f"slot pool {self.state.pool} did not take the run's ask ({e}); asking again"
@@ -92,7 +92,7 @@ class SlotGrants:
     async def leave(self) -> None:
         """A finished or stopped run gives its slots back at once (a failed one: the pool finds it gone)."""
         try:
-            await self.signal(self.state.pool, names.POOL_LEAVE, self.state.run_id)
+            await self.signal(self.state.pool, contract.POOL_LEAVE, self.state.run_id)
         except FailureError as e:
             self.rt.logger.warning("pool_leave_failed", extra={"pool": self.state.pool, "error": str(e)})
 

@@ -19,7 +19,7 @@ import dataclasses
 from typing import Any
 
 from laminar.config import RunConfig
-from laminar.messages import (
+from laminar.contract import (
     BatchPart,
     FailedGroup,
     Lease,
@@ -136,7 +136,7 @@ class Ledger:
     def give_back(self, replica_id: str, group_ids: list[str], resume: SegmentRef | None,
                   resume_version: int = -1, at: float = 0.0) -> list[str]:
         """Return these leases of `replica_id` to the pool with the segment their prefixes are in (None: from
-        their prompts); the next replica to lease one resumes it where it can (laminar.messages.Lease)."""
+        their prompts); the next replica to lease one resumes it where it can (laminar.contract.Lease)."""
         back = self.held_by(replica_id, group_ids)
         for g in back:
             lease = self.state.open_leases.pop(g)

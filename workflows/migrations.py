@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from laminar.messages import Departure, Handoff, Incoming, MigrationOrder, ReplicaReport, Taken
+from laminar.contract import Departure, Handoff, Incoming, MigrationOrder, ReplicaReport, Taken
 from workflows.ledger import Ledger
 from workflows.repack import Move, ReplicaLoad, plan_repack
 
@@ -121,7 +121,7 @@ class Migrations:
             self.state.inbox.pop(destination, None)
 
     def depart(self, source: str, departure: Departure, leaving: list[str], at: float) -> tuple[str, list[str]]:
-        """A replica leaves (laminar.messages.Departure): the groups in its segment that it still holds go to a
+        """A replica leaves (laminar.contract.Departure): the groups in its segment that it still holds go to a
         replica of their version (an `Incoming`, taken or declined like a repack migration) or, with none, back
         to the pool with the segment (`Lease.resume`); every other lease it holds (not started) goes back as it
         is. Returns (destination or "", the groups in the segment). A retried claim finds nothing held: no-op."""

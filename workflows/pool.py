@@ -7,7 +7,7 @@ One per rollout task queue (`pool/laminar-rollout`), on `laminar-control`, start
   when it stops;
 - the live runs' asks: a run started with `laminar start` states its ask at the start of each history segment and
   after each `laminar scale` (`pool_ask`), and leaves when it finishes (`pool_leave`).
-When either changes it allocates (laminar/fairshare.py, pure) and signals each run whose grant or reason changed
+When either changes it allocates (workflows/fairshare.py, pure) and signals each run whose grant or reason changed
 (`replica_grant`); the run keeps min(ask, grant) replica activities. A run that no longer exists (it failed, or
 was terminated without `laminar stop --force` telling the pool) fails that signal and leaves the pool; while any
 run is short of its ask, the pool looks every SWEEP_S so such a run's slots never stay held.
@@ -19,36 +19,21 @@ continue-as-new.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.exceptions import FailureError
 
 with workflow.unsafe.imports_passed_through():
-    from laminar import names
-    from laminar.fairshare import MAX_SLOTS, Ask, allocate
-    from laminar.messages import PoolAsk, PoolRun, PoolStatus, ReplicaGrant, SlotReport
+    from laminar import contract
+    from laminar.contract import PoolAsk, PoolInput, PoolRun, PoolState, PoolStatus, ReplicaGrant, SlotReport
+    from workflows.fairshare import MAX_SLOTS, Ask, allocate
 
 SWEEP_S = 30.0  # while a run is short of its ask: re-signal every run, so a closed one's slots are freed
 HISTORY_EVENTS_PER_SEGMENT = 2_000  # continue-as-new past this many events (each signal in or out is 1-3)
 
 
-@dataclass
-class PoolState:
-    reports: dict[str, SlotReport] = field(default_factory=dict)  # reporter -> its last report (slots > 0)
-    asks: dict[str, PoolAsk] = field(default_factory=dict)  # run id -> its last ask
-    seq: dict[str, int] = field(default_factory=dict)  # run id -> registration order (ties go to the older)
-    next_seq: int = 0
-    sent: dict[str, ReplicaGrant] = field(default_factory=dict)  # run id -> the grant last signalled to it
-
-
-@dataclass
-class PoolInput:
-    state: PoolState | None = None
-
-
-@workflow.defn(name=names.SLOT_POOL_WORKFLOW)
+@workflow.defn(name=contract.SLOT_POOL_WORKFLOW)
 class SlotPoolWorkflow:
     @workflow.init
     def __init__(self, inp: PoolInput | None = None) -> None:
@@ -71,7 +56,7 @@ class SlotPoolWorkflow:
 
     # -- signals in --------------------------------------------------------------------------
 
-    @workflow.signal(name=names.POOL_SLOTS)
+    @workflow.signal(name=contract.POOL_SLOTS)
     def pool_slots(self, report: SlotReport) -> None:
         slots = max(0, min(report.slots, MAX_SLOTS))
         if slots:
@@ -80,7 +65,7 @@ class SlotPoolWorkflow:
             self.state.reports.pop(report.reporter, None)
         self._dirty = True
 
-    @workflow.signal(name=names.POOL_ASK)
+    @workflow.signal(name=contract.POOL_ASK)
     def pool_ask(self, ask: PoolAsk) -> None:
         if ask.replicas < 0 or ask.quota < 0 or not ask.run_id:  # never from a run; a hand-sent one must not wedge
             workflow.logger.warning("pool_ask_ignored", extra={"ask": str(ask)})  # the pool (allocate would raise)
@@ -92,11 +77,11 @@ class SlotPoolWorkflow:
         self.state.sent.pop(ask.run_id, None)  # a run that (re)states its ask is told its grant again
         self._dirty = True
 
-    @workflow.signal(name=names.POOL_LEAVE)
+    @workflow.signal(name=contract.POOL_LEAVE)
     def pool_leave(self, run_id: str) -> None:
         self._forget(run_id)
 
-    @workflow.query(name=names.POOL_STATUS)
+    @workflow.query(name=contract.POOL_STATUS)
     def pool_status(self) -> PoolStatus:
         grants = self._grants()
         return PoolStatus(
@@ -108,7 +93,7 @@ class SlotPoolWorkflow:
     # -- allocating and telling the runs -----------------------------------------------------
 
     def _slots(self) -> int | None:
-        """The slots the worker sets reported; None when none has (not limited: laminar/fairshare.py)."""
+        """The slots the worker sets reported; None when none has (not limited: workflows/fairshare.py)."""
         if not self.state.reports:
             return None
         return min(MAX_SLOTS, sum(r.slots for r in self.state.reports.values()))
@@ -133,7 +118,7 @@ class SlotPoolWorkflow:
             if ask is None or self.state.sent.get(run_id) == grant:
                 continue  # it left while an earlier signal was in flight, or it knows its grant already
             try:
-                await workflow.get_external_workflow_handle(ask.workflow_id).signal(names.REPLICA_GRANT, grant)
+                await workflow.get_external_workflow_handle(ask.workflow_id).signal(contract.REPLICA_GRANT, grant)
             except FailureError as e:  # the run's workflow is closed or gone: its slots go to the others
                 workflow.logger.info("pool_run_gone", extra={"run_id": run_id, "error": str(e)})
                 self._forget(run_id)

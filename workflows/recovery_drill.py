@@ -20,9 +20,8 @@ from temporalio.exceptions import ApplicationError
 with workflow.unsafe.imports_passed_through():
     from temporalio.converter import value_to_type
 
-    from laminar import names
-    from laminar.errors import ConfigError
-    from laminar.messages import (
+    from laminar import contract
+    from laminar.contract import (
         FAULTS,
         PREEMPT_ROLES,
         DrillInput,
@@ -33,10 +32,11 @@ with workflow.unsafe.imports_passed_through():
         ObserveInput,
         fault_queue,
     )
+    from laminar.errors import ConfigError
     from workflows import timeouts
 
 
-@workflow.defn(name=names.RECOVERY_DRILL_WORKFLOW)
+@workflow.defn(name=contract.RECOVERY_DRILL_WORKFLOW)
 class RecoveryDrillWorkflow:
     @workflow.run
     async def run(self, raw: Any) -> DrillReport:
@@ -45,12 +45,12 @@ class RecoveryDrillWorkflow:
         except ConfigError as e:  # a failed drill, never a workflow task retried forever
             raise ApplicationError(str(e), type="InvalidConfig", non_retryable=True) from None
         plan: DrillPlan = await workflow.execute_activity(
-            names.PLAN_DRILL, inp, result_type=DrillPlan, task_queue=inp.runner_queue,
+            contract.PLAN_DRILL, inp, result_type=DrillPlan, task_queue=inp.runner_queue,
             heartbeat_timeout=timeouts.DRILL_RUNNER_HEARTBEAT, start_to_close_timeout=timedelta(seconds=inp.timeout_s),
         )
         injected = await self._inject(inp, plan)
         return await workflow.execute_activity(
-            names.OBSERVE_RECOVERY, ObserveInput(drill=inp, plan=plan, injected=injected), result_type=DrillReport,
+            contract.OBSERVE_RECOVERY, ObserveInput(drill=inp, plan=plan, injected=injected), result_type=DrillReport,
             task_queue=inp.runner_queue, heartbeat_timeout=timeouts.DRILL_RUNNER_HEARTBEAT,
             start_to_close_timeout=timedelta(seconds=inp.timeout_s + timeouts.OBSERVE_REPORT_MARGIN_S),
         )
@@ -58,12 +58,12 @@ class RecoveryDrillWorkflow:
     async def _inject(self, inp: DrillInput, plan: DrillPlan) -> InjectFaultResult:
         if plan.fault == "store":
             return await workflow.execute_activity(
-                names.INTERRUPT_STORE, inp, result_type=InjectFaultResult, task_queue=inp.runner_queue,
+                contract.INTERRUPT_STORE, inp, result_type=InjectFaultResult, task_queue=inp.runner_queue,
                 start_to_close_timeout=timedelta(seconds=inp.outage_s + timeouts.STORE_RESTART_MARGIN_S),
                 heartbeat_timeout=timeouts.DRILL_RUNNER_HEARTBEAT, retry_policy=timeouts.DRILL_ONE_ATTEMPT,
             )
         return await workflow.execute_activity(
-            names.INJECT_FAULT, InjectFaultInput(drill_id=inp.drill_id, fault=plan.fault, target=plan.target),
+            contract.INJECT_FAULT, InjectFaultInput(drill_id=inp.drill_id, fault=plan.fault, target=plan.target),
             result_type=InjectFaultResult, task_queue=fault_queue(plan.process),
             schedule_to_close_timeout=timeouts.FAULT_DELIVERY, retry_policy=timeouts.DRILL_ONE_ATTEMPT,
         )

@@ -28,7 +28,7 @@ from typing import Any
 from temporalio.exceptions import ActivityError
 
 from laminar.config import RunConfig
-from laminar.messages import RelayInfo, TrainStepResult
+from laminar.contract import RelayInfo, TrainStepResult
 from workflows import timeouts
 from workflows.commands import Runtime
 from workflows.ledger import Ledger

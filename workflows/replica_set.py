@@ -20,7 +20,7 @@ from typing import Any
 from temporalio.exceptions import ActivityError, ApplicationError
 
 from laminar.config import RunConfig
-from laminar.messages import ScaleResult
+from laminar.contract import ScaleResult
 from workflows.commands import Runtime, fail_run_if_permanent
 from workflows.ledger import Ledger
 from workflows.migrations import Migrations

@@ -10,7 +10,7 @@ Rules (tests/test_scale.py works them through):
 - Shrinking: remove the replicas that hold the fewest open leases (the least work to give back; ties: the
   highest index first, so a run scaled back down returns to its first replicas' ids).
 - A removed replica leaves gracefully: its next claim or report is answered with `leave`; it reports its
-  complete groups, stops the rest and hands them over as one segment (laminar.messages.Departure), which the
+  complete groups, stops the rest and hands them over as one segment (laminar.contract.Departure), which the
   workflow moves to a replica of their version or returns to the pool with their prefixes
   (workflows/migrations.py `depart`), and it returns. Whatever it still holds when its activity has returned
   (it died first) goes back to the pool, the same way a lost replica's does.

@@ -15,6 +15,7 @@ from temporalio.converter import value_to_type
 
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
+from rl.factory import check_engines
 from workflows.state import RunState
 
 
@@ -68,7 +69,7 @@ def parse_input(inp: Any) -> tuple[RunConfig, RunState | None]:
             'workflow input must be a JSON object {"config": {...run config...}}, '
             f"got {type(inp).__name__}: {str(inp)[:80]}"
         )
-    cfg = RunConfig.from_json(inp["config"])
+    cfg = check_engines(RunConfig.from_json(inp["config"]))  # the engines fit (rl.factory)
     state = inp.get("state")
     if state is None:
         return cfg, None

@@ -6,9 +6,8 @@ and nothing that grows with the number of steps except bounded windows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from laminar.messages import (
+from laminar.contract import (
     BatchPart,
     FailedGroup,
     Incoming,
@@ -33,7 +32,7 @@ class OpenLease:
     group_id: str
     prompt_id: int
     replica_id: str
-    resume: SegmentRef | None = None  # a departed replica's prefixes of this group (laminar.messages.Lease)
+    resume: SegmentRef | None = None  # a departed replica's prefixes of this group (laminar.contract.Lease)
     resume_version: int = -1
     returned_at: float = 0.0  # workflow time it went back with prefixes (ledger.RESUME_PREFERENCE_S)
 
@@ -132,13 +131,3 @@ class RunState:
 class LastClaim:
     request_id: str
     leases: list[Lease]
-
-
-@dataclass
-class TrainingRunInput:
-    """client -> TrainingRunWorkflow. `config` is the RunConfig as JSON (what `temporal workflow start
-    --input '{"config": {...}}'` sends); `state` is set only by continue-as-new."""
-
-    config: dict[str, Any]
-    state: RunState | None = None
-    pool: str = ""  # a new run's slot pool (workflows/pool.py): `laminar start` sets it

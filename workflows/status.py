@@ -16,7 +16,7 @@ from typing import Any
 
 from laminar import search, watchdog
 from laminar.config import RunConfig
-from laminar.messages import RunStatus
+from laminar.contract import RunStatus
 from workflows.commands import Runtime
 from workflows.grants import SlotGrants
 from workflows.ledger import Ledger

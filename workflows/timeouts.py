@@ -2,7 +2,8 @@
 
 Heartbeat timeouts of replicas, relays and the trainer are run config (`*.heartbeat_timeout_s`); these are
 the fixed bounds around them. None of them is part of a workflow's command sequence (a change replays), but
-each is behaviour a running workflow has: change one deliberately.
+each is behaviour a running workflow has: change one deliberately. The run's workflow task timeout, which a
+client gives at start too, is part of the contract (laminar/contract.py: WORKFLOW_TASK, REPAIR_SWEEP_S).
 """
 
 from datetime import timedelta
@@ -10,19 +11,6 @@ from datetime import timedelta
 from temporalio.common import RetryPolicy
 
 # -- TrainingRunWorkflow -------------------------------------------------------------------------
-
-# The run's workflow task timeout, set at start (client/run_control.py) and at every continue-as-new. Temporal's
-# default is 10 s. A control worker that is alive but slow for longer (its process SIGSTOPped, starved of CPU, or
-# cut off by a Temporal server restart while it completed a task) then races its own task's retry: the cached run
-# has applied the timed-out task in memory, and the retry can run on that advanced instance, which leaves a
-# history that does not replay (docs/upstream/wedged-run.md; services/repair.py repairs such a run). 30 s outlasts
-# the chaos run's longest SIGSTOP (12 s) and a dev server restart. The cost: when the control worker really dies
-# while it holds a task, that task moves to another worker after up to 30 s instead of 10 s (the sticky queue's
-# schedule-to-start timeout still moves the tasks that follow at once): measured 9.0 s at 10 s, 29.0 s at 30 s
-# (tests/test_wedge_window.py, a worker killed while it held a task).
-WORKFLOW_TASK = timedelta(seconds=30)
-# Every control worker's repairer (services/repair.py) looks for wedged runs this often (LAMINAR_REPAIR_SWEEP_S).
-REPAIR_SWEEP_S = 10.0
 
 # run_rollout_replica and run_relay live as long as their history segment; their heartbeat timeout is the
 # failure detector, so start-to-close only has to outlast any segment (continue-as-new ends them first).

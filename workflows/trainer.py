@@ -28,7 +28,7 @@ from typing import Any
 from temporalio.exceptions import ActivityError
 
 from laminar.config import RunConfig
-from laminar.messages import ReplicaReport, TrainStepInput, TrainStepResult
+from laminar.contract import ReplicaReport, TrainStepInput, TrainStepResult
 from laminar.policy import Policy, steps_to_publish
 from workflows import commands as temporal_commands
 from workflows import timeouts

@@ -30,10 +30,9 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from laminar import names, search
+    from laminar import contract, search
     from laminar.config import RunConfig
-    from laminar.errors import ConfigError
-    from laminar.messages import (
+    from laminar.contract import (
         CONTROL_QUEUE,
         AddExperienceInput,
         AddExperienceResult,
@@ -46,8 +45,10 @@ with workflow.unsafe.imports_passed_through():
         ScaleResult,
         WorkflowReset,
     )
+    from laminar.errors import ConfigError
     from laminar.policy import Policy, fresh_lease_room, policy_for
     from laminar.refs import CheckpointRef
+    from rl.factory import decode_batch_limit, time_scale  # the engines' traits (deterministic)
     from workflows import commands, timeouts
     from workflows.commands import Runtime
     from workflows.grants import SlotGrants
@@ -57,14 +58,14 @@ with workflow.unsafe.imports_passed_through():
     from workflows.replica_set import ReplicaSet
     from workflows.scale import check_target, plan_relays
     from workflows.segment import Segment, parse_input, pool_of
-    from workflows.state import RunState, TrainingRunInput
+    from workflows.state import RunState
     from workflows.status import StatusBoard
     from workflows.trainer import Trainer
 
 __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
 
 
-@workflow.defn(name=names.TRAINING_RUN_WORKFLOW)
+@workflow.defn(name=contract.TRAINING_RUN_WORKFLOW)
 class TrainingRunWorkflow:
     @workflow.init
     def __init__(self, inp: Any) -> None:
@@ -152,7 +153,7 @@ class TrainingRunWorkflow:
 
     # -- relays (workflows/relay_chain.py) and the trainer (workflows/trainer.py) ------------
 
-    @workflow.update(name=names.RELAY_LEAVING)
+    @workflow.update(name=contract.RELAY_LEAVING)
     def relay_leaving(self, info: RelayInfo) -> bool:
         """A relay on notice (laminar/notice.py) leaves the chain at once instead of by heartbeat timeout; the
         trainer's next push goes to the chain without it. No republish: the relay keeps serving until what it was
@@ -162,11 +163,11 @@ class TrainingRunWorkflow:
         self.seg.updates += 1
         return self.relays.leaving(info)
 
-    @workflow.signal(name=names.RELAY_JOINED)
+    @workflow.signal(name=contract.RELAY_JOINED)
     def relay_joined(self, info: RelayInfo) -> None:
         self.relays.joined_signal(info)
 
-    @workflow.signal(name=names.TRAINER_CHECKPOINTED)
+    @workflow.signal(name=contract.TRAINER_CHECKPOINTED)
     def trainer_checkpointed(self, ref: CheckpointRef) -> None:
         """The trainer left on notice between steps and wrote a deadline checkpoint (workers/processes.py): the
         ledger commits it if the run is still at its step, so the successor redoes no step. No patch: the
@@ -175,7 +176,7 @@ class TrainingRunWorkflow:
         if self._cfg is not None:
             self.ledger.commit_deadline_checkpoint(ref, self._cfg.trainer.keep_last, workflow.time())
 
-    @workflow.signal(name=names.WORKFLOW_RESET)
+    @workflow.signal(name=contract.WORKFLOW_RESET)
     def workflow_reset(self, reset: WorkflowReset) -> None:
         """The repairer (services/repair.py) reset this run's wedged workflow to an earlier workflow task: noted
         for the status and the run's events. No patch: the handler issues no command, and only a repairer of this
@@ -194,17 +195,17 @@ class TrainingRunWorkflow:
         if not self._policy.repacks or self.seg.handover or self.state.stopping:
             return
         r = self._cfg.rollout
-        every_s = r.repack_every_s / self._cfg.time_scale
+        every_s = r.repack_every_s / time_scale(self._cfg)
         now = workflow.time()
         if not after_step and now - self.state.last_plan_at < every_s:
             return
         if not workflow.patched("repack"):
             return
-        self.migrations.plan(c_max=r.repack_c_max, at=now, batch_limit=self._cfg.decode_batch_limit)
+        self.migrations.plan(c_max=r.repack_c_max, at=now, batch_limit=decode_batch_limit(self._cfg))
 
     # -- rollout replicas: claims and reports (the ledger leases; workflows/replica_set.py runs them) ---
 
-    @workflow.update(name=names.CLAIM_PROMPTS)
+    @workflow.update(name=contract.CLAIM_PROMPTS)
     def claim_prompts(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
         self.seg.updates += 1
         return self._claim(inp)
@@ -268,7 +269,7 @@ class TrainingRunWorkflow:
         if self.seg.error is not None:
             raise ValueError(f"run failed validation: {self.seg.error}")
 
-    @workflow.update(name=names.ADD_EXPERIENCE)
+    @workflow.update(name=contract.ADD_EXPERIENCE)
     def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
         """A report: its complete groups become ready, its failed ones are closed; a claim it carries is answered
         after them, as a claim_prompts update that follows it would be (no patch: the handler issues no command,
@@ -302,28 +303,28 @@ class TrainingRunWorkflow:
 
     # -- operator controls and what the run shows (workflows/status.py) ----------------------
 
-    @workflow.update(name=names.PAUSE)
+    @workflow.update(name=contract.PAUSE)
     def pause(self) -> str:
         self.seg.updates += 1
         self.state.paused = True
         self.board.upsert_search_attributes()
         return self.board.phase()
 
-    @workflow.update(name=names.RESUME)
+    @workflow.update(name=contract.RESUME)
     def resume(self) -> str:
         self.seg.updates += 1
         self.state.paused = False
         self.board.upsert_search_attributes()
         return self.board.phase()
 
-    @workflow.update(name=names.STOP)
+    @workflow.update(name=contract.STOP)
     def stop(self) -> str:
         self.seg.updates += 1
         self.state.stopping = True
         self.board.upsert_search_attributes()
         return self.board.phase()
 
-    @workflow.update(name=names.SCALE)
+    @workflow.update(name=contract.SCALE)
     def scale(self, inp: ScaleInput) -> ScaleResult:
         """`laminar scale`: start replicas on free slots, or ask the chosen ones to leave (workflows/scale.py); a
         pooled run changes its ask instead (workflows/grants.py); relays join or leave the chain."""
@@ -354,12 +355,12 @@ class TrainingRunWorkflow:
         if self.state.stopping or self.seg.finished:
             raise ValueError(f"scale: run {self.state.run_id} is {self.board.phase()}; a stopping run is not scaled")
 
-    @workflow.signal(name=names.REPLICA_GRANT)
+    @workflow.signal(name=contract.REPLICA_GRANT)
     def replica_grant(self, grant: ReplicaGrant) -> None:
         """A slot pool's grant (workflows/grants.py): a pooled run runs min(ask, grant) replicas."""
         self.grants.granted(grant)
 
-    @workflow.query(name=names.STATUS)
+    @workflow.query(name=contract.STATUS)
     def status(self) -> RunStatus:
         return self.board.status()
 
@@ -391,8 +392,8 @@ class TrainingRunWorkflow:
         self._note_history()
         self.state.continued_as_new += 1
         self.state.handover_last_step_at = self.state.last_step_at
-        workflow.continue_as_new(TrainingRunInput(config=self._cfg.to_json(), state=self.state),
-                                 task_timeout=timeouts.WORKFLOW_TASK)
+        workflow.continue_as_new(contract.TrainingRunInput(config=self._cfg.to_json(), state=self.state),
+                                 task_timeout=contract.WORKFLOW_TASK)
 
     def _can_step(self) -> bool:
         """A batch is there and the run still has steps to take (a finished run must not wait on it)."""

@@ -33,7 +33,7 @@ Every interval is a field of `ReplicaTiming` (`timing.py`). The engine comes fro
 and is used only through `rl.engine_api.Engine`. The replica talks to the workflow only through
 `ControlPort`, so the loop is testable without Temporal.
 
-Environment loop (multi-turn tool calls, rl/tools/): in `batch.py`, between the engine and `Batch.record`
+Environment loop (multi-turn tool calls, envs/tools/): in `batch.py`, between the engine and `Batch.record`
 (`Batch.tool_turn`). A finished model turn that calls one of the task's tools goes to the environment instead
 of into `group.done`; the tool's answer is appended (masked: `Trajectory.tool_mask`) and the sample re-enters
 the engine with `engine.add(request_id, prompt_ids, prefix_ids=turns so far, prefix_logprobs=...)` (the resume

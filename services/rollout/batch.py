@@ -2,13 +2,13 @@
 groups not yet reported), and what the incarnation counts. A finished sample becomes a trajectory in
 `Batch.record` (the place a multi-turn environment loop hooks in: see services/rollout/__init__.py).
 
-Failures (rl/tasks/__init__.py): a reward that raises, overruns task.reward_timeout_s, or returns NaN or a
+Failures (envs/tasks/__init__.py): a reward that raises, overruns task.reward_timeout_s, or returns NaN or a
 non-number is not a reward; a prompt that cannot be built or admitted is a generation failure. Its whole group is generated again from the prompt (its other samples aborted,
 their tokens counted as regenerated), with a fresh prompt and reward call context, up to
 task.max_group_retries times; then it leaves the batch as a `FailedGroup`, reported with the next
 `add_experience` so the workflow closes its lease as failed. A failed group is never written to a segment.
 
-Environment loop (multi-turn tool calls, rl/tools/__init__.py), for a task with `tools` and `max_turns`: a
+Environment loop (multi-turn tool calls, envs/tools/__init__.py), for a task with `tools` and `max_turns`: a
 sample that finishes a model turn (<eos>) ending in `<tag>text</tag>` of one of its tools, with turns left,
 is not scored: the tool runs (`Batch.tool_turn`), the turn's <eos> is dropped, the tool's output tokens are
 appended (log-prob 0, mask 0 in `Episode.mask`), and the sample re-enters the engine with the whole response
@@ -29,14 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from envs.tasks import Prompt, RewardFailure
+from envs.tasks.scoring import RewardRunner
+from envs.tools import Episode, Tool, ToolCall, call, parse_call, recorded_calls
 from laminar import metrics as prom
+from laminar.contract import FailedGroup, Lease
 from laminar.logs import get_logger
-from laminar.messages import FailedGroup, Lease
 from laminar.records import Trajectory
 from rl.engine_api import Engine, Finished, InFlight
-from rl.tasks import Prompt, RewardFailure
-from rl.tasks.scoring import RewardRunner
-from rl.tools import Episode, Tool, ToolCall, call, parse_call, recorded_calls
 
 log = get_logger(__name__)
 
@@ -235,7 +235,7 @@ class Batch:
                     found[1] if found else "", list(self.task.tool_output_ids(INTERRUPTED)))
 
     def fail(self, group: Group, reason: str, detail: str, thrown_away: int = 0) -> None:
-        """A try of `group` failed (reason: rl/tasks/scoring.py REASONS): start it again from a freshly built
+        """A try of `group` failed (reason: envs/tasks/scoring.py REASONS): start it again from a freshly built
         prompt while retries are left, else drop it into `failed`. Its in-flight samples are aborted and its
         finished ones discarded (their tokens counted as regenerated)."""
         gid = group.lease.group_id

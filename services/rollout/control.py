@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from laminar import metrics as prom
-from laminar.messages import AddExperienceInput, AddExperienceResult, ClaimPromptsInput, ClaimPromptsResult
+from laminar.contract import AddExperienceInput, AddExperienceResult, ClaimPromptsInput, ClaimPromptsResult
 from laminar.timing import TimeBreakdown
 from services.rollout.timing import ReplicaTiming
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from laminar.contract import Departure, Handoff, Incoming, Lease, MigrationOrder, Taken
 from laminar.errors import CorruptDataError
 from laminar.logs import get_logger
-from laminar.messages import Departure, Handoff, Incoming, Lease, MigrationOrder, Taken
 from laminar.records import Trajectory
 from laminar.timing import TimeBreakdown
 from services.rollout.batch import Batch, Counters
@@ -75,7 +75,7 @@ class Repack:
 
     def depart(self, reason: str, segment_id: str) -> Departure:
         """Stop every unfinished group and write those of the loaded version (and deferred ones of it) as one
-        segment, for the workflow to move (laminar.messages.Departure). Groups of another version are not
+        segment, for the workflow to move (laminar.contract.Departure). Groups of another version are not
         moved: their leases go back from their prompts, and their tokens are returned as thrown away."""
         version = self.engine.policy_version
         stopped = self.engine.abort() if self.batch.groups else []

@@ -12,8 +12,7 @@ from dataclasses import replace
 
 from laminar import metrics as prom
 from laminar.config import RunConfig
-from laminar.logs import get_logger
-from laminar.messages import (
+from laminar.contract import (
     AddExperienceInput,
     AddExperienceResult,
     ClaimPromptsInput,
@@ -21,6 +20,7 @@ from laminar.messages import (
     ReplicaReport,
     RolloutReplicaResult,
 )
+from laminar.logs import get_logger
 from laminar.notice import NOTICE, Notice
 from laminar.policy import may_start, min_version, policy_for
 from laminar.refs import SegmentRef

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 
 from laminar import metrics as prom
+from laminar.contract import Lease, RelayInfo
 from laminar.errors import RelayError
 from laminar.logs import get_logger
-from laminar.messages import Lease, RelayInfo
 from laminar.policy import Policy, load_action, min_version
 from laminar.timing import TimeBreakdown
 from relay import client as relay_client

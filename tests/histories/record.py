@@ -31,13 +31,13 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, W
 
 from cli.drill import run_drill
 from client.connect import connect, store_for
+from client.converter import DATA_CONVERTER
 from client.run_control import ensure_pool, start_workflow
 from client.settings import Settings
 from devstack.stack import DevStack, free_port
-from laminar import names
+from laminar import contract
 from laminar.config import RunConfig
-from laminar.converter import DATA_CONVERTER
-from laminar.messages import (
+from laminar.contract import (
     AddExperienceInput,
     ClaimPromptsInput,
     DrillInput,
@@ -127,7 +127,7 @@ class Recorder:
         return path
 
     async def status(self, handle: WorkflowHandle) -> RunStatus:
-        return await handle.query(names.STATUS, result_type=RunStatus)
+        return await handle.query(contract.STATUS, result_type=RunStatus)
 
     async def wait_step(self, handle: WorkflowHandle, n: int) -> RunStatus:
         async def at_least() -> RunStatus | None:
@@ -138,7 +138,7 @@ class Recorder:
     async def stop(self, handle: WorkflowHandle) -> RunStatus:
         """Stop the run (unless it has finished already) and return its final status."""
         if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
-            await handle.execute_update(names.STOP, result_type=str)
+            await handle.execute_update(contract.STOP, result_type=str)
         return await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
 
 
@@ -154,10 +154,10 @@ async def stream(rec: Recorder) -> list[Path]:
 
     async def bundled_or_closed() -> bool:  # the trainer ran behind generation at least once, or the run ended
         closed = (await handle.describe()).status != WorkflowExecutionStatus.RUNNING
-        return closed or names.TRAIN_STEPS in activity_types(await handle.fetch_history())
+        return closed or contract.TRAIN_STEPS in activity_types(await handle.fetch_history())
     await async_wait_until(bundled_or_closed, RUN_TIMEOUT_S, "a train_steps activity", interval_s=0.5)
     (h,) = await rec.chain(handle)
-    require(names.TRAIN_STEPS in activity_types(h), f"no train_steps activity in {STREAM_MAX_STEPS} steps")
+    require(contract.TRAIN_STEPS in activity_types(h), f"no train_steps activity in {STREAM_MAX_STEPS} steps")
     final = await rec.stop(handle)
     (h,) = await rec.chain(handle)
     require(final.phase == "finished", f"stream run ended {final.phase} at step {final.step}")
@@ -178,7 +178,7 @@ async def repack(rec: Recorder) -> list[Path]:
     (h,) = await rec.chain(handle)
     require(final.repacks > 0 and "repack" in patch_ids(h), f"repacks={final.repacks}, patches {patch_ids(h)}")
     # the migration travels in the replicas' claim_prompts updates: a source's hand-off, a destination's take
-    claims = update_inputs(h, names.CLAIM_PROMPTS, ClaimPromptsInput)
+    claims = update_inputs(h, contract.CLAIM_PROMPTS, ClaimPromptsInput)
     require(any(c.handoff is not None for c in claims) and any(c.taken for c in claims),
             "no claim_prompts update carries a migration's hand-off and take")
     return [rec.write("training_run_repack", h)]
@@ -203,16 +203,17 @@ async def search_attributes(rec: Recorder) -> list[Path]:
     cfg = rec.config("search-attributes", "run.steps=1000")
     handle = await start_workflow(rec.client, cfg)
     await rec.wait_step(handle, 1)
-    assert await handle.execute_update(names.PAUSE, result_type=str) == "paused"
+    assert await handle.execute_update(contract.PAUSE, result_type=str) == "paused"
     await async_wait_until(lambda: quiet_status(handle), RUN_TIMEOUT_S, "the run to be quiet after pause")
-    assert await handle.execute_update(names.RESUME, result_type=str) == "running"
+    assert await handle.execute_update(contract.RESUME, result_type=str) == "running"
     paused_at = (await rec.status(handle)).step
     await rec.wait_step(handle, paused_at + 1)
     await rec.stop(handle)
     (h,) = await rec.chain(handle)
     require("search-attributes" in patch_ids(h), "no search-attributes patch marker")
     require(count(h, "UPSERT_WORKFLOW_SEARCH_ATTRIBUTES") >= 4, "fewer than 4 search attribute upserts")
-    require({names.PAUSE, names.RESUME, names.STOP} <= set(update_names(h)), f"updates {sorted(set(update_names(h)))}")
+    require({contract.PAUSE, contract.RESUME, contract.STOP} <= set(update_names(h)),
+            f"updates {sorted(set(update_names(h)))}")
     return [rec.write("training_run_search_attributes", h)]
 
 
@@ -250,7 +251,7 @@ async def failed_groups(rec: Recorder) -> list[Path]:
     handle = await start_workflow(rec.client, cfg)
     final: RunStatus = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
     (h,) = await rec.chain(handle)
-    reports = update_inputs(h, names.ADD_EXPERIENCE, AddExperienceInput)
+    reports = update_inputs(h, contract.ADD_EXPERIENCE, AddExperienceInput)
     require(final.phase == "finished" and final.groups_failed >= 4, f"{final.phase}, groups_failed={final.groups_failed}")
     require(any(r.failed and not r.segment.group_ids for r in reports), "no add_experience with failed groups only")
     return [rec.write("training_run_failed_groups", h)]
@@ -275,7 +276,7 @@ async def scale(rec: Recorder) -> list[Path]:
     handle = await start_workflow(rec.client, cfg)
     for target in (4, 2):
         st = await rec.wait_step(handle, 1)
-        res = await handle.execute_update(names.SCALE, ScaleInput(replicas=target), result_type=ScaleResult)
+        res = await handle.execute_update(contract.SCALE, ScaleInput(replicas=target), result_type=ScaleResult)
         require(res.replicas_target == target, f"scale to {target} answered {res}")
 
         async def settled(target: int = target, after: int = st.step) -> RunStatus | None:
@@ -285,7 +286,7 @@ async def scale(rec: Recorder) -> list[Path]:
     final = await rec.stop(handle)
     (h,) = await rec.chain(handle)
     require("scale" in patch_ids(h), "no scale patch marker")
-    require(names.SCALE in update_names(h), f"updates {sorted(set(update_names(h)))}")
+    require(contract.SCALE in update_names(h), f"updates {sorted(set(update_names(h)))}")
     require(final.groups_consumed_twice == 0, f"groups_consumed_twice={final.groups_consumed_twice}")
     return [rec.write("training_run_scale", h)]
 
@@ -309,7 +310,7 @@ async def pool(rec: Recorder) -> list[Path]:
     require(st.grant_note == "granted 1 of 2 asked: 2 runs share 3 slots", f"grant note {st.grant_note!r}")
     await rec.stop(a)
     await async_wait_until(granted(b, 2, 2, st.step + 1), RUN_TIMEOUT_S, "run b granted 2 and a step", interval_s=0.2)
-    res = await b.execute_update(names.SCALE, ScaleInput(replicas=1), result_type=ScaleResult)
+    res = await b.execute_update(contract.SCALE, ScaleInput(replicas=1), result_type=ScaleResult)
     require(res.replicas_target == 1 and len(res.removed) == 1, f"scale to 1 answered {res}")
     final = await rec.stop(b)
     (h,) = await rec.chain(b)
@@ -319,7 +320,7 @@ async def pool(rec: Recorder) -> list[Path]:
     handle = rec.client.get_workflow_handle(pool_id)
 
     async def both_left() -> PoolStatus | None:
-        p = await handle.query(names.POOL_STATUS, result_type=PoolStatus)
+        p = await handle.query(contract.POOL_STATUS, result_type=PoolStatus)
         return p if not p.runs else None
     await async_wait_until(both_left, RUN_TIMEOUT_S, "both runs to leave the pool", interval_s=0.2)
     ph = await handle.fetch_history()
@@ -340,13 +341,13 @@ async def train_ahead(rec: Recorder) -> list[Path]:
     ahead = 0
     for e in h.events:
         if e.HasField("activity_task_scheduled_event_attributes") and \
-                e.activity_task_scheduled_event_attributes.activity_type.name == names.TRAIN_STEP:
+                e.activity_task_scheduled_event_attributes.activity_type.name == contract.TRAIN_STEP:
             ahead += bool(in_flight)
             in_flight.add(e.event_id)
         elif e.HasField("activity_task_completed_event_attributes"):
             in_flight.discard(e.activity_task_completed_event_attributes.scheduled_event_id)
     require(ahead >= 1, "no train_step scheduled while another was in flight")
-    reports = update_inputs(h, names.ADD_EXPERIENCE, AddExperienceInput)
+    reports = update_inputs(h, contract.ADD_EXPERIENCE, AddExperienceInput)
     require(any(r.claim is not None for r in reports), "no add_experience that carries a claim")
     return [rec.write("training_run_train_ahead", h)]
 

@@ -2,8 +2,8 @@
 
 `plan_schedule(seed, ...)` is clock-free and deterministic: the same seed and parameters give the same
 schedule on any machine, so a failing `laminar chaos` run is replayed with its seed or its saved schedule
-(`schedule_to_json` / `schedule_from_json`). The nemesis (services/nemesis.py) carries a schedule out
-against a live run; the checker (reporting/checker.py) judges the run afterwards.
+(`schedule_to_json` / `schedule_from_json`). The nemesis (chaos/nemesis.py) carries a schedule out
+against a live run; the checker (chaos/checker.py) judges the run afterwards.
 
 Fault kinds and what healing means for each:
 

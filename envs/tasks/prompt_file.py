@@ -16,8 +16,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from envs.tasks import PromptRow
 from laminar.errors import ConfigError
-from rl.tasks import PromptRow
 
 COLUMNS = ("id", "prompt", "messages", "answer", "metadata")
 
@@ -51,7 +51,7 @@ class FilePrompts:
         return self.rows[self._order(epoch)[index]]
 
     def words(self) -> list[str]:
-        """Every whitespace-separated word of the prompts, messages ("role:" as rl/tasks/text.py renders them
+        """Every whitespace-separated word of the prompts, messages ("role:" as envs/tasks/text.py renders them
         without a chat template) and answers, in first-seen order."""
         seen: dict[str, None] = {}
         for r in self.rows:

@@ -1,16 +1,78 @@
-"""Typed messages that cross Temporal, with their direction. Small and JSON-able: ids, refs, counts.
+"""The Temporal contract: everything that crosses Temporal between callers and handlers, in one module. The
+client, the activities, the services and the workflows all spell it from here (workflows call activities by name,
+so that they never import torch); `client/` needs nothing from `workflows/` to start, signal or query a run.
 
-Nothing here carries tokens, tensors, weights or trajectories (docs/architecture.md, 'Only small
-things cross Temporal').
-Deterministic and import-light: imported by workflow code through the sandbox pass-through.
+- names: workflow types, activities, updates, signals and queries;
+- task queues;
+- the timeouts a client gives a workflow at start (the workflow-internal ones stay in workflows/timeouts.py);
+- the inputs and results, with their direction: typed messages, small and JSON-able (ids, refs, counts).
+
+Running workflows and recorded histories hold the names: a value never changes. A rename is a new name served
+beside the old one (and a `workflow.patched()` branch in the caller). tests/test_names.py checks that every name
+here has a handler and every handler's name is here. Payloads are JSON without type names (laminar's data
+converter, client/converter.py): a message's fields are its contract, its class and module name are not; a field
+is only ever added with a default.
+
+Nothing here carries tokens, tensors, weights or trajectories (docs/architecture.md, 'Only small things cross
+Temporal'). Deterministic and import-light: imported by workflow code through the sandbox pass-through.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any
 
 from laminar.refs import CheckpointRef, SegmentRef
+
+# -- names ------------------------------------------------------------------------------------
+
+# workflow types (laminar-control)
+TRAINING_RUN_WORKFLOW = "TrainingRunWorkflow"
+RECOVERY_DRILL_WORKFLOW = "RecoveryDrillWorkflow"
+SLOT_POOL_WORKFLOW = "SlotPoolWorkflow"  # one per rollout queue: shares its slots between runs (workflows/pool.py)
+
+# activities: trainer (laminar-trainer), rollout (laminar-rollout), relay (laminar-relay-<host>)
+INIT_TRAINER = "init_trainer"
+TRAIN_STEP = "train_step"
+TRAIN_STEPS = "train_steps"
+REPUBLISH = "republish"
+RUN_ROLLOUT_REPLICA = "run_rollout_replica"
+RUN_RELAY = "run_relay"
+# activities: recovery drills (the `laminar drill` process, and each worker's own fault queue)
+PLAN_DRILL = "plan_drill"
+INTERRUPT_STORE = "interrupt_store"
+OBSERVE_RECOVERY = "observe_recovery"
+INJECT_FAULT = "inject_fault"
+
+# TrainingRunWorkflow's updates (replicas; operators), signal (relays) and query (everyone)
+CLAIM_PROMPTS = "claim_prompts"
+ADD_EXPERIENCE = "add_experience"
+PAUSE = "pause"
+RESUME = "resume"
+STOP = "stop"
+SCALE = "scale"
+RELAY_JOINED = "relay_joined"
+TRAINER_CHECKPOINTED = "trainer_checkpointed"  # the trainer, leaving on notice between steps
+RELAY_LEAVING = "relay_leaving"
+WORKFLOW_RESET = "workflow_reset"  # the repairer (services/repair.py), to the run it reset
+STATUS = "status"
+# the slot pool: worker sets report slots, runs state their ask and leave (signals to the pool); the pool signals
+# each run its grant; `laminar pool` queries it
+REPLICA_GRANT = "replica_grant"
+POOL_SLOTS = "pool_slots"
+POOL_ASK = "pool_ask"
+POOL_LEAVE = "pool_leave"
+POOL_STATUS = "pool_status"
+
+WORKFLOWS = (TRAINING_RUN_WORKFLOW, RECOVERY_DRILL_WORKFLOW, SLOT_POOL_WORKFLOW)
+ACTIVITIES = (INIT_TRAINER, TRAIN_STEP, TRAIN_STEPS, REPUBLISH, RUN_ROLLOUT_REPLICA, RUN_RELAY,
+              PLAN_DRILL, INTERRUPT_STORE, OBSERVE_RECOVERY, INJECT_FAULT)
+UPDATES = (CLAIM_PROMPTS, ADD_EXPERIENCE, PAUSE, RESUME, STOP, SCALE, RELAY_LEAVING)
+SIGNALS = (RELAY_JOINED, TRAINER_CHECKPOINTED, WORKFLOW_RESET, REPLICA_GRANT, POOL_SLOTS, POOL_ASK, POOL_LEAVE)
+QUERIES = (STATUS, POOL_STATUS)
+
+# -- task queues ------------------------------------------------------------------------------
 
 CONTROL_QUEUE = "laminar-control"
 # the slot pool and recovery drills: served with no workflow cache (every task replays its history), so a task that
@@ -18,6 +80,7 @@ CONTROL_QUEUE = "laminar-control"
 CONTROL_UNCACHED_QUEUE = "laminar-control-uncached"
 TRAINER_QUEUE = "laminar-trainer"
 ROLLOUT_QUEUE = "laminar-rollout"
+QUEUES = (CONTROL_QUEUE, CONTROL_UNCACHED_QUEUE, TRAINER_QUEUE, ROLLOUT_QUEUE)  # and relay_queue(host) per relay
 
 
 def relay_queue(relay_id: str) -> str:
@@ -27,6 +90,37 @@ def relay_queue(relay_id: str) -> str:
 
 def workflow_id_for(run_id: str) -> str:
     return f"run/{run_id}"
+
+
+# -- the timeouts a client gives at start (the workflow-internal ones: workflows/timeouts.py) -----
+
+# The run's workflow task timeout, set at start (client/run_control.py) and at every continue-as-new
+# (workflows/training_run.py). Temporal's default is 10 s. A control worker that is alive but slow for longer (its
+# process SIGSTOPped, starved of CPU, or cut off by a Temporal server restart while it completed a task) then races
+# its own task's retry: the cached run has applied the timed-out task in memory, and the retry can run on that
+# advanced instance, which leaves a history that does not replay (docs/upstream/wedged-run.md; services/repair.py
+# repairs such a run). 30 s outlasts the chaos run's longest SIGSTOP (12 s) and a dev server restart. The cost: when
+# the control worker really dies while it holds a task, that task moves to another worker after up to 30 s instead
+# of 10 s (the sticky queue's schedule-to-start timeout still moves the tasks that follow at once): measured 9.0 s
+# at 10 s, 29.0 s at 30 s (tests/test_wedge_window.py, a worker killed while it held a task).
+WORKFLOW_TASK = timedelta(seconds=30)
+# Every control worker's repairer (services/repair.py) looks for wedged runs this often (LAMINAR_REPAIR_SWEEP_S).
+REPAIR_SWEEP_S = 10.0
+
+
+# -- client -> TrainingRunWorkflow (the start input) ------------------------------------------------
+
+
+@dataclass
+class TrainingRunInput:
+    """client -> TrainingRunWorkflow. `config` is the RunConfig as JSON (what `temporal workflow start
+    --input '{"config": {...}}'` sends); `state` is set only by continue-as-new."""
+
+    config: dict[str, Any]
+    # the workflow's own durable state (workflows/state.py RunState), carried across continue-as-new; the
+    # workflow reads its input as JSON and checks the state itself, so callers never need its type
+    state: Any = None
+    pool: str = ""  # a new run's slot pool (workflows/pool.py): `laminar start` sets it
 
 
 # -- replicas <-> workflow (updates) ----------------------------------------------------------
@@ -160,7 +254,7 @@ class ClaimPromptsResult:
 class FailedGroup:
     """replica -> workflow (in `add_experience`): a group whose reward or generation failed on every try
     (task.max_group_retries + 1): its lease is closed as failed, counted, and the group never trained on.
-    reason: raised | timeout | nan | wrong_type | sandbox | generation (rl/tasks/scoring.py)."""
+    reason: raised | timeout | nan | wrong_type | sandbox | generation (envs/tasks/scoring.py)."""
 
     group_id: str
     prompt_id: int
@@ -520,7 +614,7 @@ class PoolAsk:
     run_id: str
     workflow_id: str  # where the pool signals the grant
     replicas: int
-    quota: int = 0  # rollout.quota: a guaranteed minimum (laminar/fairshare.py)
+    quota: int = 0  # rollout.quota: a guaranteed minimum (workflows/fairshare.py)
     engine: str = ""
 
 
@@ -549,6 +643,24 @@ class PoolStatus:
     reporters: dict[str, int]
     engines: list[str]
     runs: list[PoolRun]
+
+
+@dataclass
+class PoolState:
+    """SlotPoolWorkflow's durable state, carried across its continue-as-new: one entry per run and worker set."""
+
+    reports: dict[str, SlotReport] = field(default_factory=dict)  # reporter -> its last report (slots > 0)
+    asks: dict[str, PoolAsk] = field(default_factory=dict)  # run id -> its last ask
+    seq: dict[str, int] = field(default_factory=dict)  # run id -> registration order (ties go to the older)
+    next_seq: int = 0
+    sent: dict[str, ReplicaGrant] = field(default_factory=dict)  # run id -> the grant last signalled to it
+
+
+@dataclass
+class PoolInput:
+    """client (`laminar workers`, `laminar start`: an empty one) or continue-as-new -> SlotPoolWorkflow."""
+
+    state: PoolState | None = None
 
 
 # -- recovery drills ----------------------------------------------------------------------------

@@ -12,8 +12,8 @@ import json
 import random
 from pathlib import Path
 
+from envs.tasks import PromptRow
 from laminar.errors import ConfigError
-from rl.tasks import PromptRow
 
 
 def gsm8k_answer(answer: str) -> str | None:

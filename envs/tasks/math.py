@@ -22,7 +22,7 @@ stride that is not), and the split is drawn from datasets seeded apart from the 
 every curriculum level (the hardest included), distinct problems only. A small problem space holds few: chain_sum's
 one-digit level has 200 problems (a +- b, a and b in 0..9), so about 25 held out.
 
-Reward (rl/tasks/answers.py), 1.0 or 0.0, never partial credit:
+Reward (envs/tasks/answers.py), 1.0 or 0.0, never partial credit:
 - chain_sum: the tag's text, validated as arithmetic, equals the answer exactly (after removing whitespace);
 - countdown: the tag's text, validated as arithmetic BEFORE reasoning-gym's scorer sees it (that scorer runs
   sympy's `parse_expr`, which executes code), uses exactly the given numbers and equals the target;
@@ -36,10 +36,10 @@ import hashlib
 import random
 from typing import Any
 
+from envs.tasks import Prompt, PromptRow
+from envs.tasks.answers import arithmetic_answer, exact_match, extract_answer, math_verify_match
+from envs.tasks.text import TextTask
 from laminar.errors import ConfigError
-from rl.tasks import Prompt, PromptRow
-from rl.tasks.answers import arithmetic_answer, exact_match, extract_answer, math_verify_match
-from rl.tasks.text import TextTask
 
 GENERATORS = ("chain_sum", "countdown", "gsm8k")
 WARMUP_IDS = 10**9  # rl/base_model.py draws warm-up prompts from ids at and above this
@@ -208,7 +208,7 @@ class MathTask(TextTask):
         self.generator = generator
         self.compact = _is_word_level(tokenizer)
         if generator == "gsm8k":
-            from rl.tasks.gsm8k import Gsm8kPrompts
+            from envs.tasks.gsm8k import Gsm8kPrompts
 
             if not path:
                 raise ConfigError("task.params.generator='gsm8k' needs task.params.path: a local GSM8K-format "

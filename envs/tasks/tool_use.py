@@ -1,4 +1,4 @@
-"""`tools`: chain_sum arithmetic with a calculator tool, over two or more model turns (rl/tools/__init__.py;
+"""`tools`: chain_sum arithmetic with a calculator tool, over two or more model turns (envs/tools/__init__.py;
 the replica's environment loop in services/rollout/batch.py runs the calls).
 
 A prompt is a sum of large operands (default: two 3-digit terms, `4 5 6 + 7 8 9 =` with the tiny word-level
@@ -25,10 +25,10 @@ import random
 from dataclasses import replace
 from typing import Any
 
+from envs.tasks import Prompt
+from envs.tasks.math import CLOSE, OPEN, WARMUP_IDS, MathTask, _near_miss, spaced
+from envs.tools.calculator import Calculator
 from laminar.errors import ConfigError
-from rl.tasks import Prompt
-from rl.tasks.math import CLOSE, OPEN, WARMUP_IDS, MathTask, _near_miss, spaced
-from rl.tools.calculator import Calculator
 
 TOOL_LEVELS = [{"max_terms": 2, "min_digits": 3, "max_digits": 3}]
 CALL_OPEN, CALL_CLOSE, RESULT_OPEN, RESULT_CLOSE = "<calc>", "</calc>", "<result>", "</result>"

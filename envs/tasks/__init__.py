@@ -1,11 +1,11 @@
 """Tasks: prompts plus a reward. The interface every task implements, and where tasks come from.
 
-Naming a task (config `task.name`, resolved by `rl.tasks.loader.resolve_task_class`):
-- a built-in: `"repeat"` (the default; rl/tasks/repeat.py), and the others in `loader.BUILTIN`;
+Naming a task (config `task.name`, resolved by `envs.tasks.loader.resolve_task_class`):
+- a built-in: `"repeat"` (the default; envs/tasks/repeat.py), and the others in `loader.BUILTIN`;
 - `"package.module:Class"`: any importable class;
 - an entry point in the `laminar.tasks` group (`[project.entry-points."laminar.tasks"] mytask = "pkg.mod:Cls"`).
 
-Building one (`rl.tasks.loader.build_task(cfg.task, seed=..., tokenizer=...)`): the class is called with the
+Building one (`envs.tasks.loader.build_task(cfg.task, seed=..., tokenizer=...)`): the class is called with the
 keyword arguments its constructor accepts, of `seed` (run.seed), `tokenizer` (the run's `tokenizers.Tokenizer`,
 or None while the tiny base model is being built: the task then builds its own word-level tokenizer from
 `words()`), `chat_template` (the model's Jinja chat template, or None), `max_count` (task.max_count),
@@ -22,7 +22,7 @@ The `Task` protocol (what the replica, the sync loop and the base-model builder 
 - `demonstration(prompt, rng, accuracy) -> list[int]` (optional): a plausible, imperfect response for the tiny
   model's supervised warm-up (model.pretrain_steps > 0 needs it).
 
-Prompt source and reward are separate (`PromptSource`, `TextTask` in rl/tasks/text.py): a source yields
+Prompt source and reward are separate (`PromptSource`, `TextTask` in envs/tasks/text.py): a source yields
 token-free `PromptRow`s (a seeded generator, or `FilePrompts` over a JSONL / Parquet file with columns id,
 prompt or messages, answer, metadata: README 'Tasks'); `TextTask` renders a row with the chat template where
 the model has one (otherwise the plain text, or "role: content" lines for messages), encodes it, decodes the
@@ -30,7 +30,7 @@ response up to <eos> and calls its `score(prompt, response_text)`, sync or async
 with a generator source and an answer checker; a tool-calling environment is a TextTask whose episode runs in
 the replica's environment loop (services/rollout/__init__.py).
 
-Failure semantics (rl/tasks/scoring.py `score`; the replica's group retry in services/rollout/batch.py): the
+Failure semantics (envs/tasks/scoring.py `score`; the replica's group retry in services/rollout/batch.py): the
 reward function raising, running past task.reward_timeout_s, or returning NaN, an infinity or a non-number
 (bool included) raises `RewardFailure(reason)`; a prompt the task cannot build or the engine cannot admit is a
 `generation` failure. The replica then retries the whole group from its prompt with
@@ -101,21 +101,21 @@ class Task(Protocol):
 
 
 def known_tasks() -> list[str]:
-    from rl.tasks.loader import BUILTIN
+    from envs.tasks.loader import BUILTIN
 
     return sorted(BUILTIN)
 
 
 def get_task(name: str, **params):
     """Build task `name` (built-in, "package.module:Class" or entry point) with these constructor arguments."""
-    from rl.tasks.loader import resolve_task_class
+    from envs.tasks.loader import resolve_task_class
 
     return resolve_task_class(name)(**params)
 
 
 def build_task(section, *, seed: int, tokenizer=None, chat_template: str | None = None):
-    """The task of a run's `task` section (rl/tasks/loader.py)."""
-    from rl.tasks.loader import build_task as build
+    """The task of a run's `task` section (envs/tasks/loader.py)."""
+    from envs.tasks.loader import build_task as build
 
     return build(section, seed=seed, tokenizer=tokenizer, chat_template=chat_template)
 

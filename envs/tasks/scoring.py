@@ -1,4 +1,4 @@
-"""Reward calls, with the failure semantics of rl/tasks/__init__.py: a number in hand, or `RewardFailure`.
+"""Reward calls, with the failure semantics of envs/tasks/__init__.py: a number in hand, or `RewardFailure`.
 
 A `RewardRunner` calls the reward on its own daemon thread (an async reward runs on that thread's event loop)
 and waits at most `timeout_s`. A call that overruns is abandoned, not killed (Python cannot stop a thread):
@@ -18,7 +18,7 @@ import queue
 import threading
 from typing import Any
 
-from rl.tasks import Prompt, RewardFailure
+from envs.tasks import Prompt, RewardFailure
 
 REASONS = ("raised", "timeout", "nan", "wrong_type", "sandbox", "generation")
 

@@ -1,4 +1,4 @@
-"""The sandbox's filesystem as an allow-list: what the new, empty root holds (rl/tools/sandbox.py builds it).
+"""The sandbox's filesystem as an allow-list: what the new, empty root holds (envs/tools/sandbox.py builds it).
 
 `root_plan(python, read_only) -> RootPlan` works out, once per interpreter, what that interpreter needs to run
 and import its standard library:
@@ -27,37 +27,7 @@ import os
 import subprocess
 from dataclasses import dataclass
 
-# Runs as the probed interpreter (on the host, once): imports every extension module of its lib-dynload so their
-# shared libraries are loaded, then prints its paths and the files mapped into it.
-_PROBE = r"""
-import importlib, json, os, sys, sysconfig
-paths = sysconfig.get_paths()
-dyn = set()
-for d in {paths["stdlib"], paths["platstdlib"]}:
-    dyn.add(os.path.join(d, "lib-dynload"))
-for m in ("_json", "math", "_socket", "select"):
-    try:
-        f = getattr(importlib.import_module(m), "__file__", None)
-        if f:
-            dyn.add(os.path.dirname(f))
-    except ImportError:
-        pass
-for d in dyn:
-    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
-        if name.endswith(".so"):
-            try:
-                importlib.import_module(name.split(".")[0])
-            except BaseException:
-                pass
-maps = set()
-with open("/proc/self/maps") as f:
-    for line in f:
-        parts = line.split(None, 5)
-        if len(parts) == 6 and parts[5].startswith("/"):
-            maps.add(parts[5].strip())
-print(json.dumps({"executable": os.path.realpath(sys.executable), "stdlib": [paths["stdlib"], paths["platstdlib"]],
-                  "dynload": sorted(dyn), "maps": sorted(maps)}))
-"""
+_PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_probe.py")  # run by path
 _LOADER_NAMES = ("/lib64/ld-linux*.so*", "/lib/ld-linux*.so*", "/lib/ld-musl*.so*", "/lib/ld64.so*")
 
 
@@ -83,7 +53,7 @@ def root_plan(python: str, read_only: tuple[str, ...] = ()) -> RootPlan:
 @functools.lru_cache(maxsize=16)
 def _plan(python: str, read_only: tuple[str, ...]) -> RootPlan:
     try:
-        out = subprocess.run([python, "-I", "-S", "-B", "-c", _PROBE], capture_output=True, text=True, env={},
+        out = subprocess.run([python, "-I", "-S", "-B", _PROBE], capture_output=True, text=True, env={},
                              cwd="/", timeout=60, check=True).stdout
         probe = json.loads(out.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:

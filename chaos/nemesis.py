@@ -1,4 +1,4 @@
-"""The nemesis of `laminar chaos`: carries a chaos schedule (laminar/chaos.py) out against a live run and heals
+"""The nemesis of `laminar chaos`: carries a chaos schedule (chaos/schedule.py) out against a live run and heals
 every fault it injects.
 
 It aims at the processes of the run's process table (`<LAMINAR_HOME>/runs/<run_id>/processes.json`, written
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from laminar.chaos import Fault, Schedule
+from chaos.schedule import Fault, Schedule
 from laminar.logs import get_logger
 
 log = get_logger(__name__)

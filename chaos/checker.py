@@ -29,8 +29,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from laminar.contract import RunStatus
 from laminar.errors import StoreError
-from laminar.messages import RunStatus
 from reporting.summary import reward_rise
 from storage import keys
 from storage.checkpoints import CheckpointStore

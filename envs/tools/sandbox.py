@@ -7,11 +7,11 @@ Isolation (all real kernel mechanisms; nothing here trusts the program):
   a new PID namespace (the program cannot see or signal other processes; when its init dies, the kernel kills
   everything left in it, so nothing escapes by `setsid` or double fork), and new mount and IPC namespaces;
 - in the mount namespace a new, empty root (pivot_root; the host's root detached) holding only an allow-list
-  (rl/tools/sandbox_root.py): read-only binds of the interpreter, its standard library and the libraries it
+  (envs/tools/sandbox_root.py): read-only binds of the interpreter, its standard library and the libraries it
   loads, /dev with null, zero, full, random, urandom, the new PID namespace's /proc (hidepid=2), a fresh
   root-owned tmpfs /tmp (size-capped) holding the working directory /tmp/work (the only writable place), and
   a task's own `read_only` paths;
-- a cgroup per run for the whole sandbox's memory, processes and CPU (rl/tools/sandbox_cgroup.py; v2, or v1
+- a cgroup per run for the whole sandbox's memory, processes and CPU (envs/tools/sandbox_cgroup.py; v2, or v1
   where the controllers are there); a kill at its memory limit is a `memory` failure;
 - an unprivileged uid and gid (no supplementary groups), one per concurrent sandbox from
   `SandboxLimits.uid_base` .. `uid_base + uid_count - 1` (held by a lock file, so RLIMIT_NPROC, which counts
@@ -35,6 +35,10 @@ The violations the kernel stops anyway (network, writes) are also reported by an
 (`sys.addaudithook`, which Python code cannot remove) so they fail the group instead of being an error message;
 a program that bypasses the hook through ctypes is still stopped by the kernel, it just sees the error.
 
+The processes: the bootstrap (envs/tools/sandbox_boot.py, run by path as root: namespaces, the new root, the
+program's process) and the shim (envs/tools/sandbox_shim.py, run by the sandboxed interpreter before the program:
+the audit hook, the exception's classification); both are real modules, linted like the rest.
+
 Needs root (or CAP_SYS_ADMIN + CAP_SETUID + CAP_SETGID) and kernel namespaces. Without them `run_python` raises
 `SandboxUnavailable` naming what is missing; `SandboxLimits(allow_unsandboxed=True)` explicitly allows a weaker
 mode (rlimits, timeout, empty environment, private temporary directory; no namespaces, no uid change).
@@ -43,6 +47,7 @@ mode (rlimits, timeout, empty environment, private temporary directory; no names
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import selectors
@@ -56,15 +61,18 @@ from dataclasses import dataclass
 
 import psutil
 
+from envs.tools import ToolResult
+from envs.tools.sandbox_cgroup import SandboxCgroup, cgroup_support
+from envs.tools.sandbox_root import RootPlan, RootPlanError, root_plan
 from laminar.logs import get_logger
-from rl.tools import ToolResult
-from rl.tools.sandbox_boot import BOOT, SHIM
-from rl.tools.sandbox_cgroup import SandboxCgroup, cgroup_support
-from rl.tools.sandbox_root import RootPlan, RootPlanError, root_plan
 
 log = get_logger(__name__)
 
 _SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+BOOT = os.path.join(_HERE, "sandbox_boot.py")  # run by path, as root (envs/tools/sandbox_boot.py)
+SHIM = os.path.join(_HERE, "sandbox_shim.py")  # its source goes to the sandboxed interpreter (no project file
+# is in the sandbox's root)
 WORKDIR = "/tmp/work"  # the working directory inside the sandbox
 FAILURES = ("timeout", "cpu", "output", "memory", "processes", "network", "write", "file_size", "open_files",
             "signal")
@@ -147,7 +155,7 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
 
 
 def _plan(limits: SandboxLimits) -> RootPlan:
-    """The new root for the first interpreter that can be probed (rl/tools/sandbox_root.py)."""
+    """The new root for the first interpreter that can be probed (envs/tools/sandbox_root.py)."""
     errors = []
     for python in [limits.python] if limits.python else [sys.executable, *_SYSTEM_PYTHONS]:
         try:
@@ -240,7 +248,7 @@ def _run(code: str, limits: SandboxLimits, lease: _UidLease, plan: RootPlan | No
     report_r, report_w = os.pipe()
     pythons = [plan.interpreter] if plan else [limits.python] if limits.python else [sys.executable, *_SYSTEM_PYTHONS]
     cfg = {"report_fd": report_w, "supervisor": os.getpid(), "isolate": isolate, "uid": lease.uid,
-           "work": WORKDIR if isolate else host_dir, "python": pythons, "shim": SHIM,
+           "work": WORKDIR if isolate else host_dir, "python": pythons, "shim": _shim_source(),
            "tmpfs_bytes": limits.tmpfs_bytes, "root": lease.root, "binds": plan.binds if plan else [],
            "links": plan.links if plan else [], "cgroups": cgroup.procs_files if cgroup else [],
            "rlimits": {"RLIMIT_CPU": [limits.cpu_s, limits.cpu_s + 1],
@@ -248,7 +256,7 @@ def _run(code: str, limits: SandboxLimits, lease: _UidLease, plan: RootPlan | No
                        "RLIMIT_NOFILE": [limits.open_files] * 2, "RLIMIT_NPROC": [_nproc(limits, isolate)] * 2,
                        "RLIMIT_CORE": [0, 0]}}
     try:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", "-c", BOOT, json.dumps(cfg)],
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", BOOT, json.dumps(cfg)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 pass_fds=(report_w,), env={}, cwd="/", start_new_session=True)
     finally:
@@ -268,6 +276,13 @@ def _run(code: str, limits: SandboxLimits, lease: _UidLease, plan: RootPlan | No
         proc.stdout.close()  # type: ignore[union-attr]
         if host_dir:
             shutil.rmtree(host_dir, ignore_errors=True)
+
+
+@functools.cache
+def _shim_source() -> str:
+    """The shim's source (envs/tools/sandbox_shim.py): the bootstrap hands it to the sandboxed interpreter with -c."""
+    with open(SHIM, encoding="utf-8") as f:
+        return f.read()
 
 
 def _nproc(limits: SandboxLimits, isolate: bool) -> int:

@@ -1,7 +1,7 @@
-"""`TextTask`: a task made of a token-free prompt source and a text reward (rl/tasks/__init__.py).
+"""`TextTask`: a task made of a token-free prompt source and a text reward (envs/tasks/__init__.py).
 
 A subclass gives `score(prompt, response_text) -> float` (or an async def): 0.0 for a wrong answer; raising
-is a failure (rl/tasks/scoring.py). Rendering: `messages` through the model's chat template when it has one
+is a failure (envs/tasks/scoring.py). Rendering: `messages` through the model's chat template when it has one
 (Jinja, with add_generation_prompt), otherwise "role: content" lines; a plain `prompt` is used as it is, or as
 one user message when there is a chat template. The tiny word-level tokenizer (built from `words()` when the
 run has no tokenizer yet) encodes words it does not know as <pad>.
@@ -14,8 +14,8 @@ import random
 from collections.abc import Awaitable
 from typing import Any
 
-from rl.tasks import Prompt, PromptRow, PromptSource
-from rl.tokenizer import build_word_tokenizer, special_ids
+from envs.tasks import Prompt, PromptRow, PromptSource
+from envs.tasks.tokenizer import build_word_tokenizer, special_ids
 
 
 def render(row: PromptRow, chat_template: str | None, bos_token: str = "") -> str:

@@ -5,14 +5,14 @@ calls it by ending a turn with `<tag>text</tag>` (then <eos>); `run` gets the te
 answer the tool gives about bad input (a malformed expression, a division by zero) is output like any other:
 the model reads it and goes on. A tool that cannot run (it raises, or returns `ToolResult(ok=False)`: a
 crashed or timed-out sandbox) fails the episode: the replica fails the group with reason "sandbox" (its
-retry-then-drop path, rl/tasks/__init__.py).
+retry-then-drop path, envs/tasks/__init__.py).
 
-Built in: `rl.tools.calculator.Calculator` (`<calc>`). A Python sandbox tool (`<python>`) plugs in the same way.
+Built in: `envs.tools.calculator.Calculator` (`<calc>`). A Python sandbox tool (`<python>`) plugs in the same way.
 
 The environment loop that drives tools lives in the rollout replica (services/rollout/batch.py); what it keeps
 per sample is an `Episode` here: the tool-output mask over the response so far, and one `ToolCall` per
 completed call. A task opts in by having `tools` (a list of tools) and `max_turns` (model turns per episode,
->= 2 for any tool call to be answered), plus `turn_text(ids)` and `tool_output_ids(text)` (rl/tasks/tools.py).
+>= 2 for any tool call to be answered), plus `turn_text(ids)` and `tool_output_ids(text)` (envs/tasks/tool_use.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """From `task.name` to a task object: built-ins, `package.module:Class`, `laminar.tasks` entry points; and the
-constructor arguments a task class gets from the run's `task` section (rl/tasks/__init__.py describes both)."""
+constructor arguments a task class gets from the run's `task` section (envs/tasks/__init__.py describes both)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from laminar.errors import ConfigError
 ENTRY_POINT_GROUP = "laminar.tasks"
 # built-in task name -> "module:Class" (imported only when chosen)
 BUILTIN: dict[str, str] = {
-    "repeat": "rl.tasks.repeat:RepeatTask",
-    "file": "rl.tasks.text:FileTask",  # task.prompts, exact-match reward
-    "math": "rl.tasks.math:MathTask",  # task.params.generator: chain_sum | countdown | gsm8k
-    "tools": "rl.tasks.tools:ToolsTask",  # chain_sum with a <calc> tool over several turns
+    "repeat": "envs.tasks.repeat:RepeatTask",
+    "file": "envs.tasks.text:FileTask",  # task.prompts, exact-match reward
+    "math": "envs.tasks.math:MathTask",  # task.params.generator: chain_sum | countdown | gsm8k
+    "tools": "envs.tasks.tool_use:ToolsTask",  # chain_sum with a <calc> tool over several turns
 }
 
 
@@ -63,7 +63,7 @@ def resolve_task_class(name: str) -> type:
 def build_task(section: Any, *, seed: int, tokenizer: Any = None, chat_template: str | None = None) -> Any:
     """The task of a run's `task` section (laminar.config.TaskSection): its class called with the keyword
     arguments it accepts of seed, tokenizer, chat_template, max_count, prompts, and every task.params key."""
-    from rl.tasks.prompt_file import FilePrompts
+    from envs.tasks.prompt_file import FilePrompts
 
     cls = resolve_task_class(section.name)
     prompts = FilePrompts(section.prompts, seed=seed) if section.prompts else None
@@ -81,7 +81,7 @@ def build_task(section: Any, *, seed: int, tokenizer: Any = None, chat_template:
 def check_task(section: Any) -> None:
     """Fail fast where a run starts, building nothing: task.name resolves, task.prompts reads, and task.params
     and the prompt file fit the class's constructor (ConfigError naming the field otherwise)."""
-    from rl.tasks.prompt_file import FilePrompts
+    from envs.tasks.prompt_file import FilePrompts
 
     cls = resolve_task_class(section.name)
     prompts = FilePrompts(section.prompts) if section.prompts else None

@@ -4,11 +4,11 @@ seeded fault schedule, judged at the end by the checker.
 1. The dev stack with its S3 server (the store, readonly and Temporal faults interrupt it), then `laminar run CONFIG` as
    a child process (its launcher publishes the process table the nemesis aims at; its output goes to
    `<out>/run.log`), with `run.steps` large: chaos ends the run itself.
-2. Once the run trains, the schedule (laminar/chaos.py) is planned from the seed and the table's processes,
+2. Once the run trains, the schedule (chaos/schedule.py) is planned from the seed and the table's processes,
    printed and saved to `<out>/schedule.json` (`--replay` that file, or give the same `--seed`, to run it again).
-3. The nemesis (services/nemesis.py) injects and heals every fault; at `--duration` the run is stopped (the
+3. The nemesis (chaos/nemesis.py) injects and heals every fault; at `--duration` the run is stopped (the
    `stop` update: it finishes its step and returns its final status) and the child exits.
-4. The checker (reporting/checker.py) reads the run's durable records and writes `<out>/verdict.json` and
+4. The checker (chaos/checker.py) reads the run's durable records and writes `<out>/verdict.json` and
    `<out>/report.md` (checks and the fault table). Exit 0 when green, 1 when red.
 """
 
@@ -27,13 +27,16 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 
-from client.connect import connect, store_for
-from client.exit import stop_like_ctrl_c
-from client.run_control import end_runs_now, new_run_id
-from client.settings import Settings
-from devstack.stack import DevStack
-from laminar import names
-from laminar.chaos import (
+from chaos.checker import (
+    Verdict,
+    format_verdict,
+    judge,
+    read_step_records,
+    read_workflow_resets,
+    verify_checkpoints,
+)
+from chaos.nemesis import FaultRecord, Nemesis, partition_tool, read_table
+from chaos.schedule import (
     KINDS,
     Schedule,
     format_schedule,
@@ -42,18 +45,14 @@ from laminar.chaos import (
     schedule_to_json,
     targets_for,
 )
+from client.connect import connect, store_for
+from client.exit import stop_like_ctrl_c
+from client.run_control import end_runs_now, new_run_id
+from client.settings import Settings, process_table_path
+from devstack.stack import DevStack
+from laminar import contract
+from laminar.contract import RunStatus, workflow_id_for
 from laminar.errors import ConfigError, LaminarError
-from laminar.messages import RunStatus, workflow_id_for
-from reporting.checker import (
-    Verdict,
-    format_verdict,
-    judge,
-    read_step_records,
-    read_workflow_resets,
-    verify_checkpoints,
-)
-from services.nemesis import FaultRecord, Nemesis, partition_tool, read_table
-from workers.launcher import process_table_path
 
 console = Console()
 STEPS_UNBOUNDED = 1_000_000  # chaos stops the run itself at --duration
@@ -220,7 +219,7 @@ async def _wait_training(settings: Settings, run_id: str, table_path: Path, chil
 async def _status(settings: Settings, run_id: str) -> RunStatus | None:
     try:
         client = await connect(settings, core_logs=False)
-        return await client.get_workflow_handle(workflow_id_for(run_id)).query(names.STATUS, result_type=RunStatus)
+        return await client.get_workflow_handle(workflow_id_for(run_id)).query(contract.STATUS, result_type=RunStatus)
     except Exception:  # not started yet, or Temporal restarting
         return None
 
