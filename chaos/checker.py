@@ -362,7 +362,7 @@ def kind_summary(rows: list[dict]) -> list[dict]:
 
 
 def format_verdict(v: Verdict) -> str:
-    """Markdown: the checks, then the fault table (the README's chaos table)."""
+    """Markdown: the checks, then the fault table (as in docs/benchmarks/chaos.md)."""
     lines = [f"chaos verdict: {'GREEN' if v.green else 'RED'}", "", "| check | ok | detail |", "| --- | --- | --- |"]
     lines += [f"| {c.name} | {'yes' if c.ok else 'NO'} | {c.detail} |" for c in v.checks]
     def s(x) -> str:

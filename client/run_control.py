@@ -244,8 +244,8 @@ async def _wedged(handle) -> str:
         return ""
     return (f"its workflow task has failed {attempt} times (last: {error or 'unknown'}); the run is wedged. Every "
             "control worker's repairer resets a wedged run to its last good workflow task within about "
-            f"{contract.REPAIR_SWEEP_S:g} s (README, 'Wedged runs'); one that a reset cannot repair is ended with the "
-            "reason")
+            f"{contract.REPAIR_SWEEP_S:g} s (docs/guides/chaos.md, 'Wedged runs'); one that a reset cannot repair is "
+            "ended with the reason")
 
 
 def _rpc_failed(settings: Settings, run_id: str, what: str, e: RPCError) -> LaminarError:

@@ -356,7 +356,7 @@ class TrainStepInput:
     # relays the workflow took out of the chain for failing their data-plane checks (workflows/relay_health.py):
     # the trainer probes them in the background and reports those that pass (TrainStepResult.relays_passed)
     relays_out: list[str] = field(default_factory=list)
-    # scheduled while the step before it was in flight (workflows/training_run.py, train-ahead): a trainer that is
+    # scheduled while the step before it was in flight (workflows/trainer.py, train-ahead): a trainer that is
     # not at that step defers it once (services/trainer.py), so the step before it, retried or finishing on a
     # trainer that leaves, runs first
     ahead: bool = False

@@ -14,7 +14,8 @@ form of CostModel.decode_steps_s (n sequences, a KV cache growing by n tokens a 
 new version, a lease, a repack move) first brings the replica up to that moment with CostModel.steps_within.
 No per-token event is ever simulated.
 
-What happens where (mirrors services/rollout.py and workflows/training_run.py):
+What happens where (mirrors services/rollout/ and workflows/training_run.py with its parts, workflows/trainer.py and
+workflows/ledger.py):
 - a replica with free group slots (slots and KV for the prompts) claims; the control plane answers at once
   with ledger.lease(min(want, max_ready_groups - ready), fresh_lease_room(...)); a replica that got less than
   it asked for claims again when the ledger changes (a group reported, a step committed);
@@ -567,7 +568,7 @@ class Simulator:
         return slots // self.cfg.group_size - len(r.pending)
 
     def _act(self, r: _Replica) -> None:
-        """What services/rollout.py's loop does at this moment: load, admit, claim."""
+        """What services/rollout/'s loop does at this moment: load, admit, claim."""
         if r.dead_until > self.now:
             return
         self._sync(r)

@@ -85,3 +85,59 @@ def test_readme_links_resolve():
     assert targets, "the README links into docs/"
     missing = [t for t in targets if t and not (ROOT / t).exists()]
     assert not missing, f"README.md links to missing files: {missing}"
+
+
+# Backticked names that look like paths but name something else: a run's output files, store keys, metric names.
+_NOT_REPO_PATHS = re.compile(r"[<>*{}$]|^\.|^~|^(DIR|runs|pool|train|events|eval|forwards_done)/")
+
+
+def written_paths(text: str, top: set[str]) -> list[str]:
+    """Each repository path (`cli/main.py`, `envs/tasks/`) or dotted module (`envs.tasks.loader.check_task`) in
+    backticks whose first part is a top-level entry of the repository; `path.py:Name` and `path#anchor` count as
+    the path."""
+    out = []
+    for token in re.findall(r"`([^`\s]+)`", text):
+        if _NOT_REPO_PATHS.search(token):
+            continue
+        path = re.split(r"[:#]", token)[0]
+        if "/" in path and path.split("/")[0] in top:
+            out.append(path)
+        elif re.fullmatch(r"\w+(\.\w+){2,}", token) and token.split(".")[0] in top and not token.endswith(".py"):
+            out.append(token)
+    return out
+
+
+def missing_paths(token: str) -> bool:
+    """A path that does not exist, or a dotted name whose module does not exist or does not define the name after
+    it (`envs.tasks.loader.check_task`: envs/tasks/loader.py defines check_task)."""
+    if "/" in token or token.endswith(".py"):
+        return not (ROOT / token).exists()
+    parts = token.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        base = ROOT.joinpath(*parts[:k])
+        module = base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__init__.py"
+        if module.exists():
+            return re.search(rf"\b{re.escape(parts[k])}\b", module.read_text()) is None and not (
+                base / f"{parts[k]}.py").exists() and not (base / parts[k]).is_dir()
+    return True
+
+
+def test_paths_written_in_the_docs_exist():
+    """Every repository path or module the README and the site's pages name in backticks exists, so a move or a
+    rename fails here instead of leaving the docs pointing at nothing. docs/decisions.md is a log: its entries
+    name the paths of their day."""
+    top = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")}
+    pages = [ROOT / "README.md", *(p for p in sorted((ROOT / "docs").rglob("*.md")) if p.name != "decisions.md")]
+    missing = [f"{page.relative_to(ROOT)}: `{token}`" for page in pages
+               for token in written_paths(page.read_text(), top) if missing_paths(token)]
+    assert not missing, "the docs name paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_a_stale_path_is_caught():
+    top = {"envs", "laminar", "docs"}
+    text = ("`envs/tasks/loader.py` `laminar/names.py` `envs.tasks.loader.check_task` `envs.tasks.loader.gone` "
+            "`runs/<id>/run.json` `relay.heartbeat_timeout_s` `.laminar/` `train/reward_mean` `docs/`")
+    found = written_paths(text, top)
+    assert found == ["envs/tasks/loader.py", "laminar/names.py", "envs.tasks.loader.check_task",
+                     "envs.tasks.loader.gone", "docs/"]
+    assert [t for t in found if missing_paths(t)] == ["laminar/names.py", "envs.tasks.loader.gone"]

@@ -24,7 +24,7 @@ The `Task` protocol (what the replica, the sync loop and the base-model builder 
 
 Prompt source and reward are separate (`PromptSource`, `TextTask` in envs/tasks/text.py): a source yields
 token-free `PromptRow`s (a seeded generator, or `FilePrompts` over a JSONL / Parquet file with columns id,
-prompt or messages, answer, metadata: README 'Tasks'); `TextTask` renders a row with the chat template where
+prompt or messages, answer, metadata: docs/guides/tasks.md); `TextTask` renders a row with the chat template where
 the model has one (otherwise the plain text, or "role: content" lines for messages), encodes it, decodes the
 response up to <eos> and calls its `score(prompt, response_text)`, sync or async. A math task is a TextTask
 with a generator source and an answer checker; a tool-calling environment is a TextTask whose episode runs in

@@ -1,4 +1,4 @@
-"""Prompts from a local file: JSONL (one JSON object a line) or Parquet, same columns (README 'Tasks'):
+"""Prompts from a local file: JSONL (one JSON object a line) or Parquet, same columns (docs/guides/tasks.md):
 
 - `id` (string or integer, optional: the row's index in the file when absent): logged with failures;
 - `prompt` (string) or `messages` (a list of {"role": ..., "content": ...}): exactly one of them;
@@ -29,7 +29,7 @@ class FilePrompts:
         self.path, self.seed, self.shuffle = Path(path), seed, shuffle
         if not self.path.is_file():
             raise ConfigError(f"task.prompts={str(path)!r} is not a file on this host; give a local .jsonl or "
-                              f".parquet file (README 'Tasks' has the columns)")
+                              f".parquet file (docs/guides/tasks.md has the columns)")
         suffix = self.path.suffix.lower()
         if suffix in (".jsonl", ".json", ".ndjson"):
             raw = self._read_jsonl()
