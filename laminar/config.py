@@ -201,6 +201,27 @@ class RolloutSection(_Section):
         return self
 
 
+class LoraSection(_Section):
+    """`[trainer] lora = {r = 8, alpha = 16, target_modules = ["q_proj", "v_proj"]}`: train LoRA adapters only
+    (rl/lora.py, through peft); each published version is the adapter weights plus the base model's fingerprint."""
+
+    r: int = Field(8, ge=1, le=4096, description="LoRA rank: columns of A and rows of B per adapted matrix (count).")
+    alpha: float = Field(
+        16.0, gt=0.0, le=65536.0,
+        description="LoRA alpha: the adapter's update is scaled by alpha / r (unitless), as peft's lora_alpha.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1,
+        description="Linear modules that get an adapter, by name or name suffix (peft's target_modules), e.g. "
+        "q_proj, v_proj, up_proj; or ['all-linear'] (every linear layer but the output head). A name that "
+        "matches no linear module of the model fails at trainer start, listing those the model has.",
+    )
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description="Dropout on the adapter's input while training (peft's lora_dropout; probability). Above 0 "
+        "the trainer's proximal log-probs are computed under dropout too; 0 keeps them exact.",
+    )
+
+
 class TrainerSection(_Section):
     """The trainer: batch, optimizer, loss and off-policy correction, checkpoints, engine and backend."""
 
@@ -257,6 +278,12 @@ class TrainerSection(_Section):
         "float32",
         description="Forward/backward compute dtype (`bfloat16` on GPU: autocast); weights and AdamW state stay "
         "float32.",
+    )
+    lora: LoraSection | None = Field(
+        None,
+        description="Train LoRA adapters instead of every weight (rl/lora.py): `{r, alpha, target_modules, "
+        "dropout}`; absent: full fine-tuning. A version is then the adapter (megabytes, not the model) plus a "
+        "fingerprint of the base weights, which rollout replicas read once from the run's model files.",
     )
 
     @model_validator(mode="after")
@@ -578,11 +605,14 @@ def describe_validation_error(e: ValidationError) -> str:
 
 
 def _field_description(loc: str) -> str:
-    parts = loc.split(".")
-    if len(parts) != 2:
-        return ""
-    section = RunConfig.model_fields.get(parts[0])
-    if section is None or section.annotation is None:
-        return ""
-    field = getattr(section.annotation, "model_fields", {}).get(parts[1])
-    return field.description if field is not None and field.description else ""
+    """The description of a field at a dotted location (a nested section's too, e.g. trainer.lora.r)."""
+    model: Any = RunConfig
+    field = None
+    for part in loc.split("."):
+        fields = getattr(model, "model_fields", None)
+        field = fields.get(part) if fields else None
+        if field is None:
+            return ""
+        model = next((a for a in getattr(field.annotation, "__args__", ()) if hasattr(a, "model_fields")),
+                     field.annotation)
+    return field.description if field is not None and field.description and loc.count(".") >= 1 else ""

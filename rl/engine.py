@@ -115,8 +115,10 @@ class TorchEngine:
         eos_id: int,
         max_prompt_len: int = 64,
         on_close: Callable[[], None] | None = None,
+        base_fingerprint: str | None = None,
     ):
-        """on_close: runs once at `close` (rl.factory: gives the replica's CUDA device slot back)."""
+        """on_close: runs once at `close` (rl.factory: gives the replica's CUDA device slot back). base_fingerprint:
+        the model holds a LoRA run's base weights (rl/lora.py): versions are adapters, merged into them on load."""
         if max_inflight_seqs < 1 or max_new_tokens < 1 or temperature < 0:
             raise EngineError(
                 f"engine needs max_inflight_seqs >= 1, max_new_tokens >= 1 and temperature >= 0 (0: greedy); got "
@@ -140,6 +142,11 @@ class TorchEngine:
         self._pos = torch.zeros(max_inflight_seqs, 1, dtype=torch.long, device=self.device)
         self._active: tuple[list[int], torch.Tensor] | None = None  # the last step's active slots, on the device
         self._on_close = on_close
+        self._lora = None
+        if base_fingerprint is not None:
+            from rl.lora import AdapterMerge
+
+            self._lora = AdapterMerge(self.model, base_fingerprint)
 
     def note_pull(self, local: bool) -> None:
         """A real load costs what it costs, wherever the weights come from."""
@@ -159,9 +166,28 @@ class TorchEngine:
                 f"policy_version={self.policy_version} are in flight; load a new policy version only "
                 "between batches"
             )
+        from rl.lora import is_adapter
+
         with torch.no_grad():
-            load_model_state(self.model, state_dict)
+            if self._lora is not None or is_adapter(state_dict):
+                self._load_adapter(state_dict, policy_version)
+            else:
+                load_model_state(self.model, state_dict)
         self.policy_version = policy_version
+
+    def _load_adapter(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> None:
+        """A LoRA version: merged into the base weights this engine holds (rl/lora.py AdapterMerge)."""
+        from rl.lora import is_adapter
+
+        if self._lora is None:
+            raise EngineError(
+                f"policy_version={policy_version} is a LoRA adapter, but this engine was built without its base "
+                "weights (trainer.lora unset where the engine was built?); build it with base_fingerprint")
+        if not is_adapter(state_dict):
+            raise EngineError(
+                f"policy_version={policy_version} holds full weights, but this engine applies LoRA adapters to "
+                "its base weights; a LoRA run publishes adapters only")
+        self._lora.apply(state_dict)
 
     def interrupt_and_load(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> int:
         """Partial rollout: stop every in-flight sequence, load the weights, continue each under them.

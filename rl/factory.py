@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 # (config.json as a dict, tokenizer, task) of the run, from its published model files (services/model_files.py)
 RunFiles = Callable[[], tuple[dict, Any, Any]]
+# a LoRA run's base weights {name: tensor}, published by its trainer (services/model_files.py load_run_base)
+RunBase = Callable[[], dict]
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class EngineTraits:
     modelled_time: bool = False  # its time is modelled: modelled.speedup x faster than wall time, and its decode
     # batch runs at full speed up to modelled.roofline_batch
     every_worker: bool = True  # every rollout worker serves it; False: only a worker set started for it (vLLM)
+    lora: bool = False  # it applies LoRA versions (trainer.lora, rl/lora.py): merges each adapter into base weights
 
 
 @dataclass(frozen=True)
@@ -46,12 +49,13 @@ class BackendTraits:
 
     trainers: tuple[str, ...]  # the trainer engines it runs (a sharded backend needs weights to shard)
     sharded: bool = False  # trainer.fsdp_procs rank processes (one GPU each on CUDA); else one process
+    lora: bool = False  # it trains LoRA adapters (trainer.lora, rl/lora.py)
 
 
-ENGINE_TRAITS = {"torch": EngineTraits(spare_slots=1, trainers=("torch",)),
+ENGINE_TRAITS = {"torch": EngineTraits(spare_slots=1, trainers=("torch",), lora=True),
                  "vllm": EngineTraits(spare_slots=0, trainers=("torch",), every_worker=False),
                  "modelled": EngineTraits(spare_slots=1, trainers=("modelled",), modelled_time=True)}
-BACKEND_TRAITS = {"single": BackendTraits(trainers=("torch", "modelled")),
+BACKEND_TRAITS = {"single": BackendTraits(trainers=("torch", "modelled"), lora=True),
                   "fsdp": BackendTraits(trainers=("torch",), sharded=True)}
 
 
@@ -73,7 +77,27 @@ def check_engines(cfg: RunConfig) -> RunConfig:
         raise ConfigError(
             f"trainer.backend={t.backend!r} needs trainer.engine={' or '.join(map(repr, fits))} (got {t.engine!r}); "
             "the modelled trainer has no weights to shard")
+    if t.lora is not None:
+        _check_lora(cfg)
     return cfg
+
+
+def _check_lora(cfg: RunConfig) -> None:
+    """trainer.lora needs an engine that merges adapters into base weights it holds (which pairs with a trainer
+    that has weights) and a backend that trains adapters. vLLM would load each version through its LoRA request API
+    (an adapter directory on disk): not built, nor tested (no vLLM with LoRA on a CPU host here)."""
+    r, t = cfg.rollout, cfg.trainer
+    if not ENGINE_TRAITS[r.engine].lora:
+        fits = [name for name, e in ENGINE_TRAITS.items() if e.lora]
+        raise ConfigError(
+            f"trainer.lora with rollout.engine={r.engine!r} is not implemented: only {fits} apply LoRA versions "
+            "(merged into the base weights the engine holds; vLLM's LoRA request API is not wired yet); set "
+            f"rollout.engine to one of {fits} (and trainer.engine to one it pairs with), or remove trainer.lora")
+    if not BACKEND_TRAITS[t.backend].lora:
+        fits = [name for name, b in BACKEND_TRAITS.items() if b.lora]
+        raise ConfigError(
+            f"trainer.lora is not supported with trainer.backend={t.backend!r} yet (its ranks would shard and gather "
+            f"the frozen base too); set trainer.backend to one of {fits}, or remove trainer.lora")
 
 
 def time_modelled(engine: str) -> bool:
@@ -105,8 +129,14 @@ def engines_served(cfg: RunConfig) -> list[str]:
     return sorted({*(name for name, e in ENGINE_TRAITS.items() if e.every_worker), cfg.rollout.engine})
 
 
-def build_engine(cfg: RunConfig, *, policy: Policy, seed: int, run_files: RunFiles) -> tuple[Engine, Any]:
-    """(engine, task) of one rollout replica; seed: its sampling seed (the modelled engine samples nothing)."""
+def build_engine(cfg: RunConfig, *, policy: Policy, seed: int, run_files: RunFiles,
+                 run_base: RunBase | None = None) -> tuple[Engine, Any]:
+    """(engine, task) of one rollout replica; seed: its sampling seed (the modelled engine samples nothing).
+    run_base: read (once) by a torch engine of a LoRA run, whose versions are adapters (rl/lora.py)."""
+    if cfg.trainer.lora is not None:  # check_engines lets only engines with the lora trait through: torch
+        if run_base is None:
+            raise ValueError("trainer.lora is set: a torch engine needs run_base, the run's base weights")
+        return _torch_engine(cfg, policy, seed, run_files, run_base)
     return _ENGINES[cfg.rollout.engine](cfg, policy, seed, run_files)
 
 
@@ -128,8 +158,9 @@ def _vllm_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles)
                       device=r.device, dtype=r.dtype), task
 
 
-def _torch_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles):
-    """One GPU per replica where the process has them (rl.model.ROLLOUT_DEVICES; given back at close)."""
+def _torch_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles, run_base: RunBase | None = None):
+    """One GPU per replica where the process has them (rl.model.ROLLOUT_DEVICES; given back at close). With
+    run_base (a LoRA run) the model holds the base weights and each version's adapter is merged into them."""
     import torch
 
     from rl.engine import TorchEngine
@@ -142,10 +173,15 @@ def _torch_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles
     if device.type == "cuda":
         index = ROLLOUT_DEVICES.acquire(torch.cuda.device_count())
         device, on_close = torch.device("cuda", index), lambda: ROLLOUT_DEVICES.release(index)
-    return TorchEngine(build_model(hf, seed=0).to(device, dtype), tokenizer,
+    model, fingerprint = build_model(hf, seed=0).to(device, dtype), None
+    if run_base is not None:
+        from rl.lora import load_base
+
+        fingerprint = load_base(model, run_base())
+    return TorchEngine(model, tokenizer,
                        max_inflight_seqs=r.max_inflight_groups * r.group_size, max_new_tokens=r.max_new_tokens,
                        max_prompt_len=r.max_prompt_len, temperature=r.temperature, seed=seed, eos_id=task.eos_id,
-                       on_close=on_close), task
+                       on_close=on_close, base_fingerprint=fingerprint), task
 
 
 _ENGINES = {"torch": _torch_engine, "vllm": _vllm_engine, "modelled": _modelled_engine}
@@ -184,4 +220,8 @@ def build_trainer(cfg: RunConfig, *, policy: Policy, max_staleness: int, model_d
     from rl.trainer import Trainer
 
     device, dtype = placement("trainer", cfg.trainer.device, cfg.trainer.dtype)
+    if cfg.trainer.lora is not None:  # adapters only (rl/lora.py)
+        from rl.lora import LoraTrainer
+
+        return LoraTrainer(model.to(device), section, compute_dtype=dtype, **common)
     return Trainer(model.to(device), section, compute_dtype=dtype, **common)

@@ -66,6 +66,12 @@ def run_sync_loop(cfg: RunConfig, model_dir, steps: int | None = None) -> SyncLo
     rollout_model, _, _ = load_pretrained(model_dir)
     task = build_task(cfg.task, seed=cfg.run.seed, tokenizer=tokenizer)
     r = cfg.rollout
+    trainer_class, fingerprint = Trainer, None
+    if cfg.trainer.lora is not None:  # versions are adapters, merged into the base the engine holds (rl/lora.py)
+        from rl.lora import LoraTrainer, base_fingerprint
+        from rl.model import model_state_dict
+
+        trainer_class, fingerprint = LoraTrainer, base_fingerprint(model_state_dict(rollout_model))
     engine = TorchEngine(
         rollout_model,
         tokenizer,
@@ -74,8 +80,9 @@ def run_sync_loop(cfg: RunConfig, model_dir, steps: int | None = None) -> SyncLo
         temperature=r.temperature,
         seed=cfg.run.seed,
         eos_id=task.eos_id,
+        base_fingerprint=fingerprint,
     )
-    trainer = Trainer(
+    trainer = trainer_class(
         policy, cfg.trainer, group_size=r.group_size, temperature=r.temperature, pad_id=task.pad_id
     )
     result = SyncLoopResult()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from laminar.config import TrainerSection
+from laminar.errors import ConfigError
 from laminar.records import Trajectory
 from rl.grpo import behaviour_drift, clipped_token_loss, group_advantages, split_stale
 from rl.model import CausalLM, load_model_state, model_state_dict
@@ -109,7 +110,8 @@ class Trainer:
         self.group_size = group_size
         self.temperature = temperature
         self.pad_id = pad_id
-        self._named = dict(model.named_parameters())  # tied weights appear once
+        # what the optimizer trains: every weight, or only the adapters (rl/lora.py freezes the rest); tied weights once
+        self._named = {name: p for name, p in model.named_parameters() if p.requires_grad}
         # data parallel (rl/fsdp.py sets these on every rank): rank r trains on rows r, r + world, ... of each
         # minibatch and the gradient reduction averages over the ranks
         self.rank, self.world = 0, 1
@@ -250,10 +252,16 @@ class Trainer:
         model = {k: v.to("cpu", copy=True).contiguous() for k, v in self.policy_state_dict().items()}
         return {"model": model, "optim": optim}
 
+    def _load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        if "lora.base_fingerprint" in sd:  # rl/lora.py LoraTrainer restores those
+            raise ConfigError("this checkpoint holds a LoRA adapter, not full weights; restore it with trainer.lora set "
+                              "as in the run that wrote it (`laminar model export --merge` makes full weights of it)")
+        load_model_state(self.model, sd)
+
     def load_state_parts(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
         """Restore weights and AdamW state written by `state_parts` (hyperparameters come from cfg)."""
         with torch.no_grad():
-            load_model_state(self.model, parts["model"])
+            self._load_weights(parts["model"])
         index = {name: i for i, name in enumerate(self._named)}
         state: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in parts["optim"].items():

@@ -24,7 +24,7 @@ from laminar.evalstats import EvalSummary, summarise
 from laminar.logs import get_logger
 from rl.evaluation import eval_prompts, eval_record, generate_and_score
 from storage import keys
-from storage.checkpoints import CheckpointStore
+from storage.checkpoints import CheckpointStore, LoadedCheckpoint
 from storage.objects import ObjectStore
 
 log = get_logger(__name__)
@@ -57,17 +57,8 @@ def _run_and_step(ref: str) -> tuple[str, int | None]:
     return m.group(1), None if m.group(2) is None else int(m.group(2))
 
 
-def load_policy(store: ObjectStore, cfg: RunConfig, checkpoint: str) -> tuple[Any, Any, Any, EvalTarget]:
-    """(model, tokenizer, task, target) of a checkpoint reference or a model directory."""
-    from envs.tasks import build_task
-    from rl.model import build_model, load_model_state, load_pretrained
-
-    path = Path(checkpoint)
-    if path.is_dir():
-        model, tokenizer, _ = load_pretrained(path)
-        task = build_task(cfg.task, seed=cfg.run.seed, tokenizer=tokenizer)
-        run_id = cfg.run.run_id or f"eval-{re.sub(r'[^A-Za-z0-9_.-]', '-', path.resolve().name)}"
-        return model, tokenizer, task, EvalTarget(run_id, 0, str(path.resolve()))
+def load_checkpoint(store: ObjectStore, checkpoint: str) -> tuple[str, LoadedCheckpoint]:
+    """(run id, the verified checkpoint) of a reference RUN_ID@STEP or RUN_ID (its newest that verifies)."""
     run_id, step = _run_and_step(checkpoint)
     checkpoints = CheckpointStore(store)
     ref = checkpoints.latest(run_id) if step is None else checkpoints.verified_at(run_id, step)
@@ -76,14 +67,43 @@ def load_policy(store: ObjectStore, cfg: RunConfig, checkpoint: str) -> tuple[An
         why = "" if step is None else f" ({checkpoints.verify(run_id, step) or 'not committed'})"
         raise CorruptDataError(f"run {run_id} has no committed checkpoint{'' if step is None else f' at step {step}'} "
                                f"that verifies{why}; committed steps: {have or 'none'}")
+    return run_id, checkpoints.load(ref)
+
+
+def load_policy(store: ObjectStore, cfg: RunConfig, checkpoint: str) -> tuple[Any, Any, Any, EvalTarget]:
+    """(model, tokenizer, task, target) of a checkpoint reference or a model directory."""
+    from envs.tasks import build_task
+    from rl.model import build_model, load_pretrained
+
+    path = Path(checkpoint)
+    if path.is_dir():
+        model, tokenizer, _ = load_pretrained(path)
+        task = build_task(cfg.task, seed=cfg.run.seed, tokenizer=tokenizer)
+        run_id = cfg.run.run_id or f"eval-{re.sub(r'[^A-Za-z0-9_.-]', '-', path.resolve().name)}"
+        return model, tokenizer, task, EvalTarget(run_id, 0, str(path.resolve()))
+    run_id, loaded = load_checkpoint(store, checkpoint)
+    ref = loaded.ref
     from services.model_files import load_run_files
 
     hf, tokenizer, task = load_run_files(store, run_id, cfg)
-    loaded = checkpoints.load(ref)
     model = build_model(hf, seed=0).to(torch.float32)
-    load_model_state(model, loaded.parts["model"])
+    load_checkpoint_weights(store, run_id, model, loaded.parts["model"])
     version = int(loaded.meta.get("policy_version", ref.step))
     return model.eval(), tokenizer, task, EvalTarget(run_id, version, f"{run_id}@{ref.step}")
+
+
+def load_checkpoint_weights(store: ObjectStore, run_id: str, model: Any, weights: dict) -> None:
+    """Copy a checkpoint's model part into `model`: as saved, or, for a LoRA run's (rl/lora.py), the base weights
+    its trainer published with the adapter merged in, as a rollout engine applies it (refused on another base)."""
+    from rl.lora import AdapterMerge, is_adapter, load_base
+    from rl.model import load_model_state
+
+    if not is_adapter(weights):
+        load_model_state(model, weights)
+        return
+    from services.model_files import load_run_base
+
+    AdapterMerge(model, load_base(model, load_run_base(store, run_id))).apply(weights)
 
 
 def evaluate(store: ObjectStore, cfg: RunConfig, checkpoint: str, prompts_file: str = "") -> EvalOutcome:

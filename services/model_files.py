@@ -81,3 +81,50 @@ def load_run_files(store: ObjectStore, run_id: str, cfg: RunConfig):
         tokenizer = with_model_specials(tokenizer, tok_cfg)
     task = build_task(cfg.task, seed=cfg.run.seed, tokenizer=tokenizer, chat_template=tok_cfg.get("chat_template"))
     return hf, tokenizer, task
+
+
+BASE_INDEX = "base.json"  # a LoRA run's base weights: {"files": {name: sha256}}, each file under "base-<name>"
+
+
+def weight_files(model_dir: Path) -> list[str]:
+    """The directory's safetensors weight files (one, or the shards its index names)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return ["model.safetensors"]
+
+
+def publish_base_weights(store: ObjectStore, run_id: str, model_dir: Path) -> None:
+    """With trainer.lora, versions are adapters: rollout replicas read the base weights from the store once
+    (load_run_base). Written once per run (a restore finds the same checksums and writes nothing), index last."""
+    from storage.objects import sha256_hex
+
+    data = {name: (model_dir / name).read_bytes() for name in weight_files(model_dir)}
+    index = json.dumps({"files": {name: sha256_hex(b) for name, b in data.items()}}, sort_keys=True).encode()
+    index_key = keys.model_file(run_id, BASE_INDEX)
+    if store.exists(index_key) and store.get(index_key) == index:
+        return
+    for name, b in data.items():
+        store.put(keys.model_file(run_id, f"base-{name}"), b)
+    store.put(index_key, index)
+
+
+def load_run_base(store: ObjectStore, run_id: str) -> dict:
+    """The run's base weights {name: tensor} as its trainer published them, each file checked against its sha256."""
+    from safetensors.torch import load
+
+    from laminar.errors import CorruptDataError
+    from storage.objects import sha256_hex
+
+    index_key = keys.model_file(run_id, BASE_INDEX)
+    if not store.exists(index_key):
+        raise ConfigError(f"run {run_id} has no base weights in the store ({index_key}); its trainer publishes them "
+                          "at start when trainer.lora is set: start the trainer first, or unset trainer.lora")
+    out: dict = {}
+    for name, sha in json.loads(store.get(index_key))["files"].items():
+        data = store.get(keys.model_file(run_id, f"base-{name}"))
+        if sha256_hex(data) != sha:
+            raise CorruptDataError(f"run {run_id} base weights {name}: sha256 {sha256_hex(data)[:8]}.. does not "
+                                   f"match the index's {sha[:8]}..; the store holds a corrupt object")
+        out.update(load(data))
+    return out

@@ -59,7 +59,7 @@ from rl.model import state_dict_to_bytes
 if TYPE_CHECKING:
     from rl.engine_api import PolicyTrainer
 from laminar.policy import policy_for, publishes, staleness_bound, version_of
-from services.model_files import publish_model_files, resolve_model_dir
+from services.model_files import publish_base_weights, publish_model_files, resolve_model_dir
 from services.tracking import Trackers, step_scalars
 from storage import keys
 from storage.checkpoints import CheckpointStore, LoadedCheckpoint
@@ -138,6 +138,8 @@ class TrainerService:
         def model_dir() -> Path:
             path = resolve_model_dir(cfg, self.home)
             publish_model_files(self.store, run_id, path)
+            if cfg.trainer.lora is not None:  # versions are adapters: replicas read the base once (rl/lora.py)
+                publish_base_weights(self.store, run_id, path)
             return path
 
         if self.trainer is not None:  # an FSDP trainer's other ranks go before new ones start

@@ -157,6 +157,21 @@ async def test_trainer_drill(drill_stack, tmp_path):
     await _finish(handle)
 
 
+@pytest.mark.slow  # a LoRA run's drills: the trainer restores its adapter, a new replica reads the base from the store;
+# in partial_rollout the resumed groups continue on the adapter version they started on (merged into the same base)
+@pytest.mark.parametrize(("fault", "mode"), [("rollout", "laminar"), ("trainer", "laminar"),
+                                             ("rollout", "partial_rollout")])
+async def test_drills_with_lora(drill_stack, tmp_path, fault, mode):
+    handle = await _start_run(drill_stack, 'trainer.lora={"r": 4, "alpha": 8}', f"run.mode={mode}")
+    report = await _drill(drill_stack, handle, fault, tmp_path)
+    _assert_recovered(report, fault)
+    if fault == "trainer":
+        assert 0 <= report.steps_redone <= 3
+    final = await _finish(handle)
+    if mode == "partial_rollout":
+        assert max(int(k) for k in final.staleness_histogram) <= 4, final.staleness_histogram
+
+
 @pytest.mark.slow
 async def test_trainer_preempt_redoes_no_step_and_a_kill_does(drill_stack, tmp_path):
     """Both on one run, with a checkpoint only at the run's last step (checkpoint_every=1000), so that nothing

@@ -26,7 +26,7 @@ from laminar.policy import may_start, min_version, policy_for
 from laminar.refs import SegmentRef
 from laminar.timing import TimeBreakdown
 from rl.factory import build_engine
-from services.model_files import load_run_files
+from services.model_files import load_run_base, load_run_files
 from services.rollout.batch import Batch, Counters, Group
 from services.rollout.control import Contacts, ControlCalls, ControlPort
 from services.rollout.migration import Repack
@@ -54,7 +54,8 @@ class RolloutReplica:
         self.policy = policy_for(cfg)  # what the run mode lets this replica do (laminar/policy.py)
         seed = zlib.crc32(f"{cfg.run.seed}/{replica_id}/{segment_prefix}".encode())  # sampling differs per incarnation
         self.engine, self.task = build_engine(cfg, policy=self.policy, seed=seed,
-                                              run_files=lambda: load_run_files(store, run_id, cfg))
+                                              run_files=lambda: load_run_files(store, run_id, cfg),
+                                              run_base=lambda: load_run_base(store, run_id))
         # where this incarnation's time goes; generate/drain count tokens (sequence-steps), the rest calls
         self.profile, self.counters = TimeBreakdown(), Counters()
         self.metrics = prom.ReplicaMetrics.of(replica_id)  # Prometheus series (laminar/metrics.py)
