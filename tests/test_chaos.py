@@ -34,10 +34,11 @@ def _verdict(out: Path, proc: subprocess.CompletedProcess) -> dict:
 
 def test_short_chaos_run_is_green(tmp_path, aws_test_env):
     out = tmp_path / "out"
-    # 150 s: warm-up min(30, 0.15 * 150) = 22.5 s, settle min(60, 0.2 * 150) = 30 s, longest window 35 s (preempt:
-    # its notice) -> faults start in [22.5, 85]: max(7 kinds, round(10 * 62.5 / 60)) = 10 faults, every kind at
-    # least once (Temporal restarts, partitions and the read-only store included), at least 3 overlapping.
-    proc = _chaos(tmp_path / "home", out, "--duration", "150s", "--seed", "3", "--rate", "10", "--overlaps", "3",
+    # 120 s (make test stays under 15 minutes): warm-up min(30, 0.15 * 120) = 18 s, settle min(60, 0.2 * 120) =
+    # 24 s, longest window 35 s (preempt: its notice) -> faults start in [18, 61]: max(7 kinds, round(12 * 43 / 60))
+    # = 9 faults, every kind at least once (Temporal restarts, partitions and the read-only store included), at
+    # least 3 overlapping.
+    proc = _chaos(tmp_path / "home", out, "--duration", "120s", "--seed", "3", "--rate", "12", "--overlaps", "3",
                   timeout_s=900)
     v = _verdict(out, proc)
     print((out / "report.md").read_text())

@@ -307,6 +307,7 @@ print(libc.open({str(data / 'new.txt').encode()!r}, os.O_WRONLY | os.O_CREAT, 0o
         SandboxLimits(read_only=("/tmp/data",))
 
 
+@pytest.mark.slow  # 20 s, 28.8 GiB asked; make test keeps the 32 x 64 MiB case below (the same cgroup limit)
 @pytest.mark.skipif(not CGROUP, reason=f"per-sandbox limits need a cgroup; this machine: {limits_kind()}")
 def test_32_processes_of_1_gib_do_not_fit_a_1_gib_sandbox():
     # 32 children each fill 900 MiB (RLIMIT_AS is 1 GiB per process, so each fits alone): 28.8 GiB asked, more
