@@ -200,6 +200,7 @@ def test_fingerprint_is_precision_independent_for_the_same_values() -> None:
     assert base_fingerprint(sd) != base_fingerprint(bf)
 
 
+@pytest.mark.slow  # 24 s; make test stays under 15 minutes (the unit tests above stay in it)
 def test_laminar_run_with_lora_then_eval_and_export(tmp_path) -> None:
     """A real run with trainer.lora on (dev stack, worker processes, relay chain): it finishes with no group
     consumed twice; its adapter checkpoint evaluates and exports (peft adapter, and merged)."""
