@@ -8,11 +8,9 @@ import typer
 from rich.console import Console
 
 from chaos.schedule import KINDS, parse_kinds
-from cli.options import CONFIG_HELP, DURATION_HELP, config_and_overrides, parse_duration
-from laminar.errors import ConfigError, LaminarError
+from cli.options import CONFIG_HELP, DURATION_HELP, config_and_overrides, exit_codes, parse_duration
 
 console = Console()
-err = Console(stderr=True)
 
 
 def chaos_command(
@@ -37,7 +35,7 @@ def chaos_command(
     from chaos.checker import format_verdict
     from chaos.command import rejudge, run_chaos
 
-    try:
+    with exit_codes():
         if judge is not None:
             verdict, folder = rejudge(judge), judge
         else:
@@ -45,12 +43,6 @@ def chaos_command(
             verdict, folder = run_chaos(path, overrides,
                                         parse_duration(duration, "--duration") if duration else None, seed,
                                         parse_kinds(faults) if faults else None, rate, overlaps, replay, out, run_id)
-    except ConfigError as e:
-        err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
-        raise typer.Exit(2) from None
-    except LaminarError as e:
-        err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
-        raise typer.Exit(1) from None
     console.print(format_verdict(verdict), highlight=False, soft_wrap=True)
     console.print(f"written: {folder}/verdict.json, report.md, schedule.json, faults.json", highlight=False)
     raise typer.Exit(0 if verdict.green else 1)

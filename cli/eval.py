@@ -13,8 +13,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cli.options import exit_codes
+
 console = Console()
-err = Console(stderr=True)
 
 
 def eval_command(
@@ -31,21 +32,14 @@ def eval_command(
     from client.connect import store_for
     from client.settings import Settings
     from laminar.config import RunConfig
-    from laminar.errors import ConfigError, LaminarError
     from laminar.logs import configure_logging
     from rl.factory import check_engines
     from services.evaluate import evaluate
 
     configure_logging("console", level="warning")  # logs on stderr: stdout is the result (--json parses)
-    try:
+    with exit_codes():
         cfg = check_engines(RunConfig.load(config, list(ctx.args)))
         outcome = evaluate(store_for(Settings.from_env()), cfg, checkpoint, str(prompts) if prompts else "")
-    except ConfigError as e:
-        err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
-        raise typer.Exit(2) from None
-    except LaminarError as e:
-        err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
-        raise typer.Exit(1) from None
     s, t = outcome.summary, outcome.target
     if as_json:
         console.print_json(json.dumps({"run_id": t.run_id, "policy_version": t.policy_version, "source": t.source,

@@ -19,8 +19,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -39,13 +37,14 @@ from cli.options import (
     EXTRA_ARGS,
     config_and_overrides,
     duration,
+    exit_codes,
     old_seconds_option,
 )
 from cli.sim import plan_command, simulate_command
 from client.settings import Settings
 from laminar import contract
 from laminar.config import RunConfig
-from laminar.errors import ConfigError, LaminarError
+from laminar.errors import ConfigError
 from laminar.logs import configure_logging
 from rl.factory import check_engines
 
@@ -59,7 +58,6 @@ app.add_typer(bench_app, name="bench", help="Systems benchmarks: relay broadcast
               "overhead, throughput of every run mode.")
 app.add_typer(model_app, name="model", help="Pretrained models: import a GGUF file as a model directory.")
 console = Console()
-err = Console(stderr=True)
 
 
 def _load_config(config: Path | None, overrides: list[str], steps: int | None, run_id: str | None) -> RunConfig:
@@ -68,22 +66,6 @@ def _load_config(config: Path | None, overrides: list[str], steps: int | None, r
         extra.append(f"run.steps={steps}")
     cfg = check_engines(RunConfig.load(path, extra))  # the engines fit together (rl.factory)
     return cfg.with_run_id(run_id) if run_id else cfg
-
-
-def _fail(e: Exception, code: int) -> typer.Exit:
-    err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
-    return typer.Exit(code)
-
-
-@contextmanager
-def _exit_codes() -> Iterator[None]:
-    """Our errors become a one-line message and an exit code: 2 for invalid input, 1 for failures."""
-    try:
-        yield
-    except ConfigError as e:
-        raise _fail(e, 2) from None
-    except LaminarError as e:
-        raise _fail(e, 1) from None
 
 
 INSECURE_HELP = ("Accept a relay or metrics endpoint off loopback without its secret (LAMINAR_RELAY_TOKEN, "
@@ -116,7 +98,7 @@ def run(
     """
     from cli.run import check_launcher, check_run, run_local
 
-    with _exit_codes():
+    with exit_codes():
         _accept_insecure(insecure)
         check_launcher(launcher, ray_address)
         cfg = _load_config(config, ctx.args, steps, run_id)
@@ -149,7 +131,7 @@ def fork(
     from client.connect import store_for
     from client.fork import fork_config
 
-    with _exit_codes():
+    with exit_codes():
         _accept_insecure(insecure)
         settings = Settings.from_env()
         check_binds(settings, None)
@@ -176,7 +158,7 @@ def start(
     from cli.run import check_run
     from client.run_control import start_run
 
-    with _exit_codes():
+    with exit_codes():
         _accept_insecure(insecure)
         cfg = _load_config(config, ctx.args, steps, run_id)
         settings = Settings.from_env()
@@ -190,7 +172,7 @@ def status(run_id: str, as_json: bool = typer.Option(False, "--json", help="Prin
     """Show a run's status (the workflow's `status` query)."""
     from client.run_control import query_status, render_status
 
-    with _exit_codes():
+    with exit_codes():
         st = asyncio.run(query_status(Settings.from_env(), run_id))
     if as_json:
         from laminar.watchdog import stall_line
@@ -208,7 +190,7 @@ def report(
     """Plots and one self-contained HTML page of a run, from its records in the object store."""
     from cli.report import report as write
 
-    with _exit_codes():
+    with exit_codes():
         write(run_id, out, console)
 
 
@@ -220,7 +202,7 @@ def list_runs(
     """List runs (TrainingRunWorkflow executions) with their mode, phase, step, policy version and reward."""
     from cli.report import list_command
 
-    with _exit_codes():
+    with exit_codes():
         list_command(query, limit, console)
 
 
@@ -234,7 +216,7 @@ def stop(
     """Ask a run to stop: replicas finish, the trainer stops, the workflow completes."""
     from client.run_control import stop_run, terminate_run
 
-    with _exit_codes():
+    with exit_codes():
         if force:
             asyncio.run(terminate_run(Settings.from_env(), run_id))
             phase = "terminated"
@@ -257,7 +239,7 @@ def scale(
     (`laminar run` starts it); a removed relay leaves the chain at once."""
     from client.run_control import scale_run
 
-    with _exit_codes():
+    with exit_codes():
         res = asyncio.run(scale_run(Settings.from_env(), run_id, replicas, relays))
     console.print(f"run_id={run_id} replicas_target={res.replicas_target} started={','.join(res.started) or '-'} "
                   f"removed={','.join(res.removed) or '-'} relays_target={res.relays_target} "
@@ -276,7 +258,7 @@ def drain(
     (replicas hand their groups to others, the trainer checkpoints, a relay leaves the chain) and it exits 0."""
     from workers.drain import drain as drain_worker
 
-    with _exit_codes():
+    with exit_codes():
         settings = Settings.from_env()
         wait = duration(timeout, "--timeout", wait_s, "--wait")
         out = drain_worker(settings.home, worker, wait if wait is not None else settings.notice_s + 10)
@@ -293,7 +275,7 @@ def pool(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> N
     grant and why it got less."""
     from client.run_control import query_pool, render_pool
 
-    with _exit_codes():
+    with exit_codes():
         p = asyncio.run(query_pool(Settings.from_env()))
     if as_json:
         console.print_json(json.dumps(asdict(p)))
@@ -306,7 +288,7 @@ def pause(run_id: str) -> None:
     """Pause a run: no new prompts are leased and the trainer waits."""
     from client.run_control import send_control
 
-    with _exit_codes():
+    with exit_codes():
         phase = asyncio.run(send_control(Settings.from_env(), run_id, contract.PAUSE))
     console.print(f"run_id={run_id} phase={phase}", highlight=False)
 
@@ -316,7 +298,7 @@ def resume(run_id: str) -> None:
     """Resume a paused run."""
     from client.run_control import send_control
 
-    with _exit_codes():
+    with exit_codes():
         phase = asyncio.run(send_control(Settings.from_env(), run_id, contract.RESUME))
     console.print(f"run_id={run_id} phase={phase}", highlight=False)
 
@@ -343,7 +325,7 @@ def drill(
     from cli.drill import render_report, run_drill
     from laminar.contract import DrillInput
 
-    with _exit_codes():
+    with exit_codes():
         settings = Settings.from_env()
         configure_logging(settings.log_format, "warning")
         inp = DrillInput(run_id=run_id, drill_id="", fault=fault, target=target, at_step=at_step,
@@ -368,7 +350,7 @@ def workers(
     """Start every worker process a config needs and keep them until Ctrl-C (start runs with `laminar start`)."""
     from cli.run import check_binds, serve_workers
 
-    with _exit_codes():
+    with exit_codes():
         _accept_insecure(insecure)
         cfg = _load_config(config, ctx.args, None, None)
         settings = Settings.from_env()
@@ -391,7 +373,7 @@ def worker(
     """Run one worker process against any Temporal address and store (LAMINAR_* settings)."""
     from workers import processes
 
-    with _exit_codes():
+    with exit_codes():
         _accept_insecure(insecure)
         settings = Settings.from_env()
         if role not in processes.ROLES:

@@ -16,6 +16,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from cli.options import exit_codes
 from client.settings import Settings
 from laminar.errors import ConfigError
 
@@ -53,16 +54,9 @@ def export_command(
 ) -> None:
     """Export a checkpoint as a Hugging Face model directory (a LoRA run's: a peft adapter, or merged with --merge)."""
     from client.connect import store_for
-    from laminar.errors import LaminarError
     from services.export import export_checkpoint
 
-    try:
+    with exit_codes():
         kind = export_checkpoint(store_for(Settings.from_env()), checkpoint, out, merge=merge)
-    except ConfigError as e:
-        err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
-        raise typer.Exit(2) from None
-    except LaminarError as e:
-        err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
-        raise typer.Exit(1) from None
     console.print(f"{out}: {kind}", highlight=False)
 

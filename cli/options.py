@@ -8,12 +8,15 @@ Durations are written one way on the whole command line: `30s`, `5m`, `1h`, or a
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
 import typer
+from rich.console import Console
 
-from laminar.errors import ConfigError
+from laminar.errors import ConfigError, LaminarError
 
 EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}  # `--section.key=value` overrides
 UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -76,3 +79,23 @@ def config_and_overrides(config: Path | None, extra: list[str]) -> tuple[Path, l
     if config is not None and str(config).startswith("--"):
         return default_config(), [str(config), *extra]
     return config_or_default(config), list(extra)
+
+
+_err = Console(stderr=True)
+
+
+def fail(e: Exception, code: int) -> typer.Exit:
+    """The one-line error every command prints, and the exit it raises."""
+    _err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+    return typer.Exit(code)
+
+
+@contextmanager
+def exit_codes() -> Iterator[None]:
+    """Our errors become a one-line message and an exit code: 2 for invalid input, 1 for failures."""
+    try:
+        yield
+    except ConfigError as e:
+        raise fail(e, 2) from None
+    except LaminarError as e:
+        raise fail(e, 1) from None
