@@ -83,6 +83,7 @@ class BenchConfig:
     chunk_bytes: int | None = None  # None: the chain model's optimum for the measured link
     reps: int = 5  # rounds of timed broadcasts (one per relay count each round); medians over them
     storage: bool = True
+    macs: bool = True  # a run token, so every frame and chunk carries HMAC-SHA256 (relay.auth); False: no token
 
 
 class _Proc:
@@ -203,7 +204,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
     relay_nodes = [f"r{i}" for i in range(1, max_p + 1)]
     nodes = ["m", *relay_nodes, "s"]
     log_dir = Path(tempfile.mkdtemp(prefix="lmr-bench-"))
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "LAMINAR_RELAY_TOKEN": secrets.token_hex(16),
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "LAMINAR_RELAY_TOKEN": secrets.token_hex(16) if cfg.macs else "",
            "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
            "NO_PROXY": "*", "OMP_NUM_THREADS": "1"}
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "HTTP_PROXY", "HTTPS_PROXY"):
@@ -340,6 +341,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
         "size": size,
         "rate_mbit": cfg.rate_mbit,
         "transport": "netns+veth+tc tbf" if cfg.rate_mbit else "loopback",
+        "macs": cfg.macs,
         "cpus": os.cpu_count(),
         "reps": cfg.reps,
         "memcpy_gbps": max([memcpy, *(r["memcpy_gbps"] for r in results)]),

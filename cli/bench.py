@@ -62,6 +62,8 @@ def relay_bench(
                                      "for the measured link."),
     reps: int = typer.Option(5, min=1, help="Rounds of timed chain broadcasts, one per relay count in turn each round (median)."),
     storage: bool = typer.Option(True, help="Also measure the object-store baseline (moto_server)."),
+    macs: bool = typer.Option(True, help="Run with a run token, so every frame and chunk carries HMAC-SHA256 "
+                              "(as `laminar run` always does); --no-macs measures the relay without them."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the report as JSON here."),
     plot_path: Path | None = typer.Option(Path("relay-bench.png"), "--plot", help="Write a PNG plot here."),
 ) -> None:
@@ -69,7 +71,8 @@ def relay_bench(
     from bench.relay import BenchConfig, done_when, plot, run_bench
 
     cfg = BenchConfig(size=parse_size(size), relays=parse_counts(relays), rate_mbit=rate,
-                      chunk_bytes=parse_size(chunk) if chunk else None, reps=reps, storage=storage)
+                      chunk_bytes=parse_size(chunk) if chunk else None, reps=reps, storage=storage,
+                      macs=macs)
     try:
         report = run_bench(cfg, progress=lambda msg: err.print(f"[dim]{msg}[/dim]"))
     except LaminarError as exc:
@@ -99,7 +102,7 @@ def render_table(report: dict) -> Table:
     link = report["link"]
     rate = f"{report['rate_mbit']:g} Mbit/s links" if report["rate_mbit"] else "loopback"
     table = Table(title=(f"relay broadcast of {report['size'] / 2**20:.0f} MiB, {rate} ({report['transport']}), "
-                         f"{report['cpus']} CPUs; B = {link['bytes_per_s'] / 1e6:.1f} MB/s, "
+                         f"MACs {'on' if report.get('macs', True) else 'off'}, {report['cpus']} CPUs; B = {link['bytes_per_s'] / 1e6:.1f} MB/s, "
                          f"t_start = {link['t_start_s'] * 1e6:.0f} us, memcpy = {report['memcpy_gbps']:.2f} GB/s, "
                          f"loopback TCP = {report['loopback_tcp_bytes_per_s'] / 1e6:.0f} MB/s"))
     for col in ("relays", "chunk", "stall s", "all relays s", "one hop s", "model s", "each in turn s",
