@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from laminar.errors import RelayError
-from relay import auth, protocol, segments
+from relay import auth, macs, protocol, segments
 
 DEFAULT_CONNECT_TIMEOUT_S = 1.0  # a LAN connect takes well under 1 ms; 1 s leaves room for a loaded host
 DEFAULT_IO_TIMEOUT_S = 2.0  # idle: a peer that neither reads nor writes for this long is gone or wedged
@@ -200,18 +200,23 @@ def push(
     chunk_bytes = chunk_bytes or protocol.chunk_bytes_for(size, len(chain) + 1)
     n_chunks = -(-size // chunk_bytes)
     running = protocol.RunningDigest()
-
-    def chunk(i: int) -> tuple[memoryview, str]:
-        piece = view[i * chunk_bytes:(i + 1) * chunk_bytes]
-        running.update(piece)  # hashed just before it is sent: one pass, the chunk is in cache for the send
-        return piece, running.hexdigest()
-
     header = {"op": protocol.OP_PUT, "policy_version": policy_version, "run": run, "chain": list(chain),
               "size": size, "chunk_bytes": chunk_bytes, "digest": digest}
     sock = open_connection(addr, timeout_s, token=token)
+    session = protocol.session_of(sock)
+    # The chunks' tags are hashed on worker threads a few chunks ahead of the one being sent (relay.macs).
+    ahead = macs.TagAhead(session.data_key, view, chunk_bytes) if session is not None and size else None
+
+    def chunk(i: int) -> tuple[memoryview, str, str | None]:
+        piece = view[i * chunk_bytes:(i + 1) * chunk_bytes]
+        running.update(piece)  # hashed just before it is sent: one pass, the chunk is in cache for the send
+        return piece, running.hexdigest(), None if ahead is None else ahead.tag(i)
+
     try:
         send_version(sock, addr, header, chunk, n_chunks, lambda: digest or running.hexdigest())
     finally:
+        if ahead is not None:
+            ahead.close()
         sock.close()
     return time.perf_counter() - start
 

@@ -83,6 +83,7 @@ from typing import Any
 import xxhash
 
 from laminar.errors import RelayError
+from relay import macs
 
 PROTOCOL_VERSION = 4  # 4: authenticated frames and payload tags; 3: XXH3-128 running digests
 HEADER_LEN = struct.Struct(">I")
@@ -184,8 +185,7 @@ def parse_addr(addr: str) -> tuple[str, int]:
 
 
 MAC_HEX_CHARS = 64  # HMAC-SHA256 in hex
-MAC_HINT = ("altered, replayed or reordered in transit, or the peer holds another run token; the connection is "
-            "dropped and these bytes are not used")
+MAC_HINT = macs.MAC_HINT
 
 
 class Session:
@@ -211,7 +211,7 @@ class Session:
 
     def tagger(self) -> Any:
         """A fresh payload tag hasher (update(), hexdigest())."""
-        return hmac.new(self.data_key, digestmod=hashlib.sha256)
+        return macs.tagger(self.data_key)
 
     def tag(self, data: bytes | bytearray | memoryview) -> str:
         return hmac.new(self.data_key, data, hashlib.sha256).hexdigest()
@@ -276,10 +276,11 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes | mem
         raise RelayError(f"sending a {len(payload)}-byte frame failed: {exc}") from exc
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview, what: str, digest: RunningDigest | None = None) -> None:
+def recv_exact_into(sock: socket.socket, view: memoryview, what: str, digest: Any = None) -> None:
     """Fill `view` completely from the socket; EOF, timeout or socket error raise RelayError.
 
-    With `digest`, each piece is hashed right after it lands, while it is still in cache (no second pass).
+    With `digest` (anything with update(): a RunningDigest, a relay.macs.TagCheck), each piece is handed to it
+    right after it lands, while it is still in cache (no second pass).
     """
     got, total = 0, len(view)
     while got < total:
@@ -389,61 +390,57 @@ def _check_frame(session: Session, header: dict[str, Any]) -> None:
                              "payload needs one tag per tag_bytes")
 
 
-class _PayloadCheck:
-    """Feeds each piece of a payload to the running digest (if any) and to the tag of its tag_bytes block,
-    as it lands; `verify()` at the end compares the tags with the header's (the MAC covered those)."""
+class _Sinks:
+    """Hands each landed piece to the running digest (if any) and to the payload's tag check."""
 
-    def __init__(self, session: Session, header: dict[str, Any], digest: RunningDigest | None) -> None:
-        self._session, self._tags, self._tag_bytes = session, header["tags"], header["tag_bytes"]
-        self._digest = digest
-        self._got: list[str] = []
-        self._hasher = session.tagger()
-        self._left = self._tag_bytes
+    def __init__(self, digest: RunningDigest | None, check: macs.TagCheck) -> None:
+        self._digest, self._check = digest, check
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         if self._digest is not None:
             self._digest.update(data)
-        view = memoryview(data).cast("B")
-        while len(view):
-            piece = view[:self._left]
-            self._hasher.update(piece)
-            self._left -= len(piece)
-            view = view[len(piece):]
-            if self._left == 0:
-                self._got.append(self._hasher.hexdigest())
-                self._hasher, self._left = self._session.tagger(), self._tag_bytes
-
-    def verify(self, what: str) -> None:
-        if self._left != self._tag_bytes:
-            self._got.append(self._hasher.hexdigest())
-        for j, (got, want) in enumerate(zip(self._got, self._tags, strict=True)):
-            if not isinstance(want, str) or not hmac.compare_digest(got, want):
-                start = j * self._tag_bytes
-                raise RelayError(f"{what}: bytes {start}..{start + self._tag_bytes} failed their MAC check: "
-                                 f"{MAC_HINT}")
+        self._check.update(data)
 
 
-def _payload_check(sock: socket.socket, header: dict[str, Any],
-                   digest: RunningDigest | None) -> tuple[Any, _PayloadCheck | None]:
+def tag_check(sock: socket.socket, **kwargs: Any) -> macs.TagCheck | None:
+    """A TagCheck under the connection's data key (relay.macs), or None on a connection without a Session."""
     session = session_of(sock)
-    if session is None or not header["payload_bytes"]:
-        return digest, None
-    check = _PayloadCheck(session, header, digest)
-    return check, check
+    return None if session is None else macs.TagCheck(session.data_key, **kwargs)
+
+
+def _expect(check: macs.TagCheck, header: dict[str, Any], what: str) -> None:
+    check.expect(header["tags"], header["tag_bytes"], header["payload_bytes"], what)
 
 
 def recv_payload_into(sock: socket.socket, header: dict[str, Any], view: memoryview,
-                      digest: RunningDigest | None = None) -> None:
+                      digest: RunningDigest | None = None, check: macs.TagCheck | None = None) -> None:
     """Read the payload announced by `header` straight into `view` (which must be exactly that long),
-    feeding `digest` piece by piece as it lands."""
+    feeding `digest` piece by piece as it lands.
+
+    On an authenticated connection the payload's tags are checked on worker threads as the bytes land
+    (relay.macs.TagCheck): by a fresh check, waited for before this returns, or by the caller's `check`
+    (a relay's put: one check across its chunks), which the caller waits for.
+    """
     n = header["payload_bytes"]
     if n != len(view):
         raise RelayError(f"bad frame: payload_bytes={n}, expected {len(view)}")
-    if n:
-        sink, check = _payload_check(sock, header, digest)
-        recv_exact_into(sock, view, f"{n}-byte payload", sink)
-        if check is not None:
-            check.verify(f"{n}-byte payload of {header.get('op', 'a reply')!r}")
+    if not n:
+        return
+    what = f"{n}-byte payload of {header.get('op', 'a reply')!r}"
+    own = check is None
+    if own:
+        check = tag_check(sock)
+    if check is None:
+        recv_exact_into(sock, view, f"{n}-byte payload", digest)
+        return
+    try:
+        _expect(check, header, what)
+        recv_exact_into(sock, view, f"{n}-byte payload", _Sinks(digest, check))
+        if own:
+            check.wait()
+    finally:
+        if own:
+            check.abort()
 
 
 def recv_payload(sock: socket.socket, header: dict[str, Any]) -> bytes:
@@ -459,14 +456,20 @@ def recv_payload(sock: socket.socket, header: dict[str, Any]) -> bytes:
 def iter_payload(sock: socket.socket, header: dict[str, Any], chunk_bytes: int = RECV_CHUNK_BYTES) -> Iterator[bytes]:
     """Yield the payload announced by `header` in chunks of at most chunk_bytes (for pipelining)."""
     left = header["payload_bytes"]
-    sink, check = _payload_check(sock, header, None)
-    while left > 0:
-        chunk = bytearray(min(left, chunk_bytes))
-        recv_exact_into(sock, memoryview(chunk), f"payload chunk ({left} bytes left)", sink)
-        left -= len(chunk)
-        if left == 0 and check is not None:
-            check.verify(f"{header['payload_bytes']}-byte payload")  # before the last piece is handed out
-        yield bytes(chunk)
+    check = tag_check(sock) if left else None
+    try:
+        if check is not None:
+            _expect(check, header, f"{left}-byte payload")
+        while left > 0:
+            chunk = bytearray(min(left, chunk_bytes))
+            recv_exact_into(sock, memoryview(chunk), f"payload chunk ({left} bytes left)", check)
+            left -= len(chunk)
+            if left == 0 and check is not None:
+                check.wait()  # before the last piece is handed out
+            yield bytes(chunk)
+    finally:
+        if check is not None:
+            check.abort()
 
 
 def recv_frame(sock: socket.socket, *, allow_eof: bool = False) -> tuple[dict[str, Any], bytes] | None:

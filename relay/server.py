@@ -337,30 +337,47 @@ class RelayServer:
         """Read every chunk into the segment, checking each d_i, then the end frame; returns the digest.
 
         One running digest: each piece is hashed as it lands (still in cache), d_i is read off it after
-        chunk i, and after the last chunk it is the whole version's digest.
+        chunk i, and after the last chunk it is the whole version's digest. On an authenticated connection
+        the chunks' tags are checked on worker threads while the next chunks arrive (relay.macs.TagCheck):
+        chunk i lands (and may be forwarded) only once its tag and its d_i are both checked, and the version
+        completes only once every tag is.
         """
         n = version.policy_version
         running = protocol.RunningDigest()
-        for i in range(version.n_chunks):
-            frame = protocol.recv_header(sock)
-            assert frame is not None
-            view = version.chunk_view(i)
-            if frame.get("op") != protocol.OP_CHUNK or frame.get("index") != i or frame["payload_bytes"] != len(view):
-                raise RelayError(f"put policy_version {n}: expected chunk {i} of {len(view)} bytes, got op "
-                                 f"{frame.get('op')!r} index {frame.get('index')!r} of {frame['payload_bytes']} bytes")
-            if "tags" in frame and frame.get("tag_bytes") != len(view):
-                raise RelayError(f"put policy_version {n}: chunk {i} is tagged in pieces of {frame.get('tag_bytes')!r} "
-                                 f"bytes, expected one tag over its {len(view)} bytes")
-            protocol.recv_payload_into(sock, frame, view, running)  # on an authenticated connection: tag checked
-            got = running.hexdigest()
-            if got != frame.get("digest"):
-                raise RelayError(f"put policy_version {n}: chunk {i} digest mismatch (expected "
-                                 f"{str(frame.get('digest'))[:12]}.., got {got[:12]}..); the chunk was corrupted in "
-                                 "transit, push again")
-            version.chunk_landed(i, got, frame["tags"][0] if "tags" in frame else None)
-        end = protocol.recv_header(sock)
-        assert end is not None
-        protocol.recv_payload(sock, end)
+        check = protocol.tag_check(sock, noted=True,
+                                   on_block=lambda i, tag, digest: version.chunk_landed(i, digest, tag))
+        try:
+            for i in range(version.n_chunks):
+                frame = protocol.recv_header(sock)
+                assert frame is not None
+                view = version.chunk_view(i)
+                if frame.get("op") != protocol.OP_CHUNK or frame.get("index") != i or frame["payload_bytes"] != len(view):
+                    raise RelayError(f"put policy_version {n}: expected chunk {i} of {len(view)} bytes, got op "
+                                     f"{frame.get('op')!r} index {frame.get('index')!r} of {frame['payload_bytes']} "
+                                     "bytes")
+                if "tags" in frame and frame.get("tag_bytes") != len(view):
+                    raise RelayError(f"put policy_version {n}: chunk {i} is tagged in pieces of "
+                                     f"{frame.get('tag_bytes')!r} bytes, expected one tag over its {len(view)} bytes")
+                protocol.recv_payload_into(sock, frame, view, running, check)
+                got = running.hexdigest()
+                if got != frame.get("digest"):
+                    if check is not None:
+                        check.wait()  # bytes that fail their MAC check say so first: that is the cause
+                    raise RelayError(f"put policy_version {n}: chunk {i} digest mismatch (expected "
+                                     f"{str(frame.get('digest'))[:12]}.., got {got[:12]}..); the chunk was corrupted "
+                                     "in transit, push again")
+                if check is None:
+                    version.chunk_landed(i, got, None)
+                else:
+                    check.note(i, got)  # lands once its tag is checked too (maybe at once, from here)
+            end = protocol.recv_header(sock)
+            assert end is not None
+            protocol.recv_payload(sock, end)
+            if check is not None:
+                check.wait()
+        finally:
+            if check is not None:
+                check.abort()  # no worker reads the segment after this (the caller may unlink it)
         if end.get("op") != protocol.OP_END or end.get("chunks") != version.n_chunks:
             raise RelayError(f"put policy_version {n}: expected the end frame after {version.n_chunks} chunks, "
                              f"got op {end.get('op')!r} chunks={end.get('chunks')!r}")
