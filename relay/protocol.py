@@ -23,6 +23,9 @@ without the receiver's check failing: the receiver raises RelayError ("failed it
 relay drops the connection and the version is never admitted, the client never uses the bytes. A
 chunk's tag depends on its bytes alone, so a relay checks it as the chunk lands, keeps it with the
 chunk, and forwards the chunk (sendfile, no second hash) and serves gets with the tags it checked.
+Tags are hashed on worker threads beside the socket (relay.macs): a sender hashes the next chunks' tags
+while it sends one, a receiver hashes each piece as it lands while it reads the next, and hands a chunk on
+only once its tag is checked; the wire format is the same either way.
 Without a token there is no session and frames carry neither field.
 
 Then requests follow; every request is answered by exactly one reply frame:
