@@ -28,12 +28,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from laminar.errors import RelayError
-from relay.pipeline import Blocks, InOrder, window
+from relay.pipeline import Blocks, InOrder, may_feed, window
 
 # Hashing threads per sender or receiver: half the cores, at most 4 (one is plenty on 2 cores: the socket's thread
 # and one hashing thread each have a core; more only take turns).
 WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
 FEED_BYTES = 1 << 20  # pieces of a block are handed to its worker in batches of at least this (or the block's end)
+AHEAD_BYTES = 8 << 20  # the receive runs at most this far ahead of the hashing (pipeline.may_feed)
 MAC_HINT = ("altered, replayed or reordered in transit, or the peer holds another run token; the connection is "
             "dropped and these bytes are not used")
 
@@ -89,8 +90,13 @@ class TagCheck:
     """
 
     def __init__(self, data_key: bytes, *, workers: int = WORKERS,
-                 on_block: Callable[[int, str, Any], None] | None = None, noted: bool = False) -> None:
+                 on_block: Callable[[int, str, Any], None] | None = None, noted: bool = False,
+                 ahead_bytes: int = AHEAD_BYTES) -> None:
         self._key = data_key
+        self._ahead_bytes = ahead_bytes
+        self._fed = 0  # bytes handed to workers
+        self._hashed = 0  # of those, bytes hashed (or dropped by a stopped check)
+        self._progress = threading.Condition()
         self._blocks = Blocks()
         self._expected: list[tuple[str, int, int, str]] = []  # per block: tag, start in its payload, tag_bytes, what
         self._order = InOrder(("tag", "note") if noted else ("tag",))
@@ -119,8 +125,19 @@ class TagCheck:
             self._batch.append(view[start:end])
             self._batch_bytes += end - start
             if ends or self._batch_bytes >= FEED_BYTES:
-                self._queues[block % len(self._queues)].put((block, self._batch, ends))
-                self._batch, self._batch_bytes = [], 0
+                self._hand(block, ends)
+
+    def _hand(self, block: int, ends: bool) -> None:
+        """Give the batch to block's worker, once the workers are within ahead_bytes of the bytes handed."""
+        with self._progress:
+            while not may_feed(self._fed, self._hashed, self._ahead_bytes):
+                if self._stopped or self._error is not None:
+                    break
+                self._progress.wait(1.0)  # a worker notifies after each batch; the timeout only re-checks
+            self._fed += self._batch_bytes
+        self._raise()
+        self._queues[block % len(self._queues)].put((block, self._batch, ends, self._batch_bytes))
+        self._batch, self._batch_bytes = [], 0
 
     def note(self, block: int, value: Any) -> None:
         """The caller's part of `block` (noted=True): it is handed on once its tag is checked too."""
@@ -144,6 +161,8 @@ class TagCheck:
         """Stop: the workers finish the piece in hand and exit; nothing more is handed on."""
         with self._lock:
             self._stopped = True
+        with self._progress:
+            self._progress.notify_all()
         self._join()
 
     def _join(self) -> None:
@@ -161,16 +180,25 @@ class TagCheck:
     def _work(self, q: queue.SimpleQueue[Any]) -> None:
         hashers: dict[int, Any] = {}
         while (item := q.get()) is not _STOP:
-            if self._stopped or self._error is not None:
-                continue  # drain: a failed or aborted check hashes nothing more
-            block, views, ends = item
-            hasher = hashers.get(block)
-            if hasher is None:
-                hasher = hashers[block] = tagger(self._key)
-            for v in views:
-                hasher.update(v)
-            if ends:
-                self._checked(block, hashers.pop(block).hexdigest())
+            block, views, ends, n = item
+            try:
+                if self._stopped or self._error is not None:
+                    continue  # drain: a failed or aborted check hashes nothing more
+                hasher = hashers.get(block)
+                if hasher is None:
+                    hasher = hashers[block] = tagger(self._key)
+                for v in views:
+                    hasher.update(v)
+                if ends:
+                    self._checked(block, hashers.pop(block).hexdigest())
+            except Exception as exc:  # noqa: BLE001 - a worker that dies must fail the check, never pass it
+                with self._lock:
+                    if self._error is None:
+                        self._error = RelayError(f"payload tag check failed: {exc!r}")
+            finally:
+                with self._progress:
+                    self._hashed += n
+                    self._progress.notify_all()
 
     def _checked(self, block: int, got: str) -> None:
         want, start, tag_bytes, what = self._expected[block]

@@ -6,6 +6,7 @@ hashes the blocks on worker threads while the socket goes on, and uses three dec
 
     Blocks    where the next n bytes of the stream fall: (block, from, to, ends the block) pieces
     window    which blocks a sender submits for hashing before it needs block `taken`'s tag
+    may_feed  whether a receiver may hand its workers more bytes, or must wait for them to catch up first
     InOrder   hands blocks on 0, 1, 2, ... in order, each once every part of it is in (its verified tag,
               and the receiver's running digest d_i), whatever order the workers finish in
 """
@@ -71,6 +72,13 @@ def window(taken: int, submitted: int, n: int, depth: int) -> range:
     if depth < 1:
         raise ValueError(f"depth={depth}: hash at least the block being taken")
     return range(submitted, max(submitted, min(n, taken + depth)))
+
+
+def may_feed(fed: int, hashed: int, limit: int) -> bool:
+    """A receiver keeps at most `limit` bytes handed to its workers and not hashed yet: past that it waits, so a
+    starved hashing thread slows the socket (TCP flow control reaches the sender, whose writes stay slow but
+    alive) instead of building a backlog that would hold up the reply after the last byte."""
+    return fed - hashed < limit
 
 
 class InOrder:

@@ -15,7 +15,7 @@ import pytest
 
 from laminar.errors import RelayError
 from relay import macs, protocol
-from relay.pipeline import Blocks, InOrder, window
+from relay.pipeline import Blocks, InOrder, may_feed, window
 
 KEY = b"k" * 32
 
@@ -52,6 +52,13 @@ def test_window_hashes_up_to_depth_ahead_of_the_block_taken():
     assert list(window(9, 9, 10, 4)) == [9]
     with pytest.raises(ValueError):
         window(0, 0, 10, 0)
+
+
+def test_may_feed_bounds_the_bytes_handed_and_not_hashed():
+    assert may_feed(fed=0, hashed=0, limit=8)
+    assert may_feed(fed=7, hashed=0, limit=8)
+    assert not may_feed(fed=8, hashed=0, limit=8)  # wait for the workers
+    assert may_feed(fed=8, hashed=1, limit=8)
 
 
 def test_in_order_releases_each_index_once_all_its_parts_are_in():
@@ -102,6 +109,23 @@ def test_tag_check_checks_a_stream_of_payloads_and_hands_blocks_on_in_order(work
     finally:
         check.abort()
     assert landed == [(i, f"d{i}") for i in range(len(chunks))]
+
+
+def test_tag_check_with_the_receive_held_to_the_hashing_still_checks_everything():
+    """ahead_bytes=1: every batch waits until the workers hashed the one before (the receive slowed to the hashing,
+    as with a starved hashing thread); nothing deadlocks and every block is handed on."""
+    data = os.urandom((3 << 20) + 99)
+    landed: list[int] = []
+    check = macs.TagCheck(KEY, workers=2, ahead_bytes=1, on_block=lambda i, tag, note: landed.append(i))
+    try:
+        check.expect(_tags(data, 1 << 20), 1 << 20, len(data), "a reply")
+        view = memoryview(data)
+        for start in range(0, len(data), 300_000):
+            check.update(view[start:start + 300_000])
+        check.wait()
+    finally:
+        check.abort()
+    assert landed == [0, 1, 2, 3]
 
 
 def test_tag_check_one_payload_with_many_tags():
