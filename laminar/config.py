@@ -439,15 +439,19 @@ class EvalSection(_Section):
         "right answer).")
 
     @model_validator(mode="after")
-    def _not_during_training_yet(self) -> EvalSection:
-        """Eval rounds during a run are designed (workflows/eval_rounds.py) but not wired: refuse them rather than
-        accept settings that do nothing."""
-        asked = [f for f, on in (("eval.every_steps", self.every_steps), ("eval.at_start", self.at_start),
-                                 ("eval.at_end", self.at_end)) if on]
-        if asked:
-            raise ValueError(f"{', '.join(asked)}: evaluation during training is not available yet; evaluate "
-                             "committed checkpoints with `laminar eval CONFIG --checkpoint RUN_ID@STEP` instead")
+    def _small_enough_during_training(self) -> EvalSection:
+        """An eval round's results ride in the run's workflow state until their record is stored: bounded."""
+        during = self.every_steps > 0 or self.at_start or self.at_end
+        if during and self.size * self.samples > EVAL_ROUND_MAX_SAMPLES:
+            raise ValueError(
+                f"eval.size * eval.samples = {self.size} * {self.samples} = {self.size * self.samples} is more than "
+                f"{EVAL_ROUND_MAX_SAMPLES} samples per eval round during training (eval.every_steps, at_start, "
+                "at_end); lower eval.size or eval.samples, or evaluate the checkpoints afterwards with `laminar eval "
+                "CONFIG --checkpoint RUN_ID@STEP`")
         return self
+
+
+EVAL_ROUND_MAX_SAMPLES = 8192  # samples (size x samples) an eval round during training may hold (count)
 
 
 class TrackingSection(_Section):

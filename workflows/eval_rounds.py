@@ -25,18 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from laminar.evalstats import EvalSummary, PromptResult, summarise
+from laminar.evalstats import EvalSummary, PromptResult, due_versions, summarise
 
-
-def due_versions(steps: int, every_steps: int, at_start: bool, at_end: bool) -> list[int]:
-    """The policy versions a run of `steps` steps evaluates, ascending.
-    Worked example: steps 25, every 10, start and end -> [0, 10, 20, 25]."""
-    due = set(range(every_steps, steps + 1, every_steps)) if every_steps > 0 else set()
-    if at_start:
-        due.add(0)
-    if at_end:
-        due.add(steps)
-    return sorted(due)
+__all__ = ["EvalRound", "EvalRounds", "due_versions"]
 
 
 @dataclass
@@ -110,6 +101,25 @@ class EvalRounds:
                 rnd.released.append(p)
                 n += 1
         return n
+
+    def reconcile(self, replica_id: str, holding: set[tuple[int, int]]) -> int:
+        """A replica says which eval leases it holds: any other leased to it (an answer it never got, a previous
+        incarnation's, ones it gave back) goes back to its round, leased again first."""
+        n = 0
+        for v, rnd in self.rounds.items():
+            for p in [p for p, r in rnd.leases.items() if r == replica_id and (v, p) not in holding]:
+                del rnd.leases[p]
+                rnd.released.append(p)
+                n += 1
+        return n
+
+    def drop_results(self, policy_version: int) -> None:
+        """A closed round's record is stored: forget its results (the state stays small; the figures live on in
+        the record and the caller's summary)."""
+        rnd = self.rounds.get(policy_version)
+        if rnd is not None and rnd.complete:
+            rnd.results = {}
+            rnd.prompts = 0  # complete with nothing held; `open` still refuses the version
 
     def summary(self, policy_version: int) -> EvalSummary | None:
         """The figures of a complete round (laminar/evalstats.py), None while it is open."""

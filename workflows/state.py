@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from laminar.contract import (
     BatchPart,
+    EvalRoundStatus,
     FailedGroup,
     Incoming,
     Lease,
@@ -19,6 +20,7 @@ from laminar.contract import (
     WorkflowReset,
 )
 from laminar.refs import CheckpointRef, SegmentRef
+from workflows.eval_rounds import EvalRounds
 
 RECENT_REWARDS = 20  # steps of reward kept for the live status
 RECENT_STEPS = 100  # step completion times kept (drills measure trainer stall from them)
@@ -125,6 +127,10 @@ class RunState:
     grant: int = -1
     grant_note: str = ""
     pool_error: str = ""
+    # held-out evaluation during training (workflows/evaluation.py): the rounds (a closed one's results until its
+    # record is stored) and the most recent closed rounds' figures
+    eval: EvalRounds | None = None
+    eval_done: list[EvalRoundStatus] = field(default_factory=list)
 
 
 @dataclass
