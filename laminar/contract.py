@@ -234,7 +234,7 @@ class ClaimPromptsInput:
     eval_unloadable: list[int] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class EvalLease:
     """workflow -> replica: score prompt `index` of the eval set with policy version `policy_version` (its
     eval.samples samples at eval.temperature). Never a training prompt: no group id, never in the ledger."""
@@ -623,7 +623,7 @@ class RecordEvalInput:
     `laminar eval` writes (services/evaluate.py store_record); a retry writes the same record again."""
 
     run_id: str
-    config: str  # the RunConfig as JSON (the record's settings)
+    config: dict[str, Any]  # the RunConfig as JSON (the record's settings)
     policy_version: int
     results: list[PromptResult]
     wall_s: float  # from the round's opening to its last result (workflow time)

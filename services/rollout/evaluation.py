@@ -57,7 +57,7 @@ class EvalWork:
         if not self.on:
             return {}
         self.sent, self.results = self.sent + self.results, []
-        holding = [] if leaving else [*self.waiting, *sorted(self.running, key=lambda x: (x.policy_version, x.index))]
+        holding = [] if leaving else [*self.waiting, *sorted(self.running)]
         room = 0 if leaving else max(0, self.slots // self.cfg.eval.samples - len(self.waiting) - len(self.running))
         return {"eval_set": len(self.prompts), "eval_room": room, "eval_holding": holding,
                 "eval_results": list(self.sent), "eval_unloadable": sorted(self.unloadable)}
