@@ -4,8 +4,6 @@ its leases, each closed round is recorded once, and the training ledger is never
 
 from __future__ import annotations
 
-import asyncio
-
 from laminar.config import RunConfig
 from laminar.contract import ClaimPromptsInput, EvalLease, EvalReport, RecordEvalInput, ReplicaReport
 from laminar.evalstats import PromptResult

@@ -26,8 +26,8 @@ from typing import Any
 
 from laminar.config import RunConfig
 from laminar.contract import ClaimPromptsInput, EvalLease, EvalRoundStatus, RecordEvalInput, RunStatus
-from workflows.commands import Runtime
 from laminar.evalstats import due_versions
+from workflows.commands import Runtime
 from workflows.eval_rounds import EvalRounds
 from workflows.state import RunState
 
