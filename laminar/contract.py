@@ -606,8 +606,8 @@ class RunStatus:
 
 @dataclass(frozen=True)
 class EvalRoundStatus:
-    """A closed eval round: its figures (laminar/evalstats.py), results reported twice and ignored, when it opened
-    and closed (workflow time), and whether its record is in the store (runs/<id>/evals/step-<version>.json)."""
+    """A closed eval round: its figures (laminar/evalstats.py), results reported twice and ignored, leases that went
+    back to it, when it opened and closed (workflow time), and whether its record is in the store (runs/<id>/evals/step-<version>.json)."""
 
     policy_version: int
     summary: EvalSummary
@@ -615,6 +615,7 @@ class EvalRoundStatus:
     opened_at: float = 0.0
     closed_at: float = 0.0
     recorded: bool = False
+    releases: int = 0  # leases that went back to the round (a replica died, left, or lost its answer)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ class EvalRound:
     released: list[int] = field(default_factory=list)  # prompts whose replica died: leased again first
     results: dict[int, PromptResult] = field(default_factory=dict)  # prompt -> its one result
     duplicates: int = 0  # results reported again for a prompt already scored (ignored)
+    releases: int = 0  # leases returned to the round (a replica died, left, or never got its answer)
     closed_at: float | None = None
 
     @property
@@ -99,6 +100,7 @@ class EvalRounds:
             for p in [p for p, r in rnd.leases.items() if r == replica_id]:
                 del rnd.leases[p]
                 rnd.released.append(p)
+                rnd.releases += 1
                 n += 1
         return n
 
@@ -110,6 +112,7 @@ class EvalRounds:
             for p in [p for p, r in rnd.leases.items() if r == replica_id and (v, p) not in holding]:
                 del rnd.leases[p]
                 rnd.released.append(p)
+                rnd.releases += 1
                 n += 1
         return n
 

@@ -20,6 +20,7 @@ Deterministic like workflows/ledger.py: the workflow passes claims in, and Tempo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -104,7 +105,7 @@ class Evaluation:
         if summary is not None:
             self.state.eval_done = (self.state.eval_done + [EvalRoundStatus(
                 policy_version=version, summary=summary, duplicates=rnd.duplicates, opened_at=rnd.opened_at,
-                closed_at=rnd.closed_at or 0.0)])[-RECENT_EVALS:]
+                closed_at=rnd.closed_at or 0.0, releases=rnd.releases)])[-RECENT_EVALS:]
         self.start_records()
 
     def start_records(self) -> None:
@@ -128,13 +129,13 @@ class Evaluation:
         if not await self.record(inp):
             return  # logged by the command; the figures stay in the status, the results in the state
         rounds.drop_results(version)
-        self.state.eval_done = [s if s.policy_version != version else EvalRoundStatus(
-            policy_version=s.policy_version, summary=s.summary, duplicates=s.duplicates, opened_at=s.opened_at,
-            closed_at=s.closed_at, recorded=True) for s in self.state.eval_done]
+        self.state.eval_done = [s if s.policy_version != version else dataclasses.replace(s, recorded=True)
+                                for s in self.state.eval_done]
 
     async def settle(self) -> None:
         """Wait for the record activities in flight (before a continue-as-new or the end)."""
-        await self.rt.wait(lambda: all(t.done() for t in self.writes.values()))
+        if any(not t.done() for t in self.writes.values()):
+            await self.rt.wait(lambda: all(t.done() for t in self.writes.values()))
 
     # -- the end ----------------------------------------------------------------------------------
 
@@ -165,8 +166,6 @@ class Evaluation:
         return {} if self.state.eval is None else {str(v): n for v, n in self.state.eval.pending().items()}
 
     def annotate(self, status: RunStatus) -> RunStatus:
-        import dataclasses
-
         if not self.due:
             return status
         return dataclasses.replace(status, eval_pending=self.pending(), eval_done=list(self.state.eval_done))

@@ -433,6 +433,7 @@ class TrainingRunWorkflow:
     async def _finish(self) -> RunStatus:
         self.state.stopping = True
         await self.trainer.settle()
+        await self.evaluation.settle()  # records in flight (a stopped run's closed rounds)
         await self._drain()
         if self.state.pool and workflow.patched("slot-pool"):
             await self.grants.leave()
