@@ -1,5 +1,6 @@
 """The `record_eval` activity (control worker): a closed eval round's record, stored as `laminar eval` stores one
-(services/evaluate.py store_record). The workflow schedules it once per round (workflows/evaluation.py); a retry
+(services/eval_records.py store_record), and its figures on the control worker's metrics endpoint
+(laminar/metrics.py `laminar_eval_*`). The workflow schedules it once per round (workflows/evaluation.py); a retry
 writes the same record again, so the store holds one record per evaluated version."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import asyncio
 
 from temporalio import activity
 
-from laminar import contract
+from laminar import contract, metrics
 from laminar.config import RunConfig
 from laminar.contract import RecordEvalInput
 from storage.objects import ObjectStore
@@ -27,4 +28,6 @@ class EvalActivities:
         target = EvalTarget(inp.run_id, inp.policy_version, f"{inp.run_id}@{inp.policy_version}:during-training")
         summary, _ = await asyncio.to_thread(store_record, self.store, cfg, inp.results, target, inp.wall_s,
                                              duplicates=inp.duplicates, during_training=True)
+        metrics.observe_eval(inp.run_id, inp.policy_version, summary.accuracy, summary.accuracy_stderr,
+                             summary.failures)
         return summary.accuracy

@@ -107,6 +107,28 @@ CONTROL_UPDATE_RETRIES = Counter("laminar_control_update_retries",
 CONTROL_WORKFLOW_RESETS = Counter("laminar_control_workflow_resets", "Wedged run workflows reset by the repairer.",
                                   ["run"])
 
+# held-out eval rounds during training: set by the control worker's record_eval (activities/evaluation.py), the one
+# writer of eval records; the replicas count the eval prompts they score
+EVAL_ACCURACY = Gauge("laminar_eval_accuracy_ratio", "Held-out accuracy (pass@1) of the last recorded eval round.",
+                      ["run"])
+EVAL_STDERR = Gauge("laminar_eval_accuracy_stderr_ratio", "Standard error of that accuracy over the eval prompts.",
+                    ["run"])
+EVAL_VERSION = Gauge("laminar_eval_policy_version", "Policy version of the last recorded eval round.", ["run"])
+EVAL_ROUNDS = Counter("laminar_eval_rounds_recorded", "Eval rounds whose record this process stored.", ["run"])
+EVAL_FAILED_SAMPLES = Counter("laminar_eval_failed_samples",
+                              "Eval samples whose generation or reward failed (scored 0, counted).", ["run"])
+ROLLOUT_EVAL_PROMPTS = Counter("laminar_rollout_eval_prompts_scored", "Eval prompts scored (all their samples).",
+                               ["replica"])
+
+
+def observe_eval(run_id: str, policy_version: int, accuracy: float, stderr: float, failures: int) -> None:
+    EVAL_ACCURACY.labels(run_id).set(accuracy)
+    EVAL_STDERR.labels(run_id).set(stderr)
+    EVAL_VERSION.labels(run_id).set(policy_version)
+    EVAL_ROUNDS.labels(run_id).inc()
+    EVAL_FAILED_SAMPLES.labels(run_id).inc(failures)
+
+
 UPDATES = {"claim": contract.CLAIM_PROMPTS, "report": contract.ADD_EXPERIENCE}  # the replica's call kinds -> update names
 
 RELAY_RECEIVED = Counter("laminar_relay_received_bytes", "Version bytes received.", ["relay"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from laminar import metrics as prom
 from laminar.config import RunConfig
 from laminar.contract import EvalLease, EvalReport
 from laminar.errors import EngineError
@@ -35,7 +36,7 @@ def evaluates(cfg: RunConfig) -> bool:
 
 
 class EvalWork:
-    def __init__(self, cfg: RunConfig, task: Any, engine: Any, fetch: Any, seed: int) -> None:
+    def __init__(self, cfg: RunConfig, task: Any, engine: Any, fetch: Any, seed: int, replica_id: str = "") -> None:
         """engine: the training engine (its model is copied once for the eval engine); fetch(version): a version's
         bytes from a relay, None when no relay holds it."""
         self.cfg, self.task, self.train_engine, self.fetch, self.seed = cfg, task, engine, fetch, seed
@@ -49,6 +50,7 @@ class EvalWork:
         self.sent: list[EvalReport] = []  # in the claim in flight
         self.unloadable: set[int] = set()
         self.scored = 0
+        self.counter = prom.ROLLOUT_EVAL_PROMPTS.labels(replica_id)
 
     # -- claims -----------------------------------------------------------------------------------
 
@@ -88,6 +90,7 @@ class EvalWork:
             self.running.discard(EvalLease(v, i))
             self.results.append(EvalReport(policy_version=v, index=i, result=self.batch.pop(key)))
             self.scored += 1
+            self.counter.inc()
 
     def _start(self, version: int) -> None:
         leases = [lease for lease in self.waiting if lease.policy_version == version]

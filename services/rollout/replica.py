@@ -73,7 +73,7 @@ class RolloutReplica:
         self.repack = Repack(self.batch, trajectories, run_id, replica_id, self.counters, self.profile,
                              load_version=self.weights.load_version)
         # held-out eval leases, on an eval engine of its own (services/rollout/evaluation.py)
-        self.eval = EvalWork(cfg, self.task, self.engine, self.weights.fetch, seed)
+        self.eval = EvalWork(cfg, self.task, self.engine, self.weights.fetch, seed, replica_id)
         self.seq, self.last_beat, self.profile_written = 0, 0.0, self.profile.started
 
     # -- the loop ------------------------------------------------------------------------------
