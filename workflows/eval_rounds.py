@@ -24,10 +24,11 @@ that reloads v (relays keep older versions for a minute, docs/decisions.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from laminar.evalstats import EvalSummary, PromptResult, due_versions, summarise
 
-__all__ = ["EvalRound", "EvalRounds", "due_versions"]
+__all__ = ["EvalRound", "EvalRounds", "due_versions", "rounds_from_json"]
 
 
 @dataclass
@@ -134,3 +135,20 @@ class EvalRounds:
     def pending(self) -> dict[int, int]:
         """Open rounds: version -> prompts not scored yet (for `laminar status`)."""
         return {v: r.prompts - len(r.results) for v, r in sorted(self.rounds.items()) if not r.complete}
+
+
+def rounds_from_json(value: Any) -> EvalRounds | None:
+    """EvalRounds as a continue-as-new carried it (JSON), or as it is (an EvalRounds already); built field by field."""
+    if value is None or isinstance(value, EvalRounds):
+        return value
+    rounds = {}
+    for v, r in value.get("rounds", {}).items():
+        rounds[int(v)] = EvalRound(
+            policy_version=int(r["policy_version"]), prompts=int(r["prompts"]), samples=int(r["samples"]),
+            opened_at=float(r["opened_at"]), leases={int(p): str(x) for p, x in r.get("leases", {}).items()},
+            released=[int(p) for p in r.get("released", [])],
+            results={int(p): PromptResult(**x) for p, x in r.get("results", {}).items()},
+            duplicates=int(r.get("duplicates", 0)), releases=int(r.get("releases", 0)),
+            closed_at=None if r.get("closed_at") is None else float(r["closed_at"]))
+    return EvalRounds(prompts=int(value["prompts"]), samples=int(value["samples"]),
+                      threshold=float(value.get("threshold", 1.0)), rounds=rounds)

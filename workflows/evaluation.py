@@ -27,9 +27,9 @@ from typing import Any
 
 from laminar.config import RunConfig
 from laminar.contract import ClaimPromptsInput, EvalLease, EvalRoundStatus, RecordEvalInput, RunStatus
-from laminar.evalstats import due_versions
+from laminar.evalstats import EvalSummary, due_versions
 from workflows.commands import Runtime
-from workflows.eval_rounds import EvalRounds
+from workflows.eval_rounds import EvalRounds, rounds_from_json
 from workflows.state import RunState
 
 RECENT_EVALS = 20  # closed rounds kept in the status
@@ -40,6 +40,9 @@ class Evaluation:
     def __init__(self, state: RunState, cfg: RunConfig | None, rt: Runtime,
                  record: Callable[[RecordEvalInput], Any]) -> None:
         self.state, self.cfg, self.rt, self.record = state, cfg, rt, record
+        # a continued segment's state carries them as JSON (workflows/state.py)
+        state.eval = rounds_from_json(state.eval)
+        state.eval_done = [done_from_json(d) for d in state.eval_done]
         e = cfg.eval if cfg is not None else None
         self.due = due_versions(cfg.run.steps, e.every_steps, e.at_start, e.at_end) if cfg is not None and e else []
         self.on = False  # set by the run: eval is due and the history has patch `eval-rounds`
@@ -169,3 +172,10 @@ class Evaluation:
         if not self.due:
             return status
         return dataclasses.replace(status, eval_pending=self.pending(), eval_done=list(self.state.eval_done))
+
+
+def done_from_json(value: Any) -> EvalRoundStatus:
+    """A closed round's figures as a continue-as-new carried them (JSON), or as they are."""
+    if isinstance(value, EvalRoundStatus):
+        return value
+    return EvalRoundStatus(**{**value, "summary": EvalSummary(**value["summary"])})

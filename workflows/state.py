@@ -6,10 +6,10 @@ and nothing that grows with the number of steps except bounded windows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from laminar.contract import (
     BatchPart,
-    EvalRoundStatus,
     FailedGroup,
     Incoming,
     Lease,
@@ -20,7 +20,6 @@ from laminar.contract import (
     WorkflowReset,
 )
 from laminar.refs import CheckpointRef, SegmentRef
-from workflows.eval_rounds import EvalRounds
 
 RECENT_REWARDS = 20  # steps of reward kept for the live status
 RECENT_STEPS = 100  # step completion times kept (drills measure trainer stall from them)
@@ -128,9 +127,11 @@ class RunState:
     grant_note: str = ""
     pool_error: str = ""
     # held-out evaluation during training (workflows/evaluation.py): the rounds (a closed one's results until its
-    # record is stored) and the most recent closed rounds' figures
-    eval: EvalRounds | None = None
-    eval_done: list[EvalRoundStatus] = field(default_factory=list)
+    # record is stored) and the most recent closed rounds' figures. Typed Any: a continued segment receives them as
+    # JSON, and `Evaluation` rebuilds them explicitly (eval_rounds.rounds_from_json); Temporal's converter did not
+    # convert this nesting (dicts keyed by int of dataclasses) inside the workflow sandbox
+    eval: Any = None  # EvalRounds | None
+    eval_done: list[Any] = field(default_factory=list)  # EvalRoundStatus
 
 
 @dataclass
