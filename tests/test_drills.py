@@ -117,14 +117,14 @@ async def test_rollout_drill(drill_stack, tmp_path):
 
 @pytest.mark.slow  # a run with eval rounds through a rollout worker kill
 async def test_rollout_drill_during_eval_rounds_scores_every_eval_prompt_once(drill_stack, tmp_path):
-    """Eval rounds (every 2 versions, 36 held-out prompts x 4 samples) run on the replicas while a rollout worker is
+    """Eval rounds (every 3 versions, 36 held-out prompts x 2 samples) run on the replicas while a rollout worker is
     killed by pid: the dead replicas' eval leases go back to their rounds and are scored by others, every closed
     round's record holds every prompt of the set once, the same set as a run without the drill
     (tests/test_eval_during_training.py), and the training accounting is untouched."""
     from tests.test_eval_during_training import check_rounds
 
-    extra = ["task.name=math", "rollout.max_new_tokens=8", "eval.size=36", "eval.samples=4", "eval.temperature=1.0",
-             "eval.every_steps=2"]
+    extra = ["task.name=math", "rollout.max_new_tokens=8", "eval.size=36", "eval.samples=2", "eval.temperature=1.0",
+             "eval.every_steps=3"]
     cfg = small_config(*DRILL_OVERRIDES, *extra)
     handle = await start_workflow(drill_stack.client, cfg)
     report = await _drill(drill_stack, handle, "rollout", tmp_path)

@@ -9,7 +9,7 @@ Deterministic like workflows/ledger.py: the workflow passes claims in, and Tempo
   version is published and the eval set's size is known (a replica's claim says it: `eval_set`).
 - A claim reports the replica's eval results (first result kept), the versions it could not load, the eval leases
   it holds (any other leased to it goes back: a lost answer, a dead incarnation, a departure), and is
-  answered eval leases up to its `eval_room`: open rounds, the version it holds first. The replica scores them on
+  answered eval leases up to its `eval_room`: open rounds of versions it has seen, oldest first. The replica scores them on
   its own eval engine with the version's weights (services/rollout/evaluation.py), so eval never takes a training
   slot, and training leases, the ledger and every training counter are untouched.
 - A closed round is recorded once (`record_eval`; a retry writes the same record); then its results are dropped
@@ -73,8 +73,8 @@ class Evaluation:
         if not leasing or inp.eval_room <= 0:
             return []
         held = inp.report.policy_version
+        # oldest first: the oldest round closes first, while relays still hold its version
         order = sorted(v for v, rnd in rounds.rounds.items() if rnd.closed_at is None)
-        order.sort(key=lambda v: v != held)  # the version it holds first: its own weights, no fetch
         skip = set(inp.eval_unloadable)  # no relay served it these versions
         out: list[EvalLease] = []
         for v in order:

@@ -28,6 +28,8 @@ from rl.evaluation import EvalBatch, eval_prompts
 
 log = get_logger(__name__)
 
+EVAL_SLOTS = 64  # sequences the eval engine decodes at once, at least (as `laminar eval`'s one-process engine)
+
 
 def evaluates(cfg: RunConfig) -> bool:
     """The run evaluates during training (eval.at_start, eval.every_steps or eval.at_end)."""
@@ -42,7 +44,9 @@ class EvalWork:
         self.cfg, self.task, self.train_engine, self.fetch, self.seed = cfg, task, engine, fetch, seed
         self.on = evaluates(cfg)
         self.prompts = eval_prompts(task, cfg.eval) if self.on else []
-        self.slots = cfg.rollout.max_inflight_groups * cfg.rollout.group_size
+        # as many sequences at once as the training engine, at least EVAL_SLOTS (a round's whole set, when smaller)
+        self.slots = max(1, min(max(cfg.rollout.max_inflight_groups * cfg.rollout.group_size, EVAL_SLOTS),
+                                len(self.prompts) * cfg.eval.samples))
         self.batch: EvalBatch | None = None  # built at the first lease
         self.waiting: list[EvalLease] = []  # leased, not yet in the eval engine
         self.running: set[EvalLease] = set()
