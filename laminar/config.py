@@ -430,9 +430,12 @@ class EvalSection(_Section):
         description="Sampling temperature (unitless); 0: greedy (the most likely token), the default.")
     every_steps: int = Field(
         0, ge=0, le=1_000_000,
-        description="During training: evaluate the policy version of every this many steps (steps); 0: never.")
+        description="During training: evaluate the policy version of every this many steps (steps); 0: never. Each "
+        "due version is an eval round on the rollout replicas (their eval engines, beside training), recorded under "
+        "runs/<id>/evals/ (docs/evaluation.md).")
     at_start: bool = Field(False, description="During training: evaluate policy version 0 (the base model).")
-    at_end: bool = Field(False, description="During training: evaluate the last policy version.")
+    at_end: bool = Field(False, description="During training: evaluate the last policy version (the run waits for "
+                         "that round, at most 5 minutes, before it finishes).")
     pass_threshold: float = Field(
         1.0, gt=0.0, le=1.0,
         description="A sample passes when its reward is at least this (reward units; the math task's 1.0 is a "
