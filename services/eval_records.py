@@ -41,3 +41,9 @@ def store_record(store: ObjectStore, cfg: RunConfig, results: list[PromptResult]
              accuracy=round(summary.accuracy, 4), failures=summary.failures, wall_s=round(wall_s, 2),
              source=target.source)
     return summary, key
+
+
+def read_evals(store: ObjectStore, run_id: str) -> list[dict[str, Any]]:
+    """The run's eval records, by policy version."""
+    out = [json.loads(store.get(k)) for k in store.list(keys.evals_prefix(run_id)) if k.endswith(".json")]
+    return sorted(out, key=lambda r: r["policy_version"])

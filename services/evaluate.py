@@ -9,7 +9,6 @@ as a rollout replica builds them, so a checkpoint of a run that has ended evalua
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ from laminar.evalstats import EvalSummary
 from laminar.logs import get_logger
 from rl.evaluation import eval_prompts, generate_and_score
 from services.eval_records import EvalTarget, store_record
-from storage import keys
 from storage.checkpoints import CheckpointStore, LoadedCheckpoint
 from storage.objects import ObjectStore
 
@@ -116,9 +114,3 @@ def evaluate(store: ObjectStore, cfg: RunConfig, checkpoint: str, prompts_file: 
     wall_s = time.perf_counter() - started
     summary, key = store_record(store, cfg, results, target, wall_s)
     return EvalOutcome(target, summary, key, wall_s)
-
-
-def read_evals(store: ObjectStore, run_id: str) -> list[dict[str, Any]]:
-    """The run's eval records, by policy version."""
-    out = [json.loads(store.get(k)) for k in store.list(keys.evals_prefix(run_id)) if k.endswith(".json")]
-    return sorted(out, key=lambda r: r["policy_version"])

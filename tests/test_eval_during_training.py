@@ -10,7 +10,7 @@ from client.run_control import start_workflow
 from laminar.config import RunConfig
 from laminar.contract import RunStatus
 from laminar.evalstats import due_versions
-from services.evaluate import read_evals
+from services.eval_records import read_evals
 from tests.fixtures.stack import small_config
 
 EVAL = ["task.name=math", "rollout.max_new_tokens=8", "eval.size=12", "eval.samples=2", "eval.temperature=1.0",
@@ -59,10 +59,17 @@ def check_training_untouched(final: RunStatus, cfg: RunConfig) -> None:
 
 
 @pytest.mark.slow  # ~40 s: a run of 5 steps with 4 eval rounds across continue-as-new
-async def test_eval_rounds_during_a_run_record_every_due_version_once(stack):
-    cfg = small_config(*EVAL)
+async def test_eval_rounds_during_a_run_record_every_due_version_once(stack, tmp_path):
+    cfg = small_config(*EVAL, f"tracking.dir={tmp_path}", "tracking.tensorboard=true")
     handle = await start_workflow(stack.client, cfg)
     final: RunStatus = await handle.result(rpc_timeout=None)
     check_training_untouched(final, cfg)
-    check_rounds(stack.store, cfg, final)
+    records = check_rounds(stack.store, cfg, final)
+    # each round in the trackers, at its version, written by the control worker (services/tracking.py EvalTrackers)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard" / cfg.run.run_id / "eval"))
+    acc.Reload()
+    assert [(e.step, round(e.value, 4)) for e in acc.Scalars("eval/accuracy")] == [
+        (r["policy_version"], round(r["accuracy"], 4)) for r in records]
     assert final.continued_as_new >= 1, "the rounds rode the state across a hand-over"

@@ -115,7 +115,7 @@ async def control(settings: Settings, allow_faults: bool = False) -> None:
     # record_eval: a closed eval round's record (activities/evaluation.py), one store write; async, no torch
     worker = Worker(client, task_queue=CONTROL_QUEUE,
                     workflows=[TrainingRunWorkflow, RecoveryDrillWorkflow, SlotPoolWorkflow],
-                    activities=[EvalActivities(store_for(settings)).record_eval], interceptors=interceptors)
+                    activities=[EvalActivities(store_for(settings), settings.home).record_eval], interceptors=interceptors)
     uncached = Worker(client, task_queue=CONTROL_UNCACHED_QUEUE, workflows=[RecoveryDrillWorkflow, SlotPoolWorkflow],
                       max_cached_workflows=0, interceptors=interceptors)
     # the repairer lives as long as the control worker: it resets runs whose workflow is wedged (services/repair.py)
