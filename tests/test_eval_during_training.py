@@ -58,9 +58,10 @@ def check_training_untouched(final: RunStatus, cfg: RunConfig) -> None:
                                     + final.returned_leases)
 
 
-@pytest.mark.slow  # ~40 s: a run of 5 steps with 4 eval rounds across continue-as-new
-async def test_eval_rounds_during_a_run_record_every_due_version_once(stack, tmp_path):
-    cfg = small_config(*EVAL, f"tracking.dir={tmp_path}", "tracking.tensorboard=true")
+@pytest.mark.slow  # ~40 s each: a run of 5 steps with 4 eval rounds across continue-as-new
+@pytest.mark.parametrize("mode", ["laminar", "sync"])  # sync: a barrier mode, eval adds no barrier of its own
+async def test_eval_rounds_during_a_run_record_every_due_version_once(stack, tmp_path, mode):
+    cfg = small_config(*EVAL, f"run.mode={mode}", f"tracking.dir={tmp_path}", "tracking.tensorboard=true")
     handle = await start_workflow(stack.client, cfg)
     final: RunStatus = await handle.result(rpc_timeout=None)
     check_training_untouched(final, cfg)
