@@ -30,7 +30,8 @@ class EvalActivities:
         cfg = RunConfig.from_json(inp.config)
         target = EvalTarget(inp.run_id, inp.policy_version, f"{inp.run_id}@{inp.policy_version}:during-training")
         summary, _ = await asyncio.to_thread(store_record, self.store, cfg, inp.results, target, inp.wall_s,
-                                             duplicates=inp.duplicates, during_training=True)
+                                             duplicates=inp.duplicates, releases=inp.releases,
+                                             during_training=True)
         metrics.observe_eval(inp.run_id, inp.policy_version, summary.accuracy, summary.accuracy_stderr,
                              summary.failures)
         if enabled(cfg):

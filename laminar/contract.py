@@ -629,6 +629,7 @@ class RecordEvalInput:
     results: list[PromptResult]
     wall_s: float  # from the round's opening to its last result (workflow time)
     duplicates: int = 0
+    releases: int = 0  # leases that went back to the round (a replica died, left, or lost its answer)
 
 
 @dataclass(frozen=True)

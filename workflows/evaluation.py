@@ -128,7 +128,7 @@ class Evaluation:
         inp = RecordEvalInput(run_id=self.state.run_id, config=self.cfg.to_json(), policy_version=version,
                               results=[rnd.results[p] for p in range(rnd.prompts)],
                               wall_s=round((rnd.closed_at or rnd.opened_at) - rnd.opened_at, 3),
-                              duplicates=rnd.duplicates)
+                              duplicates=rnd.duplicates, releases=rnd.releases)
         if not await self.record(inp):
             return  # logged by the command; the figures stay in the status, the results in the state
         rounds.drop_results(version)
