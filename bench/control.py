@@ -20,7 +20,8 @@ Per cell (R, groups/s): a fresh run; a warm-up until every replica has claimed (
 Temporal server, the control worker and this process, the server's memory and the machine's load average are
 taken; then the run is stopped and its histories (every continue-as-new segment) read for the workflow task
 latency and events per second, and its final status for groups lost (services/drill.py `groups_lost`) and consumed
-twice (chaos/checker.py `check_accounting` over the stub trainer's step records).
+twice (the ledger's count, and the command's accounting check, chaos/checker.py `check_accounting`, over the stub
+trainer's step records: the CLI passes it in, as only the CLI imports chaos/).
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ from bench.control_plan import (
     run_overrides,
     workflow_task_latencies,
 )
-from chaos.checker import check_accounting
 from client.settings import Settings
 from laminar import contract
 from laminar.config import RunConfig
@@ -371,6 +371,8 @@ def stop_process(proc: subprocess.Popen) -> None:
 # -- one cell -------------------------------------------------------------------------------------------
 
 Progress = Callable[[str], None]
+# (final status, step records) -> a check with .ok and .detail (chaos/checker.py check_accounting)
+Accounting = Callable[[RunStatus, dict[int, dict]], Any]
 
 
 @dataclass(frozen=True)
@@ -383,7 +385,7 @@ class BenchOptions:
 
 async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp: str, index: int,
                    rollout: SyntheticRollout, trainer: StubTrainer, meters: dict[str, CpuMeter], server: CpuMeter,
-                   progress: Progress) -> dict[str, Any]:
+                   progress: Progress, accounting: Accounting) -> dict[str, Any]:
     from client.run_control import start_stored_run
     from rl.factory import check_engines
 
@@ -445,7 +447,7 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
         to_complete += c
     seg_starts = [h[0][1] for h in histories if h]
     hos = handovers(rec.returns, rec.first_claims)
-    accounting = check_accounting(final, rec.steps) if final is not None else None
+    checked = accounting(final, rec.steps) if final is not None else None
 
     def cpu_share(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else round((b - a) / span, 3)
@@ -486,7 +488,7 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
         "groups_lost": groups_lost(final) if final is not None else None,
         # the ledger's count, which includes the groups the stub trainer was given twice (its step metrics)
         "groups_consumed_twice": final.groups_consumed_twice if final is not None else None,
-        "accounting": None if accounting is None else {"ok": accounting.ok, "detail": accounting.detail},
+        "accounting": None if checked is None else {"ok": checked.ok, "detail": checked.detail},
         "replica_errors": rec.errors[:10],
         "in_window_updates": len(window),
     }
@@ -527,7 +529,7 @@ async def _histories(client: Client, workflow_id: str) -> list[list[tuple[str, f
 # -- the command ----------------------------------------------------------------------------------------
 
 async def run_bench(cells: list[Cell], opts: BenchOptions, settings: Settings, server_pid: int | None,
-                    progress: Progress) -> dict[str, Any]:
+                    progress: Progress, accounting: Accounting) -> dict[str, Any]:
     from client.connect import connect, store_for
 
     # a replica or relay activity cancelled at a hand-over or the stop logs a traceback per activity; the replicas'
@@ -558,7 +560,7 @@ async def run_bench(cells: list[Cell], opts: BenchOptions, settings: Settings, s
                     raise LaminarError(f"the control worker exited ({control.returncode}); see "
                                        f"{settings.home / 'logs' / 'bench-control' / 'control.log'}")
                 results.append(await run_cell(client, store, cell, opts, stamp, i, rollout, trainer, meters,
-                                              CpuMeter(server_pid), progress))
+                                              CpuMeter(server_pid), progress, accounting))
     finally:
         stop_process(control)
     return {"results": results, "config": {

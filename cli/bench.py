@@ -380,8 +380,9 @@ def control_bench(
     try:
         settings = Settings.from_env()
         err.print(f"[dim]temporal={info.temporal_address} (pid {info.temporal_pid}) home={home}[/dim]")
+        from chaos.checker import check_accounting
         report = asyncio.run(run_bench(cells, opts, settings, info.temporal_pid,
-                                       lambda m: err.print(m, highlight=False, soft_wrap=True)))
+                                       lambda m: err.print(m, highlight=False, soft_wrap=True), check_accounting))
     except LaminarError as exc:
         err.print(f"[red]control benchmark failed:[/red] {exc}")
         raise typer.Exit(1) from None
