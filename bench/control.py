@@ -455,6 +455,7 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
         wall_from = time.time()
         cpu0 = {k: m.cpu_s() for k, m in meters.items()}
         srv0 = server.cpu_s()
+        retries0 = _update_retries()
         rss, loads = [], []
         last_t, last_n = t_from, len(rec.updates)
         while (now := time.monotonic()) < t_from + opts.duration_s:
@@ -475,6 +476,7 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
         wall_to = time.time()
         cpu1 = {k: m.cpu_s() for k, m in meters.items()}
         srv1 = server.cpu_s()
+        retries1 = _update_retries()
     finally:
         final = await _stop(client, handle, progress, cell.label)
     span = t_to - t_from
@@ -506,6 +508,10 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
         "window_s": round(span, 1),
         "updates_per_s": round(len(window) / span, 1),
         "updates": {n: latency_summary(lat for m, _, lat in window if m == n) for n in names},
+        # update attempts refused or lost and sent again after activities/rollout.py UPDATE_POLL_S (the server's
+        # in-flight limit, an aborted update, an outage), in the window, by update name
+        "update_retries": {k: int(retries1.get(k, 0) - retries0.get(k, 0)) for k in retries1
+                           if retries1.get(k, 0) != retries0.get(k, 0)},
         "all_updates": latency_summary(lat for _, _, lat in window),
         "workflow_task": {"schedule_to_start": latency_summary(to_start),
                           "schedule_to_complete": latency_summary(to_complete),
@@ -543,6 +549,14 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
         "replica_errors": rec.errors[:10],
         "in_window_updates": len(window),
     }
+
+
+def _update_retries() -> dict[str, float]:
+    """This process's count of update retries by update name (laminar/metrics.py CONTROL_UPDATE_RETRIES)."""
+    from laminar.metrics import CONTROL_UPDATE_RETRIES
+
+    return {s.labels["update"]: s.value for m in CONTROL_UPDATE_RETRIES.collect() for s in m.samples
+            if s.name.endswith("_total")}
 
 
 def _task_latencies_in(history: list[tuple[str, float]], t_from: float, t_to: float) -> tuple[list[float], list[float]]:
