@@ -44,6 +44,7 @@ from typing import Any
 import psutil
 from temporalio import activity
 from temporalio.client import Client
+from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from activities.heartbeat import HEARTBEAT_THROTTLE
@@ -567,7 +568,16 @@ def _task_latencies_in(history: list[tuple[str, float]], t_from: float, t_to: fl
 async def _stop(client: Client, handle, progress: Progress, label: str) -> RunStatus | None:
     progress(f"{label}: stopping the run")
     try:
-        await asyncio.wait_for(handle.execute_update(contract.STOP, result_type=str), timeout=60)
+        deadline = time.monotonic() + 120
+        while True:  # `stop` is idempotent: an update refused (in-flight limit) or aborted is sent again
+            try:
+                await asyncio.wait_for(handle.execute_update(contract.STOP, result_type=str), timeout=60)
+                break
+            except RPCError as e:
+                if time.monotonic() > deadline:
+                    raise
+                progress(f"{label}: stop refused ({e}); again in 1 s")
+                await asyncio.sleep(1.0)
         final = client.get_workflow_handle(handle.id, result_type=RunStatus)  # follows continue-as-new
         return await asyncio.wait_for(final.result(), timeout=STOP_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - report what is known, end the run
