@@ -57,12 +57,13 @@ class Cell:
         return self.slots / self.per_replica_groups_per_s
 
     def scaled(self, factor: float) -> Cell:
-        """The same shape at `factor` times the load: factor x the replicas and the groups/s (each replica as
-        busy as before), the trainer factor x as fast (its batch arrives factor x as often)."""
+        """The same shape at `factor` times the load: factor x the replicas, the groups/s and the global batch
+        (each replica as busy as before, a trainer step as often and as long as before)."""
         if not factor > 0:
             raise ValueError(f"scale factor {factor} must be > 0")
         return replace(self, label=f"{self.label} x{factor:g}", replicas=max(1, round(self.replicas * factor)),
-                       groups_per_s=self.groups_per_s * factor, step_s=self.step_s / factor)
+                       groups_per_s=self.groups_per_s * factor,
+                       groups_per_step=max(1, round(self.groups_per_step * factor)))
 
 
 def cell_from_sim(row: dict[str, Any], prompts_per_batch: int, group_size: int, seqs_per_replica: int) -> Cell:

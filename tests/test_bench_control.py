@@ -43,7 +43,8 @@ def test_little_law_hold_and_scaling():
     assert c.per_replica_groups_per_s == pytest.approx(0.2)
     assert c.mean_hold_s == pytest.approx(320.0)  # 64 groups in flight, one finishing every 5 s
     d = c.scaled(2)
-    assert (d.replicas, d.groups_per_s, d.slots, d.step_s) == (160, 32.0, 64, 15.0)
+    assert (d.replicas, d.groups_per_s, d.slots, d.groups_per_step, d.step_s) == (160, 32.0, 64, 1024, 30.0)
+    assert d.groups_per_step / d.groups_per_s == c.groups_per_step / c.groups_per_s  # a step as often
     assert d.mean_hold_s == pytest.approx(c.mean_hold_s)  # each replica as busy as before
     assert d.label == "7b/256 x2"
     with pytest.raises(ValueError):
