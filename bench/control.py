@@ -479,7 +479,8 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
         srv1 = server.cpu_s()
         retries1 = _update_retries()
     finally:
-        final = await _stop(client, handle, progress, cell.label)
+        notes: list[str] = []
+        final = await _stop(client, handle, progress, cell.label, notes)
     span = t_to - t_from
     window = [(name, t, lat) for name, t, lat in rec.updates if t_from <= t <= t_to]
     names = sorted({n for n, _, _ in window})
@@ -548,6 +549,7 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
         "groups_consumed_twice": final.groups_consumed_twice if final is not None else None,
         "accounting": None if checked is None else {"ok": checked.ok, "detail": checked.detail},
         "replica_errors": rec.errors[:10],
+        "notes": notes,  # the stop refused or the run terminated: its counts are unknown (None)
         "in_window_updates": len(window),
     }
 
@@ -565,23 +567,28 @@ def _task_latencies_in(history: list[tuple[str, float]], t_from: float, t_to: fl
     return workflow_task_latencies([(e, t) for e, t in history if t_from <= t <= t_to + 60])
 
 
-async def _stop(client: Client, handle, progress: Progress, label: str) -> RunStatus | None:
+async def _stop(client: Client, handle, progress: Progress, label: str, notes: list[str]) -> RunStatus | None:
+    """Stop the run and wait for its final status; None when it would not stop (what happened goes to notes)."""
     progress(f"{label}: stopping the run")
     try:
-        deadline = time.monotonic() + 120
+        deadline, refused = time.monotonic() + 60, set()
         while True:  # `stop` is idempotent: an update refused (in-flight limit) or aborted is sent again
             try:
                 await asyncio.wait_for(handle.execute_update(contract.STOP, result_type=str), timeout=60)
                 break
             except RPCError as e:
+                if str(e) not in refused:
+                    refused.add(str(e))
+                    progress(f"{label}: stop refused ({e}); sending it again every second for up to 60 s")
+                    notes.append(f"stop refused: {e}")
                 if time.monotonic() > deadline:
                     raise
-                progress(f"{label}: stop refused ({e}); again in 1 s")
                 await asyncio.sleep(1.0)
         final = client.get_workflow_handle(handle.id, result_type=RunStatus)  # follows continue-as-new
         return await asyncio.wait_for(final.result(), timeout=STOP_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - report what is known, end the run
         progress(f"{label}: the run did not stop cleanly ({type(e).__name__}: {e}); terminating it")
+        notes.append(f"did not stop: {type(e).__name__}: {e}; terminated")
         try:
             await handle.terminate(reason="laminar bench control: stop failed")
         except Exception:  # noqa: BLE001
