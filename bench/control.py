@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -145,6 +145,7 @@ class CellRun:
     rng: random.Random
     pool: dict[str, dict[str, float]] = field(default_factory=dict)  # replica -> {group: hold left, s}
     lock: threading.Lock = field(default_factory=threading.Lock)
+    timing: ReplicaTiming = TIMING  # the replicas' cadence (BenchOptions.contact_s: a what-if)
 
 
 class SyntheticReplica:
@@ -263,7 +264,7 @@ class SyntheticRollout:
         control = TimedControl(_TemporalControl(self.client, self.loop, inp.workflow_id), run.rec)
         prefix = f"{info.workflow_run_id.replace('-', '')[-12:]}-a{info.attempt}"
         try:
-            return SyntheticReplica(run, control, inp, info.attempt, prefix).run_loop()
+            return SyntheticReplica(run, control, inp, info.attempt, prefix, run.timing).run_loop()
         except InterruptedError:
             raise
         except Exception as e:
@@ -425,6 +426,10 @@ class BenchOptions:
     warmup_s: float = 10.0
     updates_per_segment: int | None = None  # None: the config's default (run.updates_per_segment)
     seed: int = 0
+    contact_s: float | None = None  # a what-if: the replicas' contact_s instead of ReplicaTiming's (None: the real one)
+
+    def timing(self) -> ReplicaTiming:
+        return TIMING if self.contact_s is None else replace(TIMING, contact_s=self.contact_s)
 
 
 async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp: str, index: int,
@@ -435,14 +440,14 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
 
     cfg = check_engines(RunConfig.load(None, run_overrides(cell, opts.updates_per_segment)))
     cfg = cfg.with_run_id(f"bench-control-{stamp}-{index}")
-    run = CellRun(cell=cell, rec=Records(), rng=random.Random(opts.seed * 1000 + index))
+    run = CellRun(cell=cell, rec=Records(), rng=random.Random(opts.seed * 1000 + index), timing=opts.timing())
     rollout.runs[cfg.run.run_id] = run
     trainer.runs[cfg.run.run_id] = run
     rec = run.rec
     handle = await start_stored_run(client, store, cfg, owner="laminar bench control")
     t_start = time.monotonic()
     progress(f"{cell.label}: run {cfg.run.run_id}, {cell.replicas} replicas, {cell.groups_per_s:.1f} groups/s, "
-             f"predicted {predicted_updates_per_s(cell):.0f} updates/s")
+             f"predicted {predicted_updates_per_s(cell, run.timing):.0f} updates/s")
     try:
         while len(rec.claimed) < cell.replicas:
             if time.monotonic() - t_start > WORKER_START_TIMEOUT_S + cell.replicas:
@@ -505,7 +510,8 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
     return {
         "cell": cell.label, "run_id": cfg.run.run_id, "replicas": cell.replicas,
         "groups_per_s_target": round(cell.groups_per_s, 3), "slots": cell.slots, "step_s": round(cell.step_s, 2),
-        "predicted_updates_per_s": round(predicted_updates_per_s(cell), 1),
+        "predicted_updates_per_s": round(predicted_updates_per_s(cell, run.timing), 1),
+        "contact_s": run.timing.contact_s,
         "updates_per_segment": cfg.run.updates_per_segment,
         "window_s": round(span, 1),
         "updates_per_s": round(len(window) / span, 1),
@@ -652,7 +658,7 @@ async def run_bench(cells: list[Cell], opts: BenchOptions, settings: Settings, s
     return {"results": results, "config": {
         "duration_s": opts.duration_s, "warmup_s": opts.warmup_s, "seed": opts.seed,
         "temporal": settings.temporal_address, "server_pid": server_pid, "cpus": os.cpu_count(),
-        "timing": {"contact_s": TIMING.contact_s, "report_max_wait_s": TIMING.report_max_wait_s,
+        "timing": {"contact_s": opts.timing().contact_s, "report_max_wait_s": TIMING.report_max_wait_s,
                    "report_min_groups": TIMING.report_min_groups, "claim_min_groups": TIMING.claim_min_groups,
                    "heartbeat_every_s": TIMING.heartbeat_every_s},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

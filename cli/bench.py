@@ -338,6 +338,9 @@ def control_bench(
                                              "same flags) with these dynamic config values, e.g. "
                                              "history.maxInFlightUpdates=100."),
     seed: int = typer.Option(0, help="Seed of the lease hold times."),
+    contact: str | None = typer.Option(None, "--contact", help="A what-if: the synthetic replicas contact the "
+                                       f"workflow this often when busy ({DURATION_HELP}; default: the real "
+                                       "replica's ReplicaTiming.contact_s)."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the report as JSON here."),
 ) -> None:
     """What one run's workflow carries: the real TrainingRunWorkflow on the dev stack's Temporal server, R synthetic
@@ -356,7 +359,8 @@ def control_bench(
     try:
         opts = BenchOptions(duration_s=parse_duration(duration_opt, "--duration"),
                             warmup_s=parse_duration(warmup, "--warmup", allow_zero=True),
-                            updates_per_segment=updates_per_segment, seed=seed)
+                            updates_per_segment=updates_per_segment, seed=seed,
+                            contact_s=None if contact is None else parse_duration(contact, "--contact"))
         step_s = parse_duration(step, "--step", allow_zero=True)
         if sim:
             from sim.params import WORKLOADS
