@@ -54,7 +54,6 @@ from bench.control_plan import (
     Cell,
     draw_hold_s,
     handovers,
-    in_window,
     intervals,
     latency_summary,
     predicted_updates_per_s,

@@ -166,7 +166,7 @@ def workflow_task_latencies(events: Iterable[tuple[str, float]]) -> tuple[list[f
 def intervals(times: Sequence[float]) -> list[float]:
     """Gaps between consecutive times (sorted)."""
     s = sorted(times)
-    return [b - a for a, b in zip(s, s[1:])]
+    return [b - a for a, b in zip(s, s[1:], strict=False)]
 
 
 @dataclass(frozen=True)
