@@ -85,6 +85,9 @@ CONTROL_PLANE = ControlPlaneCost(task_s=P.CONTROL_TASK_S, rtt_s=P.CONTROL_RTT_S,
                                  continue_as_new_s=P.CONTROL_CONTINUE_AS_NEW_S, handover_s=P.CONTROL_HANDOVER_S)
 
 
+CONTROL_PLANES = ("on", "off", "no-handover")
+
+
 def control_timing() -> ControlTiming:
     """The real replica loop's intervals (services/rollout/timing.py ReplicaTiming), in seconds."""
     from services.rollout.timing import TIMING as t
@@ -95,10 +98,16 @@ def control_timing() -> ControlTiming:
 
 def sim_config(model: P.ModelParams, workload: P.WorkloadParams, mode: str, placement: Placement, *,
                iterations: int = 8, warmup: int = 3, repack: bool = True, link: RelayLink = RelayLink(),
-               failures: tuple[tuple[str, float], ...] = (), control_plane: bool = True) -> SimConfig:
-    """The run of `mode` on this placement, with every number from sim/params.py. control_plane: the replicas
-    claim and report as services/rollout/ does (its intervals) through one workflow that serves one update at a
-    time (sim/control.py); False: a control plane that answers at once, for free."""
+               failures: tuple[tuple[str, float], ...] = (), control_plane: str = "on") -> SimConfig:
+    """The run of `mode` on this placement, with every number from sim/params.py. control_plane (CONTROL_PLANES):
+    "on": the replicas claim and report as services/rollout/ does (its intervals) through one workflow that serves
+    one update at a time (sim/control.py), which continues as new with a hand-over of every replica; "no-handover":
+    the same, with a continue-as-new that replicas do not feel (a design not built: issue 32 item 2); "off": a
+    control plane that answers at once, for free."""
+    if control_plane not in CONTROL_PLANES:
+        raise ValueError(f"control_plane={control_plane!r}: use one of {', '.join(CONTROL_PLANES)}")
+    on = control_plane != "off"
+    cost = CONTROL_PLANE if control_plane == "on" else replace(CONTROL_PLANE, handover_s=0.0, updates_per_segment=10**9)
     tp = placement.tp
     costs = model.costs(tp, placement.train)
     if link.local_pull_bytes_s is not None:
@@ -128,8 +137,8 @@ def sim_config(model: P.ModelParams, workload: P.WorkloadParams, mode: str, plac
         max_ready_groups=workload.max_ready_batches * workload.prompts_per_batch,
         relay_delay_s=relay_delay, load_s=load_s, tool_output_tokens=workload.tool_output_tokens,
         replicas_per_machine=max(1, P.GPUS_PER_MACHINE // tp), failures=failures,
-        control=control_timing() if control_plane else None,
-        control_plane=CONTROL_PLANE if control_plane else None,
+        control=control_timing() if on else None,
+        control_plane=cost if on else None,
         failure_costs={
             "rollout_detect_s": P.ROLLOUT_DETECT_S, "rollout_restart_s": P.ROLLOUT_RESTART_S + P.ENGINE_START_S,
             "relay_detect_s": P.RELAY_DETECT_S, "relay_rebuild_s": P.RELAY_REBUILD_S,

@@ -85,3 +85,26 @@ def test_no_group_is_trained_twice_or_lost_with_reports_in_flight_when_a_replica
     # none fell between a report and a death
     assert st.prompt_cursor == st.groups_consumed + len(st.ready) + len(st.open_leases) + len(st.returned)
     assert sum(len(r.sent) for r in sim.replicas) <= len(st.open_leases)
+
+
+def test_the_sweep_s_run_takes_the_control_plane_it_is_given():
+    from sim import params as P
+    from sim.scenarios import CONTROL_PLANE, placements, sim_config
+
+    m, w = P.MODELS["7b"], P.WORKLOADS["math"]
+    pl = placements(m, 16, "laminar")[0]
+    on, off, free_cas = (sim_config(m, w, "laminar", pl, control_plane=c) for c in ("on", "off", "no-handover"))
+    assert on.control_plane == CONTROL_PLANE and on.control is not None
+    assert off.control_plane is None and off.control is None
+    assert free_cas.control_plane.handover_s == 0 and free_cas.control_plane.task_s == CONTROL_PLANE.task_s
+    with pytest.raises(ValueError, match="control_plane='maybe'"):
+        sim_config(m, w, "laminar", pl, control_plane="maybe")
+
+
+def test_simulate_refuses_an_unknown_control_plane():
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    bad = CliRunner().invoke(app, ["simulate", "--control-plane", "maybe"])
+    assert bad.exit_code == 2 and "maybe" in bad.output and "no-handover" in bad.output
