@@ -19,6 +19,7 @@ Invariants (tests/test_tracking.py, tests/test_tracking_integration.py):
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -276,7 +277,9 @@ class EvalTrackers:
       record rewrites the whole series in version order (from the run's records) and removes the file before;
     - MLflow: one MLflow run per run id tagged `laminar.eval_of=<run id>`, found or created; a version it holds
       already (a retried activity) is not written again; MLflow keeps steps in any order;
-    - wandb: not written (an offline run takes one writer; the trainer is that of the run's wandb run).
+    - wandb: an offline run of its own, id `<run id>-eval` (an offline run takes one writer, and the trainer is the
+      run's), each round logged with `policy_version` as its x axis (rounds close in any order); the versions it
+      holds are listed beside it (`<run id>-eval.versions.json`), so a retried activity does not log one again.
     A tracker that fails is logged and counted in `skipped`; the record is stored regardless."""
 
     def __init__(self, run_id: str, cfg: RunConfig, home: Path) -> None:
@@ -287,7 +290,8 @@ class EvalTrackers:
         """The round of `policy_version` is recorded; `series`: every recorded round's scalars, by version."""
         t = self.cfg.tracking
         for name, on, write in (("tensorboard", t.tensorboard, lambda: self._tensorboard(series)),
-                                ("mlflow", t.mlflow, lambda: self._mlflow(policy_version, series[policy_version]))):
+                                ("mlflow", t.mlflow, lambda: self._mlflow(policy_version, series[policy_version])),
+                                ("wandb", t.wandb, lambda: self._wandb(policy_version, series[policy_version]))):
             if not on:
                 continue
             try:
@@ -314,6 +318,26 @@ class EvalTrackers:
         for old in directory.glob("events.out.tfevents.*"):
             if not old.name.endswith(suffix):
                 old.unlink(missing_ok=True)
+
+    def _wandb(self, policy_version: int, scalars: dict[str, float]) -> None:
+        directory = self.dir / "wandb"
+        directory.mkdir(parents=True, exist_ok=True)
+        listed = directory / f"{self.run_id}-eval.versions.json"
+        done = json.loads(listed.read_text()) if listed.exists() else []
+        if policy_version in done:
+            return
+        import wandb
+
+        run = wandb.init(mode="offline", dir=str(directory), project=self.cfg.tracking.experiment,
+                         id=f"{self.run_id}-eval", resume="allow", group=self.run_id, job_type="eval",
+                         reinit="create_new", settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
+        try:
+            run.define_metric("policy_version")
+            run.define_metric("eval/*", step_metric="policy_version")
+            run.log({**scalars, "policy_version": policy_version})
+        finally:
+            run.finish()
+        listed.write_text(json.dumps(sorted([*done, policy_version])))
 
     def _mlflow(self, policy_version: int, scalars: dict[str, float]) -> None:
         uri = self.cfg.tracking.mlflow_uri or (self.dir / "mlruns").resolve().as_uri()

@@ -41,3 +41,19 @@ def test_eval_rounds_out_of_order_read_back_once_each(tmp_path):
     assert history == [(0, 0.25), (2, 0.4), (4, 0.5)]
     # the trainer's search for its own run (tag laminar.run_id) does not find the eval run
     assert ml.search_runs([exp.experiment_id], filter_string="tags.`laminar.run_id` = 'r1'") == []
+
+
+@pytest.mark.slow  # wandb starts its service process for each round (seconds)
+def test_eval_rounds_go_to_a_wandb_run_of_their_own_once_each(tmp_path):
+    cfg = RunConfig.load(None, [f"tracking.dir={tmp_path}", "tracking.wandb=true"])
+    trackers = EvalTrackers("r2", cfg, tmp_path)
+    series = {}
+    for v, a in ((0, 0.25), (4, 0.5), (2, 0.4), (2, 0.4)):  # out of order; version 2 recorded twice
+        series[v] = eval_scalars({"accuracy": a, "accuracy_stderr": 0.05, "pass_at_k": a, "mean_at_k": a,
+                                  "mean_reward": a, "response_len_mean": 5.0, "failures": 0, "prompts": 36})
+        trackers.log(v, dict(series))
+    assert trackers.skipped == {}
+    runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*-r2-eval"))
+    assert runs and all(list(r.glob("run-r2-eval.wandb")) for r in runs), list((tmp_path / "wandb").rglob("*"))
+    assert (tmp_path / "wandb" / "r2-eval.versions.json").read_text() == "[0, 2, 4]"
+    assert not list((tmp_path / "wandb" / "wandb").glob("offline-run-*-r2"))  # the trainer's run is not touched
