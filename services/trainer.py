@@ -29,6 +29,8 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,7 +47,13 @@ from laminar.contract import (
     TrainStepInput,
     TrainStepResult,
 )
-from laminar.errors import CorruptDataError, InconsistentStateError, RelayError, StepOutOfTurnError
+from laminar.errors import (
+    CorruptDataError,
+    InconsistentStateError,
+    RelayError,
+    StepOutOfTurnError,
+    TrainerLeavingError,
+)
 from laminar.logs import get_logger
 from laminar.notice import NOTICE, Notice
 from laminar.records import Trajectory
@@ -105,15 +113,20 @@ class TrainerService:
 
     def init(self, inp: TrainerInitInput) -> TrainerInitResult:
         cfg = RunConfig.from_json(inp.config)
-        self._restore(inp.run_id, cfg, self.checkpoints.load(inp.checkpoint) if inp.checkpoint else None)
-        size = len(self._publish(inp.relay_chain)[1]) if publishes(self.policy, self.step) else 0
-        return TrainerInitResult(step=self.step, policy_version=self._version(), published_bytes=size)
+        with self._turn():
+            self._restore(inp.run_id, cfg, self.checkpoints.load(inp.checkpoint) if inp.checkpoint else None)
+            size = len(self._publish(inp.relay_chain)[1]) if publishes(self.policy, self.step) else 0
+            return TrainerInitResult(step=self.step, policy_version=self._version(), published_bytes=size)
 
     def republish(self, inp: RepublishInput) -> int:
         """Push the current version again to the chain the workflow knows now; the version pushed, or -1 when
         this process's policy is not at inp.step (restarted, or another run: its next step publishes) or is
         between versions (stream, mid-batch). A barrier mode needs this: it waits for a version the replicas
         load, and a master relay that died with it would otherwise leave no one to publish it."""
+        with self._turn():
+            return self._republish(inp)
+
+    def _republish(self, inp: RepublishInput) -> int:
         if self.run_id != inp.run_id or self.step != inp.step or not publishes(self.policy, self.step):
             kept = self._published.get(inp.run_id)
             if kept is not None and kept[0] == inp.step:  # this process moved on to another run: push what it kept
@@ -188,10 +201,22 @@ class TrainerService:
         trainer not at the step before it raises StepOutOfTurnError on its first attempt: a trainer that replaced
         one on notice, or a killed one, lets the step before it run first (the leaving trainer finishes it and its
         deadline checkpoint names this step; a killed one's retry comes), instead of replaying from an older
-        restore point now and again for the step before it."""
-        with self._busy:
+        restore point now and again for the step before it.
+
+        The trainer's worker runs two activities at once (workers/processes.py), so the step scheduled ahead is
+        already here while the one before it computes: it reads its segments now, then waits its turn (_turn)."""
+        rows = self._prefetch(inp.batch)
+        waited = not self._busy.acquire(blocking=False)
+        if not waited:
+            self._busy.release()
+        with self._turn(heartbeat):
             if (done := self._taken_ahead(inp)) is not None:
                 return done
+            if waited and self.notice.given:
+                # queued behind the step that was running at the notice: that one ended with a deadline
+                # checkpoint; this one goes to the successor (retried) instead of running past the notice
+                raise TrainerLeavingError(f"run {inp.run_id} step {inp.step}: this trainer is leaving on notice "
+                                          f"({self.notice.reason}); the step is retried on the next trainer")
             self._catch_up(inp, heartbeat, scheduled_at)
             if inp.ahead and inp.replay and (self.run_id != inp.run_id or self.step != inp.step):
                 if attempt == 1:
@@ -200,7 +225,34 @@ class TrainerService:
                         f"is at step {self.step} of run {self.run_id}; retried, so that step {inp.step - 1} runs first")
                 if self.checkpoints.verified_at(inp.run_id, inp.step) is None:  # else: a deadline checkpoint
                     self._step_before(inp, heartbeat, scheduled_at)
-            return self._train_step(inp, heartbeat, schedule_to_start_s, scheduled_at, last)
+            return self._train_step(inp, heartbeat, schedule_to_start_s, scheduled_at, last, rows)
+
+    @contextmanager
+    def _turn(self, heartbeat=lambda: None) -> Iterator[None]:
+        """One call at a time touches the policy (a step, an init, a republish, the deadline checkpoint); a call
+        waiting for the one before it keeps its activity's heartbeat going (waiting is not a hang)."""
+        while not self._busy.acquire(timeout=1.0):
+            heartbeat()
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def _prefetch(self, batch: list[BatchPart]) -> dict[str, list[Trajectory]]:
+        """The batch's segments, read before the step's turn (segments are immutable: attempt-scoped keys). A
+        read that fails here is left to the step, which reads again and fails or succeeds as it would have."""
+        rows: dict[str, list[Trajectory]] = {}
+        if self.cfg is None or self.trainer is None:  # nothing loaded yet: the step restores first
+            return rows
+        t0 = time.monotonic()
+        for part in batch:
+            try:
+                rows[part.segment.key] = self.trajectories.read_segment(part.segment)
+            except Exception as e:  # noqa: BLE001 - the step's own read reports it
+                log.info("segment_prefetch_failed", segment=part.segment.key, error=str(e))
+        # a latency, not a bucket: it overlaps the step before it, and buckets add up to the process's wall
+        self.profile.latency("prefetch_segments", time.monotonic() - t0)
+        return rows
 
     def _catch_up(self, inp: TrainStepInput, heartbeat, scheduled_at: float | None) -> None:
         """The workflow schedules the next step while one runs (workflows/trainer.py, train-ahead), and the
@@ -260,7 +312,8 @@ class TrainerService:
             self._busy.release()
 
     def _train_step(self, inp: TrainStepInput, heartbeat, schedule_to_start_s: float | None,
-                    scheduled_at: float | None, last: bool) -> TrainStepResult:
+                    scheduled_at: float | None, last: bool,
+                    rows: dict[str, list[Trajectory]] | None = None) -> TrainStepResult:
         t_start = time.time()
         wait_s = 0.0 if self.last_step_end is None else t_start - self.last_step_end
         prof = self.profile
@@ -272,7 +325,7 @@ class TrainerService:
                 (redone, corrupt), restored = self._rewind(inp, heartbeat), True
         assert self.trainer is not None and self.cfg is not None
         with prof.measure("read_segments"):
-            trajectories, twice = self._read_batch(inp.batch)
+            trajectories, twice = self._read_batch(inp.batch, rows or {})
         if self.last_step_end is not None and trajectories:
             # The gap since the last step: until the batch's last trajectory ended, the trainer waited for
             # generation; after that, for the report, the workflow and the activity to reach it.
@@ -395,8 +448,11 @@ class TrainerService:
             f"kept, so training cannot resume at step {inp.step}. Restore the checkpoint objects from a backup, "
             f"or start a new run; trainer.keep_last >= 2 keeps an older checkpoint to fall back to")
 
-    def _read_batch(self, batch: list[BatchPart]) -> tuple[list[Trajectory], int]:
-        """The batch's trajectories; groups already consumed are dropped and counted."""
+    def _read_batch(self, batch: list[BatchPart],
+                    rows_read: dict[str, list[Trajectory]] | None = None) -> tuple[list[Trajectory], int]:
+        """The batch's trajectories (segments from rows_read when prefetched); groups already consumed are
+        dropped and counted."""
+        rows_read = rows_read or {}
         out: list[Trajectory] = []
         twice = 0
         for part in batch:
@@ -405,7 +461,9 @@ class TrainerService:
             if again:
                 twice += len(again)
                 log.error("groups_consumed_twice", groups=sorted(again), step=self.step)
-            rows = self.trajectories.read_segment(part.segment)
+            rows = rows_read.get(part.segment.key)
+            if rows is None:
+                rows = self.trajectories.read_segment(part.segment)
             out.extend(t for t in rows if t.group_id in wanted - again)
         return out, twice
 

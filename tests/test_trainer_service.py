@@ -299,3 +299,94 @@ def test_a_step_scheduled_ahead_waits_its_turn_once_on_a_trainer_elsewhere(setup
     # in turn (the trainer is at the step before it), it runs at once
     assert svc.train_step(dataclasses.replace(_input("r", 2, _batch(trajs, "r", 50), replay=batches),
                                               ahead=True)).step == 3
+
+
+def test_the_step_scheduled_ahead_reads_its_segments_while_the_one_before_it_computes(setup):
+    """The trainer's worker has two slots: the step behind the running one arrives while it runs. It reads its
+    segments at once (outside the turn), then waits for the policy; nothing of it touches the policy early."""
+    import threading
+
+    store, trajs, home = setup
+    batches = [_batch(trajs, "r", 10 * i) for i in range(2)]
+    svc = TrainerService(store, home)
+    svc.train_step(_input("r", 0, batches[0]))
+    before = svc.trainer.policy_state_dict()
+    before = {k: v.clone() for k, v in before.items()}
+    out: list[TrainStepResult] = []
+    beats: list[int] = []
+    with svc._turn():  # the step before it holds the policy
+        t = threading.Thread(target=lambda: out.append(svc.train_step(
+            dataclasses.replace(_input("r", 1, batches[1], replay=batches[:1]), ahead=True),
+            heartbeat=lambda: beats.append(1))))
+        t.start()
+        for _ in range(200):
+            if "prefetch_segments" in svc.profile.latencies:
+                break
+            t.join(0.02)
+        assert svc.profile.latencies["prefetch_segments"][1] == 1  # read while the turn was held
+        t.join(1.5)
+        assert t.is_alive() and not out and svc.step == 1  # still waiting, the policy untouched
+        assert beats  # its activity heartbeats while it waits
+        assert all(torch.equal(before[k], v) for k, v in svc.trainer.policy_state_dict().items())
+    t.join(30)
+    assert [(r.step, r.restored, r.metrics.consumed_twice) for r in out] == [(2, False, 0)]
+
+
+def test_two_steps_at_once_train_in_order_whichever_takes_the_turn_first(setup):
+    """Both slots busy, the later step first: it trains the earlier batch on its way (kept for that step's own
+    activity), so the policy is the in-order one and no batch is trained twice."""
+    import threading
+
+    store, trajs, home = setup
+    batches = [_batch(trajs, "r", 10 * i) for i in range(3)]
+    in_order = TrainerService(store, home / "a")
+    want = [in_order.train_step(_input("r", i, batches[i], replay=batches[:i])) for i in range(3)]
+    svc = TrainerService(store, home / "b")
+    svc.train_step(_input("r", 0, batches[0]))
+    results: dict[int, TrainStepResult] = {}
+    later = dataclasses.replace(_input("r", 2, batches[2], replay=batches[:2]), ahead=True)
+    earlier = _input("r", 1, batches[1], replay=batches[:1])
+    with svc._turn():
+        threads = [threading.Thread(target=lambda inp=inp: results.__setitem__(inp.step, svc.train_step(inp)))
+                   for inp in (later, earlier)]
+        threads[0].start()
+        threads[0].join(0.3)  # the later one waits first, so it takes the turn first
+        threads[1].start()
+    for t in threads:
+        t.join(60)
+    assert (results[1].step, results[2].step, svc.step) == (2, 3, 3)
+    assert (results[1].metrics.consumed_twice, results[2].metrics.consumed_twice) == (0, 0)
+    assert [results[1].metrics.loss, results[2].metrics.loss] == pytest.approx([want[1].metrics.loss, want[2].metrics.loss])
+    assert all(torch.equal(a, b) for a, b in zip(svc.trainer.policy_state_dict().values(),
+                                                   in_order.trainer.policy_state_dict().values(), strict=True))
+
+
+def test_a_step_queued_behind_the_running_one_declines_once_the_trainer_is_on_notice(setup):
+    """The running step ends with its deadline checkpoint; the one queued behind it is retried on the next trainer
+    instead of running past the notice."""
+    import threading
+
+    from laminar.errors import TrainerLeavingError
+    from laminar.notice import Notice
+
+    store, trajs, home = setup
+    notice = Notice()
+    batches = [_batch(trajs, "r", 10 * i) for i in range(2)]
+    svc = TrainerService(store, home, notice=notice)
+    svc.train_step(_input("r", 0, batches[0]))
+    errors: list[BaseException] = []
+
+    def queued():
+        try:
+            svc.train_step(dataclasses.replace(_input("r", 1, batches[1], replay=batches[:1]), ahead=True))
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            errors.append(e)
+
+    with svc._turn():
+        t = threading.Thread(target=queued)
+        t.start()
+        t.join(0.5)
+        notice.give(30.0, "SIGTERM")
+    t.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], TrainerLeavingError) and "SIGTERM" in str(errors[0])
+    assert svc.step == 1  # it trained nothing

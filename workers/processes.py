@@ -1,7 +1,8 @@
 """Worker process entry points: one process per role (`laminar worker {control,trainer,rollout,relay}`).
 
 - control: TrainingRunWorkflow (and the slot pool, workflows/pool.py) on `laminar-control` (workflow tasks only; never waits behind GPU work).
-- trainer: `init_trainer` / `train_step` on `laminar-trainer`, one slot, model kept in memory.
+- trainer: `init_trainer` / `train_step` on `laminar-trainer`, two slots (the running step and the one scheduled
+  behind it, which waits its turn in the service), model kept in memory.
 - rollout: `run_rollout_replica` on the shared `laminar-rollout` queue, `slots` replicas at once.
 - relay: a RelayServer (data plane) plus `run_relay` on `laminar-relay-<host_id>`.
 """
@@ -17,6 +18,7 @@ from datetime import timedelta
 
 from temporalio.worker import Worker
 
+from activities.evaluation import EvalActivities
 from activities.faults import FaultActivities
 from activities.heartbeat import HEARTBEAT_THROTTLE
 from activities.relay import RelayActivities
@@ -111,9 +113,10 @@ async def control(settings: Settings, allow_faults: bool = False) -> None:
     # than the task). The pool and drills, at a few tasks a minute, replay from scratch instead (max_cached_workflows=0):
     # no cached instance, no window (laminar.contract.WORKFLOW_TASK). They stay registered here too, for those
     # started on this queue before the split.
+    # record_eval: a closed eval round's record (activities/evaluation.py), one store write; async, no torch
     worker = Worker(client, task_queue=CONTROL_QUEUE,
                     workflows=[TrainingRunWorkflow, RecoveryDrillWorkflow, SlotPoolWorkflow],
-                    interceptors=interceptors)
+                    activities=[EvalActivities(store_for(settings), settings.home).record_eval], interceptors=interceptors)
     uncached = Worker(client, task_queue=CONTROL_UNCACHED_QUEUE, workflows=[RecoveryDrillWorkflow, SlotPoolWorkflow],
                       max_cached_workflows=0, interceptors=interceptors)
     # the repairer lives as long as the control worker: it resets runs whose workflow is wedged (services/repair.py)
@@ -144,6 +147,9 @@ def _repair_sweep_s() -> float:
     return value
 
 
+TRAINER_SLOTS = 2  # the running step and the one scheduled behind it (TRAIN_AHEAD = 1)
+
+
 async def trainer(settings: Settings, allow_faults: bool = False) -> None:
     import torch  # only the roles that compute import torch (a control or relay process starts in ~1 s)
 
@@ -158,8 +164,10 @@ async def trainer(settings: Settings, allow_faults: bool = False) -> None:
         client,
         task_queue=TRAINER_QUEUE,
         activities=[acts.init_trainer, acts.train_step, acts.train_steps, acts.republish],
-        activity_executor=ThreadPoolExecutor(max_workers=2),
-        max_concurrent_activities=1,
+        # Two slots: the step the workflow schedules ahead (workflows/trainer.py) starts while the one before it
+        # computes, reads its segments, and waits its turn in TrainerService; one thread more for heartbeats.
+        activity_executor=ThreadPoolExecutor(max_workers=TRAINER_SLOTS + 1),
+        max_concurrent_activities=TRAINER_SLOTS,
         max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
         graceful_shutdown_timeout=timedelta(seconds=settings.notice_s),
     )

@@ -9,8 +9,9 @@ the command functions of workflows/commands.py (`init_trainer`, `republish`, `st
 - One step at a time (a history from before patch `train-ahead`): `step` runs one trainer activity (one step, or,
   in stream mode, every minibatch step up to the batch's publish whose groups are complete) and commits it.
 - Train-ahead (patch `train-ahead`): `advance` commits the oldest trainer activity if it returned and schedules
-  the next ones whose batches are complete, up to TRAIN_AHEAD behind the running one. The trainer's queue runs one
-  activity at a time, so the next starts as the running one returns: no step waits for a workflow task. A step
+  the next ones whose batches are complete, up to TRAIN_AHEAD behind the running one. The trainer's worker takes
+  the next while the running one computes (two slots; services/trainer.py runs them one at a time), so the next
+  starts as the running one ends: no step waits for a workflow task or for the task queue. A step
   scheduled ahead counts against rollout.max_ready_groups (its groups stay ready until it commits), and its input
   is whole on its own (Ledger.train_inputs_after), so a trainer that restarts, or runs the two out of order after a
   crash, rewinds as for any step.
