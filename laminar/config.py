@@ -231,6 +231,13 @@ class TrainerSection(_Section):
     grad_clip: float = Field(1.0, gt=0.0, description="Max global gradient norm (L2).")
     eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip, lower (ratio 1-eps_low).")
     eps_high: float = Field(0.28, ge=0.0, le=10.0, description="Clip-higher, upper (ratio 1+eps_high).")
+    entropy_coef: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="Entropy bonus: the loss subtracts this times the policy's entropy per response token (nats), "
+        "in the same token mean (rl/grpo.py clipped_token_loss). 0: none. Keeps a long run from collapsing to one "
+        "answer per prompt, where every group's samples agree and nothing corrects the policy (examples/tiny.toml "
+        "uses 0.01).",
+    )
     off_policy: Literal["ppo", "tis", "decoupled"] = Field(
         "ppo",
         description="Off-policy correction (rl/grpo.py clipped_token_loss); pi_prox is the trainer's weights at "

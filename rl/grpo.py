@@ -68,6 +68,8 @@ def clipped_token_loss(
     eps_high: float,
     off_policy: OffPolicy = "ppo",
     tis_cap: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> LossParts:
     """PPO-clip loss with clip-higher, aggregated over tokens (sum over response tokens / their count).
 
@@ -87,6 +89,11 @@ def clipped_token_loss(
 
     For tis and decoupled the clip bounds the move away from pi_prox, so it can only bite once pi_theta has
     left pi_prox: from the second minibatch of a step on (trainer.minibatches > 1).
+
+    Entropy bonus: with entropy_coef > 0, entropy [B, T] (H(pi_theta) per position, carrying the gradient;
+    `token_entropy`) is rewarded per response token, -entropy_coef * H, unweighted, in the same token mean:
+    it keeps the policy from collapsing to one answer per prompt, where a group's samples agree, its advantages
+    are 0 and nothing corrects the policy any more (docs/decisions.md, 2026-12-02).
     """
     mask = mask.float()
     adv = advantages[:, None].expand_as(logp)
@@ -105,11 +112,20 @@ def clipped_token_loss(
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
     per_token = -weight * torch.minimum(unclipped, clipped)
+    if entropy_coef > 0:
+        if entropy is None:
+            raise ValueError(f"entropy_coef={entropy_coef} needs the per-token entropy (token_entropy of the logits)")
+        per_token = per_token - entropy_coef * entropy
     tokens = int(mask.sum().item())
     loss = (per_token * mask).sum() / max(tokens, 1)
     was_clipped = (clipped < unclipped) & (mask > 0)
     clip_fraction = float(was_clipped.sum().item()) / max(tokens, 1)
     return LossParts(loss=loss, clip_fraction=clip_fraction, tokens=tokens)
+
+
+def token_entropy(logp_all: torch.Tensor) -> torch.Tensor:
+    """[B, T, V] log-probabilities -> [B, T] entropy -sum_v p log p (differentiable; nats)."""
+    return -(logp_all.exp() * logp_all).sum(-1)
 
 
 @dataclass
