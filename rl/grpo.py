@@ -8,6 +8,7 @@ weights, KL), staleness = trainer version - sample version. See docs/architectur
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
@@ -45,6 +46,16 @@ def split_stale(
     hist = dict(sorted(Counter(s for s, k in zip(staleness, keep, strict=True) if k).items()))
     kept = [t for t, k in zip(trajectories, keep, strict=True) if k]
     return kept, hist, len(trajectories) - len(kept)
+
+
+def lr_factor(step: int, decay_steps: int, min_ratio: float) -> float:
+    """The learning rate at trainer step `step`, as a fraction of trainer.lr: cosine decay from 1 at step 0 to
+    min_ratio at step decay_steps, then held there; decay_steps 0: constant 1. A function of the step alone, so
+    a trainer restored from a checkpoint continues the schedule where the run was."""
+    if decay_steps <= 0:
+        return 1.0
+    x = min(max(step, 0), decay_steps) / decay_steps
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * x))
 
 
 OffPolicy = Literal["ppo", "tis", "decoupled"]

@@ -18,7 +18,7 @@ import torch
 from laminar.config import TrainerSection
 from laminar.errors import ConfigError
 from laminar.records import Trajectory
-from rl.grpo import behaviour_drift, clipped_token_loss, group_advantages, split_stale, token_entropy
+from rl.grpo import behaviour_drift, clipped_token_loss, group_advantages, lr_factor, split_stale, token_entropy
 from rl.model import CausalLM, load_model_state, model_state_dict
 
 
@@ -151,6 +151,9 @@ class Trainer:
         del logp_all
         drift = behaviour_drift(proximal_logp, batch.behaviour_logp, mask, cfg.tis_cap)
 
+        lr = cfg.lr * lr_factor(trainer_version, cfg.lr_decay_steps, cfg.lr_min_ratio)
+        for group in self.optim.param_groups:
+            group["lr"] = lr
         loss_sum, clipped, grad_norms = 0.0, 0.0, []
         for minibatch in chunks:
             rows = minibatch[self.rank :: self.world]  # this rank's share (all of it in one process)

@@ -13,7 +13,7 @@ import torch
 from laminar.config import RunConfig, TrainerSection
 from laminar.errors import ConfigError
 from laminar.records import Trajectory
-from rl.grpo import behaviour_drift, clipped_token_loss, group_advantages, split_stale, token_entropy
+from rl.grpo import behaviour_drift, clipped_token_loss, group_advantages, lr_factor, split_stale, token_entropy
 from rl.model import build_model, bytes_to_state_dict, model_state_dict, state_dict_to_bytes
 from rl.trainer import Trainer
 
@@ -108,6 +108,23 @@ def test_entropy_bonus_moves_a_policy_with_no_signal_towards_more_entropy() -> N
     m1 = trainer.step(batch, trainer_version=0)
     m2 = trainer.step(batch, trainer_version=1)
     assert m1.grad_norm > 0 and m1.entropy == pytest.approx(m0.entropy) and m2.entropy > m1.entropy
+
+
+def test_lr_factor_hand_worked() -> None:
+    # cosine from 1 to 0.1 over 100 steps: 0.1 + 0.9 * (1 + cos(pi * x)) / 2 -> x = 0.5: 0.55, x = 0.25: 0.1 + 0.9 * 0.8536 = 0.8682
+    assert [lr_factor(s, 100, 0.1) for s in (0, 25, 50, 100, 5000)] == pytest.approx([1.0, 0.8682, 0.55, 0.1, 0.1],
+                                                                                  abs=1e-4)
+    assert lr_factor(7, 0, 0.1) == 1.0  # no decay: constant
+
+
+def test_trainer_takes_the_learning_rate_of_the_step_it_trains_from() -> None:
+    """The schedule is a function of trainer_version only: a restored trainer (or a redone step) gets the same lr."""
+    model = build_model(HF, seed=0)
+    trainer = Trainer(model, TrainerSection(lr=1e-2, lr_decay_steps=100, lr_min_ratio=0.1), group_size=3)
+    trainer.step(on_policy_batch(model, version=50), trainer_version=50)
+    assert trainer.optim.param_groups[0]["lr"] == pytest.approx(0.0055)
+    trainer.step(on_policy_batch(model, version=400), trainer_version=400)
+    assert trainer.optim.param_groups[0]["lr"] == pytest.approx(0.001)
 
 
 # Four tokens as a later minibatch sees them: the trainer's weights have moved from pi_prox (ratio
