@@ -243,9 +243,8 @@ class TrainerSection(_Section):
     entropy_coef: float = Field(
         0.0, ge=0.0, le=1.0,
         description="Entropy bonus: the loss subtracts this times the policy's entropy per response token (nats), "
-        "in the same token mean (rl/grpo.py clipped_token_loss). 0: none. Keeps a long run from collapsing to one "
-        "answer per prompt, where every group's samples agree and nothing corrects the policy (examples/tiny.toml "
-        "uses 0.01).",
+        "in the same token mean (rl/grpo.py clipped_token_loss). 0: none. Counters the collapse to one answer per "
+        "prompt, where every group's samples agree and the step has no signal.",
     )
     off_policy: Literal["ppo", "tis", "decoupled"] = Field(
         "ppo",
