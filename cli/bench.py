@@ -5,11 +5,14 @@
     laminar bench overhead [CONFIG] [--steps N] [--json PATH]
     laminar bench throughput --modes laminar,sync,one_step,stream,partial_rollout --replicas 8
         [--engine modelled|torch] [--workload long_tail|uniform|tools|both|all] [--iterations N] [--json PATH] [--plot PATH]
+    laminar bench control (--sim SIM.json ... [--scale 1,2,4] | --replicas 80 --groups-per-s 10 [--slots 64])
+        [--duration 60s] [--warmup 10s] [--updates-per-segment N] [--port N] [--json PATH]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -309,4 +312,157 @@ def render_throughput_table(report: dict) -> Table:
         table.add_column(header, justify="left" if header in ("mode", "workload") else "right")
     for row in table_rows(report):
         table.add_row(*row)
+    return table
+
+
+@bench_app.command("control")
+def control_bench(
+    sim: list[Path] = typer.Option([], "--sim", help="A `laminar simulate --json` report (repeatable): the heaviest "
+                                   "cell of all their rows (most predicted updates/s) is run at each --scale."),
+    scale: str = typer.Option("1,2,4", help="With --sim: multiples of the heaviest cell (replicas and groups/s)."),
+    replicas: str | None = typer.Option(None, help="Without --sim: replica counts, comma-separated, one cell each."),
+    groups_per_s: float | None = typer.Option(None, "--groups-per-s", help="Without --sim: groups finished per "
+                                              "second by all replicas together, per cell (scaled with replicas "
+                                              "from the first count)."),
+    slots: int = typer.Option(64, min=1, help="Without --sim: groups in flight per replica."),
+    step: str = typer.Option("0s", "--step", help=f"Without --sim: the stub trainer's time per step ({DURATION_HELP})."),
+    groups_per_step: int = typer.Option(512, min=1, help="Without --sim: trainer.groups_per_step."),
+    duration_opt: str = typer.Option("60s", "--duration", help=f"Measurement window per cell ({DURATION_HELP})."),
+    warmup: str = typer.Option("10s", help=f"After every replica claimed, before the window ({DURATION_HELP})."),
+    updates_per_segment: int | None = typer.Option(None, min=10, help="Override run.updates_per_segment "
+                                                   "(default: the config's)."),
+    port: int | None = typer.Option(None, help="The dev stack's Temporal port, if this command starts it "
+                                    "(default: 7233 when free)."),
+    dynamic_config: list[str] = typer.Option([], "--dynamic-config", help="KEY=VALUE (repeatable): run on a Temporal "
+                                             "dev server of the bench's own, started as the dev stack's (SQLite, "
+                                             "same flags) with these dynamic config values, e.g. "
+                                             "history.maxInFlightUpdates=100."),
+    seed: int = typer.Option(0, help="Seed of the lease hold times."),
+    contact: str | None = typer.Option(None, "--contact", help="A what-if: the synthetic replicas contact the "
+                                       f"workflow this often when busy ({DURATION_HELP}; default: the real "
+                                       "replica's ReplicaTiming.contact_s)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the report as JSON here."),
+) -> None:
+    """What one run's workflow carries: the real TrainingRunWorkflow on the dev stack's Temporal server, R synthetic
+    replicas (real updates, real cadence, no model) and a stub trainer; update latency per name, workflow task
+    latency, CPU of server and control worker, history events/s, continue-as-new hand-overs, groups lost and
+    consumed twice (docs/benchmarks/control.md)."""
+    import asyncio
+
+    from bench.control import BenchOptions, run_bench
+    from bench.control_plan import Cell, cell_from_sim, done_when, heaviest
+    from cli.options import parse_duration
+    from client.exit import stop_like_ctrl_c
+    from client.settings import Settings
+    from devstack.stack import DevStack
+
+    try:
+        opts = BenchOptions(duration_s=parse_duration(duration_opt, "--duration"),
+                            warmup_s=parse_duration(warmup, "--warmup", allow_zero=True),
+                            updates_per_segment=updates_per_segment, seed=seed,
+                            contact_s=None if contact is None else parse_duration(contact, "--contact"))
+        step_s = parse_duration(step, "--step", allow_zero=True)
+        if sim:
+            from sim.params import WORKLOADS
+            cells = []
+            for path in sim:
+                report = json.loads(path.read_text())
+                w = WORKLOADS[report.get("config", {}).get("workload", "math")]
+                cells += [cell_from_sim(r, w.prompts_per_batch, w.group_size, w.max_inflight_per_replica)
+                          for r in report["rows"]]
+            top = heaviest(cells)
+            cells = [top.scaled(float(k)) for k in _csv_floats(scale, "--scale")]
+        elif replicas and groups_per_s:
+            counts = parse_counts(replicas)
+            cells = [Cell(label=f"R={n}", replicas=n, groups_per_s=groups_per_s * n / counts[0], slots=slots,
+                          groups_per_step=groups_per_step, step_s=step_s) for n in counts]
+        else:
+            raise ConfigError("give --sim SIM.json (from `laminar simulate --json`) or both --replicas and "
+                              "--groups-per-s")
+    except (ConfigError, ValueError, OSError, KeyError) as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    bad = [v for v in dynamic_config if "=" not in v or not v.split("=", 1)[0].strip()]
+    if bad:
+        err.print(f"[red]error:[/red] --dynamic-config {bad[0]!r}: give KEY=VALUE, e.g. history.maxInFlightUpdates=100")
+        raise typer.Exit(2)
+    stop_like_ctrl_c()  # SIGTERM too: its control worker and runs end with it
+    from chaos.checker import check_accounting
+
+    home = Settings.from_env().home
+    stack, started, own = DevStack(home), False, None
+    try:
+        if dynamic_config:
+            from bench.control import start_own_server, wait_for_server
+            own, address = start_own_server(home, dynamic_config)
+            asyncio.run(wait_for_server(address))
+            settings, pid = Settings.from_env({**os.environ, "LAMINAR_TEMPORAL_ADDRESS": address}), own.pid
+            err.print(f"[dim]own temporal={address} (pid {pid}) with {' '.join(dynamic_config)}[/dim]")
+        else:
+            info, started = stack.ensure_up(ui=False, port=port)
+            settings, pid = Settings.from_env(), info.temporal_pid
+            err.print(f"[dim]temporal={info.temporal_address} (pid {pid}) home={home}[/dim]")
+        report = asyncio.run(run_bench(cells, opts, settings, pid,
+                                       lambda m: err.print(m, highlight=False, soft_wrap=True), check_accounting))
+        report["config"]["dynamic_config"] = list(dynamic_config)
+    except LaminarError as exc:
+        err.print(f"[red]control benchmark failed:[/red] {exc}")
+        raise typer.Exit(1) from None
+    finally:
+        if started:
+            stack.down()
+        if own is not None:
+            from bench.control import stop_process
+            stop_process(own)
+    Console(width=max(console.width, 200)).print(render_control_table(report))  # 19 columns: never squeezed
+    for r in report["results"]:
+        if r.get("error"):
+            console.print(f"MISS {r['cell']}: {r['error']}")
+            continue
+        for what, holds, value in done_when(r):
+            console.print(f"{'ok  ' if holds else 'MISS'} {r['cell']}: {what} ({value})")
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+
+
+def _csv_floats(text: str, what: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) <= 0:
+        raise ConfigError(f"{what} {text!r} is not a comma-separated list of numbers > 0, e.g. 1,2,4")
+    return out
+
+
+def render_control_table(report: dict) -> Table:
+    table = Table(title=f"control plane: one TrainingRunWorkflow, {report['config']['cpus']} CPUs, "
+                        f"{report['config']['duration_s']:g} s per cell ({report['config']['date']})")
+    for col in ("cell", "R", "groups/s", "updates/s (pred.)", "p50 ms", "p99 ms", "max ms", "wf task p99 ms",
+                "server CPU", "control CPU", "bench CPU", "CPU ms/update server, control", "server MiB", "events/s",
+                "CAN every s", "hand-over s", "written", "lost", "twice", "load"):
+        table.add_column(col, justify="right")
+
+    def ms(v):
+        return "-" if v is None else f"{v * 1000:.0f}"
+
+    def f(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+
+    for r in report["results"]:
+        if r.get("error"):
+            table.add_row(r["cell"], str(r["replicas"]), *["-"] * 17, f"failed: {r['error'][:60]}")
+            continue
+        a, can, per = r["all_updates"], r["continue_as_new"], r["cpu_ms_per_update"]
+        table.add_row(r["cell"], str(r["replicas"]), f"{r['groups_per_s_target']:.1f}",
+                      f"{r['updates_per_s']:.0f} ({r['predicted_updates_per_s']:.0f})", ms(a["p50_s"]), ms(a["p99_s"]),
+                      ms(a["max_s"]), ms(r["workflow_task"]["schedule_to_complete"]["p99_s"]),
+                      f(r["cpu_cores"]["temporal_server"]), f(r["cpu_cores"]["control_worker"]),
+                      f(r["cpu_cores"]["bench_process"]),
+                      f"{f(per['temporal_server'], '{:.1f}')}, {f(per['control_worker'], '{:.1f}')}",
+                      f(r["server_rss_mib"]["max"], "{:.0f}"),
+                      f"{r['history_events_per_s']:.0f}", f(can["interval_s"]["p50_s"], "{:.0f}"),
+                      f(can["stall_s"]["p50_s"]), str(can["groups_written_total"]), str(r["groups_lost"]),
+                      str(r["groups_consumed_twice"]), f(r["load_avg_1m"]["mean"]))
     return table

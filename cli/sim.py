@@ -157,6 +157,11 @@ def simulate_command(
     repack: str = typer.Option("on", help="Dynamic repack in laminar mode: on or off."),
     iterations: int = typer.Option(8, min=2, help="Global batches per final run."),
     warmup: int = typer.Option(3, min=1, help="Of which excluded from the metrics (warm-up)."),
+    control_plane: str = typer.Option("on", "--control-plane", help="on: replicas claim and report through one "
+                                      "workflow that serves one update at a time, at the measured costs "
+                                      "(sim/params.py CONTROL_*), and hand over at each continue-as-new; "
+                                      "no-handover: the same without the hand-overs; off: a control plane that "
+                                      "answers at once."),
     relay_bench: Path | None = typer.Option(None, "--relay-bench", help="Relay chain bandwidths from a `laminar "
                                             "bench relay --json` report (e.g. docs/relay-bench.json)."),
     fail: list[str] = typer.Option([], "--fail", help="KIND@TIME (rollout, relay, trainer, preempt; TIME as 10m "
@@ -180,6 +185,10 @@ def simulate_command(
         return
     if repack not in ("on", "off"):
         raise typer.BadParameter(f"--repack {repack!r}: use on or off")
+    from sim.scenarios import CONTROL_PLANES
+
+    if control_plane not in CONTROL_PLANES:
+        raise typer.BadParameter(f"--control-plane {control_plane!r}: use one of {', '.join(CONTROL_PLANES)}")
     if warmup >= iterations:
         raise typer.BadParameter(f"--warmup {warmup} leaves no measured batch of --iterations {iterations}")
     link = RelayLink()
@@ -190,7 +199,7 @@ def simulate_command(
             raise typer.BadParameter(str(e)) from None
     spec = SweepSpec(model=_check_model(model), gpus=_ints(gpus, "--gpus") if gpus else (), modes=mode_list,
                      workload=_check_workload(workload), repack=repack == "on", iterations=iterations,
-                     warmup=warmup, link=link)
+                     warmup=warmup, link=link, control_plane=control_plane)
     failures = [parse_failure(f) for f in fail]
     t0 = time.perf_counter()
     if failures:
@@ -250,12 +259,9 @@ KV_BINDS_CAPACITY = 16640
 
 def replica_timing():
     """The real replica loop's intervals (services/rollout/timing.py), for the simulator's control plane."""
-    from services.rollout.timing import TIMING
-    from sim.core import ControlTiming
+    from sim.scenarios import control_timing
 
-    return ControlTiming(TIMING.version_poll_s, TIMING.version_wait_poll_s, TIMING.claim_poll_s,
-                         TIMING.idle_claim_max_s, TIMING.claim_min_groups, TIMING.report_min_groups,
-                         TIMING.report_max_wait_s, TIMING.contact_s)
+    return control_timing()
 
 
 def simulate_like_bench(cfg, iterations: int) -> dict[str, Any]:

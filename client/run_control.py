@@ -344,6 +344,21 @@ def render_pool(p: PoolStatus) -> Table:
     return t
 
 
+def _eval_rows(st: RunStatus) -> dict[str, str]:
+    """Held-out eval rounds during training (workflows/evaluation.py): the last closed one and the open ones."""
+    if not st.eval_done and not st.eval_pending:
+        return {}
+    rows = {}
+    if st.eval_done:
+        last = st.eval_done[-1]
+        s = last.summary
+        rows["eval (last)"] = (f"version {last.policy_version}: accuracy {s.accuracy:.3f} +- {s.accuracy_stderr:.3f}, "
+                               f"pass@{s.samples} {s.pass_at_k:.3f}, {s.prompts} prompts, {s.failures} failed"
+                               + ("" if last.recorded else " (record not stored yet)"))
+    rows["eval rounds open"] = ", ".join(f"version {v}: {n} prompts to score" for v, n in st.eval_pending.items()) or "-"
+    return rows
+
+
 def render_status(st: RunStatus) -> Table:
     t = Table(title=f"run {st.run_id}", show_header=False)
     rows = {
@@ -372,6 +387,7 @@ def render_status(st: RunStatus) -> Table:
         "relays (target/in chain)": f"{st.relays_target}/{len(st.relays)}: "
                                     + (", ".join(f"{r.relay_id}@{r.address}" for r in st.relays) or "-"),
         "latest checkpoint": st.checkpoints[-1].step if st.checkpoints else "-",
+        **_eval_rows(st),
     }
     stall = watchdog.stall_line(st, time.time())  # the workflow's `at` times are the server's clock
     if stall:

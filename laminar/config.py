@@ -445,24 +445,31 @@ class EvalSection(_Section):
         description="Sampling temperature (unitless); 0: greedy (the most likely token), the default.")
     every_steps: int = Field(
         0, ge=0, le=1_000_000,
-        description="During training: evaluate the policy version of every this many steps (steps); 0: never.")
+        description="During training: evaluate the policy version of every this many steps (steps); 0: never. Each "
+        "due version is an eval round on the rollout replicas (their eval engines, beside training), recorded under "
+        "runs/<id>/evals/ (docs/evaluation.md).")
     at_start: bool = Field(False, description="During training: evaluate policy version 0 (the base model).")
-    at_end: bool = Field(False, description="During training: evaluate the last policy version.")
+    at_end: bool = Field(False, description="During training: evaluate the last policy version (the run waits for "
+                         "that round, at most 5 minutes, before it finishes).")
     pass_threshold: float = Field(
         1.0, gt=0.0, le=1.0,
         description="A sample passes when its reward is at least this (reward units; the math task's 1.0 is a "
         "right answer).")
 
     @model_validator(mode="after")
-    def _not_during_training_yet(self) -> EvalSection:
-        """Eval rounds during a run are designed (workflows/eval_rounds.py) but not wired: refuse them rather than
-        accept settings that do nothing."""
-        asked = [f for f, on in (("eval.every_steps", self.every_steps), ("eval.at_start", self.at_start),
-                                 ("eval.at_end", self.at_end)) if on]
-        if asked:
-            raise ValueError(f"{', '.join(asked)}: evaluation during training is not available yet; evaluate "
-                             "committed checkpoints with `laminar eval CONFIG --checkpoint RUN_ID@STEP` instead")
+    def _small_enough_during_training(self) -> EvalSection:
+        """An eval round's results ride in the run's workflow state until their record is stored: bounded."""
+        during = self.every_steps > 0 or self.at_start or self.at_end
+        if during and self.size * self.samples > EVAL_ROUND_MAX_SAMPLES:
+            raise ValueError(
+                f"eval.size * eval.samples = {self.size} * {self.samples} = {self.size * self.samples} is more than "
+                f"{EVAL_ROUND_MAX_SAMPLES} samples per eval round during training (eval.every_steps, at_start, "
+                "at_end); lower eval.size or eval.samples, or evaluate the checkpoints afterwards with `laminar eval "
+                "CONFIG --checkpoint RUN_ID@STEP`")
         return self
+
+
+EVAL_ROUND_MAX_SAMPLES = 8192  # samples (size x samples) an eval round during training may hold (count)
 
 
 class TrackingSection(_Section):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
+from laminar.evalstats import EvalSummary, PromptResult
 from laminar.refs import CheckpointRef, SegmentRef
 
 # -- names ------------------------------------------------------------------------------------
@@ -38,6 +39,7 @@ TRAIN_STEP = "train_step"
 TRAIN_STEPS = "train_steps"
 REPUBLISH = "republish"
 RUN_ROLLOUT_REPLICA = "run_rollout_replica"
+RECORD_EVAL = "record_eval"  # control queue: store a closed eval round's record (activities/evaluation.py)
 RUN_RELAY = "run_relay"
 # activities: recovery drills (the `laminar drill` process, and each worker's own fault queue)
 PLAN_DRILL = "plan_drill"
@@ -222,6 +224,32 @@ class ClaimPromptsInput:
     handoff: Handoff | None = None  # repack: a source hands its stopped groups over
     taken: list[Taken] = field(default_factory=list)  # repack: a destination acknowledges incoming groups
     departure: Departure | None = None  # the replica leaves: its groups go to others (no leases are given)
+    # held-out evaluation during training (workflows/evaluation.py): the size of the eval set this replica renders
+    # (0: it evaluates nothing), eval prompts it can take now, the eval leases it holds (any other leased to it goes
+    # back to its round), results scored since its last claim, and versions it could not load (no relay held them)
+    eval_set: int = 0
+    eval_room: int = 0
+    eval_holding: list[EvalLease] = field(default_factory=list)
+    eval_results: list[EvalReport] = field(default_factory=list)
+    eval_unloadable: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, order=True)
+class EvalLease:
+    """workflow -> replica: score prompt `index` of the eval set with policy version `policy_version` (its
+    eval.samples samples at eval.temperature). Never a training prompt: no group id, never in the ledger."""
+
+    policy_version: int
+    index: int
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """replica -> workflow (in a claim): one eval lease's result, scored with the training reward."""
+
+    policy_version: int
+    index: int
+    result: PromptResult
 
 
 @dataclass(frozen=True)
@@ -248,6 +276,7 @@ class ClaimPromptsResult:
     incoming: list[Incoming] = field(default_factory=list)  # repack: this replica is a destination
     hold_version: int = -1  # repack: a migration to this replica is on its way: keep this version loaded
     trainer_starved: bool = False  # the trainer waits for groups: report each complete group at once
+    eval_leases: list[EvalLease] = field(default_factory=list)  # held-out prompts to score (workflows/evaluation.py)
 
 
 @dataclass(frozen=True)
@@ -569,6 +598,38 @@ class RunStatus:
     # when that is less than it asks, the pool's reason
     replicas_granted: int = -1
     grant_note: str = ""
+    # held-out evaluation during training (workflows/evaluation.py): open rounds (policy version -> prompts not
+    # scored yet) and the most recent closed ones, last last
+    eval_pending: dict[str, int] = field(default_factory=dict)
+    eval_done: list[EvalRoundStatus] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EvalRoundStatus:
+    """A closed eval round: its figures (laminar/evalstats.py), results reported twice and ignored, leases that went
+    back to it, when it opened and closed (workflow time), and whether its record is in the store (runs/<id>/evals/step-<version>.json)."""
+
+    policy_version: int
+    summary: EvalSummary
+    duplicates: int = 0
+    opened_at: float = 0.0
+    closed_at: float = 0.0
+    recorded: bool = False
+    releases: int = 0  # leases that went back to the round (a replica died, left, or lost its answer)
+
+
+@dataclass(frozen=True)
+class RecordEvalInput:
+    """workflow -> control worker (activity `record_eval`): a closed eval round's results, stored as the record
+    `laminar eval` writes (services/evaluate.py store_record); a retry writes the same record again."""
+
+    run_id: str
+    config: dict[str, Any]  # the RunConfig as JSON (the record's settings)
+    policy_version: int
+    results: list[PromptResult]
+    wall_s: float  # from the round's opening to its last result (workflow time)
+    duplicates: int = 0
+    releases: int = 0  # leases that went back to the round (a replica died, left, or lost its answer)
 
 
 @dataclass(frozen=True)

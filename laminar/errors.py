@@ -43,6 +43,10 @@ class StepOutOfTurnError(LaminarError):
     """A trainer step scheduled ahead reached a trainer not at the step before it, on its first attempt (retried)."""
 
 
+class TrainerLeavingError(LaminarError):
+    """A trainer step that waited behind the running one found the trainer leaving on notice (retried elsewhere)."""
+
+
 class RunLostError(LaminarError):
     """Temporal no longer has a run's workflow that was going, or that the store holds records of: the server's
     state of the run was lost (a reset or replaced database)."""

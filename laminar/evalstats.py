@@ -60,3 +60,14 @@ def summarise(results: list[PromptResult], samples: int, threshold: float) -> Ev
         mean_at_k=sum(per_prompt_mean) / n_prompts if n_prompts else 0.0,
         mean_reward=sum(scored) / len(scored) if scored else 0.0,
         response_len_mean=sum(lengths) / len(lengths) if lengths else 0.0, failures=failures)
+
+
+def due_versions(steps: int, every_steps: int, at_start: bool, at_end: bool) -> list[int]:
+    """The policy versions a run of `steps` steps evaluates, ascending.
+    Worked example: steps 25, every 10, start and end -> [0, 10, 20, 25]."""
+    due = set(range(every_steps, steps + 1, every_steps)) if every_steps > 0 else set()
+    if at_start:
+        due.add(0)
+    if at_end:
+        due.add(steps)
+    return sorted(due)

@@ -3,7 +3,7 @@
 One registry per process (prometheus_client's default, which also carries the process_* and python_*
 collectors); each process serves only what it measures, so a name appears on the endpoint of the
 process that owns it: `laminar_trainer_*` on the trainer, `laminar_rollout_*` and `laminar_control_*`
-on rollout workers, `laminar_relay_*` on relays. Every endpoint has `laminar_process_info` (process,
+on rollout workers, `laminar_eval_*` on the control worker, `laminar_relay_*` on relays. Every endpoint has `laminar_process_info` (process,
 role, host). A relay counts the bytes it received and the bytes it forwarded down the chain (relay/forwarder.py,
 where a forward completes). Names follow the Prometheus conventions: counters end in `_total`, times are `_seconds`,
 sizes `_bytes`, shares `_ratio`. Values are updated where the code already computes them; nothing here
@@ -31,9 +31,15 @@ reads a clock or the store.
 | laminar_rollout_weight_load_seconds | histogram | replica, via | time to load a version (shared_memory or tcp) |
 | laminar_rollout_group_retries_total | counter | replica, reason | groups generated again after a failed reward or generation (reason: envs/tasks/scoring.py) |
 | laminar_rollout_groups_failed_total | counter | replica, reason | groups dropped after task.max_group_retries retries (never trained on; groups_failed in the run status) |
+| laminar_rollout_eval_prompts_scored_total | counter | replica | held-out eval prompts the replica scored during training (all their samples) |
 | laminar_control_update_seconds | histogram | update | round trip of a claim_prompts or add_experience update, as the replica measured it (a report includes writing its segment) |
 | laminar_control_update_retries_total | counter | update | update attempts that failed (server or control worker unreachable) and were sent again |
 | laminar_control_workflow_resets_total | counter | run | wedged run workflows this control worker's repairer reset (services/repair.py) |
+| laminar_eval_accuracy_ratio | gauge | run | held-out accuracy (pass@1) of the run's last recorded eval round (control worker: it stores the records) |
+| laminar_eval_accuracy_stderr_ratio | gauge | run | that accuracy's standard error over the eval prompts |
+| laminar_eval_policy_version | gauge | run | policy version of the last recorded eval round |
+| laminar_eval_rounds_recorded_total | counter | run | eval rounds whose record this control worker stored |
+| laminar_eval_failed_samples_total | counter | run | eval samples whose generation or reward failed (scored 0 and counted) |
 | laminar_relay_received_bytes_total | counter | relay | version bytes received (from the trainer or the previous relay) |
 | laminar_relay_forwarded_bytes_total | counter | relay | version bytes forwarded to the next relay of the chain |
 | laminar_relay_versions_held | gauge | relay | versions the relay holds in shared memory |
@@ -106,6 +112,28 @@ CONTROL_UPDATE_RETRIES = Counter("laminar_control_update_retries",
 
 CONTROL_WORKFLOW_RESETS = Counter("laminar_control_workflow_resets", "Wedged run workflows reset by the repairer.",
                                   ["run"])
+
+# held-out eval rounds during training: set by the control worker's record_eval (activities/evaluation.py), the one
+# writer of eval records; the replicas count the eval prompts they score
+EVAL_ACCURACY = Gauge("laminar_eval_accuracy_ratio", "Held-out accuracy (pass@1) of the last recorded eval round.",
+                      ["run"])
+EVAL_STDERR = Gauge("laminar_eval_accuracy_stderr_ratio", "Standard error of that accuracy over the eval prompts.",
+                    ["run"])
+EVAL_VERSION = Gauge("laminar_eval_policy_version", "Policy version of the last recorded eval round.", ["run"])
+EVAL_ROUNDS = Counter("laminar_eval_rounds_recorded", "Eval rounds whose record this process stored.", ["run"])
+EVAL_FAILED_SAMPLES = Counter("laminar_eval_failed_samples",
+                              "Eval samples whose generation or reward failed (scored 0, counted).", ["run"])
+ROLLOUT_EVAL_PROMPTS = Counter("laminar_rollout_eval_prompts_scored", "Eval prompts scored (all their samples).",
+                               ["replica"])
+
+
+def observe_eval(run_id: str, policy_version: int, accuracy: float, stderr: float, failures: int) -> None:
+    EVAL_ACCURACY.labels(run_id).set(accuracy)
+    EVAL_STDERR.labels(run_id).set(stderr)
+    EVAL_VERSION.labels(run_id).set(policy_version)
+    EVAL_ROUNDS.labels(run_id).inc()
+    EVAL_FAILED_SAMPLES.labels(run_id).inc(failures)
+
 
 UPDATES = {"claim": contract.CLAIM_PROMPTS, "report": contract.ADD_EXPERIENCE}  # the replica's call kinds -> update names
 

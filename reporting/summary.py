@@ -127,6 +127,8 @@ def build_summary(status: RunStatus, store: ObjectStore, wall_s: float, started_
         "tracker_skipped": (metrics[-1].get("tracker_skipped") or {}) if metrics else {},
         # held-out evals recorded so far (laminar eval; eval rounds): version, accuracy, its standard error, prompts
         "evals": eval_lines(store, status.run_id),
+        # eval rounds during training still open at the summary (policy version -> prompts not scored)
+        "eval_rounds_pending": dict(status.eval_pending),
         # seconds from the run's start to each step's end (time to reward)
         **({"step_end_s": [round(r["time"] - started_at, 3) for r in metrics]} if started_at is not None else {}),
         **({"profile": profile} if profile is not None else {}),
@@ -138,7 +140,8 @@ def eval_lines(store: ObjectStore, run_id: str) -> list[dict[str, Any]]:
 
     return [{"policy_version": e["policy_version"], "accuracy": round(e["accuracy"], 4),
              "accuracy_stderr": round(e.get("accuracy_stderr", 0.0), 4), "prompts": e["prompts"],
-             "samples": e["samples"]} for e in eval_records(store, run_id)]
+             "samples": e["samples"], "pass_at_k": round(e.get("pass_at_k", 0.0), 4), "failures": e.get("failures", 0),
+             "during_training": bool(e.get("during_training"))} for e in eval_records(store, run_id)]
 
 
 def tool_stats(metrics: list[dict[str, Any]]) -> dict[str, Any]:

@@ -46,28 +46,70 @@ def eval_prompts(task: Any, section: EvalSection, prompts_file: str = "") -> lis
 def generate_and_score(engine: Any, task: Any, prompts: list[Prompt], samples: int,
                        reward_timeout_s: float) -> list[PromptResult]:
     """Every prompt's `samples` responses from the engine (continuous batching), each scored once."""
-    from envs.tasks.scoring import score
+    batch = EvalBatch(engine, task, samples, reward_timeout_s)
+    for i, prompt in enumerate(prompts):
+        batch.add(i, prompt)
+    while batch.busy():
+        batch.step()
+    return [batch.results[i] for i in range(len(prompts))]
 
-    results = [PromptResult(id=p.source_id or str(p.prompt_id)) for p in prompts]
-    pending = [(i, k) for i in range(len(prompts)) for k in range(samples)]
-    pending.reverse()
-    while pending or engine.in_flight():
-        while pending and engine.free_slots():
-            i, k = pending.pop()
+
+class EvalBatch:
+    """Eval prompts through an engine, one engine step at a time: each prompt's `samples` samples, each scored once
+    with the training reward; a prompt is done when all its samples are scored or failed. `laminar eval` runs it to
+    the end (generate_and_score); a rollout replica steps it between its own steps (services/rollout/evaluation.py)."""
+
+    def __init__(self, engine: Any, task: Any, samples: int, reward_timeout_s: float) -> None:
+        self.engine, self.task, self.samples, self.reward_timeout_s = engine, task, samples, reward_timeout_s
+        self.prompts: dict[Any, Prompt] = {}
+        self.results: dict[Any, PromptResult] = {}
+        self.queue: list[tuple[Any, int]] = []  # (key, sample) not yet in the engine, next last
+
+    def add(self, key: Any, prompt: Prompt) -> None:
+        self.prompts[key] = prompt
+        self.results[key] = PromptResult(id=prompt.source_id or str(prompt.prompt_id))
+        self.queue[:0] = [(key, k) for k in reversed(range(self.samples))]
+
+    def busy(self) -> bool:
+        return bool(self.queue) or self.engine.in_flight() > 0
+
+    def done(self, key: Any) -> bool:
+        return len(self.results[key].rewards) == self.samples
+
+    def step(self) -> list[Any]:
+        """Admit what fits, one engine step, score what finished; the keys completed by it."""
+        from envs.tasks.scoring import score
+
+        touched = []
+        while self.queue and self.engine.free_slots():
+            key, k = self.queue.pop()
             try:
-                engine.add(f"{i}/{k}", prompts[i].token_ids)
+                self.engine.add(f"{_token(key)}/{k}", self.prompts[key].token_ids)
             except EngineError as e:
-                results[i].rewards.append(None)
-                results[i].failures.append(f"generation: {e}")
-        for f in engine.step():
-            i = int(f.request_id.split("/")[0])
-            results[i].lengths.append(len(f.response_ids))
+                self.results[key].rewards.append(None)
+                self.results[key].failures.append(f"generation: {e}")
+                touched.append(key)
+        keys = {_token(key): key for key in self.prompts}
+        for f in self.engine.step():
+            key = keys[f.request_id.rsplit("/", 1)[0]]
+            result = self.results[key]
+            result.lengths.append(len(f.response_ids))
             try:
-                results[i].rewards.append(score(task, prompts[i], f.response_ids, reward_timeout_s))
+                result.rewards.append(score(self.task, self.prompts[key], f.response_ids, self.reward_timeout_s))
             except RewardFailure as e:
-                results[i].rewards.append(None)
-                results[i].failures.append(f"{e.reason}: {e.detail}"[:200])
-    return results
+                result.rewards.append(None)
+                result.failures.append(f"{e.reason}: {e.detail}"[:200])
+            touched.append(key)
+        return [key for key in dict.fromkeys(touched) if self.done(key)]
+
+    def pop(self, key: Any) -> PromptResult:
+        """A done prompt's result, forgotten here."""
+        self.prompts.pop(key)
+        return self.results.pop(key)
+
+
+def _token(key: Any) -> str:
+    return "e" + "-".join(str(k) for k in key) if isinstance(key, tuple) else f"e{key}"
 
 
 def eval_record(cfg: RunConfig, summary: EvalSummary, results: list[PromptResult], *, run_id: str,

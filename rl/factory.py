@@ -79,6 +79,14 @@ def check_engines(cfg: RunConfig) -> RunConfig:
             "the modelled trainer has no weights to shard")
     if t.lora is not None:
         _check_lora(cfg)
+    e = cfg.eval
+    if (e.every_steps > 0 or e.at_start or e.at_end) and r.engine != "torch":
+        asked = ", ".join(f for f, on in (("eval.every_steps", e.every_steps), ("eval.at_start", e.at_start),
+                                          ("eval.at_end", e.at_end)) if on)
+        raise ConfigError(
+            f"{asked} with rollout.engine={r.engine!r}: evaluation during training runs on the torch engine's replicas "
+            "only (an eval engine beside the training one, services/rollout/evaluation.py); set rollout.engine = "
+            "'torch', or evaluate checkpoints afterwards with `laminar eval CONFIG --checkpoint RUN_ID@STEP`")
     return cfg
 
 

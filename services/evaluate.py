@@ -9,7 +9,6 @@ as a rollout replica builds them, so a checkpoint of a run that has ended evalua
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass
@@ -20,25 +19,16 @@ import torch
 
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, CorruptDataError
-from laminar.evalstats import EvalSummary, summarise
+from laminar.evalstats import EvalSummary
 from laminar.logs import get_logger
-from rl.evaluation import eval_prompts, eval_record, generate_and_score
-from storage import keys
+from rl.evaluation import eval_prompts, generate_and_score
+from services.eval_records import EvalTarget, store_record
 from storage.checkpoints import CheckpointStore, LoadedCheckpoint
 from storage.objects import ObjectStore
 
 log = get_logger(__name__)
 
 EVAL_SLOTS = 64  # sequences the one-process engine decodes at once (count)
-
-
-@dataclass(frozen=True)
-class EvalTarget:
-    """What is evaluated: the run whose records get the result, its policy version, and a label."""
-
-    run_id: str
-    policy_version: int
-    source: str
 
 
 @dataclass(frozen=True)
@@ -121,18 +111,6 @@ def evaluate(store: ObjectStore, cfg: RunConfig, checkpoint: str, prompts_file: 
     engine.load_weights(model_state_dict(model), target.policy_version)
     with torch.no_grad():
         results = generate_and_score(engine, task, prompts, cfg.eval.samples, cfg.task.reward_timeout_s)
-    summary = summarise(results, cfg.eval.samples, cfg.eval.pass_threshold)
     wall_s = time.perf_counter() - started
-    record = eval_record(cfg, summary, results, run_id=target.run_id, policy_version=target.policy_version,
-                         source=target.source, wall_s=wall_s)
-    key = keys.eval_result(target.run_id, target.policy_version)
-    store.put(key, json.dumps(record).encode())
-    log.info("eval_completed", run_id=target.run_id, policy_version=target.policy_version, prompts=summary.prompts,
-             accuracy=round(summary.accuracy, 4), failures=summary.failures, wall_s=round(wall_s, 2))
+    summary, key = store_record(store, cfg, results, target, wall_s)
     return EvalOutcome(target, summary, key, wall_s)
-
-
-def read_evals(store: ObjectStore, run_id: str) -> list[dict[str, Any]]:
-    """The run's eval records, by policy version."""
-    out = [json.loads(store.get(k)) for k in store.list(keys.evals_prefix(run_id)) if k.endswith(".json")]
-    return sorted(out, key=lambda r: r["policy_version"])

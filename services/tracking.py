@@ -19,6 +19,7 @@ Invariants (tests/test_tracking.py, tests/test_tracking_integration.py):
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -252,3 +253,107 @@ class Trackers:
                 log.warning("tracker_close_failed", tracker=name, run_id=self.run_id, error=str(e)[:300])
         self.open.clear()
         self.marked.clear()
+
+
+# -- held-out eval rounds during training -------------------------------------------------------------------------
+
+EVAL_MLFLOW_TAG = "laminar.eval_of"  # the MLflow run of a run's evals is tagged with the run id under this key
+
+
+def eval_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """An eval record's figures (services/eval_records.py) as tracker scalars, `eval/<name>`."""
+    return {f"eval/{k}": float(record[k]) for k in ("accuracy", "accuracy_stderr", "pass_at_k", "mean_at_k",
+                                                     "mean_reward", "response_len_mean", "failures", "prompts")
+            if isinstance(record.get(k), int | float)}
+
+
+class EvalTrackers:
+    """A run's eval rounds, at their policy versions, written by the one writer of eval records (the control worker's
+    record_eval, activities/evaluation.py); never by the trainer, so the trainer's tracker runs and their resume
+    rules are untouched:
+    - TensorBoard: one event file under <dir>/tensorboard/<run id>/eval (TensorBoard shows the run `<run id>/eval`;
+      the trainer's reader of <run id> does not read it), through tensorboard's own event writer (no torch). Rounds
+      close in any order, and TensorBoard's reader drops what it read at and after a step that goes back, so each
+      record rewrites the whole series in version order (from the run's records) and removes the file before;
+    - MLflow: one MLflow run per run id tagged `laminar.eval_of=<run id>`, found or created; a version it holds
+      already (a retried activity) is not written again; MLflow keeps steps in any order;
+    - wandb: an offline run of its own, id `<run id>-eval` (an offline run takes one writer, and the trainer is the
+      run's), each round logged with `policy_version` as its x axis (rounds close in any order); the versions it
+      holds are listed beside it (`<run id>-eval.versions.json`), so a retried activity does not log one again.
+    A tracker that fails is logged and counted in `skipped`; the record is stored regardless."""
+
+    def __init__(self, run_id: str, cfg: RunConfig, home: Path) -> None:
+        self.run_id, self.cfg, self.dir = run_id, cfg, tracker_dir(cfg, home)
+        self.skipped: dict[str, int] = {}
+
+    def log(self, policy_version: int, series: dict[int, dict[str, float]]) -> None:
+        """The round of `policy_version` is recorded; `series`: every recorded round's scalars, by version."""
+        t = self.cfg.tracking
+        for name, on, write in (("tensorboard", t.tensorboard, lambda: self._tensorboard(series)),
+                                ("mlflow", t.mlflow, lambda: self._mlflow(policy_version, series[policy_version])),
+                                ("wandb", t.wandb, lambda: self._wandb(policy_version, series[policy_version]))):
+            if not on:
+                continue
+            try:
+                write()
+            except Exception as e:  # a tracker never fails the record
+                self.skipped[name] = self.skipped.get(name, 0) + 1
+                log.warning("tracker_write_failed", tracker=name, run_id=self.run_id, what=f"eval {policy_version}",
+                            error=f"{type(e).__name__}: {e}"[:300])
+
+    def _tensorboard(self, series: dict[int, dict[str, float]]) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        directory = self.dir / "tensorboard" / self.run_id / "eval"
+        suffix = f".eval-{time.time_ns()}"
+        writer = EventFileWriter(str(directory), filename_suffix=suffix)
+        try:
+            for version, scalars in sorted(series.items()):
+                values = [Summary.Value(tag=k, simple_value=v) for k, v in scalars.items()]
+                writer.add_event(Event(wall_time=time.time(), step=version, summary=Summary(value=values)))
+        finally:
+            writer.close()
+        for old in directory.glob("events.out.tfevents.*"):
+            if not old.name.endswith(suffix):
+                old.unlink(missing_ok=True)
+
+    def _wandb(self, policy_version: int, scalars: dict[str, float]) -> None:
+        directory = self.dir / "wandb"
+        directory.mkdir(parents=True, exist_ok=True)
+        listed = directory / f"{self.run_id}-eval.versions.json"
+        done = json.loads(listed.read_text()) if listed.exists() else []
+        if policy_version in done:
+            return
+        import wandb
+
+        run = wandb.init(mode="offline", dir=str(directory), project=self.cfg.tracking.experiment,
+                         id=f"{self.run_id}-eval", resume="allow", group=self.run_id, job_type="eval",
+                         reinit="create_new", settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
+        try:
+            run.define_metric("policy_version")
+            run.define_metric("eval/*", step_metric="policy_version")
+            run.log({**scalars, "policy_version": policy_version})
+        finally:
+            run.finish()
+        listed.write_text(json.dumps(sorted([*done, policy_version])))
+
+    def _mlflow(self, policy_version: int, scalars: dict[str, float]) -> None:
+        uri = self.cfg.tracking.mlflow_uri or (self.dir / "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.get_experiment_by_name(self.cfg.tracking.experiment)
+        exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.cfg.tracking.experiment)
+        found = client.search_runs([exp_id], filter_string=f"tags.`{EVAL_MLFLOW_TAG}` = '{self.run_id}'",
+                                   max_results=1)
+        run = found[0].info.run_id if found else client.create_run(
+            exp_id, run_name=f"{self.run_id}-eval", tags={EVAL_MLFLOW_TAG: self.run_id}).info.run_id
+        if any(m.step == policy_version for m in client.get_metric_history(run, "eval/accuracy")):
+            return
+        now = int(time.time() * 1000)
+        client.log_batch(run, metrics=[Metric(k, v, now, policy_version) for k, v in scalars.items()])

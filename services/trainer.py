@@ -47,7 +47,13 @@ from laminar.contract import (
     TrainStepInput,
     TrainStepResult,
 )
-from laminar.errors import CorruptDataError, InconsistentStateError, RelayError, StepOutOfTurnError
+from laminar.errors import (
+    CorruptDataError,
+    InconsistentStateError,
+    RelayError,
+    StepOutOfTurnError,
+    TrainerLeavingError,
+)
 from laminar.logs import get_logger
 from laminar.notice import NOTICE, Notice
 from laminar.records import Trajectory
@@ -200,9 +206,17 @@ class TrainerService:
         The trainer's worker runs two activities at once (workers/processes.py), so the step scheduled ahead is
         already here while the one before it computes: it reads its segments now, then waits its turn (_turn)."""
         rows = self._prefetch(inp.batch)
+        waited = not self._busy.acquire(blocking=False)
+        if not waited:
+            self._busy.release()
         with self._turn(heartbeat):
             if (done := self._taken_ahead(inp)) is not None:
                 return done
+            if waited and self.notice.given:
+                # queued behind the step that was running at the notice: that one ended with a deadline
+                # checkpoint; this one goes to the successor (retried) instead of running past the notice
+                raise TrainerLeavingError(f"run {inp.run_id} step {inp.step}: this trainer is leaving on notice "
+                                          f"({self.notice.reason}); the step is retried on the next trainer")
             self._catch_up(inp, heartbeat, scheduled_at)
             if inp.ahead and inp.replay and (self.run_id != inp.run_id or self.step != inp.step):
                 if attempt == 1:

@@ -45,6 +45,7 @@ from laminar.contract import BatchPart, StepMetrics, TrainStepInput, TrainStepRe
 from laminar.policy import Policy, policy_for, staleness_bound
 from laminar.refs import SegmentRef
 from rl.costs import CostModel
+from sim.control import ControlPlaneCost, ControlServer
 from workflows import repack as repack_mod
 from workflows.ledger import Ledger
 from workflows.state import RunState
@@ -138,6 +139,8 @@ class SimConfig:
     # Fewer events: at 1,024 sequences a replica finishes one about every 3 steps. 0: exact.
     finish_quantum_steps: int = 16
     control: ControlTiming | None = None
+    # The run's workflow as a server of updates (sim/control.py); None: it answers at once, for free.
+    control_plane: ControlPlaneCost | None = None
     # KV full during decode: preempt the newest sequences (vLLM's recompute preemption, as rl/modelled.py does) and
     # re-prefill them when room frees. False: growth past capacity is not preempted (a cache without a limit).
     preempt: bool = True
@@ -214,6 +217,9 @@ class _Replica:
         self.claim_epoch = 0
         self.unreported: list[_Group] = []
         self.report_epoch = 0
+        self.epoch_alive = 0  # control_plane: bumped when the replica dies (answers to the dead are dropped)
+        self.claim_sent = False  # control_plane: a claim is on its way (one at a time, as services/rollout/)
+        self.sent: list[_Group] = []  # control_plane: complete groups whose report is on its way
 
     def kv(self) -> float:
         return self.kv_base + self.active * self.tau + self.kv_paused
@@ -244,6 +250,7 @@ class SimResult:
     peak_in_flight: int = 0  # most sequences in flight on one replica at once
     preemptions: int = 0  # sequences preempted by a full KV cache (re-prefilled later)
     sim_s: float = 0.0
+    control_plane: dict[str, float] = field(default_factory=dict)  # ControlServer.stats; {} without one
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in ("step_times", "step_tokens")}
@@ -298,6 +305,8 @@ class Simulator:
         self.migrating: set[int] = set()  # replicas in a repack migration (control plane: not planned again)
         self.plan_every = repack_mod.PLAN_EVERY_S
         self.roofline = min(self.costs.roofline_batch(), cfg.max_inflight_seqs)
+        self.cp = ControlServer(cfg.control_plane) if cfg.control_plane is not None else None
+        self.handovers = 0
 
     # -- events ------------------------------------------------------------------------------------------
 
@@ -509,10 +518,9 @@ class Simulator:
                     r.report_epoch += 1
                     self._at(self.now + c.report_max_wait_s, "report", (r.rid, r.report_epoch))
                 finished_groups = []
-        for g in finished_groups:
-            self._complete(g, r)
+        reported = self._report(r, finished_groups)
         self._act(r)
-        if finished_groups:
+        if reported:
             self._after_ledger_change()
 
     def _on_report(self, data: tuple[int, int]) -> None:
@@ -520,7 +528,35 @@ class Simulator:
         if data[1] != r.report_epoch or not r.unreported:
             return
         groups, r.unreported = r.unreported, []
+        if self._report(r, groups):
+            self._after_ledger_change()
+
+    def _report(self, r: _Replica, groups: list[_Group]) -> bool:
+        """Report complete groups: at once without a control plane (True: the ledger changed), else as an update
+        answered later (report_answer)."""
+        if not groups:
+            return False
+        if self.cp is None:
+            for g in groups:
+                self._complete(g, r)
+            return True
         for g in groups:
+            r.groups.discard(g)
+        r.sent.extend(groups)
+        at, handover = self.cp.send(self.now)
+        self._at(at, "report_answer", (r.rid, [g.group_id for g in groups]))
+        if handover:
+            self._handover()
+        return False
+
+    def _on_report_answer(self, data: tuple[int, list[str]]) -> None:
+        r = self.replicas[data[0]]
+        ids = set(data[1])
+        mine = [g for g in r.sent if g.group_id in ids]  # none if the replica died meanwhile (_lose delivered them)
+        if not mine:
+            return
+        r.sent = [g for g in r.sent if g.group_id not in ids]
+        for g in mine:
             self._complete(g, r)
         self._after_ledger_change()
 
@@ -581,7 +617,10 @@ class Simulator:
         want = self._free_groups(r)
         c = self.cfg.control
         enough = 1 if c is None or not r.groups else c.claim_min_groups
-        if want >= enough and not (c is not None and r.claim_every > 0 and r.starved):
+        # a starved replica waits for its back-off (control timing) or, with a control plane and no timing, for
+        # the ledger to change (_after_ledger_change) before it asks again
+        if want >= enough and not (c is not None and r.claim_every > 0 and r.starved) and not (
+                c is None and self.cp is not None and r.starved):
             self._claim(r, want)
         elif want <= 0:
             r.starved = False
@@ -664,6 +703,42 @@ class Simulator:
             r.busy_until = max(r.busy_until, self.now) + self.costs.prefill_s(prefill)
 
     def _claim(self, r: _Replica, want: int) -> None:
+        if self.cp is None:
+            self._lease(r, want)
+            return
+        if r.claim_sent:
+            return
+        r.claim_sent = True
+        at, handover = self.cp.send(self.now)
+        self._at(at, "claim_answer", (r.rid, want, r.epoch_alive))
+        if handover:
+            self._handover()
+
+    def _on_claim_answer(self, data: tuple[int, int, int]) -> None:
+        rid, want, alive = data
+        r = self.replicas[rid]
+        if alive != r.epoch_alive:  # the replica died since it asked: the answer reached no one
+            return
+        r.claim_sent = False
+        self._sync(r)
+        self._lease(r, want)
+        self._act(r)
+
+    def _handover(self) -> None:
+        """A continue-as-new: every live replica writes its in-flight groups to its pool and starts again (its
+        generation stops for handover_s, then its in-flight tokens are prefilled again)."""
+        assert self.cp is not None
+        self.handovers += 1
+        for r in self.replicas:
+            if r.dead_until > self.now:
+                continue
+            self._sync(r)
+            tokens = int(r.kv())
+            self.reprefill += tokens
+            r.busy_until = max(r.busy_until, self.now) + self.cp.cost.handover_s + self.costs.prefill_s(tokens)
+            self._schedule(r)
+
+    def _lease(self, r: _Replica, want: int) -> None:
         st = self.ledger.state
         room = self.cfg.ready_limit() - len(st.ready)
         fresh = self.fns.fresh_lease_room(self.policy, st.prompt_cursor, st.policy_version, st.groups_generated)
@@ -707,6 +782,8 @@ class Simulator:
             return  # starved replicas retry on their own back-off (claim_retry)
         for r in self.replicas:
             if r.starved and r.dead_until <= self.now:
+                if self.cp is not None:
+                    r.starved = False  # it learns of the change and asks again (one update)
                 self._act(r)
 
     # -- trainer -----------------------------------------------------------------------------------------
@@ -729,9 +806,13 @@ class Simulator:
             hist[gap] = hist.get(gap, 0) + self.cfg.group_size
             tokens += g.tokens
         cost = self.costs.train_s(tokens)
+        # the trainer waited for this batch: its activity is scheduled by the report's workflow task and then
+        # dispatched; a batch ready as the last step ended was scheduled ahead (workflows/trainer.py)
+        start = self.now + (self.cp.cost.dispatch_s if self.cp is not None and self.now > self.trainer_wait_since
+                            else 0.0)
         self.trainer_busy = True
-        self.trainer_wait_s += self.now - self.trainer_wait_since
-        self._at(self.now + cost, "step_done", (ids, tokens, hist, dropped, cost))
+        self.trainer_wait_s += start - self.trainer_wait_since
+        self._at(start + cost, "step_done", (ids, tokens, hist, dropped, cost))
 
     def _on_step_done(self, data: tuple[list[str], int, dict[int, int], int, float]) -> None:
         ids, tokens, hist, dropped, cost = data
@@ -753,6 +834,8 @@ class Simulator:
         res = TrainStepResult(step=step, policy_version=version, metrics=metrics, checkpoint=None, steps_redone=0,
                               publish_stall_s=stall)
         self.ledger.commit_step(inp, res, keep_last=3, at=self.now)
+        if self.cp is not None:  # the step's result is a workflow task too (nobody waits for it)
+            self.cp.task(self.now)
         st.uncommitted = []  # no checkpoints in the simulator: nothing to replay
         for gid in ids:
             self._finished.pop(gid, None)
@@ -897,8 +980,14 @@ class Simulator:
     # -- failures ----------------------------------------------------------------------------------------
 
     def _lose(self, r: _Replica) -> None:
-        """r dies: its in-flight groups go back to the ledger (release_leases_of), their progress is lost."""
+        """r dies: its in-flight groups go back to the ledger (release_leases_of), their progress is lost. Reports
+        already sent reach the workflow before it notices the death (detection takes seconds)."""
         self._sync(r)
+        sent, r.sent = r.sent, []
+        for g in sent:
+            self._complete(g, r)
+        r.epoch_alive += 1
+        r.claim_sent = False
         for g in list(r.groups):
             for s in g.seqs:
                 s.kv_held = 0
@@ -999,7 +1088,13 @@ class Simulator:
         hist = dict(sorted(self.stale.items()))
         return SimResult(self.cfg.mode, self.cfg.replicas, tps, gen, it, hist, max(hist, default=0), kv, idle,
                          batches, complete, self.repacks, self.reprefill, self.dropped, list(self.step_times),
-                         list(self.step_tokens), self.events, self.peak_in_flight, self.preemptions)
+                         list(self.step_tokens), self.events, self.peak_in_flight, self.preemptions,
+                         control_plane=self._control_stats())
+
+    def _control_stats(self) -> dict[str, float]:
+        if self.cp is None:
+            return {}
+        return {**self.cp.stats(self.now), "handovers": self.handovers}
 
 
 def simulate(cfg: SimConfig, fns: PolicyFns = REAL_POLICY) -> SimResult:

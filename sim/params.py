@@ -57,6 +57,21 @@ MACHINE_REPLACE_S = 252.0  # paper 8.5: full recovery in about 252 s after a two
 ENGINE_START_S = 60.0  # assumed: a rollout engine's restart on its GPUs (process, CUDA graphs) at scale
 
 
+# -- the control plane: one run's workflow serves every claim and report (sim/control.py) ----------------------
+# Measured on the default example on a 2-core machine, nothing else running (`laminar bench overhead
+# examples/tiny.toml`, 2026-12-02, then `python -m bench.trainer_gaps RUN_ID` on its history): a dev server with
+# SQLite, on the same 2 cores as the run. A production server (its own machines, a database cluster) answers a
+# single workflow's tasks no faster in series: a workflow's tasks are one at a time whatever the cluster.
+CONTROL_TASK_S = 0.010  # measured: a workflow task 10.0 ms mean (p50 8.8 ms, p99 21.2 ms) on the control worker
+CONTROL_RTT_S = 0.004  # measured: an update's way to its workflow task 3.8 ms mean (server + queue)
+CONTROL_DISPATCH_S = 0.0195  # measured: trainer activity schedule-to-start 9.8 ms + the trainer's head 9.7 ms
+CONTROL_CONTINUE_AS_NEW_S = 0.29  # measured: the trainer's stall across a continue-as-new, p50 0.286 s (summary)
+CONTROL_HANDOVER_S = 0.29  # assumed equal: a replica writes its pool, its activity starts again in the new run; a
+# lower bound at scale: `laminar bench control` measured 2.4-6.6 s stalls at 10-20 synthetic replicas on a loaded
+# machine (the new run's first task decodes the whole ledger: docs/benchmarks/control.md)
+UPDATES_PER_SEGMENT = 1500  # run.updates_per_segment's default (laminar/config.py)
+
+
 @dataclass(frozen=True)
 class ModelParams:
     """One model size: the architecture (Qwen2.5 config) and the paper's parallelism (section 8.1)."""

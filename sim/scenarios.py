@@ -10,7 +10,8 @@ from pathlib import Path
 from laminar.config import RunConfig
 from rl.costs import CostModel, chain_broadcast_s
 from sim import params as P
-from sim.core import Lengths, SimConfig
+from sim.control import ControlPlaneCost
+from sim.core import ControlTiming, Lengths, SimConfig
 
 MODES = ("laminar", "sync", "one_step", "stream", "partial_rollout")
 DISAGGREGATED = ("laminar", "one_step", "stream", "partial_rollout")  # sync is colocated (verl)
@@ -79,10 +80,34 @@ def placements(model: P.ModelParams, gpus: int, mode: str) -> list[Placement]:
     return out
 
 
+CONTROL_PLANE = ControlPlaneCost(task_s=P.CONTROL_TASK_S, rtt_s=P.CONTROL_RTT_S, dispatch_s=P.CONTROL_DISPATCH_S,
+                                 updates_per_segment=P.UPDATES_PER_SEGMENT,
+                                 continue_as_new_s=P.CONTROL_CONTINUE_AS_NEW_S, handover_s=P.CONTROL_HANDOVER_S)
+
+
+CONTROL_PLANES = ("on", "off", "no-handover")
+
+
+def control_timing() -> ControlTiming:
+    """The real replica loop's intervals (services/rollout/timing.py ReplicaTiming), in seconds."""
+    from services.rollout.timing import TIMING as t
+
+    return ControlTiming(t.version_poll_s, t.version_wait_poll_s, t.claim_poll_s, t.idle_claim_max_s,
+                         t.claim_min_groups, t.report_min_groups, t.report_max_wait_s, t.contact_s)
+
+
 def sim_config(model: P.ModelParams, workload: P.WorkloadParams, mode: str, placement: Placement, *,
                iterations: int = 8, warmup: int = 3, repack: bool = True, link: RelayLink = RelayLink(),
-               failures: tuple[tuple[str, float], ...] = ()) -> SimConfig:
-    """The run of `mode` on this placement, with every number from sim/params.py."""
+               failures: tuple[tuple[str, float], ...] = (), control_plane: str = "on") -> SimConfig:
+    """The run of `mode` on this placement, with every number from sim/params.py. control_plane (CONTROL_PLANES):
+    "on": the replicas claim and report as services/rollout/ does (its intervals) through one workflow that serves
+    one update at a time (sim/control.py), which continues as new with a hand-over of every replica; "no-handover":
+    the same, with a continue-as-new that replicas do not feel (a design not built: issue 32 item 2); "off": a
+    control plane that answers at once, for free."""
+    if control_plane not in CONTROL_PLANES:
+        raise ValueError(f"control_plane={control_plane!r}: use one of {', '.join(CONTROL_PLANES)}")
+    on = control_plane != "off"
+    cost = CONTROL_PLANE if control_plane == "on" else replace(CONTROL_PLANE, handover_s=0.0, updates_per_segment=10**9)
     tp = placement.tp
     costs = model.costs(tp, placement.train)
     if link.local_pull_bytes_s is not None:
@@ -112,6 +137,8 @@ def sim_config(model: P.ModelParams, workload: P.WorkloadParams, mode: str, plac
         max_ready_groups=workload.max_ready_batches * workload.prompts_per_batch,
         relay_delay_s=relay_delay, load_s=load_s, tool_output_tokens=workload.tool_output_tokens,
         replicas_per_machine=max(1, P.GPUS_PER_MACHINE // tp), failures=failures,
+        control=control_timing() if on else None,
+        control_plane=cost if on else None,
         failure_costs={
             "rollout_detect_s": P.ROLLOUT_DETECT_S, "rollout_restart_s": P.ROLLOUT_RESTART_S + P.ENGINE_START_S,
             "relay_detect_s": P.RELAY_DETECT_S, "relay_rebuild_s": P.RELAY_REBUILD_S,

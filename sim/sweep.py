@@ -42,6 +42,7 @@ class SweepSpec:
     link: RelayLink = field(default_factory=RelayLink)
     failures: tuple[tuple[str, float], ...] = ()
     fns: PolicyFns = REAL_POLICY
+    control_plane: str = "on"  # sim/scenarios.py sim_config: one workflow serves every update, at measured costs
 
     def scales(self) -> tuple[int, ...]:
         return self.gpus or P.MODELS[self.model].gpu_scales
@@ -51,7 +52,7 @@ def _run(spec: SweepSpec, mode: str, pl: Placement, iterations: int, warmup: int
          failures: tuple[tuple[str, float], ...] = ()) -> SimResult:
     m, w = P.MODELS[spec.model], P.WORKLOADS[spec.workload]
     cfg = sim_config(m, w, mode, pl, iterations=iterations, warmup=warmup, repack=spec.repack, link=spec.link,
-                     failures=failures)
+                     failures=failures, control_plane=spec.control_plane)
     # The warm-up must outlast the pipeline's fill: at the start every replica admits its whole concurrency at
     # once (laminar at 1,024 GPUs: ~5 global batches), and the trainer eats that stock faster than the steady
     # state refills it. Measuring inside it would overstate throughput.

@@ -198,11 +198,21 @@ def test_config_is_frozen() -> None:
         cfg.trainer.lr = 0.5  # type: ignore[misc]
 
 
-def test_eval_during_training_is_refused_until_it_exists():
-    """eval.every_steps/at_start/at_end would do nothing during a run yet: the config says so, naming the way on."""
+def test_eval_during_training_is_accepted_and_bad_values_are_named():
+    """eval.every_steps/at_start/at_end run eval rounds on the replicas (workflows/evaluation.py); a value out of
+    range, a round too large for the workflow's state, or an engine without an eval engine is refused with the
+    field, the value and the fix."""
     from laminar.errors import ConfigError
+    from rl.factory import check_engines
 
     for override in ("eval.every_steps=10", "eval.at_start=true", "eval.at_end=true"):
-        with pytest.raises(ConfigError, match="not available yet.*laminar eval"):
-            RunConfig.load(None, [override])
+        assert check_engines(RunConfig.load(None, [override, "rollout.engine=torch"]))
+    with pytest.raises(ConfigError, match="every_steps"):
+        RunConfig.load(None, ["eval.every_steps=-1"])
+    with pytest.raises(ConfigError, match=r"eval.size \* eval.samples = 100 \* 100 = 10000.*laminar eval"):
+        RunConfig.load(None, ["eval.at_end=true", "eval.size=100", "eval.samples=100"])
+    assert RunConfig.load(None, ["eval.size=100", "eval.samples=100"]).eval.samples == 100, "afterwards: no bound"
+    with pytest.raises(ConfigError, match="eval.at_start with rollout.engine='modelled'.*rollout.engine = 'torch'"):
+        check_engines(RunConfig.load(None, ["eval.at_start=true", "rollout.engine=modelled",
+                                            "trainer.engine=modelled"]))
     assert RunConfig.load(None, ["eval.samples=4"]).eval.samples == 4

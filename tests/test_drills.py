@@ -115,6 +115,35 @@ async def test_rollout_drill(drill_stack, tmp_path):
     await _finish(handle)
 
 
+@pytest.mark.slow  # a run with eval rounds through a rollout worker kill
+async def test_rollout_drill_during_eval_rounds_scores_every_eval_prompt_once(drill_stack, tmp_path):
+    """Eval rounds (every 2 versions, 36 held-out prompts x 4 samples) run on the replicas while a rollout worker is
+    killed by pid: the dead replicas' eval leases go back to their rounds and are scored by others, every closed
+    round's record holds every prompt of the set once, the same set as a run without the drill
+    (tests/test_eval_during_training.py), and the training accounting is untouched."""
+    from services.eval_records import read_evals
+    from tests.test_eval_during_training import check_rounds
+
+    extra = ["task.name=math", "rollout.max_new_tokens=8", "eval.size=36", "eval.samples=4", "eval.temperature=1.0",
+             "eval.every_steps=2"]
+    cfg = small_config(*DRILL_OVERRIDES, *extra)
+    store = store_for(drill_stack.settings)
+    handle = await start_workflow(drill_stack.client, cfg)
+    report = await _drill(drill_stack, handle, "rollout", tmp_path)
+    _assert_recovered(report, "rollout")
+
+    def released_and_later() -> list[dict] | None:
+        """The records once one holds leases that went back to its round, and two rounds closed after it."""
+        records = read_evals(store, cfg.run.run_id)
+        hit = [r["policy_version"] for r in records if r.get("releases")]
+        return records if hit and len([r for r in records if r["policy_version"] > hit[0]]) >= 2 else None
+
+    records = await async_wait_until(released_and_later, DRILL_TIMEOUT_S, "a round with released eval leases",
+                                     interval_s=2.0)
+    final = await _finish(handle)
+    check_rounds(store, cfg, final, versions=[r["policy_version"] for r in records])
+
+
 @pytest.mark.parametrize("fault", ["relay", "master-relay"])
 async def test_relay_drills(drill_stack, tmp_path, fault):
     handle = await _start_run(drill_stack)

@@ -104,7 +104,8 @@ def test_greedy_decoding_ignores_the_sampling_seed():
 
 def test_evaluate_a_model_directory_stores_the_record(tmp_path):
     from rl.base_model import build_base_model
-    from services.evaluate import evaluate, read_evals
+    from services.eval_records import read_evals
+    from services.evaluate import evaluate
     from storage.objects import open_store
 
     cfg = RunConfig.load(None, ["task.name=math", "model.pretrain_steps=0", "rollout.max_new_tokens=6",

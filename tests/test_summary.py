@@ -159,6 +159,7 @@ def test_build_summary_from_store(tmp_path: Path) -> None:
         "tool_latency_s": {"calls": 3, "p50": 0.2, "max": 0.5},
         "tracker_skipped": {},  # no tracker failed (the last step's record has no tracker_skipped)
         "evals": [],  # no eval record under runs/<id>/evals/
+        "eval_rounds_pending": {},  # no eval round open (no eval during training)
     }
     json.dumps(summary)  # what `laminar run --summary` writes must be JSON
 

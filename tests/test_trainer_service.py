@@ -359,3 +359,34 @@ def test_two_steps_at_once_train_in_order_whichever_takes_the_turn_first(setup):
     assert [results[1].metrics.loss, results[2].metrics.loss] == pytest.approx([want[1].metrics.loss, want[2].metrics.loss])
     assert all(torch.equal(a, b) for a, b in zip(svc.trainer.policy_state_dict().values(),
                                                    in_order.trainer.policy_state_dict().values(), strict=True))
+
+
+def test_a_step_queued_behind_the_running_one_declines_once_the_trainer_is_on_notice(setup):
+    """The running step ends with its deadline checkpoint; the one queued behind it is retried on the next trainer
+    instead of running past the notice."""
+    import threading
+
+    from laminar.errors import TrainerLeavingError
+    from laminar.notice import Notice
+
+    store, trajs, home = setup
+    notice = Notice()
+    batches = [_batch(trajs, "r", 10 * i) for i in range(2)]
+    svc = TrainerService(store, home, notice=notice)
+    svc.train_step(_input("r", 0, batches[0]))
+    errors: list[BaseException] = []
+
+    def queued():
+        try:
+            svc.train_step(dataclasses.replace(_input("r", 1, batches[1], replay=batches[:1]), ahead=True))
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            errors.append(e)
+
+    with svc._turn():
+        t = threading.Thread(target=queued)
+        t.start()
+        t.join(0.5)
+        notice.give(30.0, "SIGTERM")
+    t.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], TrainerLeavingError) and "SIGTERM" in str(errors[0])
+    assert svc.step == 1  # it trained nothing

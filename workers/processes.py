@@ -18,6 +18,7 @@ from datetime import timedelta
 
 from temporalio.worker import Worker
 
+from activities.evaluation import EvalActivities
 from activities.faults import FaultActivities
 from activities.heartbeat import HEARTBEAT_THROTTLE
 from activities.relay import RelayActivities
@@ -112,9 +113,10 @@ async def control(settings: Settings, allow_faults: bool = False) -> None:
     # than the task). The pool and drills, at a few tasks a minute, replay from scratch instead (max_cached_workflows=0):
     # no cached instance, no window (laminar.contract.WORKFLOW_TASK). They stay registered here too, for those
     # started on this queue before the split.
+    # record_eval: a closed eval round's record (activities/evaluation.py), one store write; async, no torch
     worker = Worker(client, task_queue=CONTROL_QUEUE,
                     workflows=[TrainingRunWorkflow, RecoveryDrillWorkflow, SlotPoolWorkflow],
-                    interceptors=interceptors)
+                    activities=[EvalActivities(store_for(settings), settings.home).record_eval], interceptors=interceptors)
     uncached = Worker(client, task_queue=CONTROL_UNCACHED_QUEUE, workflows=[RecoveryDrillWorkflow, SlotPoolWorkflow],
                       max_cached_workflows=0, interceptors=interceptors)
     # the repairer lives as long as the control worker: it resets runs whose workflow is wedged (services/repair.py)

@@ -25,6 +25,7 @@ from laminar.contract import (
     ROLLOUT_QUEUE,
     TRAINER_QUEUE,
     PoolAsk,
+    RecordEvalInput,
     RepublishInput,
     RolloutReplicaInput,
     RunRelayInput,
@@ -143,6 +144,22 @@ def start_train(cfg: RunConfig, inputs: list[TrainStepInput]) -> Any:
         result_type=list[TrainStepResult],
         summary=f"train steps {first.step + 1}-{inputs[-1].step + 1}: "
                 f"{sum(len(p.group_ids) for i in inputs for p in i.batch)} groups", **options)
+
+
+# -- held-out evaluation -----------------------------------------------------------------------
+
+async def record_eval(inp: RecordEvalInput) -> bool:
+    """Store a closed eval round's record (the control worker's `record_eval`); False, logged, when it failed on
+    every try: the run goes on, the round's figures stay in its status."""
+    try:
+        await workflow.execute_activity(
+            contract.RECORD_EVAL, inp, task_queue=contract.CONTROL_QUEUE,
+            start_to_close_timeout=timeouts.RECORD_EVAL_ATTEMPT, retry_policy=timeouts.RECORD_EVAL_RETRY,
+            summary=f"record the eval of policy version {inp.policy_version}")
+        return True
+    except ActivityError as e:
+        workflow.logger.warning("record_eval_failed", extra={"policy_version": inp.policy_version, "error": str(e)})
+        return False
 
 
 # -- rollout replicas and the slot pool ------------------------------------------------------

@@ -24,19 +24,11 @@ that reloads v (relays keep older versions for a minute, docs/decisions.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from laminar.evalstats import EvalSummary, PromptResult, summarise
+from laminar.evalstats import EvalSummary, PromptResult, due_versions, summarise
 
-
-def due_versions(steps: int, every_steps: int, at_start: bool, at_end: bool) -> list[int]:
-    """The policy versions a run of `steps` steps evaluates, ascending.
-    Worked example: steps 25, every 10, start and end -> [0, 10, 20, 25]."""
-    due = set(range(every_steps, steps + 1, every_steps)) if every_steps > 0 else set()
-    if at_start:
-        due.add(0)
-    if at_end:
-        due.add(steps)
-    return sorted(due)
+__all__ = ["EvalRound", "EvalRounds", "due_versions", "rounds_from_json"]
 
 
 @dataclass
@@ -49,6 +41,7 @@ class EvalRound:
     released: list[int] = field(default_factory=list)  # prompts whose replica died: leased again first
     results: dict[int, PromptResult] = field(default_factory=dict)  # prompt -> its one result
     duplicates: int = 0  # results reported again for a prompt already scored (ignored)
+    releases: int = 0  # leases returned to the round (a replica died, left, or never got its answer)
     closed_at: float | None = None
 
     @property
@@ -108,8 +101,29 @@ class EvalRounds:
             for p in [p for p, r in rnd.leases.items() if r == replica_id]:
                 del rnd.leases[p]
                 rnd.released.append(p)
+                rnd.releases += 1
                 n += 1
         return n
+
+    def reconcile(self, replica_id: str, holding: set[tuple[int, int]]) -> int:
+        """A replica says which eval leases it holds: any other leased to it (an answer it never got, a previous
+        incarnation's, ones it gave back) goes back to its round, leased again first."""
+        n = 0
+        for v, rnd in self.rounds.items():
+            for p in [p for p, r in rnd.leases.items() if r == replica_id and (v, p) not in holding]:
+                del rnd.leases[p]
+                rnd.released.append(p)
+                rnd.releases += 1
+                n += 1
+        return n
+
+    def drop_results(self, policy_version: int) -> None:
+        """A closed round's record is stored: forget its results (the state stays small; the figures live on in
+        the record and the caller's summary)."""
+        rnd = self.rounds.get(policy_version)
+        if rnd is not None and rnd.complete:
+            rnd.results = {}
+            rnd.prompts = 0  # complete with nothing held; `open` still refuses the version
 
     def summary(self, policy_version: int) -> EvalSummary | None:
         """The figures of a complete round (laminar/evalstats.py), None while it is open."""
@@ -121,3 +135,20 @@ class EvalRounds:
     def pending(self) -> dict[int, int]:
         """Open rounds: version -> prompts not scored yet (for `laminar status`)."""
         return {v: r.prompts - len(r.results) for v, r in sorted(self.rounds.items()) if not r.complete}
+
+
+def rounds_from_json(value: Any) -> EvalRounds | None:
+    """EvalRounds as a continue-as-new carried it (JSON), or as it is (an EvalRounds already); built field by field."""
+    if value is None or isinstance(value, EvalRounds):
+        return value
+    rounds = {}
+    for v, r in value.get("rounds", {}).items():
+        rounds[int(v)] = EvalRound(
+            policy_version=int(r["policy_version"]), prompts=int(r["prompts"]), samples=int(r["samples"]),
+            opened_at=float(r["opened_at"]), leases={int(p): str(x) for p, x in r.get("leases", {}).items()},
+            released=[int(p) for p in r.get("released", [])],
+            results={int(p): PromptResult(**x) for p, x in r.get("results", {}).items()},
+            duplicates=int(r.get("duplicates", 0)), releases=int(r.get("releases", 0)),
+            closed_at=None if r.get("closed_at") is None else float(r["closed_at"]))
+    return EvalRounds(prompts=int(value["prompts"]), samples=int(value["samples"]),
+                      threshold=float(value.get("threshold", 1.0)), rounds=rounds)

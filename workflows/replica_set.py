@@ -30,8 +30,10 @@ from workflows.state import RunState
 
 class ReplicaSet:
     def __init__(self, state: RunState, ledger: Ledger, migrations: Migrations, cfg: RunConfig | None, rt: Runtime,
-                 start: Callable[[str], Any], may_start: Callable[[], bool]) -> None:
+                 start: Callable[[str], Any], may_start: Callable[[], bool],
+                 retired: Callable[[str], None] = lambda replica_id: None) -> None:
         self.state, self.ledger, self.migrations, self.cfg, self.rt = state, ledger, migrations, cfg, rt
+        self.retired = retired  # a removed replica returned: what else it holds goes back (its eval leases)
         self.start = start  # schedule one replica's activity; returns its handle
         self.may_start = may_start  # neither handing over nor stopping: new replicas start now (else next segment)
         self.tasks: dict[str, Any] = {}  # replica id -> its activity in this segment
@@ -88,6 +90,7 @@ class ReplicaSet:
         for replica_id in self.left():
             self.migrations.forget(replica_id)  # orders to or from it since the scale are void
             released = self.ledger.release_leases_of(replica_id, keep=set())
+            self.retired(replica_id)
             self.state.scale_groups_returned += len(released)
             self.state.leaving.remove(replica_id)
             if replica_id in self.state.departed:

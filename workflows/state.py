@@ -6,6 +6,7 @@ and nothing that grows with the number of steps except bounded windows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from laminar.contract import (
     BatchPart,
@@ -125,6 +126,12 @@ class RunState:
     grant: int = -1
     grant_note: str = ""
     pool_error: str = ""
+    # held-out evaluation during training (workflows/evaluation.py): the rounds (a closed one's results until its
+    # record is stored) and the most recent closed rounds' figures. Typed Any: a continued segment receives them as
+    # JSON, and `Evaluation` rebuilds them explicitly (eval_rounds.rounds_from_json); Temporal's converter did not
+    # convert this nesting (dicts keyed by int of dataclasses) inside the workflow sandbox
+    eval: Any = None  # EvalRounds | None
+    eval_done: list[Any] = field(default_factory=list)  # EvalRoundStatus
 
 
 @dataclass

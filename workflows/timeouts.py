@@ -45,6 +45,10 @@ DRAIN = timedelta(seconds=120)
 REPUBLISH_ATTEMPT = timedelta(seconds=60)
 REPUBLISH_IN_ALL = timedelta(seconds=120)
 REPUBLISH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
+# record_eval (a closed eval round's record, one store write on the control worker): 60 s per attempt, 5 attempts
+# from 1 s apart; after that the round stays unrecorded (logged) and its figures stay in the status.
+RECORD_EVAL_ATTEMPT = timedelta(seconds=60)
+RECORD_EVAL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=5)
 # A replica's "no relay holds a version of this run" within this long of a publish may predate the publish
 # (replicas waiting for weights poll every 0.5 s and claim every 1 s): acted on only after it.
 VERSION_MISSING_GRACE_S = 5.0

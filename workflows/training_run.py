@@ -15,6 +15,8 @@ outside tells it, and each part is a deterministic class of its own (tested with
 - workflows/replica_set.py `ReplicaSet`: the rollout replicas' activities, `laminar scale`, retiring removed ones.
 - workflows/grants.py `SlotGrants`: a pooled run's ask and grant (workflows/pool.py is the pool).
 - workflows/status.py `StatusBoard`: the phase, the status query, search attributes and the stall watchdog.
+- workflows/evaluation.py `Evaluation`: held-out eval rounds during training (workflows/eval_rounds.py) on the
+  replicas' claims, and each closed round's record (patch `eval-rounds`).
 - workflows/segment.py `Segment`: this history segment's input, flags and counters, and when it is full.
 - workflows/commands.py: every activity and signal the run issues, with its options, and the `Runtime` (time,
   timers, conditions, tasks) the parts wait with. The parts call Temporal only through these, so the order of
@@ -51,6 +53,7 @@ with workflow.unsafe.imports_passed_through():
     from rl.factory import decode_batch_limit, time_scale  # the engines' traits (deterministic)
     from workflows import commands, timeouts
     from workflows.commands import Runtime
+    from workflows.evaluation import Evaluation
     from workflows.grants import SlotGrants
     from workflows.ledger import Ledger
     from workflows.migrations import Migrations
@@ -90,9 +93,11 @@ class TrainingRunWorkflow:
         self.trainer = Trainer(self.state, self.ledger, cfg, self._policy, rt, self.relays,
                                train_steps_patched=lambda: workflow.patched("train-steps"),
                                committed=self._committed, stepped=lambda: self.board.upsert_search_attributes())
+        self.evaluation = Evaluation(self.state, cfg, rt, record=commands.record_eval)
         self.replicas = ReplicaSet(
             self.state, self.ledger, self.migrations, cfg, rt, may_start=lambda: seg.may_start(self.state),
-            start=lambda r: commands.start_replica(self.state.run_id, cfg, r, self.state.continued_as_new))
+            start=lambda r: commands.start_replica(self.state.run_id, cfg, r, self.state.continued_as_new),
+            retired=self.evaluation.release)
         self.grants = SlotGrants(self.state, cfg, rt, workflow.info().workflow_id, signal=commands.signal_pool,
                                  scale_to=self.replicas.scale_to, closing=lambda: seg.closing,
                                  may_apply=lambda: seg.error is None and seg.replicas_started and not seg.finished)
@@ -114,6 +119,9 @@ class TrainingRunWorkflow:
         await self.relays.wait_for_relays()
         if not self.state.trainer_ready:
             await self.trainer.init()
+        # eval rounds (only a run with eval due asks for the patch, so a history without it replays unchanged)
+        self.evaluation.on = self.evaluation.wanted() and workflow.patched("eval-rounds")
+        self.evaluation.start_records()  # closed rounds a hand-over left unrecorded
         self.replicas.start_all()
         self.seg.replicas_started = True
         self.grants.apply()  # a pooled run: the replicas its grant allows
@@ -132,6 +140,9 @@ class TrainingRunWorkflow:
                 self.trainer.advance()
             elif self.trainer.has_batch():
                 await self.trainer.step()
+        if self.evaluation.on and not self.state.stopping:
+            await self.trainer.settle()
+            await self.evaluation.finish()  # the last eval rounds (bounded); leases no training prompt meanwhile
         return await self._finish()
 
     async def _wait_for_batch(self) -> bool:
@@ -231,18 +242,21 @@ class TrainingRunWorkflow:
         if inp.taken:
             self.migrations.take(replica_id, inp.taken, workflow.time())
         stop, handover, leave = self.state.stopping, self.seg.handover, self.replicas.leaving(replica_id)
-        leases = self.ledger.replay_claim(replica_id, inp.request_id)
+        leases = replayed = self.ledger.replay_claim(replica_id, inp.request_id)
         if leases is None:
             if inp.departure is not None:  # it leaves: its groups go to a replica of their version, or back
                 self.migrations.depart(replica_id, inp.departure, list(self.state.leaving), workflow.time())
             leases = []
-            if not (stop or handover or leave or inp.departure or self.state.paused or not self.state.trainer_ready):
+            if not (stop or handover or leave or inp.departure or self.state.paused or not self.state.trainer_ready
+                    or self.evaluation.ending):
                 room = self._cfg.rollout.max_ready_groups - len(self.state.ready)
                 fresh = fresh_lease_room(self._policy, self.state.prompt_cursor, self.state.policy_version,
                                          self.state.groups_generated + self.state.groups_failed)
                 leases = self.ledger.lease(replica_id, max(0, min(inp.max_groups, room)), fresh, claimer=inp.report,
                                            at=workflow.time())
             self.ledger.remember_claim(replica_id, inp.request_id, leases)
+        leasing = replayed is None and not (stop or handover or leave or inp.departure or not self.state.trainer_ready)
+        eval_leases = self.evaluation.on_claim(inp, leasing)
         self._maybe_repack()
         return ClaimPromptsResult(
             leases=leases,
@@ -254,6 +268,7 @@ class TrainingRunWorkflow:
             paused=self.state.paused,
             resume_ok=resume_ok,
             departed=departed,
+            eval_leases=eval_leases,
             **self._hints(replica_id),
         )
 
@@ -362,7 +377,7 @@ class TrainingRunWorkflow:
 
     @workflow.query(name=contract.STATUS)
     def status(self) -> RunStatus:
-        return self.board.status()
+        return self.evaluation.annotate(self.board.status())
 
     # -- continue-as-new and finish ----------------------------------------------------------
 
@@ -386,6 +401,7 @@ class TrainingRunWorkflow:
             elif self._can_step():
                 await self.trainer.step()
         await self.trainer.settle()
+        await self.evaluation.settle()  # records in flight land before the hand-over (else the next segment redoes them)
         await self._drain()
         if self.state.leaving:
             self.replicas.retire_left()  # every replica has returned (or was cancelled): removed ones leave now
@@ -417,17 +433,18 @@ class TrainingRunWorkflow:
     async def _finish(self) -> RunStatus:
         self.state.stopping = True
         await self.trainer.settle()
+        await self.evaluation.settle()  # records in flight (a stopped run's closed rounds)
         await self._drain()
         if self.state.pool and workflow.patched("slot-pool"):
             await self.grants.leave()
         self._note_history()
         self.seg.finished = True
         self.board.upsert_search_attributes()
-        return self.ledger.status(
+        return self.evaluation.annotate(self.ledger.status(
             phase="finished",
             total_steps=self._cfg.run.steps if self._cfg else 0,
             history_events=workflow.info().get_current_history_length(),
-        )
+        ))
 
     def _note_history(self) -> None:
         n = workflow.info().get_current_history_length()

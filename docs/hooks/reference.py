@@ -218,8 +218,9 @@ SUMMARY_MEANINGS: dict[str, str] = {
     "multi_turn_share": "share of trained trajectories with two or more model turns",
     "tool_latency_s": "`calls`, `p50`, `max`: tool call latency (s)",
     "tracker_skipped": "writes a failing experiment tracker dropped, per tracker, as of the last step",
-    "evals": "held-out evals recorded so far (`laminar eval`): policy version, accuracy, its standard error, prompts, "
-             "samples",
+    "evals": "held-out evals recorded so far (`laminar eval`, and eval rounds during training): policy version, "
+             "accuracy, its standard error, prompts, samples, pass@k, failed samples, whether it ran during training",
+    "eval_rounds_pending": "eval rounds during training not closed yet: policy version -> prompts not scored",
     "step_end_s": "seconds from the run's start to the end of each step (time to reward)",
     "profile": "where the time went: rollout and trainer buckets, CPU seconds per process "
                "([the run profile](../benchmarks/make-run.md#where-the-time-goes-the-run-profile))",

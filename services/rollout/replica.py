@@ -29,6 +29,7 @@ from rl.factory import build_engine
 from services.model_files import load_run_base, load_run_files
 from services.rollout.batch import Batch, Counters, Group
 from services.rollout.control import Contacts, ControlCalls, ControlPort
+from services.rollout.evaluation import EvalWork
 from services.rollout.migration import Repack
 from services.rollout.pool import PartialPool
 from services.rollout.timing import TIMING, ReplicaTiming
@@ -71,6 +72,8 @@ class RolloutReplica:
                                 self.counters, self.profile)
         self.repack = Repack(self.batch, trajectories, run_id, replica_id, self.counters, self.profile,
                              load_version=self.weights.load_version)
+        # held-out eval leases, on an eval engine of its own (services/rollout/evaluation.py)
+        self.eval = EvalWork(cfg, self.task, self.engine, self.weights.fetch, seed, replica_id)
         self.seq, self.last_beat, self.profile_written = 0, 0.0, self.profile.started
 
     # -- the loop ------------------------------------------------------------------------------
@@ -95,8 +98,9 @@ class RolloutReplica:
         lost = self._tokens_lost_by_previous_attempt()
         first = self.control.claim(
             ClaimPromptsInput(report=self._report(), max_groups=0, resuming=sorted(resumed), first_claim=True,
-                              attempt=self.attempt, request_id=self.calls.request_id())
+                              attempt=self.attempt, request_id=self.calls.request_id(), **self.eval.claim_fields())
         )
+        self.eval.answered(first.eval_leases)
         self.weights.relays = first.relays
         # a previous incarnation that departed handed everything on (its last heartbeat may predate that)
         self.counters.tokens_regenerated += 0 if first.departed else lost
@@ -128,8 +132,11 @@ class RolloutReplica:
         self._contact(now)
         if in_flight := self.engine.in_flight():
             self._generate(in_flight)
-        else:
+        elif not self.eval.busy():
             self._idle()
+        if self.eval.busy():
+            with self.profile.measure("eval"):
+                self.eval.step()
         self._upkeep(now)
         return None
 
@@ -152,6 +159,7 @@ class RolloutReplica:
         if claim is not None:
             self.batch.pending += claim.leases
             self.contacts.claimed(len(claim.leases), claim.paused)
+            self.eval.answered(claim.eval_leases)
         self.weights.hold_version = res.hold_version
         self.contacts.trainer_starved = res.trainer_starved
         self.repack.on_answer(res.migrate, res.incoming)
@@ -166,7 +174,7 @@ class RolloutReplica:
         want, b, holding = self._admissible_groups(), self.batch, self.weights.hold_version >= 0
         waiting = self.engine.in_flight() > 0 or self.engine.policy_version is None or holding
         claim_due = self.contacts.claim_due(now, want, len(b.groups), len(b.completed), waiting, holding,
-                                            self.repack.urgent)
+                                            self.repack.urgent) or self.eval.due()
         done = len(b.completed) + len(b.failed)
         if not (claim_due or self.contacts.report_due(now, len(b.groups), done, b.completed_since)):
             return
@@ -175,7 +183,8 @@ class RolloutReplica:
             self.contacts.asked = want
             handoff, taken = self.repack.outgoing()
             claim = ClaimPromptsInput(report=self._report(), max_groups=max(0, want), attempt=self.attempt,
-                                      request_id=self.calls.request_id(), handoff=handoff, taken=taken)
+                                      request_id=self.calls.request_id(), handoff=handoff, taken=taken,
+                                      **self.eval.claim_fields())
         if done:
             self._start_report(claim)
         else:
@@ -309,7 +318,7 @@ class RolloutReplica:
         handoff, taken = self.repack.outgoing()
         self.control.claim(ClaimPromptsInput(report=self._report(), max_groups=0, attempt=self.attempt,
                                              request_id=self.calls.request_id(), handoff=handoff, taken=taken,
-                                             departure=departure))
+                                             departure=departure, **self.eval.claim_fields(leaving=True)))
         self._write_profile()
         log.info("replica_departed", replica_id=self.replica_id, reason=reason,
                  groups=len(departure.segment.group_ids) if departure.segment else 0)

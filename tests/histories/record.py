@@ -352,6 +352,23 @@ async def train_ahead(rec: Recorder) -> list[Path]:
     return [rec.write("training_run_train_ahead", h)]
 
 
+async def eval_rounds(rec: Recorder) -> list[Path]:
+    """A 4-step math run with eval.at_start and eval.at_end (patch eval-rounds): claims that carry eval leases and
+    results, two rounds closed and recorded by `record_eval` activities, the end waiting for the last round."""
+    cfg = rec.config("eval_rounds", "run.steps=4", "task.name=math", "rollout.max_new_tokens=8", "eval.size=6",
+                     "eval.at_start=true", "eval.at_end=true")
+    handle = await start_workflow(rec.client, cfg)
+    final: RunStatus = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    (h,) = await rec.chain(handle)
+    require(final.phase == "finished" and [s.policy_version for s in final.eval_done] == [0, 4]
+            and all(s.recorded for s in final.eval_done), f"{final.phase} {final.eval_done}")
+    require("eval-rounds" in patch_ids(h), "no eval-rounds patch marker")
+    records = [e for e in h.events if e.HasField("activity_task_scheduled_event_attributes")
+               and e.activity_task_scheduled_event_attributes.activity_type.name == contract.RECORD_EVAL]
+    require(len(records) == 2, f"{len(records)} record_eval activities")
+    return [rec.write("training_run_eval_rounds", h)]
+
+
 SCENARIOS: dict[str, Callable[[Recorder], Awaitable[list[Path]]]] = {
     "stream": stream, "repack": repack, "continue_as_new": continue_as_new, "search_attributes": search_attributes,
     "drill_rollout": drill_rollout, "drill_store": drill_store, "failed_groups": failed_groups,
@@ -359,6 +376,7 @@ SCENARIOS: dict[str, Callable[[Recorder], Awaitable[list[Path]]]] = {
     "scale": scale,
     "pool": pool,
     "train_ahead": train_ahead,
+    "eval_rounds": eval_rounds,
 }
 
 
