@@ -227,10 +227,25 @@ class TrainerSection(_Section):
 
     groups_per_step: int = Field(4, ge=1, le=65536, description="Complete groups consumed per step (groups).")
     lr: float = Field(2e-3, gt=0.0, le=1.0, description="AdamW learning rate (1/step).")
+    lr_decay_steps: int = Field(
+        0, ge=0,
+        description="Cosine decay of the learning rate from trainer.lr at step 0 to trainer.lr * lr_min_ratio at this "
+        "step, held there after (steps; rl/grpo.py lr_factor). 0: constant. Independent of run.steps, so an open-ended "
+        "run (`laminar chaos`) decays too.",
+    )
+    lr_min_ratio: float = Field(
+        0.1, ge=0.0, le=1.0, description="The learning rate after trainer.lr_decay_steps, as a fraction of trainer.lr."
+    )
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay (unitless).")
     grad_clip: float = Field(1.0, gt=0.0, description="Max global gradient norm (L2).")
     eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip, lower (ratio 1-eps_low).")
     eps_high: float = Field(0.28, ge=0.0, le=10.0, description="Clip-higher, upper (ratio 1+eps_high).")
+    entropy_coef: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="Entropy bonus: the loss subtracts this times the policy's entropy per response token (nats), "
+        "in the same token mean (rl/grpo.py clipped_token_loss). 0: none. Counters the collapse to one answer per "
+        "prompt, where every group's samples agree and the step has no signal.",
+    )
     off_policy: Literal["ppo", "tis", "decoupled"] = Field(
         "ppo",
         description="Off-policy correction (rl/grpo.py clipped_token_loss); pi_prox is the trainer's weights at "

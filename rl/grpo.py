@@ -8,6 +8,7 @@ weights, KL), staleness = trainer version - sample version. See docs/architectur
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
@@ -47,6 +48,16 @@ def split_stale(
     return kept, hist, len(trajectories) - len(kept)
 
 
+def lr_factor(step: int, decay_steps: int, min_ratio: float) -> float:
+    """The learning rate at trainer step `step`, as a fraction of trainer.lr: cosine decay from 1 at step 0 to
+    min_ratio at step decay_steps, then held there; decay_steps 0: constant 1. A function of the step alone, so
+    a trainer restored from a checkpoint continues the schedule where the run was."""
+    if decay_steps <= 0:
+        return 1.0
+    x = min(max(step, 0), decay_steps) / decay_steps
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * x))
+
+
 OffPolicy = Literal["ppo", "tis", "decoupled"]
 
 
@@ -68,6 +79,8 @@ def clipped_token_loss(
     eps_high: float,
     off_policy: OffPolicy = "ppo",
     tis_cap: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> LossParts:
     """PPO-clip loss with clip-higher, aggregated over tokens (sum over response tokens / their count).
 
@@ -87,6 +100,11 @@ def clipped_token_loss(
 
     For tis and decoupled the clip bounds the move away from pi_prox, so it can only bite once pi_theta has
     left pi_prox: from the second minibatch of a step on (trainer.minibatches > 1).
+
+    Entropy bonus: with entropy_coef > 0, entropy [B, T] (H(pi_theta) per position, carrying the gradient;
+    `token_entropy`) is rewarded per response token, -entropy_coef * H, unweighted, in the same token mean:
+    it keeps the policy from collapsing to one answer per prompt, where a group's samples agree, its advantages
+    are 0 and nothing corrects the policy any more (docs/decisions.md, 2026-12-02).
     """
     mask = mask.float()
     adv = advantages[:, None].expand_as(logp)
@@ -105,11 +123,20 @@ def clipped_token_loss(
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
     per_token = -weight * torch.minimum(unclipped, clipped)
+    if entropy_coef > 0:
+        if entropy is None:
+            raise ValueError(f"entropy_coef={entropy_coef} needs the per-token entropy (token_entropy of the logits)")
+        per_token = per_token - entropy_coef * entropy
     tokens = int(mask.sum().item())
     loss = (per_token * mask).sum() / max(tokens, 1)
     was_clipped = (clipped < unclipped) & (mask > 0)
     clip_fraction = float(was_clipped.sum().item()) / max(tokens, 1)
     return LossParts(loss=loss, clip_fraction=clip_fraction, tokens=tokens)
+
+
+def token_entropy(logp_all: torch.Tensor) -> torch.Tensor:
+    """[B, T, V] log-probabilities -> [B, T] entropy -sum_v p log p (differentiable; nats)."""
+    return -(logp_all.exp() * logp_all).sum(-1)
 
 
 @dataclass

@@ -18,7 +18,14 @@ import torch
 from laminar.config import TrainerSection
 from laminar.errors import ConfigError
 from laminar.records import Trajectory
-from rl.grpo import behaviour_drift, clipped_token_loss, group_advantages, split_stale
+from rl.grpo import (
+    behaviour_drift,
+    clipped_token_loss,
+    group_advantages,
+    lr_factor,
+    split_stale,
+    token_entropy,
+)
 from rl.model import CausalLM, load_model_state, model_state_dict
 
 
@@ -146,11 +153,14 @@ class Trainer:
         with torch.no_grad():
             logp_all = first.detach() if first is not None else self._log_softmax(batch.ids, batch.attention_mask)
             proximal_logp = logp_all.gather(-1, batch.targets[..., None])[..., 0]
-            ent = -(logp_all.exp() * logp_all).sum(-1)
+            ent = token_entropy(logp_all)
             entropy = float((ent * mask).sum() / mask.sum().clamp(min=1))
         del logp_all
         drift = behaviour_drift(proximal_logp, batch.behaviour_logp, mask, cfg.tis_cap)
 
+        lr = cfg.lr * lr_factor(trainer_version, cfg.lr_decay_steps, cfg.lr_min_ratio)
+        for group in self.optim.param_groups:
+            group["lr"] = lr
         loss_sum, clipped, grad_norms = 0.0, 0.0, []
         for minibatch in chunks:
             rows = minibatch[self.rank :: self.world]  # this rank's share (all of it in one process)
@@ -166,6 +176,8 @@ class Trainer:
                 eps_high=cfg.eps_high,
                 off_policy=cfg.off_policy,
                 tis_cap=cfg.tis_cap,
+                entropy=token_entropy(logp_all) if cfg.entropy_coef > 0 else None,
+                entropy_coef=cfg.entropy_coef,
             )
             # data parallel: the loss is the minibatch's token mean, so a rank weighs its own token mean by its
             # share of the minibatch's tokens, times world because the gradient reduction averages over ranks

@@ -3,6 +3,7 @@ Trainer on a real tiny model (staleness, minibatches, off-policy metrics, checkp
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -12,8 +13,15 @@ import torch
 from laminar.config import RunConfig, TrainerSection
 from laminar.errors import ConfigError
 from laminar.records import Trajectory
-from rl.grpo import behaviour_drift, clipped_token_loss, group_advantages, split_stale
-from rl.model import build_model, bytes_to_state_dict, state_dict_to_bytes
+from rl.grpo import (
+    behaviour_drift,
+    clipped_token_loss,
+    group_advantages,
+    lr_factor,
+    split_stale,
+    token_entropy,
+)
+from rl.model import build_model, bytes_to_state_dict, model_state_dict, state_dict_to_bytes
 from rl.trainer import Trainer
 
 HF = {
@@ -64,6 +72,66 @@ def test_clipped_loss_hand_worked():
     # d(-ratio * A)/dlogp = -ratio * A, divided by 4 tokens
     assert logp.grad[:, 0].tolist() == pytest.approx([0.0, -0.5 / 4, 0.0, 1.5 / 4], abs=1e-6)
     assert logp.grad[:, 1].tolist() == [0.0] * 4
+
+
+def test_token_entropy_hand_worked() -> None:
+    # uniform over 4 tokens: log 4 = 1.3863; one-hot (p = 1, the rest ~0): 0; [0.5, 0.5, 0, 0]: log 2 = 0.6931
+    probs = torch.tensor([[[0.25] * 4, [1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]])
+    h = token_entropy(torch.log(probs.clamp(min=1e-30)))
+    assert h.tolist()[0] == pytest.approx([math.log(4), 0.0, math.log(2)], abs=1e-6)
+
+
+def test_entropy_bonus_hand_worked() -> None:
+    """The clipped-loss tokens of test_clipped_loss_hand_worked (loss 0.13 over 4 tokens) with an entropy bonus
+    of coefficient 0.1 and per-token entropies [1, 2, 3, 4] (a masked-out fifth token of entropy 100 does not
+    count): loss 0.13 - 0.1 * (1 + 2 + 3 + 4) / 4 = 0.13 - 0.25 = -0.12, and d loss / d H = -0.1 / 4 per token."""
+    behaviour = torch.zeros(4, 2)
+    logp = torch.tensor([[math.log(1.5), 9.0], [math.log(0.5), 9.0], [math.log(0.5), 9.0], [math.log(1.5), 9.0]])
+    mask = torch.tensor([[1, 0], [1, 0], [1, 0], [1, 0]])
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    entropy = torch.tensor([[1.0, 100.0], [2.0, 100.0], [3.0, 100.0], [4.0, 100.0]], requires_grad=True)
+    kw = dict(eps_low=0.2, eps_high=0.28)
+    parts = clipped_token_loss(logp, behaviour, behaviour, adv, mask, **kw, entropy=entropy, entropy_coef=0.1)
+    assert parts.loss.item() == pytest.approx(-0.12, abs=1e-6) and parts.tokens == 4
+    parts.loss.backward()
+    assert entropy.grad.tolist() == [pytest.approx([-0.025, 0.0])] * 4
+    # coefficient 0 (the default): the entropy is not looked at; a coefficient without entropies is an error
+    assert clipped_token_loss(logp, behaviour, behaviour, adv, mask, **kw, entropy=entropy).loss.item() == \
+        pytest.approx(0.13, abs=1e-6)
+    with pytest.raises(ValueError, match="entropy_coef=0.1 needs the per-token entropy"):
+        clipped_token_loss(logp, behaviour, behaviour, adv, mask, **kw, entropy_coef=0.1)
+
+
+def test_entropy_bonus_moves_a_policy_with_no_signal_towards_more_entropy() -> None:
+    """Every group's samples score alike: advantages are all 0, so plain GRPO has no gradient and leaves the
+    weights as they are; with trainer.entropy_coef the step raises the policy's entropy on those tokens."""
+    batch = [dataclasses.replace(t, reward=0.5) for t in on_policy_batch(build_model(HF, seed=0))]
+    plain = build_model(HF, seed=0)
+    before = {k: v.clone() for k, v in model_state_dict(plain).items()}
+    m0 = Trainer(plain, TrainerSection(lr=1e-2), group_size=3).step(batch, trainer_version=0)
+    assert m0.grad_norm == 0.0 and all(torch.equal(before[k], v) for k, v in model_state_dict(plain).items())
+    model = build_model(HF, seed=0)
+    trainer = Trainer(model, TrainerSection(lr=1e-2, entropy_coef=0.1), group_size=3)
+    m1 = trainer.step(batch, trainer_version=0)
+    m2 = trainer.step(batch, trainer_version=1)
+    assert m1.grad_norm > 0 and m1.entropy == pytest.approx(m0.entropy) and m2.entropy > m1.entropy
+
+
+def test_lr_factor_hand_worked() -> None:
+    # cosine from 1 to 0.1 over 100 steps: 0.1 + 0.9 * (1 + cos(pi * x)) / 2 -> x = 0.5: 0.55, x = 0.25: 0.1 + 0.9 * 0.8536 = 0.8682
+    assert [lr_factor(s, 100, 0.1) for s in (0, 25, 50, 100, 5000)] == pytest.approx([1.0, 0.8682, 0.55, 0.1, 0.1],
+                                                                                  abs=1e-4)
+    assert lr_factor(7, 0, 0.1) == 1.0  # no decay: constant
+
+
+def test_trainer_takes_the_learning_rate_of_the_step_it_trains_from() -> None:
+    """The schedule is a function of trainer_version only: a restored trainer (or a redone step) gets the same lr."""
+    model = build_model(HF, seed=0)
+    trainer = Trainer(model, TrainerSection(lr=1e-2, lr_decay_steps=100, lr_min_ratio=0.1), group_size=3)
+    trainer.step(on_policy_batch(model, version=50), trainer_version=50)
+    assert trainer.optim.param_groups[0]["lr"] == pytest.approx(0.0055)
+    trainer.step(on_policy_batch(model, version=400), trainer_version=400)
+    assert trainer.optim.param_groups[0]["lr"] == pytest.approx(0.001)
 
 
 # Four tokens as a later minibatch sees them: the trainer's weights have moved from pi_prox (ratio
