@@ -222,6 +222,7 @@ async def test_trainer_preempt_redoes_no_step_and_a_kill_does(drill_stack, tmp_p
     assert final.steps_redone == kill.steps_redone
 
 
+@pytest.mark.slow  # 43-94 s; make test stays under 15 minutes
 async def test_control_worker_drill(drill_stack, tmp_path):
     handle = await _start_run(drill_stack)
     report = await _drill(drill_stack, handle, "control", tmp_path)
