@@ -157,11 +157,11 @@ def simulate_command(
     repack: str = typer.Option("on", help="Dynamic repack in laminar mode: on or off."),
     iterations: int = typer.Option(8, min=2, help="Global batches per final run."),
     warmup: int = typer.Option(3, min=1, help="Of which excluded from the metrics (warm-up)."),
-    control_plane: str = typer.Option("on", "--control-plane", help="on: replicas claim and report through one "
+    control_plane: str = typer.Option("off", "--control-plane", help="on: replicas claim and report through one "
                                       "workflow that serves one update at a time, at the measured costs "
                                       "(sim/params.py CONTROL_*), and hand over at each continue-as-new; "
                                       "no-handover: the same without the hand-overs; off: a control plane that "
-                                      "answers at once."),
+                                      "answers at once (the default until the on case is fast at 7B scale)."),
     relay_bench: Path | None = typer.Option(None, "--relay-bench", help="Relay chain bandwidths from a `laminar "
                                             "bench relay --json` report (e.g. docs/relay-bench.json)."),
     fail: list[str] = typer.Option([], "--fail", help="KIND@TIME (rollout, relay, trainer, preempt; TIME as 10m "

@@ -98,7 +98,7 @@ def control_timing() -> ControlTiming:
 
 def sim_config(model: P.ModelParams, workload: P.WorkloadParams, mode: str, placement: Placement, *,
                iterations: int = 8, warmup: int = 3, repack: bool = True, link: RelayLink = RelayLink(),
-               failures: tuple[tuple[str, float], ...] = (), control_plane: str = "on") -> SimConfig:
+               failures: tuple[tuple[str, float], ...] = (), control_plane: str = "off") -> SimConfig:
     """The run of `mode` on this placement, with every number from sim/params.py. control_plane (CONTROL_PLANES):
     "on": the replicas claim and report as services/rollout/ does (its intervals) through one workflow that serves
     one update at a time (sim/control.py), which continues as new with a hand-over of every replica; "no-handover":

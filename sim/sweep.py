@@ -42,7 +42,7 @@ class SweepSpec:
     link: RelayLink = field(default_factory=RelayLink)
     failures: tuple[tuple[str, float], ...] = ()
     fns: PolicyFns = REAL_POLICY
-    control_plane: str = "on"  # sim/scenarios.py sim_config: one workflow serves every update, at measured costs
+    control_plane: str = "off"  # sim/scenarios.py sim_config: one workflow serves every update, at measured costs
 
     def scales(self) -> tuple[int, ...]:
         return self.gpus or P.MODELS[self.model].gpu_scales
