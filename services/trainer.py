@@ -206,10 +206,7 @@ class TrainerService:
         The trainer's worker runs two activities at once (workers/processes.py), so the step scheduled ahead is
         already here while the one before it computes: it reads its segments now, then waits its turn (_turn)."""
         rows = self._prefetch(inp.batch)
-        waited = not self._busy.acquire(blocking=False)
-        if not waited:
-            self._busy.release()
-        with self._turn(heartbeat):
+        with self._turn(heartbeat) as waited:
             if (done := self._taken_ahead(inp)) is not None:
                 return done
             if waited and self.notice.given:
@@ -234,13 +231,15 @@ class TrainerService:
             return self._train_step(inp, heartbeat, schedule_to_start_s, scheduled_at, last, rows)
 
     @contextmanager
-    def _turn(self, heartbeat=lambda: None) -> Iterator[None]:
+    def _turn(self, heartbeat=lambda: None) -> Iterator[bool]:
         """One call at a time touches the policy (a step, an init, a republish, the deadline checkpoint); a call
-        waiting for the one before it keeps its activity's heartbeat going (waiting is not a hang)."""
-        while not self._busy.acquire(timeout=1.0):
+        waiting for the one before it keeps its activity's heartbeat going (waiting is not a hang). Yields whether
+        it had to wait."""
+        waited = not self._busy.acquire(blocking=False)
+        while waited and not self._busy.acquire(timeout=1.0):
             heartbeat()
         try:
-            yield
+            yield waited
         finally:
             self._busy.release()
 
