@@ -78,51 +78,60 @@ def test_snapshot_holds_live_objects_only(stack: DevStack) -> None:
 
 
 def test_every_acknowledged_write_survives_an_interrupt(stack: DevStack) -> None:
-    """A writer puts keys as fast as it can while the server is stopped and started again; after each
-    acknowledged put it reads back an earlier acknowledged key, which must never be missing. A save
+    """Writers put keys as fast as they can while the server is stopped and started again; after each
+    acknowledged put one of them reads back an earlier acknowledged key, which must never be missing. A save
     taken while the server still answered would lose the writes acknowledged after it; a restore done
-    after the server listens would answer NotFound for objects it had not put back yet."""
+    after the server listens would answer NotFound for objects it had not put back yet. The second writer
+    only puts, so a put is under way when the server stops (the first may be in a read-back then)."""
     _, store = up(stack)
     acked: dict[str, bytes] = {}
+    lock = threading.Lock()
     puts: list[tuple[float, float, bool]] = []  # (called at, returned at, acknowledged)
     failures: list[BaseException] = []
     missing: list[str] = []
     stop = threading.Event()
 
-    def write() -> None:
-        rng = random.Random(11)
+    def write(name: str, seed: int, read_back: bool) -> None:
+        rng = random.Random(seed)
         i = 0
         while not stop.is_set():
-            key, data = f"runs/r1/exp/seg-{i:05d}", rng.randbytes(rng.randrange(1, 64 * 1024))
+            key, data = f"runs/r1/exp/{name}-{i:05d}", rng.randbytes(rng.randrange(1, 64 * 1024))
             i += 1
             called_at = time.time()
             try:
                 store.put(key, data)
             except StoreUnavailableError:  # the server is down (after botocore's retries): nothing is owed
-                puts.append((called_at, time.time(), False))
+                with lock:
+                    puts.append((called_at, time.time(), False))
                 continue
-            puts.append((called_at, time.time(), True))
-            acked[key] = data
-            earlier = rng.choice(list(acked))
+            with lock:
+                puts.append((called_at, time.time(), True))
+                acked[key] = data
+                if not read_back:
+                    continue
+                earlier = rng.choice(list(acked))
+                expected = acked[earlier]
             try:
-                if store.get(earlier) != acked[earlier]:
+                if store.get(earlier) != expected:
                     missing.append(f"{earlier} (different bytes)")
             except ObjectNotFoundError:
                 missing.append(earlier)
             except StoreUnavailableError:
                 pass
 
-    def guarded() -> None:
+    def guarded(name: str, seed: int, read_back: bool) -> None:
         try:
-            write()
+            write(name, seed, read_back)
         except BaseException as e:  # noqa: BLE001 -- reported by the test thread below
             failures.append(e)
 
     def acks_after(t: float) -> int:
         return sum(1 for _, returned_at, ok in puts if ok and returned_at > t)
 
-    writer = threading.Thread(target=guarded)
-    writer.start()
+    writers = [threading.Thread(target=guarded, args=("seg", 11, True)),
+               threading.Thread(target=guarded, args=("put", 12, False))]
+    for writer in writers:
+        writer.start()
     try:
         time.sleep(1.0)  # writes under way
         interrupted_at = time.time()
@@ -133,7 +142,8 @@ def test_every_acknowledged_write_survives_an_interrupt(stack: DevStack) -> None
             time.sleep(0.05)
     finally:
         stop.set()
-        writer.join(timeout=120)
+        for writer in writers:
+            writer.join(timeout=120)
     assert not failures, failures
     assert back_at - stopped_at >= 1.0
     assert acks_after(0) - acks_after(interrupted_at) >= 10, "the old server acknowledged too few writes"
