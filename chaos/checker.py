@@ -14,6 +14,7 @@ The checks are pure functions of those records, so each is unit-tested with reco
 | reward | the reward rose over the run (reporting.summary.reward_rise > 0) |
 | processes | after the launcher stopped, no pid of its table (any incarnation) is alive, and no worker of this home runs outside the table |
 | faults | every injected fault healed; every preempted worker exited 0; every readonly fault counted the writes it refused |
+| tool calls | no tool call ran twice other than by a failure's retry (`tool_calls_rerun` 0, counted from the run's local logs by reporting/tool_calls.py; "not counted" when they are not on this machine) |
 
 The chaos report has a row per fault: injected, healed, detected (the first run event about its target after
 injection; at injection for control, store and Temporal, whose work waits in Temporal), recovered (the first
@@ -32,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from laminar.contract import RunStatus
 from laminar.errors import StoreError
 from reporting.summary import reward_rise
+from reporting.tool_calls import ToolCallCount
 from storage import keys
 from storage.checkpoints import CheckpointStore
 from storage.objects import ObjectStore
@@ -90,6 +92,16 @@ def check_resets(resets: list[dict]) -> Check:
     return Check("workflow resets accounted", not bad,
                  f"{len(resets)} reset(s)" + (": " + "; ".join(lines) if lines else "")
                  + (f"; {len(bad)} without their facts" if bad else ""))
+
+
+def check_tool_calls(calls: ToolCallCount | None) -> Check:
+    """No tool call ran a second time other than by a failure's retry (which regenerates on purpose). None: the
+    run's logs were not on this machine, so nothing was counted (green, and said so)."""
+    if calls is None:
+        return Check("tool calls run once", True, "not counted: the run's logs are not on this machine")
+    return Check("tool calls run once", calls.rerun == 0,
+                 f"{calls.executions:,} runs of {calls.keys:,} calls; {calls.rerun} run again; "
+                 f"{calls.rerun_after_failure} run again by a failure's retry")
 
 
 def verify_checkpoints(store: ObjectStore, run_id: str) -> dict[int, str | None]:
@@ -306,7 +318,7 @@ def _overlapping(f: dict, faults: list[dict]) -> list[int]:
 
 def judge(final: RunStatus | None, steps: dict[int, dict], checkpoints: dict[int, str | None], table: dict,
           alive: set[int], strays: list[int], faults: list[dict], exit_codes: dict[int, int], t0: float,
-          stop_error: str = "", resets: list[dict] | None = None) -> Verdict:
+          stop_error: str = "", resets: list[dict] | None = None, tool_calls: ToolCallCount | None = None) -> Verdict:
     """All checks. final None: the run did not end (stop_error says why): red, and the checks that need the
     workflow's result are judged against the step records alone."""
     numbered = [steps[s] for s in sorted(steps) if s > 0]
@@ -317,7 +329,8 @@ def judge(final: RunStatus | None, steps: dict[int, dict], checkpoints: dict[int
     checks = [ended, check_accounting(final, steps) if final is not None else
               Check("accounting", False, "no final status to account against"),
               check_versions(steps), check_checkpoints(checkpoints), check_steps(steps, last), check_reward(rewards),
-              check_processes(table, alive, strays), check_faults(faults, exit_codes), check_resets(resets or [])]
+              check_processes(table, alive, strays), check_faults(faults, exit_codes), check_resets(resets or []),
+              check_tool_calls(tool_calls)]
     final = final if final is not None else RunStatus(
         run_id="", phase="unknown", step=last, total_steps=0, policy_version=0, ready_groups=0, open_leases=0,
         groups_generated=0, groups_consumed=0, groups_consumed_twice=0, tokens_consumed=0, reward_recent=[],
@@ -333,6 +346,9 @@ def judge(final: RunStatus | None, steps: dict[int, dict], checkpoints: dict[int
                "writes_refused": sum(f.get("refused") or 0 for f in faults if f.get("injected_at") is not None),
                "faults_overlapping": sum(1 for r in injected if r["overlaps"]),
                "workflow_resets": len(resets or []),
+               "tool_calls_rerun": None if tool_calls is None else tool_calls.rerun,
+               "tool_calls_executed": None if tool_calls is None else tool_calls.executions,
+               "tool_calls_rerun_after_failure": None if tool_calls is None else tool_calls.rerun_after_failure,
                "reward_rise": round(reward_rise(rewards), 3), "tokens_lost": sum(r["tokens_lost"] or 0 for r in injected)}
     return Verdict(all(c.ok for c in checks), checks, rows, numbers)
 

@@ -53,6 +53,7 @@ from devstack.stack import DevStack
 from laminar import contract
 from laminar.contract import RunStatus, workflow_id_for
 from laminar.errors import ConfigError, LaminarError
+from reporting.tool_calls import count_tool_calls
 
 console = Console()
 STEPS_UNBOUNDED = 1_000_000  # chaos stops the run itself at --duration
@@ -245,9 +246,11 @@ def _judge(settings: Settings, run_id: str, final: RunStatus | None, table_path:
     store = store_for(settings)
     table = read_table(table_path)
     pids = {pid for r in table.get("processes", []) for pid in r.get("pids", [])}
+    log_dir = home / "logs" / run_id  # the local launcher's (cli/run.py make_launcher), as `laminar drill` counts
+    calls = count_tool_calls(log_dir, run_id) if log_dir.is_dir() else None
     return judge(final, read_step_records(store, run_id), verify_checkpoints(store, run_id), table,
                  {p for p in pids if _alive(p)}, _strays(home, pids), [asdict(r) for r in records],
-                 exit_codes(run_log), t0, stop_error, read_workflow_resets(store, run_id))
+                 exit_codes(run_log), t0, stop_error, read_workflow_resets(store, run_id), calls)
 
 
 def _alive(pid: int) -> bool:

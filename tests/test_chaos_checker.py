@@ -1,9 +1,11 @@
 """The chaos checker turns red on each broken record it exists to catch: a group consumed twice, a group lost,
 a mixed-version group, a step gap or repeat, a corrupt checkpoint, a leaked process, a flat reward, a
-preempted worker that did not exit 0. Built from hand-made records (the checker is pure), so each can fail."""
+preempted worker that did not exit 0, a tool call run twice (from real log files). Built from hand-made records
+(the checker is pure), so each can fail."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -23,6 +25,7 @@ from chaos.checker import (
     throughput_restored,
 )
 from laminar.contract import RunStatus
+from reporting.tool_calls import count_tool_calls
 
 T0 = 1_000.0
 
@@ -231,3 +234,37 @@ def test_a_run_that_did_not_end_is_red_and_still_judged_from_its_records():
     assert not v.green and not by["run ended"].ok and "did not stop" in by["run ended"].detail
     assert not by["accounting"].ok and by["steps"].ok and by["versions"].ok  # steps 1..20 from the records alone
     assert v.numbers["steps"] == 20
+
+
+def test_a_tool_call_run_twice_turns_it_red_and_a_failures_retry_does_not(tmp_path):
+    # two replicas' logs (JSON lines, as `laminar chaos` runs its child): g1's call ran twice with no failure
+    # between (red); g2 was retried after a failed reward, so its second run is the retry's (green)
+    def line(event: str, **kw) -> str:
+        return json.dumps({"event": event, "run_id": "r", **kw}) + "\n"
+
+    call = dict(sample=0, turn=0, call_sha="abc")
+    (tmp_path / "rollout-host-0.log").write_text(line("tool_executed", group_id="g1", **call)
+                                                 + line("tool_executed", group_id="g2", **call))
+    (tmp_path / "rollout-host-0.1.log").write_text(line("tool_executed", group_id="g1", **call))  # its successor
+    (tmp_path / "rollout-host-1.log").write_text(line("group_retried", group_id="g2")
+                                                 + line("tool_executed", group_id="g2", **call))
+    table = {"stopped": True, "processes": [{"name": "trainer", "pid": 11, "pids": [10, 11]}]}
+    faults = [_fault(0, "kill", "trainer", pid=10)]
+    twice = judge(status(), steps(), {10: None}, table, set(), [], faults, {}, T0,
+                  tool_calls=count_tool_calls(tmp_path, "r"))
+    by = {c.name: c for c in twice.checks}
+    assert not twice.green and not by["tool calls run once"].ok
+    assert by["tool calls run once"].detail == "4 runs of 2 calls; 1 run again; 1 run again by a failure's retry"
+    (tmp_path / "rollout-host-0.1.log").unlink()
+    (tmp_path / "rollout-host-0.log").write_text(line("tool_executed", group_id="g2", **call))
+    v = judge(status(), steps(), {10: None}, table, set(), [], faults, {}, T0,
+              tool_calls=count_tool_calls(tmp_path, "r"))
+    assert v.green, [c for c in v.checks if not c.ok]
+    assert (v.numbers["tool_calls_rerun"], v.numbers["tool_calls_executed"],
+            v.numbers["tool_calls_rerun_after_failure"]) == (0, 2, 1)
+    assert "| tool calls run once | yes | 2 runs of 1 calls; 0 run again; 1 run again by a failure's retry |" \
+        in format_verdict(v)
+    # logs not on this machine: not counted, said so, not red
+    v = judge(status(), steps(), {10: None}, table, set(), [], faults, {}, T0)
+    assert v.green and v.numbers["tool_calls_rerun"] is None
+    assert "not counted" in {c.name: c for c in v.checks}["tool calls run once"].detail
