@@ -7,7 +7,7 @@ project spells keys.
     runs/<run_id>/checkpoints/step-<n:08d>/{model-00001.safetensors, optim-00001.safetensors,
                                             trainer.json, manifest.json}
     runs/<run_id>/experience/<replica>/<seq>.parquet
-    runs/<run_id>/partial/<replica>/g<segment:06d>-a<attempt:04d>.parquet   (+ .json, its commit manifest)
+    runs/<run_id>/partial/<replica>/g<segment:06d>-a<attempt:04d>[-b].parquet   (two slots; + .json, the commit manifest naming one)
     runs/<run_id>/drills/<drill_id>.json
     runs/<run_id>/metrics/step-<n:08d>.json
     runs/<run_id>/profile/<process>.json
@@ -135,15 +135,19 @@ def _fence_name(fence: Fence) -> str:
     return f"g{generation:06d}-a{attempt:04d}"
 
 
-def partial_pool(run_id: str, replica_id: str, fence: Fence) -> str:
-    return f"{partial_prefix(run_id, replica_id)}{_fence_name(fence)}.parquet"
+def partial_pool(run_id: str, replica_id: str, fence: Fence, slot: int = 0) -> str:
+    """One of the two Parquet slots of a fence's pool (storage/trajectories.py write_partial: a flush writes the
+    slot its manifest does not name, then the manifest, so a crash or outage mid-flush leaves the last commit)."""
+    if slot not in (0, 1):
+        raise ValueError(f"partial pool slot {slot} must be 0 or 1")
+    return f"{partial_prefix(run_id, replica_id)}{_fence_name(fence)}{'-b' if slot else ''}.parquet"
 
 
 def partial_manifest(run_id: str, replica_id: str, fence: Fence) -> str:
     return f"{partial_prefix(run_id, replica_id)}{_fence_name(fence)}.json"
 
 
-_FENCE_FILE = re.compile(r"^g(\d{6})-a(\d{4})\.(json|parquet)$")
+_FENCE_FILE = re.compile(r"^g(\d{6})-a(\d{4})(-b)?\.(json|parquet)$")
 
 
 def parse_partial_fence(run_id: str, replica_id: str, key: str) -> Fence | None:

@@ -2,8 +2,10 @@
 (docs/architecture.md, 'Storage layout').
 
 A segment is one atomic put: it is committed once it exists, and its SegmentRef (with sha256) is the
-commit record reported to the workflow. A replica's partial pool is overwritten each flush: Parquet first,
-then a small JSON manifest (sha256, size, rows) last; readers trust the pool only through that manifest.
+commit record reported to the workflow. A replica's partial pool is rewritten each flush into the one of its
+two Parquet slots that its manifest does not name, then a small JSON manifest (slot, sha256, size, rows) is put
+over the old one; readers trust the pool only through that manifest. Each put is atomic, so a flush cut short
+(the process killed, the store down) leaves the previous commit readable: the pool is never "missing".
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class TrajectoryStore:
 
     def __init__(self, store: ObjectStore):
         self.store = store
+        self._committed_slot: dict[tuple[str, str, keys.Fence], int] = {}  # the slot each fence's manifest names
 
     def write_segment(self, run_id: str, replica_id: str, seq: str, trajectories: list[Trajectory]) -> SegmentRef:
         """Write one segment (complete groups) in a single atomic put and return its commit record."""
@@ -150,18 +153,45 @@ class TrajectoryStore:
     # -- partial-response pool -----------------------------------------------------------------------
 
     def write_partial(self, run_id: str, replica_id: str, fence: keys.Fence, trajectories: list[Trajectory]) -> None:
-        """Replace this incarnation's partial pool: Parquet first, then its manifest (the commit) last.
+        """Replace this incarnation's partial pool: Parquet into the slot the manifest does not name, then the
+        manifest (the commit) over the old one. Until the manifest's put lands, readers get the previous pool
+        whole: a replica killed mid-flush, or blocked by a store outage while its retry starts, loses only this
+        flush, never the pool (which held its tool calls' intents and outputs: without it the retry generated
+        its groups again from their prompts and ran their calls a second time; docs/guides/tools.md).
 
         Pools are fenced by (history segment, attempt): each incarnation of a replica writes under its own
         keys and readers take the newest fence, so a zombie attempt that flushes after its retry started can
         never overwrite the retry's pool."""
         data = _to_parquet(trajectories)
         manifest_key = keys.partial_manifest(run_id, replica_id, fence)
-        # Uncommit before overwriting, so a crash mid-flush reads as "no pool", never a mismatched one.
-        self.store.delete(manifest_key)
-        self.store.put(keys.partial_pool(run_id, replica_id, fence), data)
-        manifest = {"sha256": sha256_hex(data), "size": len(data), "rows": len(trajectories), "fence": list(fence)}
+        at = (run_id, replica_id, fence)
+        if at not in self._committed_slot:  # first write of this fence here: which slot is committed, if any
+            try:
+                committed = self._manifest(manifest_key)
+            except CorruptDataError:  # an unreadable commit is no commit: either slot may be overwritten
+                committed = None
+            self._committed_slot[at] = -1 if committed is None else int(committed.get("slot", 0))
+        slot = 1 if self._committed_slot[at] == 0 else 0
+        self.store.put(keys.partial_pool(run_id, replica_id, fence, slot), data)
+        manifest = {"sha256": sha256_hex(data), "size": len(data), "rows": len(trajectories), "fence": list(fence),
+                    "slot": slot}
         self.store.put(manifest_key, json.dumps(manifest, sort_keys=True).encode())
+        self._committed_slot[at] = slot
+
+    def _manifest(self, manifest_key: str) -> dict | None:
+        """A pool manifest as a dict, or None when there is none; CorruptDataError when it cannot be read."""
+        try:
+            manifest_bytes = self.store.get(manifest_key)
+        except ObjectNotFoundError:
+            return None
+        try:
+            manifest = json.loads(manifest_bytes)
+            if not isinstance(manifest, dict) or int(manifest.get("slot", 0)) not in (0, 1):
+                raise ValueError(f"not a pool manifest: {manifest_bytes[:80]!r}")
+            return manifest
+        except (ValueError, TypeError) as exc:
+            raise CorruptDataError(f"partial pool manifest {manifest_key} is unreadable ({exc!r}); the store "
+                                   f"holds a corrupt object; clear_partial() discards the pool") from exc
 
     def newest_partial_fence(self, run_id: str, replica_id: str) -> keys.Fence | None:
         """The newest fence with a committed pool manifest, or None if the replica has none."""
@@ -170,28 +200,36 @@ class TrajectoryStore:
         return max((f for f in fences if f is not None), default=None)
 
     def read_partial(self, run_id: str, replica_id: str) -> list[Trajectory]:
-        """The replica's newest committed partial pool, verified; [] if none was committed."""
+        """The replica's newest committed partial pool, verified; [] if none was committed. Its writer may
+        still flush (a zombie attempt): a slot rewritten between the manifest's get and the slot's is read
+        again through the new manifest, a few times, before it counts as corrupt."""
         fence = self.newest_partial_fence(run_id, replica_id)
         if fence is None:
             return []
         manifest_key = keys.partial_manifest(run_id, replica_id, fence)
-        pool_key = keys.partial_pool(run_id, replica_id, fence)
-        try:
-            manifest_bytes = self.store.get(manifest_key)
-        except ObjectNotFoundError:
-            return []
-        try:
-            manifest = json.loads(manifest_bytes)
-            size, sha256, rows = int(manifest["size"]), str(manifest["sha256"]), int(manifest["rows"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptDataError(f"partial pool manifest {manifest_key} is unreadable ({exc!r}); the store "
-                                   f"holds a corrupt object; clear_partial() discards the pool") from exc
-        try:
-            data = self.store.get(pool_key)
-        except ObjectNotFoundError as exc:
-            raise CorruptDataError(f"partial pool {pool_key} is missing but its manifest {manifest_key} exists; "
-                                   f"clear_partial() discards the pool") from exc
-        _verify(data, pool_key, size, sha256)
+        for tries_left in reversed(range(3)):
+            manifest = self._manifest(manifest_key)
+            if manifest is None:
+                return []
+            try:
+                size, sha256, rows = int(manifest["size"]), str(manifest["sha256"]), int(manifest["rows"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CorruptDataError(f"partial pool manifest {manifest_key} is unreadable ({exc!r}); the store "
+                                       f"holds a corrupt object; clear_partial() discards the pool") from exc
+            pool_key = keys.partial_pool(run_id, replica_id, fence, int(manifest.get("slot", 0)))
+            try:
+                data = self.store.get(pool_key)
+                _verify(data, pool_key, size, sha256)
+                break
+            except ObjectNotFoundError as exc:
+                if tries_left and self._manifest(manifest_key) != manifest:
+                    continue
+                raise CorruptDataError(f"partial pool {pool_key} is missing but its manifest {manifest_key} "
+                                       f"exists; clear_partial() discards the pool") from exc
+            except CorruptDataError:
+                if tries_left and self._manifest(manifest_key) != manifest:
+                    continue
+                raise
         trajectories = _from_parquet(data, f"partial pool {pool_key}")
         if len(trajectories) != rows:
             raise CorruptDataError(f"partial pool {pool_key} has {len(trajectories)} rows, manifest says {rows}")

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -13,7 +20,7 @@ from laminar.errors import CorruptDataError
 from laminar.records import Trajectory
 from laminar.refs import SegmentRef
 from storage import keys
-from storage.objects import sha256_hex
+from storage.objects import LocalObjectStore, sha256_hex
 from storage.trajectories import TRAJECTORY_SCHEMA, TrajectoryStore
 
 RUN = "run-1"
@@ -136,8 +143,13 @@ def test_partial_pool_write_overwrite_read_clear(object_store):
     second = [_traj("g9", 0, [1, 2, 3, 4], 5, finish_reason="partial")]
     trajectories.write_partial(RUN, REPLICA, FENCE, second)  # each flush replaces the whole pool
     assert trajectories.read_partial(RUN, REPLICA) == second
-    assert object_store.list(f"runs/{RUN}/partial/") == [keys.partial_manifest(RUN, REPLICA, FENCE),
-                                                         keys.partial_pool(RUN, REPLICA, FENCE)]
+    # two Parquet slots, the manifest naming the one written last
+    assert set(object_store.list(f"runs/{RUN}/partial/")) == {keys.partial_manifest(RUN, REPLICA, FENCE),
+                                                              keys.partial_pool(RUN, REPLICA, FENCE, 0),
+                                                              keys.partial_pool(RUN, REPLICA, FENCE, 1)}
+    third = [_traj("g9", 0, [1, 2, 3, 4, 5], 5, finish_reason="partial")]
+    TrajectoryStore(object_store).write_partial(RUN, REPLICA, FENCE, third)  # a new writer finds the slot in use
+    assert trajectories.read_partial(RUN, REPLICA) == third
     assert trajectories.read_partial(RUN, "rollout-1") == []  # pools are per replica
     trajectories.clear_partial(RUN, REPLICA)
     assert trajectories.read_partial(RUN, REPLICA) == []
@@ -156,6 +168,22 @@ def test_partial_pool_without_manifest_is_uncommitted(object_store):
     trajectories.write_partial(RUN, REPLICA, FENCE, [_traj("g1", 0, [1], 2, finish_reason="partial")])
     object_store.delete(keys.partial_manifest(RUN, REPLICA, FENCE))  # crashed after the Parquet, before the manifest
     assert trajectories.read_partial(RUN, REPLICA) == []
+
+
+def test_a_flush_cut_short_leaves_the_previous_pool_whole(object_store):
+    # The second flush's Parquet landed in the other slot and its manifest did not (the replica was killed, or
+    # the store went down while the replica's retry started). Before, a flush first deleted the manifest, so
+    # the retry found no pool, generated the groups again from their prompts and ran their tool calls again.
+    trajectories = TrajectoryStore(object_store)
+    first = [_traj("g1", 0, [1, 2], 2, finish_reason="partial", extra={"tool_intent": "0"})]
+    trajectories.write_partial(RUN, REPLICA, FENCE, first)
+    cut_short = [_traj("g1", 0, [1, 2, 3], 2, finish_reason="partial")]
+    object_store.put(keys.partial_pool(RUN, REPLICA, FENCE, 1), b"PAR1 half a file")  # the other slot, torn
+    assert trajectories.read_partial(RUN, REPLICA) == first
+    object_store.put(keys.partial_pool(RUN, REPLICA, FENCE, 1), b"x" * 10)
+    assert TrajectoryStore(object_store).read_partial(RUN, REPLICA) == first  # any reader, not only the writer
+    trajectories.write_partial(RUN, REPLICA, FENCE, cut_short)  # the next flush commits
+    assert trajectories.read_partial(RUN, REPLICA) == cut_short
 
 
 def test_corrupt_partial_pool_raises(object_store):
@@ -187,7 +215,7 @@ def test_a_zombie_attempt_never_overwrites_its_retrys_pool(object_store):
     trajectories.write_partial(RUN, REPLICA, (1, 1), handed_over)
     assert trajectories.read_partial(RUN, REPLICA) == handed_over
     # the new incarnation sweeps the older pools; its own stays
-    trajectories.clear_partial(RUN, REPLICA, older_than=(1, 1))
+    trajectories.clear_partial(RUN, REPLICA, older_than=(1, 1))  # both slots of each older fence
     assert object_store.list(f"runs/{RUN}/partial/") == [keys.partial_manifest(RUN, REPLICA, (1, 1)),
                                                          keys.partial_pool(RUN, REPLICA, (1, 1))]
 
@@ -198,3 +226,46 @@ def test_ids_with_slashes_are_rejected(object_store):
         trajectories.write_partial(RUN, "a/b", FENCE, [])
     with pytest.raises(ValueError, match="segment seq"):
         trajectories.write_segment(RUN, REPLICA, "", _group_pair())
+
+
+_FLUSHER = """
+import sys
+from laminar.records import Trajectory
+from storage.objects import LocalObjectStore
+from storage.trajectories import TrajectoryStore
+
+store = TrajectoryStore(LocalObjectStore(sys.argv[1]))
+n = 0
+while True:
+    n += 1
+    rows = [Trajectory(run_id="run-1", prompt_id=1, group_id=f"g{i}", sample_index=0, prompt_ids=[1, 2, 3],
+                       response_ids=[n] * 200, logprobs=[-0.5] * 200, reward=0.0, policy_version=n,
+                       replica_id="rollout-0", started_at=1.0, ended_at=2.0, finish_reason="partial")
+            for i in range(300)]
+    store.write_partial("run-1", "rollout-0", (0, 1), rows)
+    print(n, flush=True)
+"""
+
+
+def test_a_replica_killed_mid_flush_leaves_a_whole_pool(tmp_path):
+    # A real process rewrites its pool as fast as it can (300 rows a flush) and is SIGKILLed at a random point;
+    # the pool read afterwards is always one whole committed flush, never "no pool" (before the fix most kills
+    # landed after a flush had deleted its manifest: the retry resumed nothing and ran its groups' calls again).
+    root = tmp_path / "store"
+    rng = random.Random(35)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    for _ in range(5):
+        proc = subprocess.Popen([sys.executable, "-c", _FLUSHER, str(root)], stdout=subprocess.PIPE, text=True,
+                                env=env)
+        assert proc.stdout is not None
+        committed = int(proc.stdout.readline())  # one flush committed
+        time.sleep(rng.uniform(0.0, 0.3))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        last = max([committed, *(int(x) for x in proc.stdout.read().split())])
+        pool = TrajectoryStore(LocalObjectStore(root)).read_partial(RUN, REPLICA)
+        assert len(pool) == 300
+        version = pool[0].policy_version
+        assert last <= version <= last + 1  # the last flush it reported, or one that committed after it
+        assert all(t.response_ids == [version] * 200 for t in pool)
