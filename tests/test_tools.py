@@ -315,3 +315,43 @@ def test_a_crash_between_the_intent_write_and_the_output_write_never_runs_the_ca
     c.remember_calls([t for rows in resumed.values() for t in rows])
     expr_text = parse_call(TASK.turn_text(turns[0].response_ids), [Calculator()])[1]
     assert c.recorded[("g0", 0, 0)] == (expr_text, out)
+
+
+def test_a_regenerated_group_keeps_its_recorded_answers_across_another_crash(tmp_path):
+    """The chaos run's case: incarnation b generates a group again from its prompt (its start version was gone:
+    PartialPool._restart_fresh) and dies before the regenerated turns reach their calls; incarnation c resumes
+    b's pool. The answers b kept in memory travel in b's pool rows (extra `recorded_calls`), so c answers the
+    same calls from the record: each call ran once over the three incarnations. Before, c ran them again."""
+    from structlog.testing import capture_logs
+
+    from services.rollout.batch import RECORDED
+    store = TrajectoryStore(LocalObjectStore(str(tmp_path)))
+    engine = _engine()
+    a = _batch(engine)
+    a.admit([Lease("g0", 0)])
+    engine.abort(["g0/0", "g0/1"])
+    with capture_logs() as logs_a:
+        a.record([_call_turn(a, 0), _call_turn(a, 1)])
+    rows_a = a.rows(a.groups, engine.snapshot_inflight())
+    engine.abort()
+    b = _batch(_engine(seed=1))
+    pool_b = _pool(b, store, 2)
+    b.restart_fresh({"g0": rows_a})  # from the prompt; the record of both calls is kept
+    pool_b.write()  # a flush, then b dies with its regenerated samples before their calls
+    rows_b = store.read_partial("run-t", "rollout-0")
+    assert all(RECORDED in t.extra and t.tool_mask == [] for t in rows_b)
+    engine3 = _engine(seed=2)
+    c = _batch(engine3)
+    resumed = _pool(c, store, 3).read()
+    with capture_logs() as logs_c:
+        c.resume(resumed, 1)
+        engine3.abort(["g0/0", "g0/1"])
+        c.record([_call_turn(c, 0), _call_turn(c, 1)])  # the regenerated turns make the same calls
+    assert _executed(logs_a) == {("g0", 0, 0): 1, ("g0", 1, 0): 1}
+    assert _executed(logs_c) == {}  # answered from the record: executions == distinct calls == 2
+    assert sorted(e["sample"] for e in logs_c if e["event"] == "tool_reused") == [0, 1]
+    prompt = c.groups["g0"].prompt
+    held = {rid: resp for rid, _, resp, _ in engine3.snapshot_inflight()}
+    assert held["g0/0"][-6:] == TASK.tool_output_ids(str(prompt.answer_meta["answer"]))
+    # once answered, the record is in the prefix: the next rows carry no RECORDED entry
+    assert all(RECORDED not in t.extra for t in c.rows(c.groups, engine3.snapshot_inflight()))

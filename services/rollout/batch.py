@@ -25,6 +25,7 @@ A tool that fails fails the group ("sandbox"), retried then dropped like a faile
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,9 @@ log = get_logger(__name__)
 
 # the answer to a call whose intent was recorded but whose output was not: it possibly ran, so it is not run again
 INTERRUPTED = "error: the call was interrupted"
+# a pool row's extra entry: the recorded answers (Batch.recorded) its sample has not reached yet, as JSON
+# [[turn, call text, output ids], ...], so an incarnation resuming it still answers those calls from the record
+RECORDED = "recorded_calls"
 
 
 @dataclass
@@ -225,6 +229,7 @@ class Batch:
         """Keep the completed calls of these recorded rows, whose groups are generated again from their prompts
         (a restart under a newer version): a regenerated turn that makes the same call gets its recorded answer."""
         for t in rows:
+            self._carry_recorded(t)
             if t.tool_mask and self.tools:
                 calls = recorded_calls(t.response_ids, t.tool_mask, self.task.turn_text, self.tools)
                 for turn, answer in enumerate(calls):
@@ -233,6 +238,20 @@ class Batch:
                 found = self._intent_call(t)
                 self.recorded[(t.group_id, t.sample_index, int(t.extra["tool_intent"]))] = (
                     found[1] if found else "", list(self.task.tool_output_ids(INTERRUPTED)))
+
+    def _carry_recorded(self, t: Trajectory) -> None:
+        """The recorded answers a pool row carries (RECORDED: written by an incarnation that regenerated its group
+        and had not reached those calls again when it died) back into `recorded`."""
+        if RECORDED in t.extra and self.tools:
+            for turn, text, out in json.loads(t.extra[RECORDED]):
+                self.recorded.setdefault((t.group_id, t.sample_index, int(turn)), (str(text), [int(x) for x in out]))
+
+    def _recorded_by_sample(self) -> dict[tuple[str, int], str]:
+        """The RECORDED entries of pool rows, by (group, sample), for the samples answers are kept for."""
+        kept: dict[tuple[str, int], list] = {}
+        for (g, i, turn), (text, out) in self.recorded.items():
+            kept.setdefault((g, i), []).append([turn, text, out])
+        return {k: json.dumps(sorted(v)) for k, v in kept.items()}
 
     def fail(self, group: Group, reason: str, detail: str, thrown_away: int = 0) -> None:
         """A try of `group` failed (reason: envs/tasks/scoring.py REASONS): start it again from a freshly built
@@ -316,7 +335,9 @@ class Batch:
         for t in rows:
             if t.finish_reason != "partial":
                 group.done[t.sample_index] = t
-            elif "tool_intent" in t.extra and self.tools:
+                continue
+            self._carry_recorded(t)
+            if "tool_intent" in t.extra and self.tools:
                 self._interrupted(group, t)
             else:
                 # its completed tool calls are in its prefix: never run again
@@ -350,16 +371,22 @@ class Batch:
         """The finished samples of `groups`, then the in-flight ones as partial trajectories (prefixes)."""
         now = self.clock()
         rows = [t for g in groups.values() for t in g.done.values()]
+        partial = []
         for request_id, _prompt, response, logprobs in in_flight:
             group_id, index = request_id.rsplit("/", 1)
-            rows.append(self.trajectory(groups[group_id], int(index), response, logprobs, 0.0, "partial", now,
-                                        self.episodes.get(request_id)))
+            partial.append(self.trajectory(groups[group_id], int(index), response, logprobs, 0.0, "partial", now,
+                                           self.episodes.get(request_id)))
         for group, index, f, episode, _tool, _text in self.intents:  # queued calls (run_calls): their intents
             if groups.get(group.lease.group_id) is group:
                 t = self.trajectory(group, index, f.response_ids, f.logprobs, 0.0, "partial", now, episode)
                 t.extra["tool_intent"] = str(episode.turns - 1)
-                rows.append(t)
-        return rows
+                partial.append(t)
+        if self.recorded:  # answers kept for regenerated groups travel with their rows (RECORDED)
+            kept = self._recorded_by_sample()
+            for t in partial:
+                if (t.group_id, t.sample_index) in kept:
+                    t.extra[RECORDED] = kept[(t.group_id, t.sample_index)]
+        return rows + partial
 
     def trajectory(self, group: Group, index: int, response: list[int], logprobs: list[float],
                    reward: float, finish: str, now: float, episode: Episode | None = None) -> Trajectory:
