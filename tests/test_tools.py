@@ -355,3 +355,35 @@ def test_a_regenerated_group_keeps_its_recorded_answers_across_another_crash(tmp
     assert held["g0/0"][-6:] == TASK.tool_output_ids(str(prompt.answer_meta["answer"]))
     # once answered, the record is in the prefix: the next rows carry no RECORDED entry
     assert all(RECORDED not in t.extra for t in c.rows(c.groups, engine3.snapshot_inflight()))
+
+
+def test_a_group_handed_off_and_back_from_its_prompt_carries_no_stale_turns(tmp_path):
+    """The chaos run's case (after the pool fixes): a replica hands a group whose samples are between turns to a
+    repack destination, which declines; the group comes back to the same replica with the migration's segment,
+    under a version it no longer holds, so it is generated again from its prompt (Repack.take_leases ->
+    restart_fresh). The replica's episodes of the first try must not survive: a stale one gave the new, shorter
+    response the old tool mask (12 entries for 8 tokens), which the trainer refused at every retry of its step."""
+    from laminar.contract import MigrationOrder
+    from laminar.timing import TimeBreakdown
+    from services.rollout.batch import Counters
+    from services.rollout.migration import Repack
+
+    store = TrajectoryStore(LocalObjectStore(str(tmp_path)))
+    engine = _engine()
+    a = _batch(engine)
+    repack = Repack(a, store, "run-t", "rollout-0", Counters(), TimeBreakdown())
+    a.admit([Lease("g0", 0)])
+    engine.abort(["g0/0", "g0/1"])
+    a.record([_call_turn(a, 0), _call_turn(a, 1)])  # both samples between turns: episodes with a tool answer
+    assert set(a.episodes) == {"g0/0", "g0/1"}
+    repack.on_answer(MigrationOrder("m1", "rollout-1", 1), [])  # hand-off; the destination declines
+    handoff, _ = repack.outgoing()
+    assert handoff is not None and handoff.segment is not None and not a.groups
+    engine.load_weights(model_state_dict(build_model(HF, seed=0)), policy_version=2)  # it moved on to version 2
+    repack.take_leases([Lease("g0", 0, resume=handoff.segment, resume_version=1)])  # back, from the prompt
+    assert a.recorded  # the completed calls are kept for the regenerated turns
+    _drain(engine, a)
+    (group,) = a.completed
+    for t in group.done.values():
+        assert t.tool_mask == [] or len(t.tool_mask) == len(t.response_ids), (t.response_ids, t.tool_mask)
+    collate(list(group.done.values()), TASK.pad_id)  # what the trainer does with them

@@ -121,6 +121,9 @@ class Batch:
                     self.pending.append(lease)
                     continue
                 for i in range(self.group_size):
+                    # from the prompt: no turn yet, whatever this batch held for the sample before (a group it
+                    # handed off in a migration and got back, say); a stale episode gave the new response its mask
+                    self.episodes.pop(f"{lease.group_id}/{i}", None)
                     self.engine.add(f"{lease.group_id}/{i}", group.prompt.token_ids)
             except Exception as e:  # noqa: BLE001 - the group fails with what went wrong; the replica goes on
                 self.fail(group, "generation", f"{type(e).__name__}: {e}")
@@ -345,6 +348,7 @@ class Batch:
                 self.engine.add(f"{group_id}/{t.sample_index}", t.prompt_ids,
                                 prefix_ids=t.response_ids, prefix_logprobs=t.logprobs)
         for i in sorted(set(range(self.group_size)) - {t.sample_index for t in rows}):
+            self.episodes.pop(f"{group_id}/{i}", None)  # from the prompt (admit)
             self.engine.add(f"{group_id}/{i}", first.prompt_ids)
         if self.groups.get(group_id) is group and len(group.done) == self.group_size:
             self.completed.append(self.groups.pop(group_id))
