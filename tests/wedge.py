@@ -87,6 +87,10 @@ class WedgeRepro:
     def claim(self) -> list[str]:
         return list(self.relays)
 
+    @workflow.query
+    def status(self) -> list[str]:  # as the run's status query, which `laminar chaos` and `laminar run` poll
+        return list(self.relays)
+
     @workflow.update
     def finish(self) -> int:
         self.done = True
@@ -132,7 +136,13 @@ def worker_process(address: str, queue: str) -> list[str]:
 
 
 async def _serve(address: str, queue: str) -> None:
-    client = await Client.connect(address)
+    runtime = None
+    if os.environ.get("WEDGE_CORE_DEBUG"):  # the SDK core's own debug log on stderr: which task it applies, and how
+        from temporalio.runtime import LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
+
+        runtime = Runtime(telemetry=TelemetryConfig(logging=LoggingConfig(
+            filter=TelemetryFilter(core_level="DEBUG", other_level="WARN"))))
+    client = await Client.connect(address, runtime=runtime) if runtime else await Client.connect(address)
     # unsandboxed: the aligned mode's os.kill; the cache is the SDK's default (what the control worker uses)
     # debug_mode: no deadlock detector, so a stalled activation stays stalled instead of failing its task
     from workers.processes import worker_interceptors
