@@ -150,7 +150,7 @@ def _worker(address: str, queue: str) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL)
 
 
-QUERY_TRIES = 5  # 10 of 13 tries failed to replay (docs/upstream/wedged-run.md): 5 with none failing is rare (~0.2 %)
+QUERY_TRIES = 5  # 10 of 13 tries failed to replay (docs/upstream/wedged-run.md): 5 with none failing: ~0.1 %
 
 
 @pytest.mark.slow
@@ -206,7 +206,7 @@ async def test_the_repairer_resets_a_reproduced_wedge(own_server):
         repairer = Repairer(client, [wedge.WedgeRepro], workflow_type=wedge.WORKFLOW)
         outcome = None
         for _ in range(90):  # the fresh worker takes the task once the dead one's sticky queue times out (~10 s)
-            outcome = await repairer.check(handle.id, handle.run_id)
+            outcome = await repairer.check(handle.id, handle.result_run_id)
             if outcome is not None:
                 break
             await asyncio.sleep(1.0)

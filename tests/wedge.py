@@ -67,7 +67,8 @@ class WedgeRepro:
             handled += 1
             self.relays = []  # as RelayChain.lose: the chain is empty until the backoff ends
             run_id = workflow.info().run_id
-            stalls = not os.environ.get("WEDGE_NO_STALL")  # a worker started to replace a stalled one does not
+            with workflow.unsafe.sandbox_unrestricted():  # a sandboxed replayer (the repairer's) runs this too
+                stalls = not os.environ.get("WEDGE_NO_STALL")  # a worker started to replace a stalled one does not
             if stalls and self.stall_s and not workflow.unsafe.is_replaying() and run_id not in _STOPPED_ONCE:
                 _STOPPED_ONCE.add(run_id)  # once per run and process
                 # the window: applied in memory, completion not yet sent. The workflow's thread stalls as a
