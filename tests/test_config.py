@@ -246,3 +246,10 @@ def test_laminar_run_warns_when_a_step_input_may_pass_the_servers_warning_size()
         assert warn_large_payloads(RunConfig.load(None, ["trainer.checkpoint_every=1000"])) > 256 * 1024
     (warning,) = [e for e in logs if e["event"] == "large_train_step_payloads"]
     assert warning["checkpoint_every"] == 1000 and "trainer.checkpoint_every" in warning["fix"]
+
+
+def test_a_quota_above_the_ask_is_refused_naming_both_fields() -> None:
+    with pytest.raises(ConfigError, match=r"rollout.quota=3 is above rollout.replicas=2.*set rollout.quota <= 2"):
+        RunConfig.load(None, ["rollout.replicas=2", "rollout.quota=3"])
+    with pytest.raises(ConfigError, match=r"rollout.quota=-1"):
+        RunConfig.load(None, ["rollout.quota=-1"])
