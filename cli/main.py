@@ -126,8 +126,9 @@ def fork(
     """Start a new run from the newest committed checkpoint of another, as `laminar run` does (dev stack, workers,
     progress, summary). The way on when Temporal lost a run's state (its database was reset or replaced): the new
     run has a new id, records its parent (run.parent, run.parent_step, runs/<id>/run.json) and writes nothing of
-    the parent's. Extra `--section.key=value` arguments override the parent's config."""
-    from cli.run import check_binds, run_local
+    the parent's. Extra `--section.key=value` arguments override the parent's config; the result is checked as
+    `laminar run` checks a config (model path, task, listener binds)."""
+    from cli.run import check_binds, check_run, run_local
     from client.connect import store_for
     from client.fork import fork_config
 
@@ -136,6 +137,7 @@ def fork(
         settings = Settings.from_env()
         check_binds(settings, None)
         cfg = fork_config(store_for(settings), parent, run_id, list(ctx.args), steps)
+        check_run(cfg, settings)  # the same checks as `laminar run` (model path, task) on the forked config
         console.print(f"fork of run {parent} from its checkpoint at step {cfg.run.parent_step}: new run "
                       f"{cfg.run.run_id}, {cfg.run.steps} steps", highlight=False)
         configure_logging(log_format)
