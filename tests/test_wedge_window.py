@@ -150,7 +150,7 @@ def _worker(address: str, queue: str) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL)
 
 
-QUERY_TRIES = 5  # 10 of 13 tries failed to replay (docs/upstream/wedged-run.md): 5 with none failing: ~0.1 %
+QUERY_TRIES = 5  # 14 of 18 tries failed to replay (docs/upstream/wedged-run.md): 5 with none failing: ~0.1 %
 
 
 @pytest.mark.slow
