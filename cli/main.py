@@ -373,6 +373,13 @@ def worker(
     insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
 ) -> None:
     """Run one worker process against any Temporal address and store (LAMINAR_* settings)."""
+    import signal
+
+    # A notice (SIGTERM/SIGINT: a preemption, a drain) before the worker serves finds it holding no work: it leaves
+    # at once and exits 0, as it would once serving (the worker's own handler replaces this one when it polls).
+    # Without it, a notice while the worker imports or connects killed it (exit -15), unlike any other notice.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _leave_before_serving)
     from workers import processes
 
     with exit_codes():
@@ -393,6 +400,14 @@ def worker(
             asyncio.run(main_fn(settings, allow_faults, slots))
         else:
             asyncio.run(main_fn(settings, allow_faults))
+
+
+def _leave_before_serving(signum: int, frame: object) -> None:
+    import signal
+
+    print(f"notice ({signal.Signals(signum).name}) before the worker serves: it holds no work; leaving",
+          file=sys.stderr, flush=True)
+    raise SystemExit(0)
 
 
 # the commands of the other modules, after this module's own (the order of `laminar --help`)
