@@ -387,3 +387,38 @@ def test_a_group_handed_off_and_back_from_its_prompt_carries_no_stale_turns(tmp_
     for t in group.done.values():
         assert t.tool_mask == [] or len(t.tool_mask) == len(t.response_ids), (t.response_ids, t.tool_mask)
     collate(list(group.done.values()), TASK.pad_id)  # what the trainer does with them
+
+
+def test_a_source_that_dies_before_its_hand_off_is_recorded_keeps_the_groups_in_its_pool(tmp_path):
+    """The last chaos run's case: a replica ran a step's calls, handed the groups off in a migration, and died
+    (a read-only store failed its next write) before the claim carrying the hand-off reached the workflow, so the
+    leases were still its own. Its pool, written after the hand-off, no longer held the groups: the retry's first
+    claim did not resume them, they went back from their prompts and their calls ran again. The pool now keeps
+    the handed-off rows until that claim is answered."""
+    from laminar.contract import MigrationOrder
+    from laminar.timing import TimeBreakdown
+    from services.rollout.batch import Counters
+    from services.rollout.migration import Repack
+
+    store = TrajectoryStore(LocalObjectStore(str(tmp_path)))
+    engine = _engine()
+    a = _batch(engine)
+    pool = _pool(a, store, 1)
+    repack = Repack(a, store, "run-t", "rollout-0", Counters(), TimeBreakdown())
+    a.admit([Lease("g0", 0)])
+    engine.abort(["g0/0", "g0/1"])
+    a.record([_call_turn(a, 0), _call_turn(a, 1)])  # the calls ran
+    repack.on_answer(MigrationOrder("m1", "rollout-1", 1), [])  # handed off at once
+    pool.write()  # the next flush: the batch holds nothing, the hand-off is not recorded yet
+    rows = {t.sample_index: t for t in store.read_partial("run-t", "rollout-0")}
+    assert set(rows) == {0, 1} and all(t.extra["tool_calls"] == "1" for t in rows.values())
+    # the retry resumes them from its pool with their calls answered: none runs again
+    b = _batch(_engine(seed=1))
+    b.resume(_pool(b, store, 2).read(), 1)
+    assert b.tool_executions == {} and set(b.episodes) == {"g0/0", "g0/1"}
+    # once the claim that carried the hand-off is answered, the workflow has the groups: the pool drops them
+    handoff, _ = repack.outgoing()
+    assert handoff is not None and handoff.segment is not None
+    repack.on_answer(None, [])
+    pool.write()
+    assert store.read_partial("run-t", "rollout-0") == []

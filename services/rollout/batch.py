@@ -103,6 +103,8 @@ class Batch:
         # groups to continue from recorded prefixes (a resumed pool, a migration, a departed replica's group) that
         # did not fit beside those in flight: group id -> (the version they started on, their rows)
         self.deferred: dict[str, tuple[int, list[Trajectory]]] = {}
+        # rows of a repack hand-off the workflow has not recorded yet (services/rollout/migration.py): pool rows
+        self.handing_off: list[Trajectory] = []
 
     def admit(self, leases: list[Lease], attempts: int = 1) -> None:
         """Start each group from its prompt. A prompt the task cannot build, or the engine cannot admit (longer

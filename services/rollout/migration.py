@@ -28,6 +28,7 @@ class Repack:
         self.handoff: Handoff | None = None  # what the next claim carries
         self.taken: list[Taken] = []
         self._seen: set[str] = set()  # migrations already handled
+        self._sent = False  # a claim carrying a hand-off is out, not yet answered
 
     @property
     def urgent(self) -> bool:
@@ -35,14 +36,18 @@ class Repack:
         return self.handoff is not None or bool(self.taken)
 
     def outgoing(self) -> tuple[Handoff | None, list[Taken]]:
-        """What the next claim carries (then forgotten here)."""
+        """What the next claim carries (then forgotten here; the handed-off rows stay in the pool until that
+        claim's answer: `on_answer`)."""
         out, self.handoff, self.taken = (self.handoff, self.taken), None, []
+        self._sent = out[0] is not None
         return out
 
     def on_answer(self, order: MigrationOrder | None, incoming: list[Incoming]) -> None:
         """An answer's repack part: an order makes this replica a source, each Incoming a destination. Each
         migration is handled once: answers repeat it until the workflow has this replica's hand-off or
         acknowledgement, so an id is remembered only while answers still carry it."""
+        if self._sent:  # the claim that carried the hand-off is answered: the workflow has it
+            self.batch.handing_off, self._sent = [], False
         if order is not None and order.migration_id not in self._seen:
             self._seen.add(order.migration_id)
             self._hand_off(order)
@@ -69,6 +74,9 @@ class Repack:
         with self.profile.measure("repack_out"):
             ref = self.trajectories.write_migration(self.run_id, order.migration_id, rows)
         self.handoff = Handoff(order.migration_id, ref, overhead_s=time.perf_counter() - t0)
+        # until the workflow has the hand-off the leases are this replica's: its pool keeps the rows, so a death
+        # before that resumes them (with their tool calls) instead of generating them again from their prompts
+        self.batch.handing_off = rows
         log.info("repack_handed_off", replica_id=self.replica_id, migration=order.migration_id,
                  destination=order.destination, groups=len(moving), sequences=len(stopped),
                  policy_version=order.policy_version)

@@ -40,7 +40,7 @@ class PartialPool:
         """All samples of every in-flight group: finished ones as they are, the rest as prefixes; then the
         complete groups not yet reported."""
         b = self.batch
-        rows = b.rows(b.groups, b.engine.snapshot_inflight()) + b.deferred_rows()
+        rows = b.rows(b.groups, b.engine.snapshot_inflight()) + b.deferred_rows() + b.handing_off
         rows += [t for g in b.reporting + b.completed for t in g.done.values()]
         if not rows and (self.empty or self.kept):
             return  # an idle replica does not rewrite an empty pool every flush interval, nor a kept one
