@@ -52,6 +52,7 @@ with workflow.unsafe.imports_passed_through():
     from laminar.refs import CheckpointRef
     from rl.factory import decode_batch_limit, time_scale  # the engines' traits (deterministic)
     from workflows import commands, timeouts
+    from workflows.carry import encode_state
     from workflows.commands import Runtime
     from workflows.evaluation import Evaluation
     from workflows.grants import SlotGrants
@@ -233,8 +234,7 @@ class TrainingRunWorkflow:
             if departed:
                 self.state.departed.remove(replica_id)
             self.migrations.forget(replica_id)
-            self.ledger.release_leases_of(replica_id, keep=set(inp.resuming))
-            resume_ok = self.ledger.held_by(replica_id, inp.resuming)
+            resume_ok = self.ledger.first_claim(replica_id, inp.resuming)
             if inp.attempt > 1:
                 self.ledger.rejoin(replica_id, workflow.time())
         if inp.handoff is not None:
@@ -269,6 +269,7 @@ class TrainingRunWorkflow:
             resume_ok=resume_ok,
             departed=departed,
             eval_leases=eval_leases,
+            keep=handover and self.seg.keep,
             **self._hints(replica_id),
         )
 
@@ -302,7 +303,7 @@ class TrainingRunWorkflow:
         return AddExperienceResult(
             accepted=accepted, duplicates=duplicates, stop=self.state.stopping,
             handover=self.seg.handover, leave=self.replicas.leaving(inp.report.replica_id),
-            failed=failed, claim=claim, **self._hints(inp.report.replica_id),
+            failed=failed, claim=claim, keep=self.seg.handover and self.seg.keep, **self._hints(inp.report.replica_id),
         )
 
     @add_experience.validator
@@ -382,11 +383,15 @@ class TrainingRunWorkflow:
     # -- continue-as-new and finish ----------------------------------------------------------
 
     async def _continue_as_new(self) -> None:
-        """Hand over to a new history segment. Not a barrier: replicas write their in-flight groups to the
-        partial pool and return at their next contact, and the trainer keeps stepping on ready groups while
-        they do. The chain and every lease, ready group and counter carry over in the state."""
+        """Hand over to a new history segment. Not a barrier: replicas return at their next contact, and the trainer
+        keeps stepping on ready groups while they do. With run.handover_keep they keep their groups in flight in
+        memory and re-attach to the next segment (services/rollout/attach.py: its first claim resumes every lease they
+        hold, carried here in the state); without, they write them to the partial pool. The chain and every lease,
+        ready group and counter carry over in the state. (No patch for `keep`: it is a field of the answers to
+        updates, not a command, so every recorded history replays unchanged.)"""
         assert self._cfg is not None
         self.seg.handover = True
+        self.seg.keep = self._cfg.run.handover_keep
         deadline = workflow.time() + timeouts.DRAIN.total_seconds()
         while not self.replicas.returned() and not self.state.stopping:
             try:
@@ -408,7 +413,9 @@ class TrainingRunWorkflow:
         self._note_history()
         self.state.continued_as_new += 1
         self.state.handover_last_step_at = self.state.last_step_at
-        workflow.continue_as_new(contract.TrainingRunInput(config=self._cfg.to_json(), state=self.state),
+        # the leases as compact columns (workflows/carry.py); a history recorded before it replays with the old format
+        state = encode_state(self.state) if workflow.patched("compact-state") else self.state
+        workflow.continue_as_new(contract.TrainingRunInput(config=self._cfg.to_json(), state=state),
                                  task_timeout=contract.WORKFLOW_TASK)
 
     def _can_step(self) -> bool:
