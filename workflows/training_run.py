@@ -390,18 +390,26 @@ class TrainingRunWorkflow:
         ready group and counter carry over in the state. (No patch for `keep`: it is a field of the answers to
         updates, not a command, so every recorded history replays unchanged.)"""
         assert self._cfg is not None
+        # kept replicas (patch handover-keep): the trainer's activities in flight return first, the replicas claiming
+        # and reporting meanwhile; told only then, they park for a moment (their next contact), not for a step, and
+        # no trainer step starts while they do
+        keep = self._cfg.run.handover_keep and workflow.patched("handover-keep")
+        if keep:
+            await self._trainer_returns()
         self.seg.handover = True
         self.seg.keep = self._cfg.run.handover_keep
         deadline = workflow.time() + timeouts.DRAIN.total_seconds()
         while not self.replicas.returned() and not self.state.stopping:
             try:
                 await workflow.wait_condition(lambda: self.replicas.returned() or self.state.stopping
-                                              or self._can_step() or self.trainer.returned(),
+                                              or (self._can_step() and not keep) or self.trainer.returned(),
                                               timeout=max(0.0, deadline - workflow.time()))
             except TimeoutError:
                 workflow.logger.warning("replicas_drain_timed_out")
                 break
-            if self.trainer.ahead:
+            if keep:
+                self.trainer.commit_returned()
+            elif self.trainer.ahead:
                 self.trainer.advance()
             elif self._can_step():
                 await self.trainer.step()
@@ -417,6 +425,14 @@ class TrainingRunWorkflow:
         state = encode_state(self.state) if workflow.patched("compact-state") else self.state
         workflow.continue_as_new(contract.TrainingRunInput(config=self._cfg.to_json(), state=state),
                                  task_timeout=contract.WORKFLOW_TASK)
+
+    async def _trainer_returns(self) -> None:
+        """Before telling kept replicas of a hand-over: commit the trainer activities in flight as they return (they
+        end with this segment), scheduling none; the replicas work on. Ends early at the segment's update cap."""
+        while self.trainer.flights and not self.state.stopping and self.seg.updates < timeouts.HANDOVER_UPDATES_CAP:
+            await workflow.wait_condition(lambda: self.trainer.returned() or self.state.stopping
+                                          or self.seg.updates >= timeouts.HANDOVER_UPDATES_CAP)
+            self.trainer.commit_returned()
 
     def _can_step(self) -> bool:
         """A batch is there and the run still has steps to take (a finished run must not wait on it)."""

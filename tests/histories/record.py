@@ -223,7 +223,7 @@ async def handover_keep(rec: Recorder) -> list[Path]:
     require(final.continued_as_new >= 1 and len(histories) == final.continued_as_new + 1,
             f"continued_as_new={final.continued_as_new}, {len(histories)} segments")
     require(event_name(histories[0].events[-1]) == "WORKFLOW_EXECUTION_CONTINUED_AS_NEW", "no ContinueAsNew")
-    require("compact-state" in patch_ids(histories[0]), "no compact-state marker")
+    require({"compact-state", "handover-keep"} <= patch_ids(histories[0]), "no compact-state or handover-keep marker")
     parked = [r for r in activity_results(histories[0], RolloutReplicaResult) if r.kept >= 0]
     require(len(parked) >= 1, "no replica parked at the hand-over")
     resumed = [c for c in update_inputs(histories[1], contract.CLAIM_PROMPTS, ClaimPromptsInput) if c.first_claim]
