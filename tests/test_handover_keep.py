@@ -17,7 +17,7 @@ from laminar.contract import Lease, ReplicaReport
 from laminar.refs import SegmentRef
 from services.rollout.attach import Parking
 from services.rollout.timing import TIMING
-from workflows.carry import COMPACT, decode_state, encode_state
+from workflows.carry import COMPACT, encode_state
 from workflows.ledger import Ledger
 from workflows.segment import parse_input
 from workflows.state import LastClaim, OpenLease, ReadyGroup, RunState

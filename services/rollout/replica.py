@@ -91,7 +91,8 @@ class RolloutReplica:
         not yet reported (no report is in flight when it parks: the hand-over came as an answer)."""
         b = self.batch
         return sorted({*b.groups, *(lease.group_id for lease in b.pending), *b.deferred,
-                       *(g.lease.group_id for g in b.completed + b.reporting), *(f.group_id for f in b.failed + b.reporting_failed)})
+                       *(g.lease.group_id for g in b.completed + b.reporting),
+                       *(f.group_id for f in b.failed + b.reporting_failed)})
 
     def keepable(self) -> bool:
         """It can park: no repack hand-off or acknowledgement waits to be sent and no held-out eval is under way
@@ -108,7 +109,7 @@ class RolloutReplica:
     def _reattach(self) -> RolloutReplicaResult | None:
         """The first claim of an adopted replica: it resumes every group it holds (the workflow carried their leases);
         any the workflow no longer counts as its own (none, unless a migration or a lost-replica recovery took it) is
-        dropped from what it will report, so no report names a lease it does not hold."""
+        dropped (its sequences aborted), so no report names a lease it does not hold."""
         held = self.held()
         first = self.control.claim(
             ClaimPromptsInput(report=self._report(), max_groups=0, resuming=held, first_claim=True,
@@ -125,6 +126,10 @@ class RolloutReplica:
             b.failed = [f for f in b.failed if f.group_id in ok]
             for g in [g for g in b.deferred if g not in ok]:
                 del b.deferred[g]
+            gone = [g for g in b.groups if g not in ok]
+            self.engine.abort([f"{g}/{i}" for g in gone for i in range(self.cfg.rollout.group_size)])
+            for g in gone:
+                del b.groups[g]
             log.warning("reattach_leases_gone", replica_id=self.replica_id, gone=len(held) - len(ok))
         self.contacts.last_claim = self.clock()
         log.info("replica_reattached", replica_id=self.replica_id, groups=len(ok), attempt=self.attempt)
