@@ -5,11 +5,10 @@ from __future__ import annotations
 import typer
 from rich.console import Console
 from rich.table import Table
-from rich.text import Text
 
+from cli.options import exit_codes
 from client.settings import Settings
 from devstack.stack import DevStack, DevStackInfo
-from laminar.errors import ConfigError, DevStackError
 from laminar.logs import configure_logging
 
 dev_app = typer.Typer(help="Run a local dev stack: Temporal dev server (SQLite) and optionally an S3 server.",
@@ -19,22 +18,9 @@ NOT_RUNNING = "dev stack is not running; start it with `laminar dev up`"
 
 
 def _stack() -> DevStack:
-    try:
-        settings = Settings.from_env()
-    except ConfigError as e:
-        _print_error(e)
-        raise typer.Exit(2) from e
+    settings = Settings.from_env()  # a ConfigError exits 2 through exit_codes
     configure_logging(settings.log_format, settings.log_level)
     return DevStack(settings.home)
-
-
-def _print_error(e: Exception) -> None:
-    console.print(Text.assemble(("error: ", "red"), str(e)))
-
-
-def _fail(e: Exception) -> typer.Exit:
-    _print_error(e)
-    return typer.Exit(1)
 
 
 def _print_info(info: DevStackInfo) -> None:
@@ -62,11 +48,8 @@ def up(
     ui: bool = typer.Option(True, "--ui/--no-ui", help="Serve the Temporal Web UI on port + 1000."),
 ) -> None:
     """Start the dev stack, or show the running one."""
-    stack = _stack()
-    try:
-        info, started = stack.ensure_up(s3=s3, port=port, ui=ui)
-    except DevStackError as e:
-        raise _fail(e) from e
+    with exit_codes():
+        info, started = _stack().ensure_up(s3=s3, port=port, ui=ui)
     console.print("dev stack started" if started else "dev stack already running", highlight=False)
     _print_info(info)
 
@@ -74,11 +57,8 @@ def up(
 @dev_app.command()
 def down() -> None:
     """Stop the processes `laminar dev up` started; keep the Temporal SQLite state."""
-    stack = _stack()
-    try:
-        stopped = stack.down()
-    except DevStackError as e:
-        raise _fail(e) from e
+    with exit_codes():
+        stopped = _stack().down()
     if stopped:
         console.print(f"stopped {', '.join(stopped)}", highlight=False)
     else:
@@ -88,11 +68,8 @@ def down() -> None:
 @dev_app.command()
 def status() -> None:
     """Print the dev stack's endpoints; exit 1 when it is not running."""
-    stack = _stack()
-    try:
-        info = stack.status()
-    except DevStackError as e:
-        raise _fail(e) from e
+    with exit_codes():
+        info = _stack().status()
     if info is None:
         console.print(NOT_RUNNING, highlight=False, markup=False)
         raise typer.Exit(1)

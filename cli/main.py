@@ -126,8 +126,9 @@ def fork(
     """Start a new run from the newest committed checkpoint of another, as `laminar run` does (dev stack, workers,
     progress, summary). The way on when Temporal lost a run's state (its database was reset or replaced): the new
     run has a new id, records its parent (run.parent, run.parent_step, runs/<id>/run.json) and writes nothing of
-    the parent's. Extra `--section.key=value` arguments override the parent's config."""
-    from cli.run import check_binds, run_local
+    the parent's. Extra `--section.key=value` arguments override the parent's config; the result is checked as
+    `laminar run` checks a config (model path, task, listener binds)."""
+    from cli.run import check_binds, check_run, run_local
     from client.connect import store_for
     from client.fork import fork_config
 
@@ -136,6 +137,7 @@ def fork(
         settings = Settings.from_env()
         check_binds(settings, None)
         cfg = fork_config(store_for(settings), parent, run_id, list(ctx.args), steps)
+        check_run(cfg, settings)  # the same checks as `laminar run` (model path, task) on the forked config
         console.print(f"fork of run {parent} from its checkpoint at step {cfg.run.parent_step}: new run "
                       f"{cfg.run.run_id}, {cfg.run.steps} steps", highlight=False)
         configure_logging(log_format)
@@ -371,6 +373,13 @@ def worker(
     insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
 ) -> None:
     """Run one worker process against any Temporal address and store (LAMINAR_* settings)."""
+    import signal
+
+    # A notice (SIGTERM/SIGINT: a preemption, a drain) before the worker serves finds it holding no work: it leaves
+    # at once and exits 0, as it would once serving (the worker's own handler replaces this one when it polls).
+    # Without it, a notice while the worker imports or connects killed it (exit -15), unlike any other notice.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _leave_before_serving)
     from workers import processes
 
     with exit_codes():
@@ -391,6 +400,14 @@ def worker(
             asyncio.run(main_fn(settings, allow_faults, slots))
         else:
             asyncio.run(main_fn(settings, allow_faults))
+
+
+def _leave_before_serving(signum: int, frame: object) -> None:
+    import signal
+
+    print(f"notice ({signal.Signals(signum).name}) before the worker serves: it holds no work; leaving",
+          file=sys.stderr, flush=True)
+    raise SystemExit(0)
 
 
 # the commands of the other modules, after this module's own (the order of `laminar --help`)

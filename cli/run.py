@@ -26,7 +26,7 @@ from client.settings import Settings, process_table_path
 from client.watch import watch_run
 from devstack.stack import DevStack
 from laminar.config import RunConfig
-from laminar.contract import RunStatus, SlotReport
+from laminar.contract import PAYLOAD_WARNED_BYTES, RunStatus, SlotReport, retained_batches_bytes
 from laminar.errors import ConfigError, LaminarError, RunLostError
 from laminar.logs import get_logger
 from reporting.summary import build_profile, build_summary, format_profile, reward_rise
@@ -81,6 +81,21 @@ def check_run(cfg: RunConfig, settings: Settings) -> None:
     check_model_path(cfg)
     check_task(cfg.task)
     check_binds(settings, None)
+    warn_large_payloads(cfg)
+
+
+def warn_large_payloads(cfg: RunConfig) -> int:
+    """Warn (not refuse: the config's own check refuses what cannot fit) when the batches a train step's input
+    carries may pass the server's 256 KB warning: replicas that report groups one by one, with a long
+    checkpoint interval. Returns that worst-case size."""
+    t = cfg.trainer
+    most = retained_batches_bytes(t.keep_last, t.checkpoint_every, t.groups_per_step)
+    if most > PAYLOAD_WARNED_BYTES:
+        log.warning("large_train_step_payloads", bytes_at_most=most, warned_above=PAYLOAD_WARNED_BYTES,
+                    checkpoint_every=t.checkpoint_every, keep_last=t.keep_last,
+                    groups_per_step=t.groups_per_step,
+                    fix="a shorter trainer.checkpoint_every or trainer.keep_last keeps each step's input small")
+    return most
 
 
 def make_launcher(kind: str, cfg: RunConfig, settings: Settings, tag: str, ray_address: str | None = None,

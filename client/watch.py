@@ -18,6 +18,11 @@ from laminar.errors import RunLostError
 
 POLL_S = 1.0
 QUERY_TIMEOUT_S = 5.0  # a status query the control worker has not answered by then shows as waiting
+# After a failed status query, the next waits twice as long as the last, up to this. A query the server dispatches
+# while the control worker has no poll open (after a Temporal restart, while its pollers back off) can reach the
+# cached run with new events as a query-only task, the SDK window that wedges a run (docs/upstream/wedged-run.md);
+# fewer queries in that window make it rarer (not impossible: the repairer handles what is left).
+QUERY_BACKOFF_MAX_S = 30.0
 # What a Temporal outage looks like to a client call once the SDK's own retries (about 10 s) give up.
 OUTAGE_CODES = (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED,
                 RPCStatusCode.UNKNOWN, RPCStatusCode.INTERNAL, RPCStatusCode.RESOURCE_EXHAUSTED)
@@ -29,13 +34,15 @@ async def watch_run(handle: WorkflowHandle, on_status: Callable[[RunStatus | Non
     timeout around the call) cancels the run, so none is left behind; a refused cancel goes to on_cancel_failed."""
     result = asyncio.create_task(_result(handle))
     down_since: float | None = None  # when the first status query of a Temporal outage was sent
+    failures = 0  # status queries failed in a row
     try:
         while not result.done():
             asked = time.time()
             try:
                 st = await handle.query(contract.STATUS, result_type=RunStatus,
                                         rpc_timeout=timedelta(seconds=QUERY_TIMEOUT_S))
-            except Exception as e:  # an outage, or the control worker (re)starting: keep polling
+            except Exception as e:  # an outage, or the control worker (re)starting: keep polling, less often
+                failures += 1
                 if isinstance(e, RPCError) and e.status == RPCStatusCode.UNAVAILABLE:
                     down_since = down_since or asked
                     on_status(None, f"Temporal unreachable for {time.time() - down_since:.0f} s; retrying")
@@ -43,9 +50,9 @@ async def watch_run(handle: WorkflowHandle, on_status: Callable[[RunStatus | Non
                     why = e.status.name if isinstance(e, RPCError) and e.status else type(e).__name__
                     on_status(None, f"waiting for control worker ({why})")
             else:
-                down_since = None
+                down_since, failures = None, 0
                 on_status(st, "")
-            await asyncio.wait({result}, timeout=poll_s)
+            await asyncio.wait({result}, timeout=next_poll_s(poll_s, failures))
         return await result
     finally:
         if not result.done():
@@ -54,6 +61,12 @@ async def watch_run(handle: WorkflowHandle, on_status: Callable[[RunStatus | Non
                 await handle.cancel()
             except RPCError as e:
                 on_cancel_failed(e)
+
+
+def next_poll_s(poll_s: float, failures: int) -> float:
+    """The wait before the next status query: poll_s while queries answer, doubling with each failure in a row, at
+    most QUERY_BACKOFF_MAX_S (never less than poll_s)."""
+    return max(poll_s, min(QUERY_BACKOFF_MAX_S, poll_s * 2.0 ** min(failures, 16)))
 
 
 async def _result(handle: WorkflowHandle) -> RunStatus:

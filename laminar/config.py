@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
+from laminar.contract import PAYLOAD_REFUSED_BYTES, retained_batches_bytes
 from laminar.errors import ConfigError
 from laminar.policy import lookahead_of  # the policy owns the mode rules; config asks it
 
@@ -277,7 +278,10 @@ class TrainerSection(_Section):
         "run.mode = 'partial_rollout', where -1 means 4 (AReaL's recommended bound), which also bounds how far "
         "generation may run ahead of the trainer.",
     )
-    checkpoint_every: int = Field(10, ge=1, description="Commit a checkpoint every this many steps (steps).")
+    checkpoint_every: int = Field(10, ge=1, description=(
+        "Commit a checkpoint every this many steps (steps). A train step's input carries the batches since the "
+        "oldest retained checkpoint, so an interval whose batches cannot fit Temporal's 2 MB payload limit is "
+        "refused at load, and `laminar run` warns above the server's 256 KB warning."))
     heartbeat_timeout_s: float = Field(
         10.0, ge=1.0, le=3600.0, description="Trainer heartbeat timeout: detects a dead trainer process (s)."
     )
@@ -534,6 +538,18 @@ class RunConfig(_Section):
             )
         if self.run.parent and self.run.parent == self.run.run_id:
             raise ValueError(f"run.parent={self.run.parent!r} is the run's own id; a fork needs a new --run-id")
+        t = self.trainer
+        least = retained_batches_bytes(t.keep_last, t.checkpoint_every, t.groups_per_step, t.groups_per_step)
+        if least > PAYLOAD_REFUSED_BYTES:
+            fits = max(1, t.checkpoint_every * PAYLOAD_REFUSED_BYTES // least)
+            raise ValueError(
+                f"trainer.checkpoint_every={t.checkpoint_every} with trainer.keep_last={t.keep_last} and "
+                f"trainer.groups_per_step={t.groups_per_step}: a train step's input and the workflow's state carry "
+                f"the batches since the oldest retained checkpoint, up to about {least:,} bytes once it "
+                f"retains {t.keep_last} checkpoints even if each batch's groups share one segment, and Temporal refuses "
+                f"a payload over {PAYLOAD_REFUSED_BYTES:,}; set trainer.checkpoint_every to at most {fits} "
+                f"(or lower trainer.keep_last)"
+            )
         return self
 
     # -- loading -----------------------------------------------------------------------------

@@ -19,7 +19,8 @@ Temporal'). Deterministic and import-light: imported by workflow code through th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import json
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -410,6 +411,34 @@ class TrainStepsInput:
         for batch in self.then:
             out.append(next_step_input(out[-1], batch))
         return out
+
+
+# The server refuses a payload above 2 MB (its blob size limit) and warns above 256 KB (docs/architecture.md,
+# "Payloads stay small").
+PAYLOAD_REFUSED_BYTES = 2 * 1024 * 1024
+PAYLOAD_WARNED_BYTES = 256 * 1024
+
+
+def retained_batches_bytes(keep_last: int, checkpoint_every: int, groups_per_step: int,
+                           groups_per_segment: int = 1) -> int:
+    """The bytes of batch references one payload carries: a train step's input holds the batches from the oldest
+    retained checkpoint to the step (`replay` + `fallback_replay`: that checkpoint is keep_last checkpoints back once
+    the run retains keep_last, and the step up to checkpoint_every - 1 past the newest, so fewer than
+    (keep_last + 1) * checkpoint_every batches) and the workflow carries as many through a continue-as-new
+    (`committed_batches` + `uncommitted`, workflows/state.py).
+    Each batch is groups_per_step groups in segments of groups_per_segment (1: the worst case, a replica that
+    reports every group alone; groups_per_step: the best), with keys, checksums and ids as long as a real run's,
+    encoded as the SDK encodes them (compact JSON)."""
+    per_segment = max(1, min(groups_per_segment, groups_per_step))
+    ids = [f"g{i:08d}" for i in range(per_segment)]
+    part = BatchPart(
+        segment=SegmentRef(key="runs/" + "r" * 24 + "/experience/rollout-host-00-000/00000000.parquet",
+                           sha256="0" * 64, size=10**9, rows=10**6, group_ids=ids, policy_version=10**6,
+                           tokens=10**9),
+        group_ids=ids)
+    one_part = len(json.dumps(asdict(part), separators=(",", ":"))) + 1  # and its comma
+    parts = -(-groups_per_step // per_segment)
+    return (keep_last + 1) * checkpoint_every * parts * one_part
 
 
 def next_step_input(prev: TrainStepInput, batch: list[BatchPart]) -> TrainStepInput:

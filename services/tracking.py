@@ -120,6 +120,34 @@ class TensorBoardTracker:
         self.writer.close()
 
 
+def mlflow_eval_run(client: Any, experiment: str, run_id: str) -> str:
+    """The one MLflow run (tagged EVAL_MLFLOW_TAG = run_id) that holds a run's eval rounds. Two control workers can
+    record rounds at once, and MLflow has no create-if-absent: each creates one if it finds none, then searches
+    again and keeps the oldest (start time, then id: the same choice in every process), deleting the one it made
+    if that is not it. Whatever the interleaving, every process logs into the same run."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        try:
+            client.create_experiment(experiment)
+        except Exception:  # another process created it first: it exists now
+            pass
+        exp = client.get_experiment_by_name(experiment)
+    query = f"tags.`{EVAL_MLFLOW_TAG}` = '{run_id}'"
+
+    def oldest() -> str | None:
+        runs = client.search_runs([exp.experiment_id], filter_string=query, max_results=100)
+        return min(((r.info.start_time, r.info.run_id) for r in runs), default=(0, None))[1]
+
+    found = oldest()
+    if found is not None:
+        return found
+    made = client.create_run(exp.experiment_id, run_name=f"{run_id}-eval", tags={EVAL_MLFLOW_TAG: run_id}).info.run_id
+    kept = oldest() or made
+    if kept != made:
+        client.delete_run(made)  # another process's run came first; nothing was logged into this one
+    return kept
+
+
 class MlflowTracker:
     name = "mlflow"
 
@@ -347,12 +375,7 @@ class EvalTrackers:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=uri)
-        exp = client.get_experiment_by_name(self.cfg.tracking.experiment)
-        exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.cfg.tracking.experiment)
-        found = client.search_runs([exp_id], filter_string=f"tags.`{EVAL_MLFLOW_TAG}` = '{self.run_id}'",
-                                   max_results=1)
-        run = found[0].info.run_id if found else client.create_run(
-            exp_id, run_name=f"{self.run_id}-eval", tags={EVAL_MLFLOW_TAG: self.run_id}).info.run_id
+        run = mlflow_eval_run(client, self.cfg.tracking.experiment, self.run_id)
         if any(m.step == policy_version for m in client.get_metric_history(run, "eval/accuracy")):
             return
         now = int(time.time() * 1000)

@@ -221,3 +221,35 @@ def test_eval_during_training_is_accepted_and_bad_values_are_named():
         check_engines(RunConfig.load(None, ["eval.at_start=true", "rollout.engine=modelled",
                                             "trainer.engine=modelled"]))
     assert RunConfig.load(None, ["eval.samples=4"]).eval.samples == 4
+
+
+def test_a_checkpoint_interval_whose_batches_cannot_cross_temporal_is_refused_with_the_interval_that_fits() -> None:
+    with pytest.raises(ConfigError) as e:
+        RunConfig.load(None, ["trainer.checkpoint_every=5000", "trainer.groups_per_step=4"])
+    msg = str(e.value)
+    assert "trainer.checkpoint_every=5000" in msg and "trainer.keep_last=3" in msg and "2,097,152" in msg
+    fits = int(msg.split("set trainer.checkpoint_every to at most ")[1].split(" ")[0])
+    RunConfig.load(None, [f"trainer.checkpoint_every={fits}", "trainer.groups_per_step=4"])  # the fix loads
+    with pytest.raises(ConfigError):
+        RunConfig.load(None, [f"trainer.checkpoint_every={fits + 10}", "trainer.groups_per_step=4"])
+
+
+def test_laminar_run_warns_when_a_step_input_may_pass_the_servers_warning_size() -> None:
+    from structlog.testing import capture_logs
+
+    from cli.run import warn_large_payloads
+
+    with capture_logs() as logs:
+        assert warn_large_payloads(RunConfig.load(None, [])) < 256 * 1024  # the defaults stay small
+    assert not [e for e in logs if e["event"] == "large_train_step_payloads"]
+    with capture_logs() as logs:
+        assert warn_large_payloads(RunConfig.load(None, ["trainer.checkpoint_every=1000"])) > 256 * 1024
+    (warning,) = [e for e in logs if e["event"] == "large_train_step_payloads"]
+    assert warning["checkpoint_every"] == 1000 and "trainer.checkpoint_every" in warning["fix"]
+
+
+def test_a_quota_above_the_ask_is_refused_naming_both_fields() -> None:
+    with pytest.raises(ConfigError, match=r"rollout.quota=3 is above rollout.replicas=2.*set rollout.quota <= 2"):
+        RunConfig.load(None, ["rollout.replicas=2", "rollout.quota=3"])
+    with pytest.raises(ConfigError, match=r"rollout.quota=-1"):
+        RunConfig.load(None, ["rollout.quota=-1"])

@@ -198,7 +198,8 @@ def test_port_in_use_is_a_clear_error(home: Path) -> None:
         port = s.getsockname()[1]
         result = dev(home, "up", "--port", str(port))
     assert result.returncode == 1
-    assert f"port {port} on 127.0.0.1 is in use" in result.stdout
+    # the one-line error every command prints, on stderr
+    assert f"port {port} on 127.0.0.1 is in use" in result.stderr and result.stderr.startswith("error: ")
     assert not (home / "dev.json").exists()
 
 

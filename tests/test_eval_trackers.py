@@ -5,6 +5,7 @@ tracker runs of their own (the trainer's are untouched)."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -57,3 +58,68 @@ def test_eval_rounds_go_to_a_wandb_run_of_their_own_once_each(tmp_path):
     assert runs and all(list(r.glob("run-r2-eval.wandb")) for r in runs), list((tmp_path / "wandb").rglob("*"))
     assert (tmp_path / "wandb" / "r2-eval.versions.json").read_text() == "[0, 2, 4]"
     assert not list((tmp_path / "wandb" / "wandb").glob("offline-run-*-r2"))  # the trainer's run is not touched
+
+
+def _mlflow_client(tmp_path):
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient, (tmp_path / "mlruns").resolve().as_uri()
+
+
+def _active_eval_runs(client, run_id: str) -> list[str]:
+    exp = client.get_experiment_by_name("laminar")
+    return [r.info.run_id for r in client.search_runs([exp.experiment_id],
+                                                      filter_string=f"tags.`{EVAL_MLFLOW_TAG}` = '{run_id}'")]
+
+
+@pytest.mark.slow  # MLflow's import and file store: seconds
+def test_two_control_workers_recording_at_once_share_one_mlflow_eval_run(tmp_path):
+    """MLflow has no create-if-absent. Each interleaving of two processes that both find no eval run: the other's
+    run created just before ours (ours is deleted, the other's kept), just after ours (ours kept), and four threads
+    at once: every caller gets the same run, and one run stays."""
+    import threading
+
+    from services.tracking import mlflow_eval_run
+
+    MlflowClient, uri = _mlflow_client(tmp_path)
+
+    class OtherWorkerFirst(MlflowClient):  # the other process creates its run between our search and our create
+        other: str | None = None
+
+        def create_run(self, experiment_id, **kw):
+            self.other = super().create_run(experiment_id, **kw).info.run_id
+            time.sleep(0.01)  # a later start time for ours
+            return super().create_run(experiment_id, **kw)
+
+    first = OtherWorkerFirst(tracking_uri=uri)
+    kept = mlflow_eval_run(first, "laminar", "a")
+    assert [kept] == [first.other] == _active_eval_runs(first, "a")
+
+    class OtherWorkerAfter(MlflowClient):  # the other process creates its run just after ours
+        def create_run(self, experiment_id, **kw):
+            ours = super().create_run(experiment_id, **kw)
+            time.sleep(0.01)
+            super().create_run(experiment_id, **kw)
+            return ours
+
+    after = OtherWorkerAfter(tracking_uri=uri)
+    ours = mlflow_eval_run(after, "laminar", "b")
+    assert ours == min((r.info.start_time, r.info.run_id) for r in after.search_runs(
+        [after.get_experiment_by_name("laminar").experiment_id],
+        filter_string=f"tags.`{EVAL_MLFLOW_TAG}` = 'b'"))[1]  # the other process deletes its own when it looks
+
+    got: list[str] = []
+    start = threading.Barrier(4)
+
+    def record() -> None:
+        start.wait()
+        got.append(mlflow_eval_run(MlflowClient(tracking_uri=uri), "laminar", "c"))
+
+    threads = [threading.Thread(target=record) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 4 and set(got) == set(_active_eval_runs(MlflowClient(tracking_uri=uri), "c")), got
+    assert len(set(got)) == 1

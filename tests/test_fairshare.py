@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workflows.fairshare import Ask, allocate, check_quota
+from workflows.fairshare import Ask, allocate
 
 
 def _granted(slots: int, asks: list[Ask], engines=None) -> dict[str, int]:
@@ -90,8 +90,6 @@ def test_bad_inputs_are_named():
         allocate(1, [Ask("a", -2)])
     with pytest.raises(ValueError, match="asks twice"):
         allocate(1, [Ask("a", 1), Ask("a", 2)])
-    with pytest.raises(ValueError, match=r"rollout.quota=3 is above rollout.replicas=2"):
-        check_quota(3, 2)
 
 
 _asks = st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=0, max_size=8).map(

@@ -16,6 +16,7 @@ from laminar.contract import (
     StepMetrics,
     TrainStepInput,
     TrainStepResult,
+    retained_batches_bytes,
 )
 from laminar.refs import CheckpointRef, SegmentRef
 from storage import keys
@@ -309,6 +310,34 @@ def test_train_input_replays_batches_since_the_checkpoint() -> None:
     # 6 steps x 2 groups = all 12, each once, oldest first
     assert [g for b in batches for g in _ids(b)] == [f"g{i:08d}" for i in range(12)]
     assert [c.step for c in ledger.state.checkpoints] == [2, 4, 6]
+
+
+def test_the_payload_bound_holds_the_batches_a_run_carries() -> None:
+    """laminar.contract.retained_batches_bytes, which the config's check and `laminar run`'s warning use, bounds
+    what a real ledger puts in a train step's input (replay + fallback_replay) and carries in its state
+    (committed_batches + uncommitted) once keep_last checkpoints are retained: every group in a segment of its own
+    is the worst case, and the bound's ids are longer than this test's, so the bound is met within 40 %."""
+    from temporalio.converter import default
+
+    keep_last, every, per_step = 2, 3, 2
+    cfg = RunConfig.load(None, [f"trainer.groups_per_step={per_step}", f"trainer.checkpoint_every={every}",
+                                f"trainer.keep_last={keep_last}"])
+    ledger = Ledger(RunState(run_id=RUN))
+    steps = 4 * every
+    ledger.lease("replica-0", steps * per_step)
+    for i in range(steps * per_step):
+        ledger.add_segment(_seg(f"{i:08d}", [f"g{i:08d}"]))
+    conv = default().payload_converter
+    largest_input = largest_state = 0
+    for _ in range(steps):
+        inp = ledger.next_train_input(cfg, ["relay-0"])
+        largest_input = max(largest_input, len(conv.to_payloads([[*inp.fallback_replay, *inp.replay]])[0].data))
+        step = inp.step + 1
+        ledger.commit_step(inp, _result(step, checkpoint=step % every == 0), keep_last=keep_last)
+        carried = [*ledger.state.committed_batches, *ledger.state.uncommitted]
+        largest_state = max(largest_state, len(conv.to_payloads([carried])[0].data))
+    bound = retained_batches_bytes(keep_last, every, per_step)
+    assert 0.6 * bound <= max(largest_input, largest_state) <= bound, (largest_input, largest_state, bound)
 
 
 # -- replicas and status --------------------------------------------------------------------------

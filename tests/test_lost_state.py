@@ -206,3 +206,27 @@ def test_stored_run_says_what_the_store_holds_and_the_ways_on(tmp_path):
     store.put(keys.config("s"), b"{}")  # a run with no checkpoint: only afresh
     assert ways_on(stored_run(store, "s")) == ("It has no committed checkpoint to continue from; start afresh under "
                                                "another id: --run-id <new id>.")
+
+
+def test_laminar_fork_checks_the_forked_config_as_laminar_run_does(tmp_path):
+    """A fork whose config names a model directory that is not there fails with exit 2 and the field, before a dev
+    stack or a worker starts (the same check as `laminar run`)."""
+    import os
+    import subprocess
+    import sys
+
+    from laminar.config import RunConfig
+    from storage import keys
+    from storage.checkpoints import CheckpointStore
+
+    torch = pytest.importorskip("torch")
+    home = tmp_path / "home"
+    store = LocalObjectStore(home / "store")
+    store.put(keys.config("p"), RunConfig.load(None, ["run.steps=50"]).with_run_id("p").model_dump_json().encode())
+    CheckpointStore(store).save("p", 10, {"model": {"w": torch.zeros(2)}}, {"step": 10}, policy_version=10)
+    out = subprocess.run([sys.executable, "-m", "cli.main", "fork", "p", f"--model.path={tmp_path / 'nowhere'}"],
+                         env={**os.environ, "LAMINAR_HOME": str(home)}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "model.path=" in out.stderr and "is not a directory" in out.stderr, out.stderr
+    assert not (home / "dev.json").exists()  # no dev stack was started
+    assert not store.exists(keys.run_marker("p-fork-s10"))  # nothing of the fork was written

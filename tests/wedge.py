@@ -13,6 +13,8 @@ pid. Two ways to hold it past the task timeout (tests/test_wedge_window.py):
   only when not replaying, while the SDK's core threads keep polling; updates arrive meanwhile.
 - `random` (provoke_random): the test SIGSTOPs the worker at random moments while signals and updates keep
   arriving, for a random hold around the task timeout.
+Neither reproduces the wedge (the SDK evicts the run when a completion fails). `query` (provoke_query) does: a
+query-only task that carries new events advances the cached run without reporting it.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ class WedgeRepro:
             handled += 1
             self.relays = []  # as RelayChain.lose: the chain is empty until the backoff ends
             run_id = workflow.info().run_id
-            stalls = not os.environ.get("WEDGE_NO_STALL")  # a worker started to replace a stalled one does not
+            with workflow.unsafe.sandbox_unrestricted():  # a sandboxed replayer (the repairer's) runs this too
+                stalls = not os.environ.get("WEDGE_NO_STALL")  # a worker started to replace a stalled one does not
             if stalls and self.stall_s and not workflow.unsafe.is_replaying() and run_id not in _STOPPED_ONCE:
                 _STOPPED_ONCE.add(run_id)  # once per run and process
                 # the window: applied in memory, completion not yet sent. The workflow's thread stalls as a
@@ -85,6 +88,10 @@ class WedgeRepro:
 
     @workflow.update
     def claim(self) -> list[str]:
+        return list(self.relays)
+
+    @workflow.query
+    def status(self) -> list[str]:  # as the run's status query, which `laminar chaos` and `laminar run` poll
         return list(self.relays)
 
     @workflow.update
@@ -132,7 +139,13 @@ def worker_process(address: str, queue: str) -> list[str]:
 
 
 async def _serve(address: str, queue: str) -> None:
-    client = await Client.connect(address)
+    runtime = None
+    if os.environ.get("WEDGE_CORE_DEBUG"):  # the SDK core's own debug log on stderr: which task it applies, and how
+        from temporalio.runtime import LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
+
+        runtime = Runtime(telemetry=TelemetryConfig(logging=LoggingConfig(
+            filter=TelemetryFilter(core_level="DEBUG", other_level="WARN"))))
+    client = await Client.connect(address, runtime=runtime) if runtime else await Client.connect(address)
     # unsandboxed: the aligned mode's os.kill; the cache is the SDK's default (what the control worker uses)
     # debug_mode: no deadlock detector, so a stalled activation stays stalled instead of failing its task
     from workers.processes import worker_interceptors
@@ -192,6 +205,37 @@ async def provoke_random(client: Client, handle: WorkflowHandle, pid: int, task_
                 os.kill(pid, signal.SIGCONT)
 
     await asyncio.gather(traffic(), nemesis())
+
+
+async def provoke_query(client: Client, stack: Any, handle: WorkflowHandle, pid: int, queries: int = 8) -> None:
+    """The window the 30-minute chaos run hit, opened on purpose (docs/upstream/wedged-run.md): a status query is
+    dispatched to the worker as a query-only task while no workflow task is pending, and that task carries events
+    the cached run has not applied; the SDK applies them for the query, keeps the commands they produce unsent, and
+    the next workflow task's completion sends them ahead of its own.
+
+    The worker is SIGSTOPped and the Temporal server (`stack`, a devstack.stack.DevStack) restarted, so the worker
+    holds no poll on the new server (as after the chaos run's restart, when its pollers were backing off); the
+    queries then wait in matching for a poller. A signal appends an event (as the relays' heartbeat timeouts did);
+    on SIGCONT the worker's polls take the queries and the signal's workflow task in matching's order, and a query
+    task taken first is built from the history as it is then: with the signal in it. Claims (updates) follow."""
+    from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
+
+    loop = asyncio.get_running_loop()
+    await handle.execute_update(WedgeRepro.claim)  # the run is cached on the worker
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await loop.run_in_executor(None, lambda: stack.restart_temporal(0.5))
+        await client.workflow_service.get_system_info(GetSystemInfoRequest())  # this client is connected again
+        pending = [asyncio.create_task(handle.query(WedgeRepro.status, rpc_timeout=timedelta(seconds=40)))
+                   for _ in range(queries)]
+        await asyncio.sleep(1.5)  # the queries are dispatched (no workflow task pending) and wait for a poller
+        await handle.signal(WedgeRepro.lose)
+        await asyncio.sleep(0.2)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await asyncio.sleep(0.3)
+    pending += [asyncio.create_task(asyncio.wait_for(handle.execute_update(WedgeRepro.claim), 60)) for _ in range(3)]
+    await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def finish(handle: WorkflowHandle) -> None:

@@ -122,12 +122,3 @@ def _explained(g: Grant, a: Ask, slots: int, order: list[Ask], overcommitted: bo
         elif held := sum(min(x.replicas, x.quota) for x in live if x.run_id != a.run_id):
             why += f", {held} held by other runs' quotas"
     return Grant(g.run_id, g.granted, f"granted {g.granted} of {a.replicas} asked: {why}")
-
-
-def check_quota(quota: int, replicas: int) -> None:
-    """rollout.quota's rule (laminar/config.py): a floor within what the run asks."""
-    if quota < 0:
-        raise ValueError(f"rollout.quota={quota} must be >= 0 (0: fair share only)")
-    if quota > replicas:
-        raise ValueError(f"rollout.quota={quota} is above rollout.replicas={replicas}: a run is never granted more "
-                         f"than it asks; set rollout.quota <= {replicas}")
