@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import random
 import time
 
 from temporalio import activity
@@ -38,11 +39,14 @@ from laminar.logs import get_logger
 from laminar.metrics import CONTROL_UPDATE_RETRIES
 from laminar.notice import NOTICE
 from services.rollout import RolloutReplica
+from services.rollout.attach import PARKING
+from services.rollout.timing import TIMING
 from storage.objects import ObjectStore
 
 log = get_logger(__name__)
 
 UPDATE_POLL_S = 2.0  # while an update waits (control worker or server down), keep heartbeating
+_JITTER = random.Random()  # the retry delays' draws (not the run's seeded sampling)
 # the start-up heartbeats at least this often (a third of the heartbeat timeout when that is shorter); a start-up
 # that takes longer than STARTUP_LIMIT_S is taken for hung: its beats stop and the heartbeat timeout retries it
 STARTUP_BEAT_S, STARTUP_LIMIT_S = 1.0, 900.0
@@ -62,6 +66,7 @@ class _TemporalControl:
         response never leases or records anything twice. While waiting, the activity keeps heartbeating:
         a control-plane outage pauses the replica, it does not kill it.
         """
+        retries = 0
         while True:
             coro = self.handle.execute_update(name, arg, result_type=result_type)
             future = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -81,7 +86,10 @@ class _TemporalControl:
                     activity.heartbeat({"waiting_for": name})
                     if self.cancelled():
                         raise
-                    time.sleep(UPDATE_POLL_S)
+                    # refused (updates in flight at the server's limit, a failed workflow task) or aborted (a
+                    # continue-as-new): again after a short jittered delay, doubling up to UPDATE_POLL_S
+                    time.sleep(TIMING.update_retry_s(retries, _JITTER.random()))
+                    retries += 1
                     break
 
     def _lost(self) -> bool:
@@ -157,10 +165,22 @@ class RolloutActivities:
         info = activity.info()
         cfg = RunConfig.from_json(inp.config)
         beat_s = min(STARTUP_BEAT_S, cfg.rollout.heartbeat_timeout_s / 3)
-        with background_heartbeat(every_s=beat_s, stall_s=STARTUP_LIMIT_S):  # building the engine (module docstring)
-            replica = self._replica(inp, info, cfg)
+        for old in PARKING.expired(time.monotonic()):  # parked replicas whose next activity went elsewhere
+            old.close_parked()
+        # the previous segment's incarnation, parked in this process at its continue-as-new (services/rollout/attach.py)
+        replica = PARKING.adopt(inp.workflow_id, inp.replica_id)
+        adopted = replica is not None
+        if replica is not None:
+            replica.reattach(_TemporalControl(self.client, self.loop, inp.workflow_id), info.attempt, inp.generation)
+        else:
+            if cfg.rollout.engine != "modelled":  # one engine (GPU) per slot: a parked one nobody adopted gives it up
+                for old in PARKING.take_all():
+                    old.close_parked()
+            with background_heartbeat(every_s=beat_s, stall_s=STARTUP_LIMIT_S):  # building the engine (docstring)
+                replica = self._replica(inp, info, cfg)
         try:
-            result = replica.run(starting=background_heartbeat(every_s=beat_s, stall_s=STARTUP_LIMIT_S))
+            result = replica.run(starting=background_heartbeat(every_s=beat_s, stall_s=STARTUP_LIMIT_S),
+                                 reattach=adopted)
         except InterruptedError:
             log.warning("replica_attempt_cancelled", replica_id=inp.replica_id, attempt=info.attempt,
                         why=_why_cancelled())
@@ -170,6 +190,10 @@ class RolloutActivities:
             # on another worker at once (this one polls no more), as it does after a crash, minus the timeout
             raise ApplicationError(f"replica {inp.replica_id} left its worker on notice ({NOTICE.reason}); "
                                    "it continues on another worker", type="ReplicaLeftOnNotice")
+        if replica.parked:  # kept across the continue-as-new: the next segment's activity re-attaches it here
+            displaced = PARKING.park(inp.workflow_id, inp.replica_id, replica, time.monotonic())
+            if displaced is not None:
+                displaced.close_parked()
         return result
 
     def _replica(self, inp: RolloutReplicaInput, info: activity.Info, cfg: RunConfig) -> RolloutReplica:

@@ -86,6 +86,7 @@ from laminar.contract import (
 from laminar.errors import LaminarError
 from laminar.refs import CheckpointRef, SegmentRef
 from services.drill import groups_lost
+from services.rollout.attach import Parking
 from services.rollout.control import Contacts
 from services.rollout.timing import TIMING, ReplicaTiming
 from workflows.scale import relay_ids
@@ -105,6 +106,7 @@ class Records:
     updates: list[tuple[str, float, float]] = field(default_factory=list)  # (name, ended at, latency s)
     first_claims: list[tuple[int, float]] = field(default_factory=list)  # (generation, answered at)
     returns: list[tuple[int, float, int]] = field(default_factory=list)  # (generation, at, groups written out)
+    parked: list[tuple[int, float, int]] = field(default_factory=list)  # (generation, at, groups kept in memory)
     errors: list[str] = field(default_factory=list)
     steps: dict[int, dict] = field(default_factory=dict)  # the trainer stub's step records (chaos/checker.py)
     claimed: set[str] = field(default_factory=set)  # replicas that have claimed once
@@ -143,6 +145,7 @@ class CellRun:
     rec: Records
     rng: random.Random
     pool: dict[str, dict[str, float]] = field(default_factory=dict)  # replica -> {group: hold left, s}
+    parking: Parking = field(default_factory=Parking)  # replicas kept across a continue-as-new (run.handover_keep)
     lock: threading.Lock = field(default_factory=threading.Lock)
     timing: ReplicaTiming = TIMING  # the replicas' cadence (BenchOptions.contact_s: a what-if)
 
@@ -180,22 +183,52 @@ class SyntheticReplica:
         return RolloutReplicaResult(replica_id=self.inp.replica_id, groups_completed=0, tokens_generated=0,
                                     handed_over=len(self.groups))
 
+    def _park(self) -> RolloutReplicaResult:
+        """Kept across the continue-as-new (services/rollout/attach.py): its groups keep their finish times (they
+        keep "generating"), nothing is written out; the next segment's activity re-attaches it."""
+        held = len(self.groups) + len(self.completed)
+        self.run.rec.parked.append((self.inp.generation, time.monotonic(), held))
+        self.run.rec.returns.append((self.inp.generation, time.monotonic(), 0))
+        self.run.parking.park(self.inp.workflow_id, self.inp.replica_id, self, time.monotonic())
+        return RolloutReplicaResult(replica_id=self.inp.replica_id, groups_completed=0, tokens_generated=0,
+                                    handed_over=0, kept=held)
+
+    def adopt(self, old: SyntheticReplica) -> None:
+        """Re-attach the parked incarnation's groups, request ids and segment keys (as the real replica does)."""
+        self.prefix, self.calls, self.seq, self.version = old.prefix, old.calls, old.seq, old.version
+        self.groups, self.completed, self.completed_since = old.groups, old.completed, old.completed_since
+
     def run_loop(self) -> RolloutReplicaResult:
         rid, slots = self.inp.replica_id, self.run.cell.slots
-        saved = self.run.pool.pop(rid, {})
-        first = self.control.claim(ClaimPromptsInput(report=self._report(), max_groups=0, resuming=sorted(saved),
+        old = self.run.parking.adopt(self.inp.workflow_id, rid)
+        if old is not None:
+            self.adopt(old)
+            saved: dict[str, float] = {}
+            resuming = sorted([*self.groups, *self.completed])
+        else:
+            saved = self.run.pool.pop(rid, {})
+            resuming = sorted(saved)
+        first = self.control.claim(ClaimPromptsInput(report=self._report(), max_groups=0, resuming=resuming,
                                                      first_claim=True, attempt=self.attempt,
                                                      request_id=self._request_id()))
         now = time.monotonic()
         self.run.rec.first_claims.append((self.inp.generation, now))
         self.run.rec.claimed.add(rid)
-        self.version = first.newest_policy_version
+        self.version = max(self.version, first.newest_policy_version)
+        if (first.stop or first.handover) and old is not None:
+            if first.keep and not first.stop:
+                return self._park()
+            saved = {g: max(0.0, t - now) for g, t in self.groups.items()}
         if first.stop or first.handover:
             self.run.pool[rid] = saved
             return RolloutReplicaResult(replica_id=rid, groups_completed=0, tokens_generated=0,
                                         handed_over=len(saved))
         ok = set(first.resume_ok)
-        self.groups = {g: now + left for g, left in saved.items() if g in ok}
+        if old is not None:  # groups the workflow no longer counts as this replica's are not reported
+            self.groups = {g: t for g, t in self.groups.items() if g in ok}
+            self.completed = [g for g in self.completed if g in ok]
+        else:
+            self.groups = {g: now + left for g, left in saved.items() if g in ok}
         contacts = Contacts(self.timing, slots)
         beat_at = 0.0
         while True:
@@ -216,6 +249,8 @@ class SyntheticReplica:
                 res, claim_res = self._contact(contacts, claim_due, want)
                 now = time.monotonic()
                 contacts.last_claim = now
+                if res.handover and res.keep and not res.stop:
+                    return self._park()
                 if res.stop or res.handover or res.leave:
                     return self._keep(now, told=res.handover and not res.stop)
                 if claim_res is not None:
@@ -426,6 +461,7 @@ class BenchOptions:
     updates_per_segment: int | None = None  # None: the config's default (run.updates_per_segment)
     seed: int = 0
     contact_s: float | None = None  # a what-if: the replicas' contact_s instead of ReplicaTiming's (None: the real one)
+    handover_keep: bool = True  # run.handover_keep: replicas park across a continue-as-new (False: they write out)
 
     def timing(self) -> ReplicaTiming:
         return TIMING if self.contact_s is None else replace(TIMING, contact_s=self.contact_s)
@@ -437,7 +473,7 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
     from client.run_control import start_stored_run
     from rl.factory import check_engines
 
-    cfg = check_engines(RunConfig.load(None, run_overrides(cell, opts.updates_per_segment)))
+    cfg = check_engines(RunConfig.load(None, run_overrides(cell, opts.updates_per_segment, opts.handover_keep)))
     cfg = cfg.with_run_id(f"bench-control-{stamp}-{index}")
     run = CellRun(cell=cell, rec=Records(), rng=random.Random(opts.seed * 1000 + index), timing=opts.timing())
     rollout.runs[cfg.run.run_id] = run
@@ -544,6 +580,9 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
                            "returned_within_s": round(h.returned_at - h.told_at, 3)} for h in hos],
             "stall_s": latency_summary(h.stall_s for h in hos if h.stall_s is not None),
             "groups_written_total": sum(h.groups_written for h in hos),
+            # groups replicas kept in memory across the hand-overs (run.handover_keep: parked and re-attached)
+            "groups_kept_total": sum(n for _, _, n in rec.parked),
+            "handover_keep": opts.handover_keep,
             "trainer_stalls_s": list(final.handover_stalls) if final is not None else [],
         },
         "trainer_steps": final.step if final is not None else None,

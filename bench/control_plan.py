@@ -102,7 +102,7 @@ def draw_hold_s(rng: random.Random, cell: Cell) -> float:
     return rng.expovariate(1.0 / cell.mean_hold_s)
 
 
-def run_overrides(cell: Cell, updates_per_segment: int | None = None) -> list[str]:
+def run_overrides(cell: Cell, updates_per_segment: int | None = None, handover_keep: bool = True) -> list[str]:
     """The run config of a bench run: laminar mode, one relay, no repack (a synthetic replica holds no sequences
     to hand to another), modelled engines (no model files; the workflow reads only their traits), steps enough
     never to finish (the bench stops the run)."""
@@ -116,6 +116,8 @@ def run_overrides(cell: Cell, updates_per_segment: int | None = None) -> list[st
     ]
     if updates_per_segment is not None:
         out.append(f"run.updates_per_segment={updates_per_segment}")
+    if not handover_keep:
+        out.append("run.handover_keep=false")
     return out
 
 

@@ -344,6 +344,9 @@ def control_bench(
     contact: str | None = typer.Option(None, "--contact", help="A what-if: the synthetic replicas contact the "
                                        f"workflow this often when busy ({DURATION_HELP}; default: the real "
                                        "replica's ReplicaTiming.contact_s)."),
+    handover: str = typer.Option("keep", "--handover", help="At a continue-as-new, replicas `keep` their groups in "
+                                 "flight and re-attach (run.handover_keep, the default) or `write` them to their "
+                                 "partial pools and start again (before/after)."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the report as JSON here."),
 ) -> None:
     """What one run's workflow carries: the real TrainingRunWorkflow on the dev stack's Temporal server, R synthetic
@@ -363,7 +366,8 @@ def control_bench(
         opts = BenchOptions(duration_s=parse_duration(duration_opt, "--duration"),
                             warmup_s=parse_duration(warmup, "--warmup", allow_zero=True),
                             updates_per_segment=updates_per_segment, seed=seed,
-                            contact_s=None if contact is None else parse_duration(contact, "--contact"))
+                            contact_s=None if contact is None else parse_duration(contact, "--contact"),
+                            handover_keep=_handover_keep(handover))
         step_s = parse_duration(step, "--step", allow_zero=True)
         if sim:
             from sim.params import WORKLOADS
@@ -427,6 +431,13 @@ def control_bench(
     if json_path is not None:
         json_path.write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"wrote {json_path}")
+
+
+def _handover_keep(text: str) -> bool:
+    if text not in ("keep", "write"):
+        raise ConfigError(f"--handover {text!r}: give keep (replicas park across a continue-as-new) or write "
+                          "(they write their groups out)")
+    return text == "keep"
 
 
 def _csv_floats(text: str, what: str) -> list[float]:

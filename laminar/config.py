@@ -62,6 +62,12 @@ class RunSection(_Section):
         description="Continue as new once this many updates were handled in one history segment (count); "
         "the server refuses more than 2000 per run.",
     )
+    handover_keep: bool = Field(
+        True,
+        description="At a continue-as-new, rollout replicas keep their groups in flight in memory and re-attach "
+        "to the next history segment (services/rollout/attach.py) instead of writing them to their partial pools "
+        "and starting again; false: the hand-over writes them out, as before 2026-12-02.",
+    )
     parent: str = Field(
         "", max_length=200,
         description="The run this one was forked from (`laminar fork`): its trainer starts from the parent's "

@@ -278,6 +278,9 @@ class ClaimPromptsResult:
     hold_version: int = -1  # repack: a migration to this replica is on its way: keep this version loaded
     trainer_starved: bool = False  # the trainer waits for groups: report each complete group at once
     eval_leases: list[EvalLease] = field(default_factory=list)  # held-out prompts to score (workflows/evaluation.py)
+    # with handover: keep the groups in flight in memory, park and re-attach to the next segment (its first claim
+    # resumes them all; services/rollout/attach.py) instead of writing them to the partial pool
+    keep: bool = False
 
 
 @dataclass(frozen=True)
@@ -321,6 +324,7 @@ class AddExperienceResult:
     trainer_starved: bool = False
     failed: list[str] = field(default_factory=list)  # of inp.failed: leases closed as failed by this report
     claim: ClaimPromptsResult | None = None  # the answer to inp.claim (None when the report carried none)
+    keep: bool = False  # with handover: park and re-attach (ClaimPromptsResult.keep)
 
 
 # -- trainer activities -----------------------------------------------------------------------
@@ -504,6 +508,7 @@ class RolloutReplicaResult:
     tokens_generated: int
     handed_over: int  # in-flight groups written to the partial pool at hand-over
     departed: str = ""  # it left (Departure.reason): "notice" or "removed"; "" for a hand-over or stop
+    kept: int = -1  # parked for the next segment with this many groups in flight, none written out (-1: not parked)
 
 
 @dataclass(frozen=True)

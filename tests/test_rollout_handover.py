@@ -5,6 +5,8 @@ the long tail. The replica runs its real loop and a real torch engine; the contr
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from laminar.config import RunConfig
 from laminar.contract import (
     AddExperienceInput,
@@ -183,3 +185,69 @@ def test_an_empty_local_relay_falls_through_to_another_relay(tmp_path):
     finally:
         local.stop()
         remote.stop()
+
+
+class HandoverKeep(HandoverPending):
+    """As HandoverPending, but the hand-over says `keep`: the replica parks with its groups (run.handover_keep)."""
+
+    def claim(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
+        res = super().claim(inp)
+        return replace(res, keep=res.handover)
+
+    def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
+        return replace(super().add_experience(inp), keep=True)
+
+
+class NextSegment:
+    """The next segment's workflow: the first claim keeps every lease it resumes; then, after a few contacts, stop."""
+
+    def __init__(self, contacts: int = 3) -> None:
+        self.resuming: list[str] | None = None
+        self.contacts, self.left = 0, contacts
+
+    def claim(self, inp: ClaimPromptsInput) -> ClaimPromptsResult:
+        if inp.first_claim:
+            self.resuming = list(inp.resuming)
+            return ClaimPromptsResult(leases=[], newest_policy_version=0, relays=[], resume_ok=list(inp.resuming))
+        self.contacts += 1
+        return ClaimPromptsResult(leases=[], newest_policy_version=0, relays=[], stop=self.contacts >= self.left)
+
+    def add_experience(self, inp: AddExperienceInput) -> AddExperienceResult:
+        self.contacts += 1
+        return AddExperienceResult(accepted=list(inp.segment.group_ids), duplicates=[],
+                                   stop=self.contacts >= self.left)
+
+    def heartbeat(self, details: dict) -> None:
+        pass
+
+    def cancelled(self) -> bool:
+        return False
+
+
+def test_a_kept_replica_parks_without_writing_and_its_next_segment_resumes_every_group(tmp_path):
+    # run.handover_keep: told `handover` with `keep`, the replica returns at that contact as before, but writes no
+    # partial pool and keeps its engine; adopted by the next segment's activity, its first claim resumes every group
+    # it holds, and its engine carries on with the same sequences (longer prefixes at the stop than at the park).
+    store = _store_with_model(tmp_path)
+    control, clock = HandoverKeep(), Ticks()
+    replica = _replica(store, control, clock, attempt=1)
+    result = replica.run()
+
+    assert replica.parked and result.kept == GROUPS and result.handed_over == 0
+    assert control.contacts_after_handover == 1
+    assert TrajectoryStore(store).read_partial(RUN, "replica-0") == []  # nothing written out (only the empty fence)
+    at_park = {rid: len(response) for rid, _, response, _ in replica.engine.snapshot_inflight()}
+    assert at_park  # sequences still generating when it parked
+
+    nxt = NextSegment()
+    replica.reattach(nxt, attempt=1, generation=4)
+    result = replica.run(reattach=True)
+
+    assert nxt.resuming == [f"g{i:08d}" for i in range(GROUPS)]
+    assert not replica.parked and result.handed_over == GROUPS
+    pool = TrajectoryStore(store).read_partial(RUN, "replica-0")  # the stop wrote them, under the new fence
+    assert len(pool) == GROUP_SIZE * GROUPS
+    assert keys.partial_manifest(RUN, "replica-0", (4, 1)) in store.list(keys.partial_prefix(RUN, "replica-0"))
+    at_stop = {f"{t.group_id}/{t.sample_index}": len(t.response_ids) for t in pool}
+    assert all(at_stop[rid] >= n for rid, n in at_park.items())  # the same sequences, carried on
+    assert sum(at_stop[rid] for rid in at_park) > sum(at_park.values())

@@ -152,6 +152,13 @@ class Ledger:
             self.state.returned.append(self.state.open_leases.pop(g))
         return released
 
+    def first_claim(self, replica_id: str, resuming: list[str]) -> list[str]:
+        """A replica's first claim in an incarnation: what it resumes (from its partial pool, or every group it held
+        when it parked across a continue-as-new: services/rollout/attach.py) stays its own, its other open leases
+        go back to the pool; returns the resumed groups it still holds (`resume_ok`)."""
+        self.release_leases_of(replica_id, keep=set(resuming))
+        return self.held_by(replica_id, resuming)
+
     def held_by(self, replica_id: str, group_ids: list[str]) -> list[str]:
         return [g for g in group_ids if g in self.state.open_leases and self.state.open_leases[g].replica_id == replica_id]
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from temporalio.converter import value_to_type
-
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 from rl.factory import check_engines
+from workflows.carry import decode_state
 from workflows.state import RunState
 
 
@@ -34,6 +33,7 @@ class Segment:
     error: str | None = None  # the input failed validation: the run fails, every update is refused
     replicas_started: bool = False  # run() started the replicas: a grant (slot pool) is applied from then on
     handover: bool = False  # handing over to the next segment: replicas are told, none is started
+    keep: bool = False  # ... and told to keep their groups in flight and re-attach (run.handover_keep)
     closing: bool = False  # draining for continue-as-new or finish: relay watchers and the watchdog stop
     finished: bool = False  # the run returned its final status
 
@@ -74,6 +74,6 @@ def parse_input(inp: Any) -> tuple[RunConfig, RunState | None]:
     if state is None:
         return cfg, None
     try:
-        return cfg, value_to_type(RunState, state)
+        return cfg, decode_state(state)  # compact leases, one compiled validator (workflows/carry.py)
     except Exception as e:  # a hand-written state that does not match RunState
         raise ConfigError(f"workflow input state does not match RunState: {e}") from None

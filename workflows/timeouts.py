@@ -40,6 +40,10 @@ RELAY_REJOIN_HEARTBEATS = 2
 # Continue-as-new and finish wait this long for replicas to write their in-flight groups to the partial pool
 # and return (they do at their next claim or report).
 DRAIN = timedelta(seconds=120)
+# A continue-as-new with kept replicas (run.handover_keep) first lets the trainer's activities in flight return while
+# the replicas go on claiming and reporting; past this many updates in the segment it tells them anyway (the server
+# refuses more than history.maxTotalUpdates = 2,000 per run: a refused update is sent again, to the next segment)
+HANDOVER_UPDATES_CAP = 1900
 # republish is best effort and stop and continue-as-new wait for it: 60 s per attempt, 3 attempts 1 s apart,
 # and 120 s in all even while no trainer polls its queue (the trainer is restarting).
 REPUBLISH_ATTEMPT = timedelta(seconds=60)

@@ -234,6 +234,12 @@ class Trainer:
         self.state.last_step_at = self.version_pushed_at = now
         self.stepped()
 
+    def commit_returned(self) -> None:
+        """(train-ahead) Commit the oldest trainer activity if it returned, scheduling none (a hand-over waits)."""
+        if self.returned():
+            self._commit_flight(self.flights.pop(0))
+        self.training = bool(self.flights)
+
     async def settle(self) -> None:
         """(train-ahead) Wait for every trainer activity in flight and commit them, scheduling none: before a
         continue-as-new or the end of the run."""

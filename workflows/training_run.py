@@ -52,6 +52,7 @@ with workflow.unsafe.imports_passed_through():
     from laminar.refs import CheckpointRef
     from rl.factory import decode_batch_limit, time_scale  # the engines' traits (deterministic)
     from workflows import commands, timeouts
+    from workflows.carry import encode_state
     from workflows.commands import Runtime
     from workflows.evaluation import Evaluation
     from workflows.grants import SlotGrants
@@ -233,8 +234,7 @@ class TrainingRunWorkflow:
             if departed:
                 self.state.departed.remove(replica_id)
             self.migrations.forget(replica_id)
-            self.ledger.release_leases_of(replica_id, keep=set(inp.resuming))
-            resume_ok = self.ledger.held_by(replica_id, inp.resuming)
+            resume_ok = self.ledger.first_claim(replica_id, inp.resuming)
             if inp.attempt > 1:
                 self.ledger.rejoin(replica_id, workflow.time())
         if inp.handoff is not None:
@@ -269,6 +269,7 @@ class TrainingRunWorkflow:
             resume_ok=resume_ok,
             departed=departed,
             eval_leases=eval_leases,
+            keep=handover and self.seg.keep,
             **self._hints(replica_id),
         )
 
@@ -302,7 +303,7 @@ class TrainingRunWorkflow:
         return AddExperienceResult(
             accepted=accepted, duplicates=duplicates, stop=self.state.stopping,
             handover=self.seg.handover, leave=self.replicas.leaving(inp.report.replica_id),
-            failed=failed, claim=claim, **self._hints(inp.report.replica_id),
+            failed=failed, claim=claim, keep=self.seg.handover and self.seg.keep, **self._hints(inp.report.replica_id),
         )
 
     @add_experience.validator
@@ -382,21 +383,33 @@ class TrainingRunWorkflow:
     # -- continue-as-new and finish ----------------------------------------------------------
 
     async def _continue_as_new(self) -> None:
-        """Hand over to a new history segment. Not a barrier: replicas write their in-flight groups to the
-        partial pool and return at their next contact, and the trainer keeps stepping on ready groups while
-        they do. The chain and every lease, ready group and counter carry over in the state."""
+        """Hand over to a new history segment. Not a barrier: replicas return at their next contact, and the trainer
+        keeps stepping on ready groups while they do. With run.handover_keep they keep their groups in flight in
+        memory and re-attach to the next segment (services/rollout/attach.py: its first claim resumes every lease they
+        hold, carried here in the state); without, they write them to the partial pool. The chain and every lease,
+        ready group and counter carry over in the state. (No patch for `keep`: it is a field of the answers to
+        updates, not a command, so every recorded history replays unchanged.)"""
         assert self._cfg is not None
+        # kept replicas (patch handover-keep): the trainer's activities in flight return first, the replicas claiming
+        # and reporting meanwhile; told only then, they park for a moment (their next contact), not for a step, and
+        # no trainer step starts while they do
+        keep = self._cfg.run.handover_keep and workflow.patched("handover-keep")
+        if keep:
+            await self._trainer_returns()
         self.seg.handover = True
+        self.seg.keep = self._cfg.run.handover_keep
         deadline = workflow.time() + timeouts.DRAIN.total_seconds()
         while not self.replicas.returned() and not self.state.stopping:
             try:
                 await workflow.wait_condition(lambda: self.replicas.returned() or self.state.stopping
-                                              or self._can_step() or self.trainer.returned(),
+                                              or (self._can_step() and not keep) or self.trainer.returned(),
                                               timeout=max(0.0, deadline - workflow.time()))
             except TimeoutError:
                 workflow.logger.warning("replicas_drain_timed_out")
                 break
-            if self.trainer.ahead:
+            if keep:
+                self.trainer.commit_returned()
+            elif self.trainer.ahead:
                 self.trainer.advance()
             elif self._can_step():
                 await self.trainer.step()
@@ -408,8 +421,18 @@ class TrainingRunWorkflow:
         self._note_history()
         self.state.continued_as_new += 1
         self.state.handover_last_step_at = self.state.last_step_at
-        workflow.continue_as_new(contract.TrainingRunInput(config=self._cfg.to_json(), state=self.state),
+        # the leases as compact columns (workflows/carry.py); a history recorded before it replays with the old format
+        state = encode_state(self.state) if workflow.patched("compact-state") else self.state
+        workflow.continue_as_new(contract.TrainingRunInput(config=self._cfg.to_json(), state=state),
                                  task_timeout=contract.WORKFLOW_TASK)
+
+    async def _trainer_returns(self) -> None:
+        """Before telling kept replicas of a hand-over: commit the trainer activities in flight as they return (they
+        end with this segment), scheduling none; the replicas work on. Ends early at the segment's update cap."""
+        while self.trainer.flights and not self.state.stopping and self.seg.updates < timeouts.HANDOVER_UPDATES_CAP:
+            await workflow.wait_condition(lambda: self.trainer.returned() or self.state.stopping
+                                          or self.seg.updates >= timeouts.HANDOVER_UPDATES_CAP)
+            self.trainer.commit_returned()
 
     def _can_step(self) -> bool:
         """A batch is there and the run still has steps to take (a finished run must not wait on it)."""

@@ -75,21 +75,82 @@ class RolloutReplica:
         # held-out eval leases, on an eval engine of its own (services/rollout/evaluation.py)
         self.eval = EvalWork(cfg, self.task, self.engine, self.weights.fetch, seed, replica_id)
         self.seq, self.last_beat, self.profile_written = 0, 0.0, self.profile.started
+        self.parked = False  # kept across a continue-as-new (services/rollout/attach.py): engine and calls stay up
+
+    # -- a continue-as-new without a hand-over (services/rollout/attach.py) ------------------------
+
+    def reattach(self, control: ControlPort, attempt: int, generation: int) -> None:
+        """Adopted by the next segment's activity: talk to the workflow through its control port from now on (its
+        heartbeats, its cancellation), and write its partial pool under that activity's fence (a retry of it reads
+        the newest). Segment keys and request ids keep this incarnation's prefix: still unique."""
+        self.control, self.attempt, self.parked = control, attempt, False
+        self.pool.fence = (generation, attempt)
+
+    def held(self) -> list[str]:
+        """Every training group this replica holds a lease of: in flight, waiting, deferred, complete or failed and
+        not yet reported (no report is in flight when it parks: the hand-over came as an answer)."""
+        b = self.batch
+        return sorted({*b.groups, *(lease.group_id for lease in b.pending), *b.deferred,
+                       *(g.lease.group_id for g in b.completed + b.reporting),
+                       *(f.group_id for f in b.failed + b.reporting_failed)})
+
+    def keepable(self) -> bool:
+        """It can park: no repack hand-off or acknowledgement waits to be sent and no held-out eval is under way
+        (those talk to the workflow about this segment's orders; such a replica hands over as before)."""
+        return not self.repack.urgent and not self.eval.busy() and self.calls.kind is None
+
+    def close_parked(self) -> None:
+        """A parked replica nobody adopted: close it without a word to the workflow (its leases are recovered at its
+        next first claim, from its partial pool or fresh, as after a crash)."""
+        self.calls.shutdown()
+        self.engine.close()
+        log.info("parked_replica_closed", replica_id=self.replica_id, in_flight_groups=len(self.batch.groups))
+
+    def _reattach(self) -> RolloutReplicaResult | None:
+        """The first claim of an adopted replica: it resumes every group it holds (the workflow carried their leases);
+        any the workflow no longer counts as its own (none, unless a migration or a lost-replica recovery took it) is
+        dropped (its sequences aborted), so no report names a lease it does not hold."""
+        held = self.held()
+        first = self.control.claim(
+            ClaimPromptsInput(report=self._report(), max_groups=0, resuming=held, first_claim=True,
+                              attempt=self.attempt, request_id=self.calls.request_id(), **self.eval.claim_fields()))
+        self.eval.answered(first.eval_leases)
+        self.weights.relays = first.relays or self.weights.relays
+        self.weights.newest_known = max(self.weights.newest_known, first.newest_policy_version)
+        if first.stop or first.handover:
+            return self._hand_over(first.stop, keep=first.keep)
+        ok, b = set(first.resume_ok), self.batch
+        if len(ok) < len(held):
+            b.pending = [lease for lease in b.pending if lease.group_id in ok]
+            b.completed = [g for g in b.completed if g.lease.group_id in ok]
+            b.failed = [f for f in b.failed if f.group_id in ok]
+            for g in [g for g in b.deferred if g not in ok]:
+                del b.deferred[g]
+            gone = [g for g in b.groups if g not in ok]
+            self.engine.abort([f"{g}/{i}" for g in gone for i in range(self.cfg.rollout.group_size)])
+            for g in gone:
+                del b.groups[g]
+            log.warning("reattach_leases_gone", replica_id=self.replica_id, gone=len(held) - len(ok))
+        self.contacts.last_claim = self.clock()
+        log.info("replica_reattached", replica_id=self.replica_id, groups=len(ok), attempt=self.attempt)
+        return None
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def run(self, starting: AbstractContextManager = nullcontext()) -> RolloutReplicaResult:
-        """The loop until the replica hands over, departs or stops. `starting` is held around the start (pool read,
-        first claim, resume), before the loop's own heartbeats: the activity's start-up heartbeat."""
+    def run(self, starting: AbstractContextManager = nullcontext(), reattach: bool = False) -> RolloutReplicaResult:
+        """The loop until the replica hands over, departs, stops or parks. `starting` is held around the start (pool
+        read, first claim, resume; or an adopted replica's first claim), before the loop's own heartbeats: the
+        activity's start-up heartbeat."""
         try:
             with starting:
-                done = self._start()
+                done = self._reattach() if reattach else self._start()
             while done is None:
                 done = self._turn()
             return done
         finally:
-            self.calls.shutdown()
-            self.engine.close()  # its GPU slot back; vLLM: one engine per process, kept for the next incarnation
+            if not self.parked:
+                self.calls.shutdown()
+                self.engine.close()  # its GPU slot back; vLLM: one engine per process, kept for the next incarnation
 
     def _start(self) -> RolloutReplicaResult | None:
         """Resume the previous incarnation's pool as the first claim's answer allows; returns at once when the
@@ -155,7 +216,7 @@ class RolloutReplica:
         if res.leave:  # `laminar scale` removed it
             return self._depart("removed")
         if res.handover:
-            return self._hand_over(False)
+            return self._hand_over(False, keep=res.keep)
         if claim is not None:
             self.batch.pending += claim.leases
             self.contacts.claimed(len(claim.leases), claim.paused)
@@ -286,9 +347,17 @@ class RolloutReplica:
                  policy_version=max((t.policy_version for g in groups for t in g.done.values()), default=-1),
                  duplicates=len(res.duplicates), failed=len(res.failed))
 
-    def _hand_over(self, stop: bool) -> RolloutReplicaResult:
+    def _hand_over(self, stop: bool, keep: bool = False) -> RolloutReplicaResult:
         """Report what is complete, write the pool and return at once: the next incarnation resumes the
-        in-flight groups, so a hand-over never waits for the long tail."""
+        in-flight groups, so a hand-over never waits for the long tail. With `keep` (and nothing of this segment's
+        own under way), park instead: nothing is written or reported, the engine keeps its groups, and the next
+        segment's activity re-attaches it (services/rollout/attach.py; the activity parks it)."""
+        if keep and not stop and self.keepable():
+            self.parked = True
+            log.info("replica_parked", replica_id=self.replica_id, in_flight_groups=len(self.batch.groups))
+            return RolloutReplicaResult(replica_id=self.replica_id, groups_completed=self.counters.groups_completed,
+                                        tokens_generated=self.counters.tokens_generated, handed_over=0,
+                                        kept=len(self.held()))
         if self.batch.completed or self.batch.failed:
             self._start_report()
             self._collect(wait=True)

@@ -21,6 +21,11 @@ class ReplicaTiming:
     heartbeat_every_s: float = 0.2  # the loop heartbeats at most this often (a beat costs ~1.6 ms: thread hop)
     profile_every_s: float = 5.0  # how often the replica writes its time breakdown to the store (and at return)
     idle_wait_s: float = 0.05  # an idle turn waits this long for the control call in flight (or sleeps it)
+    # a refused or aborted update (the server's limit on updates in flight per workflow, a workflow task that
+    # failed, a continue-as-new under way) is sent again after a jittered delay doubling from this ... up to this
+    # (activities/rollout.py): a start-up or hand-over storm drains in tenths of a second, an outage still waits 2 s
+    update_retry_base_s: float = 0.05
+    update_retry_max_s: float = 2.0
 
     def next_claim_interval(self, current: float, wanted: int, got: int, paused: bool) -> float:
         """Claim again as soon as slots are free while work comes; back off (doubling from claim_poll_s) while
@@ -30,6 +35,14 @@ class ReplicaTiming:
         if wanted == 0:
             return current
         return min(self.paused_claim_max_s if paused else self.idle_claim_max_s, max(self.claim_poll_s, current * 2))
+
+
+    def update_retry_s(self, retries: int, draw: float) -> float:
+        """The wait before sending a refused update again, its `retries`-th retry (0: the first); `draw` uniform in
+        [0, 1) (the caller's random source: clock-free and testable). Equal jitter: half the doubling bound plus a
+        random share of the other half, so replicas refused together do not come back together."""
+        bound = min(self.update_retry_max_s, self.update_retry_base_s * 2 ** max(0, min(retries, 30)))
+        return bound / 2 + bound / 2 * min(max(draw, 0.0), 1.0)
 
 
 TIMING = ReplicaTiming()

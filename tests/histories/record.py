@@ -197,6 +197,40 @@ async def continue_as_new(rec: Recorder) -> list[Path]:
     return [rec.write(f"training_run_continue_as_new_{i + 1}", h) for i, h in enumerate(histories)]
 
 
+def activity_results(history: WorkflowHistory, cls: type) -> list:
+    """The decoded results of every activity the history saw complete, as `cls` (those that decode as it)."""
+    found = []
+    for e in history.events:
+        if e.HasField("activity_task_completed_event_attributes"):
+            payloads = list(e.activity_task_completed_event_attributes.result.payloads)
+            try:
+                found += DATA_CONVERTER.payload_converter.from_payloads(payloads, [cls])
+            except Exception:  # noqa: BLE001 - another activity's result
+                continue
+    return found
+
+
+async def handover_keep(rec: Recorder) -> list[Path]:
+    """As continue_as_new, with run.handover_keep (the default since 2026-12-02): at the hand-over the replicas park
+    with their groups in flight (nothing written out) and the next segment's first claims re-attach them; the state
+    goes over as compact lease columns (patch `compact-state`, workflows/carry.py)."""
+    from laminar.contract import RolloutReplicaResult
+
+    cfg = rec.config("handover-keep", "run.steps=4", "run.continue_as_new_every=2")
+    handle = await start_workflow(rec.client, cfg)
+    final: RunStatus = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    histories = await rec.chain(handle)
+    require(final.continued_as_new >= 1 and len(histories) == final.continued_as_new + 1,
+            f"continued_as_new={final.continued_as_new}, {len(histories)} segments")
+    require(event_name(histories[0].events[-1]) == "WORKFLOW_EXECUTION_CONTINUED_AS_NEW", "no ContinueAsNew")
+    require({"compact-state", "handover-keep"} <= patch_ids(histories[0]), "no compact-state or handover-keep marker")
+    parked = [r for r in activity_results(histories[0], RolloutReplicaResult) if r.kept >= 0]
+    require(len(parked) >= 1, "no replica parked at the hand-over")
+    resumed = [c for c in update_inputs(histories[1], contract.CLAIM_PROMPTS, ClaimPromptsInput) if c.first_claim]
+    require(bool(resumed), "no first claim in the continued segment")
+    return [rec.write(f"training_run_handover_keep_{i + 1}", h) for i, h in enumerate(histories[:2])]
+
+
 async def search_attributes(rec: Recorder) -> list[Path]:
     """A run started with the search attributes (the dev stack registers them; patch search-attributes) that goes
     through every phase: starting, running, paused (pause update), running (resume), stopping (stop), finished."""
@@ -371,6 +405,7 @@ async def eval_rounds(rec: Recorder) -> list[Path]:
 
 SCENARIOS: dict[str, Callable[[Recorder], Awaitable[list[Path]]]] = {
     "stream": stream, "repack": repack, "continue_as_new": continue_as_new, "search_attributes": search_attributes,
+    "handover_keep": handover_keep,
     "drill_rollout": drill_rollout, "drill_store": drill_store, "failed_groups": failed_groups,
     "watchdog": watchdog,
     "scale": scale,
