@@ -250,8 +250,10 @@ class DevStack:
         log.warning("s3_server_read_only", pid=info.s3_pid, hold_s=hold_s)
         try:
             time.sleep(hold_s)  # the fault itself
-        finally:  # interrupted or not, the server takes writes again
-            refused = _s3_mode(endpoint, "read-write")
+        finally:  # interrupted or not, the server takes writes again. A store outage (interrupt_s3) that began
+            # meanwhile holds the lock until its server is back on the same port: under the lock this reaches it
+            with self._lock():
+                refused = _s3_mode(endpoint, "read-write")
         log.warning("s3_server_read_write", pid=info.s3_pid, refused=refused)
         return on_at, time.time(), refused
 

@@ -196,3 +196,30 @@ def test_read_only_refuses_every_write_serves_reads_and_counts(stack: DevStack) 
     assert off_at - on_at >= 0.5 and n == 0
     store.delete("runs/r1/new")
     assert store.list("runs/") == ["runs/r1/kept"]
+
+
+def test_a_store_outage_during_read_only_still_ends_read_write(stack: DevStack) -> None:
+    """Chaos overlaps faults: a store outage that starts while the store is read-only and outlasts the read-only
+    hold. The switch back to read-write waits for the restarted server (the dev stack's lock, which the outage
+    holds) instead of failing against a stopped one, so the fault heals and writes land after both."""
+    _, store = up(stack)
+    store.put("runs/r1/kept", b"before")
+    result: list[tuple[float, float, int]] = []
+    failures: list[BaseException] = []
+
+    def read_only() -> None:
+        try:
+            result.append(stack.readonly_s3(hold_s=2.0))
+        except BaseException as e:  # noqa: BLE001 -- reported by the test thread below
+            failures.append(e)
+
+    fault = threading.Thread(target=read_only)
+    fault.start()
+    time.sleep(0.5)
+    stopped_at, back_at = stack.interrupt_s3(outage_s=7.0)  # down past the read-only hold's end (and _s3_mode's tries)
+    fault.join(timeout=60)
+    assert not failures, failures
+    (on_at, off_at, _refused), = result
+    assert on_at < stopped_at and off_at >= back_at  # switched back only once the server was up again
+    store.put("runs/r1/after", b"after")  # read-write again
+    assert store.get("runs/r1/after") == b"after" and store.get("runs/r1/kept") == b"before"
