@@ -38,6 +38,7 @@ from laminar.contract import (
 from laminar.logs import get_logger
 from laminar.metrics import CONTROL_UPDATE_RETRIES
 from laminar.notice import NOTICE
+from rl.factory import engine_traits
 from services.rollout import RolloutReplica
 from services.rollout.attach import PARKING
 from services.rollout.timing import TIMING
@@ -173,7 +174,7 @@ class RolloutActivities:
         if replica is not None:
             replica.reattach(_TemporalControl(self.client, self.loop, inp.workflow_id), info.attempt, inp.generation)
         else:
-            if cfg.rollout.engine != "modelled":  # one engine (GPU) per slot: a parked one nobody adopted gives it up
+            if not engine_traits(cfg).cheap_to_keep:  # a parked engine nobody adopted gives its memory up
                 for old in PARKING.take_all():
                     old.close_parked()
             with background_heartbeat(every_s=beat_s, stall_s=STARTUP_LIMIT_S):  # building the engine (docstring)

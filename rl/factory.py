@@ -41,6 +41,8 @@ class EngineTraits:
     # batch runs at full speed up to modelled.roofline_batch
     every_worker: bool = True  # every rollout worker serves it; False: only a worker set started for it (vLLM)
     lora: bool = False  # it applies LoRA versions (trainer.lora, rl/lora.py): merges each adapter into base weights
+    cheap_to_keep: bool = False  # an idle copy holds no memory worth freeing: a replica parked at a continue-as-new
+    # (services/rollout/attach.py) that nobody adopted may wait for its adopter instead of being closed at once
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class BackendTraits:
 
 ENGINE_TRAITS = {"torch": EngineTraits(spare_slots=1, trainers=("torch",), lora=True),
                  "vllm": EngineTraits(spare_slots=0, trainers=("torch",), every_worker=False),
-                 "modelled": EngineTraits(spare_slots=1, trainers=("modelled",), modelled_time=True)}
+                 "modelled": EngineTraits(spare_slots=1, trainers=("modelled",), modelled_time=True,
+                                          cheap_to_keep=True)}
 BACKEND_TRAITS = {"single": BackendTraits(trainers=("torch", "modelled"), lora=True),
                   "fsdp": BackendTraits(trainers=("torch",), sharded=True)}
 
