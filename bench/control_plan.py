@@ -116,8 +116,7 @@ def run_overrides(cell: Cell, updates_per_segment: int | None = None, handover_k
     ]
     if updates_per_segment is not None:
         out.append(f"run.updates_per_segment={updates_per_segment}")
-    if not handover_keep:
-        out.append("run.handover_keep=false")
+    out.append(f"run.handover_keep={'true' if handover_keep else 'false'}")
     return out
 
 

@@ -345,7 +345,7 @@ def control_bench(
                                        f"workflow this often when busy ({DURATION_HELP}; default: the real "
                                        "replica's ReplicaTiming.contact_s)."),
     handover: str = typer.Option("keep", "--handover", help="At a continue-as-new, replicas `keep` their groups in "
-                                 "flight and re-attach (run.handover_keep, the default) or `write` them to their "
+                                 "flight and re-attach (run.handover_keep=true) or `write` them to their "
                                  "partial pools and start again (before/after)."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the report as JSON here."),
 ) -> None:

@@ -63,10 +63,13 @@ class RunSection(_Section):
         "the server refuses more than 2000 per run.",
     )
     handover_keep: bool = Field(
-        True,
+        False,
         description="At a continue-as-new, rollout replicas keep their groups in flight in memory and re-attach "
         "to the next history segment (services/rollout/attach.py) instead of writing them to their partial pools "
-        "and starting again; false: the hand-over writes them out, as before 2026-12-02.",
+        "and starting again. Off by default: a kept replica's next activity may land in another worker process, "
+        "which then regenerates its groups, tool calls included (a 30-minute tools chaos run ran 318 calls twice "
+        "this way); on for a run without tools on one rollout worker, or once the next activity is routed to "
+        "its own process.",
     )
     parent: str = Field(
         "", max_length=200,

@@ -159,7 +159,7 @@ def test_bench_control_runs_the_real_workflow(tmp_path):
     assert r["cpu_cores"]["temporal_server"] is not None and r["cpu_cores"]["control_worker"] is not None
     assert r["workflow_task"]["schedule_to_complete"]["count"] > 0
     assert r["continue_as_new"]["segments"] >= 2  # 30 updates a segment: it handed over at least once
-    # run.handover_keep (the default): the replicas parked with their groups and re-attached; none was written out
+    # run.handover_keep=true (the bench's default, --handover keep): the replicas parked with their groups and re-attached; none was written out
     assert r["continue_as_new"]["groups_written_total"] == 0 and r["continue_as_new"]["groups_kept_total"] > 0
     assert r["groups_lost"] == 0 and r["groups_consumed_twice"] == 0 and r["accounting"]["ok"], r["accounting"]
     assert r["trainer_steps"] >= 1 and r["replica_errors"] == []

@@ -211,12 +211,12 @@ def activity_results(history: WorkflowHistory, cls: type) -> list:
 
 
 async def handover_keep(rec: Recorder) -> list[Path]:
-    """As continue_as_new, with run.handover_keep (the default since 2026-12-02): at the hand-over the replicas park
+    """As continue_as_new, with run.handover_keep=true: at the hand-over the replicas park
     with their groups in flight (nothing written out) and the next segment's first claims re-attach them; the state
     goes over as compact lease columns (patch `compact-state`, workflows/carry.py)."""
     from laminar.contract import RolloutReplicaResult
 
-    cfg = rec.config("handover-keep", "run.steps=4", "run.continue_as_new_every=2")
+    cfg = rec.config("handover-keep", "run.steps=4", "run.continue_as_new_every=2", "run.handover_keep=true")
     handle = await start_workflow(rec.client, cfg)
     final: RunStatus = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
     histories = await rec.chain(handle)
