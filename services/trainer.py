@@ -52,6 +52,7 @@ from laminar.errors import (
     InconsistentStateError,
     RelayError,
     StepOutOfTurnError,
+    StoreError,
     TrainerLeavingError,
 )
 from laminar.logs import get_logger
@@ -307,13 +308,18 @@ class TrainerService:
         """On notice, with no step in flight: a checkpoint of the in-memory policy unless its step has one
         already (or nothing is loaded); the caller signals it to the workflow, which commits it when it is still
         at that step. Deletes nothing (the workflow's retained checkpoints are the next step's to prune). Waits
-        for a step still running at most until the notice's deadline; None if it did not end by then."""
+        for a step still running at most until the notice's deadline; None if it did not end by then, or if the
+        store refused the checkpoint (an outage or a read-only store: the worker still leaves cleanly, exit 0)."""
         if not self._busy.acquire(timeout=min(self.notice.remaining_s(), 3600.0)):
             return None
         try:
             if self.trainer is None or self.run_id is None or self.step <= max(0, self.checkpointed_step):
                 return None
-            ref = self._save_checkpoint()
+            try:
+                ref = self._save_checkpoint()
+            except StoreError as e:  # a store down or read-only: the successor replays from the last commit instead
+                log.warning("deadline_checkpoint_not_written", run_id=self.run_id, step=self.step, error=str(e)[:300])
+                return None
             log.info("deadline_checkpoint", run_id=self.run_id, step=self.step, in_step=False)
             return ref
         finally:

@@ -391,3 +391,35 @@ def test_a_step_queued_behind_the_running_one_declines_once_the_trainer_is_on_no
     t.join(30)
     assert len(errors) == 1 and isinstance(errors[0], TrainerLeavingError) and "SIGTERM" in str(errors[0])
     assert svc.step == 1  # it trained nothing
+
+
+def test_a_deadline_checkpoint_the_store_refuses_is_skipped_and_the_trainer_still_leaves(tmp_path, aws_test_env):
+    """The 2-hour chaos run: a trainer on notice while the store was read-only raised from its deadline checkpoint
+    after its worker stopped, and the process exited 1. On the real S3 dev server switched read-only, the deadline
+    checkpoint is skipped (logged): the successor replays from the last committed checkpoint instead."""
+    from structlog.testing import capture_logs
+
+    from devstack.stack import DevStack, _s3_mode
+    from laminar.notice import Notice
+    from storage.objects import open_store
+    from tests.fixtures.s3 import free_port
+
+    stack = DevStack(tmp_path / "dev")
+    info = stack.up(s3=True, port=free_port(), ui=False)
+    try:
+        store = open_store(info.store_url, endpoint_url=info.s3_endpoint)
+        trajs, notice = TrajectoryStore(store), Notice()
+        batches = [_batch(trajs, "r", 10 * i) for i in range(3)]
+        svc = TrainerService(store, tmp_path / "home", notice=notice)
+        for i in range(3):  # step 3 is past the last checkpoint (step 2)
+            svc.train_step(_input("r", i, batches[i], checkpoint=None, replay=batches[:i]))
+        notice.give(30.0, "SIGTERM")
+        _s3_mode(info.s3_endpoint, "read-only")
+        with capture_logs() as logs:
+            assert svc.deadline_checkpoint() is None
+        (skipped,) = [e for e in logs if e["event"] == "deadline_checkpoint_not_written"]
+        assert skipped["step"] == 3 and "AccessDenied" in skipped["error"]
+        _s3_mode(info.s3_endpoint, "read-write")
+        assert not store.exists(keys.checkpoint_manifest("r", 3))  # nothing committed for step 3
+    finally:
+        stack.down()
