@@ -184,16 +184,22 @@ async def repack(rec: Recorder) -> list[Path]:
     return [rec.write("training_run_repack", h)]
 
 
-async def continue_as_new(rec: Recorder) -> list[Path]:
-    """run.continue_as_new_every=2 in a 4-step run: the first segment ends in ContinueAsNew at step 2 (or a
-    little later, as the trainer keeps stepping during the hand-over), the next one finishes the run."""
-    cfg = rec.config("continue-as-new", "run.steps=4", "run.continue_as_new_every=2")
+async def _continued_run(rec: Recorder, cfg) -> list[WorkflowHistory]:
+    """Run cfg to its end and return every segment; it must have continued as new at least once."""
     handle = await start_workflow(rec.client, cfg)
     final: RunStatus = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
     histories = await rec.chain(handle)
     require(final.continued_as_new >= 1 and len(histories) == final.continued_as_new + 1,
             f"continued_as_new={final.continued_as_new}, {len(histories)} segments")
     require(event_name(histories[0].events[-1]) == "WORKFLOW_EXECUTION_CONTINUED_AS_NEW", "no ContinueAsNew")
+    return histories
+
+
+async def continue_as_new(rec: Recorder) -> list[Path]:
+    """run.continue_as_new_every=2 in a 4-step run: the first segment ends in ContinueAsNew at step 2 (or a
+    little later, as the trainer keeps stepping during the hand-over), the next one finishes the run."""
+    cfg = rec.config("continue-as-new", "run.steps=4", "run.continue_as_new_every=2")
+    histories = await _continued_run(rec, cfg)
     return [rec.write(f"training_run_continue_as_new_{i + 1}", h) for i, h in enumerate(histories)]
 
 
@@ -217,12 +223,7 @@ async def handover_keep(rec: Recorder) -> list[Path]:
     from laminar.contract import RolloutReplicaResult
 
     cfg = rec.config("handover-keep", "run.steps=4", "run.continue_as_new_every=2", "run.handover_keep=true")
-    handle = await start_workflow(rec.client, cfg)
-    final: RunStatus = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
-    histories = await rec.chain(handle)
-    require(final.continued_as_new >= 1 and len(histories) == final.continued_as_new + 1,
-            f"continued_as_new={final.continued_as_new}, {len(histories)} segments")
-    require(event_name(histories[0].events[-1]) == "WORKFLOW_EXECUTION_CONTINUED_AS_NEW", "no ContinueAsNew")
+    histories = await _continued_run(rec, cfg)
     require({"compact-state", "handover-keep"} <= patch_ids(histories[0]), "no compact-state or handover-keep marker")
     parked = [r for r in activity_results(histories[0], RolloutReplicaResult) if r.kept >= 0]
     require(len(parked) >= 1, "no replica parked at the hand-over")
