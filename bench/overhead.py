@@ -58,6 +58,8 @@ def ratios(loop: dict[str, Any], laminar: dict[str, Any]) -> dict[str, float | N
         out[key] = round(b / a, 2) if a and b is not None else None
     a, b = loop["tokens_per_s"], laminar["tokens_per_s"]
     out["tokens_per_s"] = round(a / b, 2) if b else None
+    a, b = loop.get("cpu_s"), laminar.get("cpu_s")
+    out["cpu_s"] = round(b / a, 2) if a and b is not None else None
     return out
 
 
@@ -66,9 +68,13 @@ def run_loop(cfg: RunConfig, home: Path) -> dict[str, Any]:
     from rl.sync_loop import run_sync_loop
     from services.model_files import resolve_model_dir
 
+    cpu0 = time.process_time()
     result = run_sync_loop(cfg, resolve_model_dir(cfg, home))
+    cpu = time.process_time() - cpu0
     rewards = [m.reward_mean for m in result.metrics]
-    return side(result.wall_s, sum(m.tokens for m in result.metrics), rewards, result.step_end_s, 0)
+    out = side(result.wall_s, sum(m.tokens for m in result.metrics), rewards, result.step_end_s, 0)
+    out["cpu_s"] = round(cpu, 2)  # every thread of this process, model loading included
+    return out
 
 
 def run_laminar(config_path: Path, overrides: list[str]) -> dict[str, Any]:
@@ -97,4 +103,14 @@ def run_laminar(config_path: Path, overrides: list[str]) -> dict[str, Any]:
     out = side(s["wall_s"], tokens, s["reward_per_step"], s["step_end_s"], s["groups_consumed_twice"])
     out["run_id"] = s["run_id"]
     out["profile"] = s.get("profile")
+    out["cpu_s"] = cpu_total(out["profile"])
     return out
+
+
+def cpu_total(profile: dict[str, Any] | None) -> float | None:
+    """The CPU seconds of every process of the run that the summary names (its workers and, when `laminar run`
+    started or found the dev stack, the Temporal server since it started): on a machine whose cores are all
+    busy, wall time follows CPU time, so laminar's CPU against the loop's is a ratio that other load on the
+    machine moves far less than the wall times'."""
+    cpu = (profile or {}).get("cpu_s") or {}
+    return round(sum(cpu.values()), 2) if cpu else None

@@ -189,8 +189,8 @@ def overhead_bench(
     table = Table("", "single-process loop", "laminar run", "laminar / loop",
                   title=f"{config} ({loop['steps']} steps)")
     for key in ("wall_s", "tokens_per_s", "reward_rise", "time_to_reward_0_6_s", "time_to_reward_0_8_s",
-                "groups_consumed_twice"):
-        table.add_row(key, str(loop[key]), str(laminar[key]), "" if r.get(key) is None else f"{r[key]}x")
+                "groups_consumed_twice", "cpu_s"):
+        table.add_row(key, str(loop.get(key)), str(laminar.get(key)), "" if r.get(key) is None else f"{r[key]}x")
     console.print(table)
     if laminar.get("profile"):
         console.print(format_profile(laminar["profile"]), highlight=False, soft_wrap=True)

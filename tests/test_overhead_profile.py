@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.overhead import ratios, side, time_to_reward
+from bench.overhead import cpu_total, ratios, side, time_to_reward
 from laminar.contract import RunStatus
 from laminar.timing import TimeBreakdown, merge
 from reporting.summary import build_profile, build_summary, format_profile
@@ -112,7 +112,13 @@ def test_side_and_ratios():
     laminar = side(150.0, 12_000, rewards, [2.5 * e for e in ends], 0)
     r = ratios(loop, laminar)
     # every laminar time is 2.5x the loop's; tokens/s 200 vs 80: loop / laminar = 2.5
-    assert r == {"wall_s": 2.5, "time_to_reward_0_6_s": 2.5, "time_to_reward_0_8_s": 2.5, "tokens_per_s": 2.5}
+    assert r == {"wall_s": 2.5, "time_to_reward_0_6_s": 2.5, "time_to_reward_0_8_s": 2.5, "tokens_per_s": 2.5,
+                 "cpu_s": None}  # no CPU figures on either side
+    # the CPU ratio: every process the summary names, summed, against the loop's process
+    loop["cpu_s"] = 40.0
+    laminar["cpu_s"] = cpu_total({"cpu_s": {"trainer": 30.0, "rollout-0": 25.0, "temporal (since dev up)": 15.0}})
+    assert laminar["cpu_s"] == 70.0 and ratios(loop, laminar)["cpu_s"] == 1.75
+    assert cpu_total({"cpu_s": {}}) is None and cpu_total(None) is None
 
 
 def test_summary_step_end_times_are_relative_to_the_run_start(tmp_path):
