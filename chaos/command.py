@@ -49,8 +49,8 @@ from client.connect import connect, store_for
 from client.exit import stop_like_ctrl_c
 from client.run_control import end_runs_now, new_run_id
 from client.settings import Settings, process_table_path
+from client.watch import RunProgress, progress_of
 from devstack.stack import DevStack
-from laminar import contract
 from laminar.contract import RunStatus, workflow_id_for
 from laminar.errors import ConfigError, LaminarError
 from reporting.tool_calls import count_tool_calls
@@ -210,17 +210,20 @@ async def _wait_training(settings: Settings, run_id: str, table_path: Path, chil
             raise LaminarError(f"`laminar run` exited with code {child.returncode} before training; see its log")
         table = read_table(table_path)
         if table.get("processes") and all(r["pid"] for r in table["processes"]):
-            st = await _status(settings, run_id)
-            if st is not None and st.phase == "running" and st.step >= 1:
+            p = await _progress(settings, run_id)
+            if p is not None and p.phase == "running" and (p.step or 0) >= 1:
                 return
         await asyncio.sleep(1.0)
-    raise LaminarError(f"run {run_id} trained no step within {START_TIMEOUT_S:.0f}s; see its log")
+    raise LaminarError(f"run {run_id} trained no step within {START_TIMEOUT_S:.0f}s (as its search attributes "
+                       "LaminarPhase and LaminarStep show); see its log")
 
 
-async def _status(settings: Settings, run_id: str) -> RunStatus | None:
+async def _progress(settings: Settings, run_id: str) -> RunProgress | None:
+    """The run's phase and step from the server's describe (its search attributes), never a workflow query: a
+    query polled while Temporal restarts is the window that wedges a run (docs/upstream/wedged-run.md)."""
     try:
         client = await connect(settings, core_logs=False)
-        return await client.get_workflow_handle(workflow_id_for(run_id)).query(contract.STATUS, result_type=RunStatus)
+        return progress_of(await client.get_workflow_handle(workflow_id_for(run_id)).describe())
     except Exception:  # not started yet, or Temporal restarting
         return None
 

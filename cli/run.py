@@ -21,16 +21,17 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle
 
 from client.connect import connect, store_for
 from client.exit import stop_like_ctrl_c
-from client.run_control import lost_error, new_run_id, report_slots, start_or_attach
+from client.run_control import lost_error, new_run_id, report_slots, scale_targets, start_or_attach
 from client.settings import Settings, process_table_path
-from client.watch import watch_run
+from client.watch import RunProgress, watch_run
 from devstack.stack import DevStack
 from laminar.config import RunConfig
 from laminar.contract import PAYLOAD_WARNED_BYTES, RunStatus, SlotReport, retained_batches_bytes
-from laminar.errors import ConfigError, LaminarError, RunLostError
+from laminar.errors import ConfigError, LaminarError, RunLostError, StoreError
 from laminar.logs import get_logger
 from reporting.summary import build_profile, build_summary, format_profile, reward_rise
 from storage import keys
+from storage.objects import ObjectStore
 from workers.launcher import (
     LocalLauncher,
     metrics_url,
@@ -225,7 +226,7 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher | R
         raise
     launcher.start_supervision()
     try:
-        final = await _watch(handle, cfg, console, t0, launcher)  # interrupted: the run is cancelled, never left behind
+        final = await _watch(handle, cfg, console, store, launcher)  # interrupted: the run is cancelled, never left behind
     except WorkflowFailureError as e:
         console.print(f"[red]run failed:[/red] {e.cause or e}")
         return 1
@@ -247,41 +248,66 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher | R
     return 0
 
 
-async def _watch(handle: WorkflowHandle, cfg: RunConfig, console: Console, t0: float,
+async def _watch(handle: WorkflowHandle, cfg: RunConfig, console: Console, store: ObjectStore,
                  launcher: LocalLauncher | RayLauncher | None = None) -> RunStatus:
+    """Show the run's progress from the server's describe (its search attributes) and the trainer's step records
+    in the store, and follow `laminar scale` through its record in the store: no workflow query while waiting."""
     columns = [TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn()]
+    steps: dict[int, dict] = {}  # step -> the trainer's record of it (read once, when the step first shows)
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("train", total=cfg.run.steps, info="starting workers")
 
-        def show(st: RunStatus | None, note: str) -> None:
-            if st is not None and st.replicas_target and launcher is not None:
+        def show(p: RunProgress | None, note: str) -> None:
+            if launcher is not None and (targets := scale_targets(store, cfg.run.run_id)) is not None:
                 # `laminar scale`: a relay per host (a host beyond the count gets the notice), then rollout workers
                 # for the slots the replicas need on those hosts
-                relays = st.relays_target or cfg.relay.relays
+                replicas, relays = targets[0], targets[1] or cfg.relay.relays
                 started, stopped = launcher.match_relays(relays)
                 for name in started:
                     console.print(f"scale: started {name} for {relays} relays", highlight=False)
                 for name in stopped:
                     console.print(f"scale: gave {name} the notice ({relays} relays)", highlight=False)
-                for name in launcher.match_replicas(st.replicas_target, relays, _spare_slots(cfg)):
-                    console.print(f"scale: started {name} for {st.replicas_target} replicas", highlight=False)
-            fields = {"total": st.total_steps, "completed": st.step} if st else {}
-            bar.update(task, info=note or _progress_line(st, time.time() - t0), **fields)
+                for name in launcher.match_replicas(replicas, relays, _spare_slots(cfg)):
+                    console.print(f"scale: started {name} for {replicas} replicas", highlight=False)
+            fields = {"completed": p.step} if p is not None and p.step is not None else {}
+            record = None
+            if p is not None and p.step:
+                record = steps.get(p.step) or _step_record(store, cfg.run.run_id, p.step)
+                if record is not None:
+                    steps.clear()
+                    steps[p.step] = record
+            bar.update(task, info=note or _progress_line(p, record), **fields)
 
         return await watch_run(handle, show, on_cancel_failed=lambda e: console.print(
             f"could not cancel run {cfg.run.run_id} ({e}); it is still running: `laminar run --run-id {cfg.run.run_id}` "
             f"attaches to it again, `laminar stop --force {cfg.run.run_id}` ends it", highlight=False))
 
 
-def _progress_line(st: RunStatus, elapsed: float) -> str:
-    reward = f"{st.reward_recent[-1]:.3f}" if st.reward_recent else "-"
-    gaps = {int(k): v for k, v in st.staleness_histogram.items()}
-    n = sum(gaps.values())
-    mean_gap = sum(k * v for k, v in gaps.items()) / n if n else 0.0
-    tps = st.tokens_consumed / elapsed if elapsed > 0 else 0.0
-    return (f"{st.phase} reward={reward} tok/s={tps:.0f} versions={st.versions_in_use} "
-            f"staleness={mean_gap:.2f} ready={st.ready_groups}")
+def _step_record(store: ObjectStore, run_id: str, step: int) -> dict | None:
+    """The trainer's record of a committed step (services/trainer.py), or None while the store does not have it."""
+    try:
+        return json.loads(store.get(keys.step_metrics(run_id, step)))
+    except (StoreError, ValueError):
+        return None
+
+
+def _progress_line(p: RunProgress | None, record: dict | None) -> str:
+    """The line under the bar: the run's phase, reward and policy version (its search attributes), and the last
+    step's tokens, loss and staleness (the trainer's record of it); `laminar status` shows everything."""
+    if p is None:
+        return ""
+    if not p.phase:  # started without search attributes (the namespace lacks them: `laminar dev up` registers them)
+        return f"{p.execution.lower()} history={p.history_events} (`laminar status` for the details)"
+    reward = f"{p.reward:.3f}" if p.reward is not None else "-"
+    line = f"{p.phase} reward={reward} version={p.policy_version if p.policy_version is not None else '-'}"
+    if record is not None:
+        gaps = {int(k): v for k, v in record.get("staleness", {}).items()}
+        n = sum(gaps.values())
+        mean_gap = sum(k * v for k, v in gaps.items()) / n if n else 0.0
+        line += (f" tokens/step={record.get('tokens', 0)} loss={record.get('loss', 0.0):.4f} "
+                 f"versions={len(record.get('policy_versions', []))} staleness={mean_gap:.2f}")
+    return line
 
 
 def _print_summary(s: dict, console: Console) -> None:
