@@ -13,7 +13,7 @@ import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -250,11 +250,12 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher | R
 
 async def _watch(handle: WorkflowHandle, cfg: RunConfig, console: Console, store: ObjectStore,
                  launcher: LocalLauncher | RayLauncher | None = None) -> RunStatus:
-    """Show the run's progress from the server's describe (its search attributes) and the trainer's step records
-    in the store, and follow `laminar scale` through its record in the store: no workflow query while waiting."""
+    """Show the run's progress without a workflow query while waiting: its phase, reward and policy version from
+    the server's describe (the search attributes, upserted at most every 5 s), the steps from the trainer's step
+    records in the store (read as each appears); follow `laminar scale` through its record in the store."""
     columns = [TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn()]
-    steps: dict[int, dict] = {}  # step -> the trainer's record of it (read once, when the step first shows)
+    seen: dict[str, Any] = {"step": 0, "record": None}  # the newest step whose record was read, and that record
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("train", total=cfg.run.steps, info="starting workers")
 
@@ -270,18 +271,33 @@ async def _watch(handle: WorkflowHandle, cfg: RunConfig, console: Console, store
                     console.print(f"scale: gave {name} the notice ({relays} relays)", highlight=False)
                 for name in launcher.match_replicas(replicas, relays, _spare_slots(cfg)):
                     console.print(f"scale: started {name} for {replicas} replicas", highlight=False)
-            fields = {"completed": p.step} if p is not None and p.step is not None else {}
-            record = None
-            if p is not None and p.step:
-                record = steps.get(p.step) or _step_record(store, cfg.run.run_id, p.step)
-                if record is not None:
-                    steps.clear()
-                    steps[p.step] = record
-            bar.update(task, info=note or _progress_line(p, record), **fields)
+            if p is not None:
+                _newer_steps(store, cfg, seen, p.step or 0)
+            bar.update(task, info=note or _progress_line(p, seen["record"]), completed=seen["step"])
 
-        return await watch_run(handle, show, on_cancel_failed=lambda e: console.print(
+        final = await watch_run(handle, show, on_cancel_failed=lambda e: console.print(
             f"could not cancel run {cfg.run.run_id} ({e}); it is still running: `laminar run --run-id {cfg.run.run_id}` "
             f"attaches to it again, `laminar stop --force {cfg.run.run_id}` ends it", highlight=False))
+        reward = f"{final.reward_recent[-1]:.3f}" if final.reward_recent else "-"
+        bar.update(task, completed=final.step, info=f"{final.phase} reward={reward} version={final.policy_version}")
+        return final
+
+
+STEP_RECORDS_PER_LOOK = 50  # step records read at most per look (a watcher that fell behind catches up over looks)
+
+
+def _newer_steps(store: ObjectStore, cfg: RunConfig, seen: dict[str, Any], attr_step: int) -> None:
+    """Advance `seen` to the newest committed step whose trainer record is in the store: from the search
+    attributes' step (which lags by up to 5 s), one read per step after it, and one read of the next that is not
+    there yet."""
+    step = max(seen["step"], attr_step)
+    for _ in range(STEP_RECORDS_PER_LOOK):
+        if step >= cfg.run.steps or (record := _step_record(store, cfg.run.run_id, step + 1)) is None:
+            break
+        step, seen["record"] = step + 1, record
+    if step > seen["step"] and (seen["record"] is None or seen["record"].get("step") != step):
+        seen["record"] = _step_record(store, cfg.run.run_id, step)  # the attributes ran ahead of the reads
+    seen["step"] = step
 
 
 def _step_record(store: ObjectStore, run_id: str, step: int) -> dict | None:
@@ -293,21 +309,21 @@ def _step_record(store: ObjectStore, run_id: str, step: int) -> dict | None:
 
 
 def _progress_line(p: RunProgress | None, record: dict | None) -> str:
-    """The line under the bar: the run's phase, reward and policy version (its search attributes), and the last
-    step's tokens, loss and staleness (the trainer's record of it); `laminar status` shows everything."""
+    """The line under the bar: the run's phase (its search attributes), and the newest step's reward, tokens,
+    policy versions and staleness (the trainer's record of it; before the first, the attributes' reward and
+    policy version). `laminar status` shows everything."""
     if p is None:
         return ""
     if not p.phase:  # started without search attributes (the namespace lacks them: `laminar dev up` registers them)
         return f"{p.execution.lower()} history={p.history_events} (`laminar status` for the details)"
-    reward = f"{p.reward:.3f}" if p.reward is not None else "-"
-    line = f"{p.phase} reward={reward} version={p.policy_version if p.policy_version is not None else '-'}"
-    if record is not None:
-        gaps = {int(k): v for k, v in record.get("staleness", {}).items()}
-        n = sum(gaps.values())
-        mean_gap = sum(k * v for k, v in gaps.items()) / n if n else 0.0
-        line += (f" tokens/step={record.get('tokens', 0)} loss={record.get('loss', 0.0):.4f} "
-                 f"versions={len(record.get('policy_versions', []))} staleness={mean_gap:.2f}")
-    return line
+    if record is None:
+        reward = f"{p.reward:.3f}" if p.reward is not None else "-"
+        return f"{p.phase} reward={reward} version={p.policy_version if p.policy_version is not None else '-'}"
+    gaps = {int(k): v for k, v in record.get("staleness", {}).items()}
+    n = sum(gaps.values())
+    mean_gap = sum(k * v for k, v in gaps.items()) / n if n else 0.0
+    return (f"{p.phase} reward={record.get('reward_mean', 0.0):.3f} tokens/step={record.get('tokens', 0)} "
+            f"versions={len(record.get('policy_versions', []))} staleness={mean_gap:.2f}")
 
 
 def _print_summary(s: dict, console: Console) -> None:
