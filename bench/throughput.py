@@ -60,10 +60,12 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, get_args
 
 from client.settings import Settings
+from laminar import contract
 from laminar.config import MODES, Engine, RunConfig
 from laminar.contract import RunStatus
 from laminar.errors import LaminarError
@@ -482,21 +484,35 @@ async def _run_one(client, store: ObjectStore, settings: Settings, cfg: RunConfi
     polls: list[KvPoll] = []
     statuses: list[RunStatus] = []  # for the repack events (bounded windows: polled often enough not to miss one)
 
-    def record(st: RunStatus | None, note: str) -> None:  # no status: the control worker is (re)starting
-        if st is not None:
-            polls.append(KvPoll(time.time(), [(r.kv_used, r.kv_capacity) for r in st.replicas],
-                                tuple(r.in_flight for r in st.replicas)))
-            statuses.append(st)
-            progress(label, st, "")
+    async def sample(handle) -> None:
+        """The benchmark's KV and slot occupancy and repack events: the status query every POLL_S. The one
+        periodic workflow query left (docs/decisions.md): only a status has these, and a bench run has its own dev
+        stack with no Temporal restart, so no query waits for a control worker with no poll open."""
+        while True:
+            try:
+                st = await handle.query(contract.STATUS, result_type=RunStatus, rpc_timeout=timedelta(seconds=5))
+            except Exception:  # the control worker (re)starting: the next poll
+                pass
+            else:
+                polls.append(KvPoll(time.time(), [(r.kv_used, r.kv_capacity) for r in st.replicas],
+                                    tuple(r.in_flight for r in st.replicas)))
+                statuses.append(st)
+                progress(label, st, "")
+            await asyncio.sleep(POLL_S)
+
+    def record(_p, note: str) -> None:  # the watch's describe: only its notes (an outage) are shown
+        if note:
+            progress(label, None, note)
 
     log_dir = settings.home / "logs" / cfg.run.run_id
     stop_workers = launch(cfg, settings, log_dir)
-    handle, timeout_s = None, spec.run_timeout_s
+    handle, timeout_s, sampler = None, spec.run_timeout_s, None
     try:
         handle = await start_stored_run(client, store, cfg, owner=spec.owner)
         started.append(cfg.run.run_id)
         t0 = time.time()
         progress(label, None, f"run {cfg.run.run_id} started; logs in {log_dir}")
+        sampler = asyncio.create_task(sample(handle))
         async with asyncio.timeout(timeout_s):  # past it, watch_run cancels the run
             final = await watch_run(handle, record, POLL_S)
         progress(label, final, "finished")
@@ -510,6 +526,8 @@ async def _run_one(client, store: ObjectStore, settings: Settings, cfg: RunConfi
         await _end(handle, f"{spec.owner}: {label} was interrupted or failed")
         raise
     finally:
+        if sampler is not None:
+            sampler.cancel()
         stop_workers()
     return RunData(cfg=cfg, final=final, started_at=t0, polls=polls,
                    records=step_records(store, cfg.run.run_id),

@@ -12,7 +12,7 @@ The checks are pure functions of those records, so each is unit-tested with reco
 | checkpoints | every committed checkpoint verifies, and there is one |
 | steps | step records 1..N, each once, completed in step order (a redone step rewrites a suffix, so replays keep the order) |
 | reward | the reward rose over the run (reporting.summary.reward_rise > 0) |
-| processes | after the launcher stopped, no pid of its table (any incarnation) is alive, and no worker of this home runs outside the table |
+| processes | after the launcher stopped, no incarnation of its table (pid and start time: a pid the OS gave to a later process is not one) is alive, and no worker of this home runs outside the table |
 | faults | every injected fault healed; every preempted worker exited 0; every readonly fault counted the writes it refused |
 | tool calls | no tool call ran twice other than by a failure's retry (`tool_calls_rerun` 0, counted from the run's local logs by reporting/tool_calls.py; "not counted" when they are not on this machine) |
 
@@ -185,8 +185,8 @@ def check_reward(rewards: list[float]) -> Check:
 
 
 def check_processes(table: dict, alive: set[int], strays: list[int]) -> Check:
-    """table: the launcher's process table; alive: which of its pids still run; strays: worker processes of this
-    home that the table does not list."""
+    """table: the launcher's process table; alive: the pids of its incarnations that still run (the same pid and
+    start time: chaos/command.py `alive`); strays: worker processes of this home that the table does not list."""
     if not table.get("processes"):
         return Check("processes", False, "no process table")
     pids = {pid: r["name"] for r in table["processes"] for pid in r.get("pids", [])}

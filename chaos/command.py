@@ -49,8 +49,8 @@ from client.connect import connect, store_for
 from client.exit import stop_like_ctrl_c
 from client.run_control import end_runs_now, new_run_id
 from client.settings import Settings, process_table_path
+from client.watch import RunProgress, progress_of
 from devstack.stack import DevStack
-from laminar import contract
 from laminar.contract import RunStatus, workflow_id_for
 from laminar.errors import ConfigError, LaminarError
 from reporting.tool_calls import count_tool_calls
@@ -210,17 +210,20 @@ async def _wait_training(settings: Settings, run_id: str, table_path: Path, chil
             raise LaminarError(f"`laminar run` exited with code {child.returncode} before training; see its log")
         table = read_table(table_path)
         if table.get("processes") and all(r["pid"] for r in table["processes"]):
-            st = await _status(settings, run_id)
-            if st is not None and st.phase == "running" and st.step >= 1:
+            p = await _progress(settings, run_id)
+            if p is not None and p.phase == "running" and (p.step or 0) >= 1:
                 return
         await asyncio.sleep(1.0)
-    raise LaminarError(f"run {run_id} trained no step within {START_TIMEOUT_S:.0f}s; see its log")
+    raise LaminarError(f"run {run_id} trained no step within {START_TIMEOUT_S:.0f}s (as its search attributes "
+                       "LaminarPhase and LaminarStep show); see its log")
 
 
-async def _status(settings: Settings, run_id: str) -> RunStatus | None:
+async def _progress(settings: Settings, run_id: str) -> RunProgress | None:
+    """The run's phase and step from the server's describe (its search attributes), never a workflow query: a
+    query polled while Temporal restarts is the window that wedges a run (docs/upstream/wedged-run.md)."""
     try:
         client = await connect(settings, core_logs=False)
-        return await client.get_workflow_handle(workflow_id_for(run_id)).query(contract.STATUS, result_type=RunStatus)
+        return progress_of(await client.get_workflow_handle(workflow_id_for(run_id)).describe())
     except Exception:  # not started yet, or Temporal restarting
         return None
 
@@ -245,32 +248,64 @@ def _judge(settings: Settings, run_id: str, final: RunStatus | None, table_path:
            records: list[FaultRecord], run_log: Path, t0: float, stop_error: str = "") -> Verdict:
     store = store_for(settings)
     table = read_table(table_path)
-    pids = {pid for r in table.get("processes", []) for pid in r.get("pids", [])}
+    known = incarnations(table)
     log_dir = home / "logs" / run_id  # the local launcher's (cli/run.py make_launcher), as `laminar drill` counts
     calls = count_tool_calls(log_dir, run_id) if log_dir.is_dir() else None
     return judge(final, read_step_records(store, run_id), verify_checkpoints(store, run_id), table,
-                 {p for p in pids if _alive(p)}, _strays(home, pids), [asdict(r) for r in records],
+                 {pid for pid, created in known if alive(pid, created)}, strays(home, known),
+                 [asdict(r) for r in records],
                  exit_codes(run_log), t0, stop_error, read_workflow_resets(store, run_id), calls)
 
 
-def _alive(pid: int) -> bool:
+# psutil derives create_time from the boot time and the start in clock ticks (1/100 s): the same process reads the
+# same, a later one with the same pid reads later by at least the pid's reuse, far more than this
+SAME_START_S = 0.05
+
+
+def incarnations(table: dict) -> set[tuple[int, float | None]]:
+    """(pid, start time) of every incarnation the launcher's table lists; the start time is None in a table written
+    before it recorded them (then the pid alone identifies the process, as it did)."""
+    out: set[tuple[int, float | None]] = set()
+    for r in table.get("processes", []):
+        times = r.get("create_times") or []
+        for i, pid in enumerate(r.get("pids", [])):
+            out.add((int(pid), times[i] if i < len(times) else None))
+    return out
+
+
+def _same(proc: psutil.Process, created: float | None) -> bool:
+    """Whether `proc` is the incarnation that started at `created` (not a later process given its pid)."""
+    return created is None or abs(proc.create_time() - created) <= SAME_START_S
+
+
+def alive(pid: int, created: float | None) -> bool:
+    """Whether the incarnation (pid, start time) still runs: a zombie does not, nor a process the OS has since given
+    the same pid."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        proc = psutil.Process(pid)
+        return _same(proc, created) and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
 
-def _strays(home: Path, known: set[int]) -> list[int]:
-    """Worker processes (`cli.main worker`) of this LAMINAR_HOME that the table does not list."""
+def strays(home: Path, known: set[tuple[int, float | None]]) -> list[int]:
+    """Worker processes (`cli.main worker`) of this LAMINAR_HOME that are none of the table's incarnations (a
+    process with the pid of one but a later start time is not that one)."""
+    starts: dict[int, list[float | None]] = {}
+    for pid, created in known:
+        starts.setdefault(pid, []).append(created)
     out = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info.get("cmdline") or []
-        if "cli.main" in cmd and "worker" in cmd and p.info["pid"] not in known:
-            try:
-                if p.environ().get("LAMINAR_HOME") == str(home) and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p.info["pid"])
-            except psutil.Error:
-                pass
+        if "cli.main" not in cmd or "worker" not in cmd:
+            continue
+        try:
+            if any(_same(p, created) for created in starts.get(p.info["pid"], [])):
+                continue
+            if p.environ().get("LAMINAR_HOME") == str(home) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.info["pid"])
+        except psutil.Error:
+            pass
     return out
 
 

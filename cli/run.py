@@ -13,7 +13,7 @@ import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -21,16 +21,17 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle
 
 from client.connect import connect, store_for
 from client.exit import stop_like_ctrl_c
-from client.run_control import lost_error, new_run_id, report_slots, start_or_attach
+from client.run_control import lost_error, new_run_id, report_slots, scale_targets, start_or_attach
 from client.settings import Settings, process_table_path
-from client.watch import watch_run
+from client.watch import RunProgress, watch_run
 from devstack.stack import DevStack
 from laminar.config import RunConfig
 from laminar.contract import PAYLOAD_WARNED_BYTES, RunStatus, SlotReport, retained_batches_bytes
-from laminar.errors import ConfigError, LaminarError, RunLostError
+from laminar.errors import ConfigError, LaminarError, RunLostError, StoreError
 from laminar.logs import get_logger
 from reporting.summary import build_profile, build_summary, format_profile, reward_rise
 from storage import keys
+from storage.objects import ObjectStore
 from workers.launcher import (
     LocalLauncher,
     metrics_url,
@@ -225,7 +226,7 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher | R
         raise
     launcher.start_supervision()
     try:
-        final = await _watch(handle, cfg, console, t0, launcher)  # interrupted: the run is cancelled, never left behind
+        final = await _watch(handle, cfg, console, store, launcher)  # interrupted: the run is cancelled, never left behind
     except WorkflowFailureError as e:
         console.print(f"[red]run failed:[/red] {e.cause or e}")
         return 1
@@ -247,41 +248,82 @@ async def _drive(cfg: RunConfig, settings: Settings, launcher: LocalLauncher | R
     return 0
 
 
-async def _watch(handle: WorkflowHandle, cfg: RunConfig, console: Console, t0: float,
+async def _watch(handle: WorkflowHandle, cfg: RunConfig, console: Console, store: ObjectStore,
                  launcher: LocalLauncher | RayLauncher | None = None) -> RunStatus:
+    """Show the run's progress without a workflow query while waiting: its phase, reward and policy version from
+    the server's describe (the search attributes, upserted at most every 5 s), the steps from the trainer's step
+    records in the store (read as each appears); follow `laminar scale` through its record in the store."""
     columns = [TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn()]
+    seen: dict[str, Any] = {"step": 0, "record": None}  # the newest step whose record was read, and that record
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("train", total=cfg.run.steps, info="starting workers")
 
-        def show(st: RunStatus | None, note: str) -> None:
-            if st is not None and st.replicas_target and launcher is not None:
+        def show(p: RunProgress | None, note: str) -> None:
+            if launcher is not None and (targets := scale_targets(store, cfg.run.run_id)) is not None:
                 # `laminar scale`: a relay per host (a host beyond the count gets the notice), then rollout workers
                 # for the slots the replicas need on those hosts
-                relays = st.relays_target or cfg.relay.relays
+                replicas, relays = targets[0], targets[1] or cfg.relay.relays
                 started, stopped = launcher.match_relays(relays)
                 for name in started:
                     console.print(f"scale: started {name} for {relays} relays", highlight=False)
                 for name in stopped:
                     console.print(f"scale: gave {name} the notice ({relays} relays)", highlight=False)
-                for name in launcher.match_replicas(st.replicas_target, relays, _spare_slots(cfg)):
-                    console.print(f"scale: started {name} for {st.replicas_target} replicas", highlight=False)
-            fields = {"total": st.total_steps, "completed": st.step} if st else {}
-            bar.update(task, info=note or _progress_line(st, time.time() - t0), **fields)
+                for name in launcher.match_replicas(replicas, relays, _spare_slots(cfg)):
+                    console.print(f"scale: started {name} for {replicas} replicas", highlight=False)
+            if p is not None:
+                _newer_steps(store, cfg, seen, p.step or 0)
+            bar.update(task, info=note or _progress_line(p, seen["record"]), completed=seen["step"])
 
-        return await watch_run(handle, show, on_cancel_failed=lambda e: console.print(
+        final = await watch_run(handle, show, on_cancel_failed=lambda e: console.print(
             f"could not cancel run {cfg.run.run_id} ({e}); it is still running: `laminar run --run-id {cfg.run.run_id}` "
             f"attaches to it again, `laminar stop --force {cfg.run.run_id}` ends it", highlight=False))
+        reward = f"{final.reward_recent[-1]:.3f}" if final.reward_recent else "-"
+        bar.update(task, completed=final.step, info=f"{final.phase} reward={reward} version={final.policy_version}")
+        return final
 
 
-def _progress_line(st: RunStatus, elapsed: float) -> str:
-    reward = f"{st.reward_recent[-1]:.3f}" if st.reward_recent else "-"
-    gaps = {int(k): v for k, v in st.staleness_histogram.items()}
+STEP_RECORDS_PER_LOOK = 50  # step records read at most per look (a watcher that fell behind catches up over looks)
+
+
+def _newer_steps(store: ObjectStore, cfg: RunConfig, seen: dict[str, Any], attr_step: int) -> None:
+    """Advance `seen` to the newest committed step whose trainer record is in the store: from the search
+    attributes' step (which lags by up to 5 s), one read per step after it, and one read of the next that is not
+    there yet."""
+    step = max(seen["step"], attr_step)
+    for _ in range(STEP_RECORDS_PER_LOOK):
+        if step >= cfg.run.steps or (record := _step_record(store, cfg.run.run_id, step + 1)) is None:
+            break
+        step, seen["record"] = step + 1, record
+    if step > seen["step"] and (seen["record"] is None or seen["record"].get("step") != step):
+        seen["record"] = _step_record(store, cfg.run.run_id, step)  # the attributes ran ahead of the reads
+    seen["step"] = step
+
+
+def _step_record(store: ObjectStore, run_id: str, step: int) -> dict | None:
+    """The trainer's record of a committed step (services/trainer.py), or None while the store does not have it."""
+    try:
+        return json.loads(store.get(keys.step_metrics(run_id, step)))
+    except (StoreError, ValueError):
+        return None
+
+
+def _progress_line(p: RunProgress | None, record: dict | None) -> str:
+    """The line under the bar: the run's phase (its search attributes), and the newest step's reward, tokens,
+    policy versions and staleness (the trainer's record of it; before the first, the attributes' reward and
+    policy version). `laminar status` shows everything."""
+    if p is None:
+        return ""
+    if not p.phase:  # started without search attributes (the namespace lacks them: `laminar dev up` registers them)
+        return f"{p.execution.lower()} history={p.history_events} (`laminar status` for the details)"
+    if record is None:
+        reward = f"{p.reward:.3f}" if p.reward is not None else "-"
+        return f"{p.phase} reward={reward} version={p.policy_version if p.policy_version is not None else '-'}"
+    gaps = {int(k): v for k, v in record.get("staleness", {}).items()}
     n = sum(gaps.values())
     mean_gap = sum(k * v for k, v in gaps.items()) / n if n else 0.0
-    tps = st.tokens_consumed / elapsed if elapsed > 0 else 0.0
-    return (f"{st.phase} reward={reward} tok/s={tps:.0f} versions={st.versions_in_use} "
-            f"staleness={mean_gap:.2f} ready={st.ready_groups}")
+    return (f"{p.phase} reward={record.get('reward_mean', 0.0):.3f} tokens/step={record.get('tokens', 0)} "
+            f"versions={len(record.get('policy_versions', []))} staleness={mean_gap:.2f}")
 
 
 def _print_summary(s: dict, console: Console) -> None:

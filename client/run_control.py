@@ -4,6 +4,7 @@ and examples/ use)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import time
@@ -302,13 +303,32 @@ async def scale_run(settings: Settings, run_id: str, replicas: int | None = None
         raise ConfigError("scale: give --replicas N, --relays M, or both")
     handle = await _handle(settings, run_id)
     try:
-        return await handle.execute_update(contract.SCALE, ScaleInput(replicas=replicas, relays=relays),
-                                           result_type=ScaleResult,
-                                           rpc_timeout=timedelta(seconds=timeout_s))
+        res = await handle.execute_update(contract.SCALE, ScaleInput(replicas=replicas, relays=relays),
+                                          result_type=ScaleResult,
+                                          rpc_timeout=timedelta(seconds=timeout_s))
     except WorkflowUpdateRPCTimeoutOrCancelledError:
         raise _no_answer(run_id, contract.SCALE, timeout_s, await _wedged(handle)) from None
     except RPCError as e:
         raise _rpc_failed(settings, run_id, contract.SCALE, e) from None
+    try:  # for the `laminar run` that owns the run's workers: it follows this record, not the workflow
+        store_for(settings).put(keys.scale_targets(run_id), json.dumps(
+            {"replicas_target": res.replicas_target, "relays_target": res.relays_target}).encode())
+    except StoreError as e:
+        raise LaminarError(f"run {run_id} scaled to replicas_target={res.replicas_target} "
+                           f"relays_target={res.relays_target}, but the store refused the record that its "
+                           f"`laminar run` follows to start worker processes ({e}); run the same `laminar scale` "
+                           "again once the store answers") from None
+    return res
+
+
+def scale_targets(store: ObjectStore, run_id: str) -> tuple[int, int] | None:
+    """(replicas_target, relays_target) of the run's last `laminar scale`, or None when it was never scaled or the
+    store does not answer now (asked again at the next look)."""
+    try:
+        record = json.loads(store.get(keys.scale_targets(run_id)))
+        return int(record["replicas_target"]), int(record["relays_target"])
+    except (StoreError, ValueError, KeyError, TypeError):
+        return None
 
 
 async def terminate_run(settings: Settings, run_id: str) -> None:

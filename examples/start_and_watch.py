@@ -17,9 +17,8 @@ from client.connect import connect
 from client.exit import run_then_exit
 from client.run_control import new_run_id, start_workflow
 from client.settings import Settings
-from client.watch import watch_run
+from client.watch import RunProgress, watch_run
 from laminar.config import RunConfig
-from laminar.contract import RunStatus
 from rl.factory import check_engines
 
 
@@ -40,9 +39,12 @@ async def watch(cfg: RunConfig) -> None:
     handle = await start_workflow(client, cfg)  # the TrainingRunWorkflow on the control queue, id run/<run_id>
     print(f"run_id={cfg.run.run_id}")
 
-    def show(st: RunStatus | None, note: str) -> None:  # each status poll, or why there was no answer
-        reward = f"{st.reward_recent[-1]:.3f}" if st and st.reward_recent else "-"
-        print(note or f"step {st.step}/{st.total_steps} phase={st.phase} reward={reward} versions={st.versions_in_use}")
+    def show(p: RunProgress | None, note: str) -> None:  # each describe of the run, or why there was no answer
+        if p is None:
+            print(note)
+            return
+        reward = f"{p.reward:.3f}" if p.reward is not None else "-"
+        print(f"step {p.step}/{cfg.run.steps} phase={p.phase or p.execution} reward={reward} version={p.policy_version}")
 
     final = await watch_run(handle, show, poll_s=2.0)  # the final status; Ctrl-C cancels the run
     print(f"finished: steps={final.step} groups_consumed={final.groups_consumed} "

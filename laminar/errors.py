@@ -31,6 +31,11 @@ class CorruptDataError(StoreError):
     """Stored bytes fail verification: checksum mismatch, truncated part or schema mismatch."""
 
 
+class UntrainableRowError(CorruptDataError):
+    """A row of a training batch can never be trained (its token, log-prob and mask lengths disagree): retrying the
+    step would refuse it again, so the step fails for good, naming the group, the sample and the reason."""
+
+
 class NoCheckpointError(StoreError):
     """No committed, verifiable checkpoint exists for a run."""
 

@@ -33,3 +33,18 @@ class Trajectory:
     finish_reason: str
     extra: dict[str, str] = field(default_factory=dict)
     tool_mask: list[int] = field(default_factory=list)
+
+
+def untrainable(t: Trajectory) -> str | None:
+    """Why the trainer can never train this row (its lengths disagree), or None. The replica checks each sample
+    with it before the sample joins its group (a malformed sample fails the group: generated again, then dropped
+    and counted); the trainer's collate refuses such a row for good (laminar/errors.py UntrainableRowError)."""
+    r = len(t.response_ids)
+    if not t.prompt_ids:
+        return "no prompt tokens (the first response token has nothing to be predicted from)"
+    if len(t.logprobs) != r:
+        return f"{r} response tokens but {len(t.logprobs)} behaviour log-probs"
+    if t.tool_mask and len(t.tool_mask) != r:
+        return (f"{r} response tokens but a tool_mask of {len(t.tool_mask)}; it must be empty or one entry per "
+                "response token")
+    return None

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from laminar.config import TrainerSection
-from laminar.errors import ConfigError
-from laminar.records import Trajectory
+from laminar.errors import ConfigError, UntrainableRowError
+from laminar.records import Trajectory, untrainable
 from rl.grpo import (
     behaviour_drift,
     clipped_token_loss,
@@ -76,19 +76,17 @@ def collate(trajectories: list[Trajectory], pad_id: int, device: torch.device | 
     rmask = torch.zeros(b, width - 1)
     blogp = torch.zeros(b, width - 1)
     for i, t in enumerate(trajectories):
-        if len(t.logprobs) != len(t.response_ids):
-            raise ValueError(
-                f"trajectory {t.group_id}/{t.sample_index}: {len(t.response_ids)} response tokens but "
-                f"{len(t.logprobs)} behaviour log-probs"
-            )
+        if (why := untrainable(t)) is not None:
+            raise UntrainableRowError(
+                f"run {t.run_id}: group {t.group_id} sample {t.sample_index} (replica {t.replica_id}, policy version "
+                f"{t.policy_version}) cannot be trained: {why}. A retry would refuse it again; the replica that "
+                "wrote it has a bug (its rows are checked before they join a group). The run stops here: fork it "
+                "from its newest checkpoint (`laminar fork`) once the replica is fixed")
         p, r = len(t.prompt_ids), len(t.response_ids)
         ids[i, : p + r] = torch.tensor(t.prompt_ids + t.response_ids)
         am[i, : p + r] = 1
         rmask[i, p - 1 : p + r - 1] = 1  # logits at position j predict token j + 1
         if t.tool_mask:  # tool-output tokens: context, not actions; out of the loss and the log-prob comparisons
-            if len(t.tool_mask) != r:
-                raise ValueError(f"trajectory {t.group_id}/{t.sample_index}: {r} response tokens but a tool_mask "
-                                 f"of {len(t.tool_mask)}; it must be empty or one entry per response token")
             rmask[i, p - 1 : p + r - 1] = torch.tensor(t.tool_mask, dtype=rmask.dtype)
         blogp[i, p - 1 : p + r - 1] = torch.tensor(t.logprobs)
     ids, am, rmask, blogp = (x.to(device) for x in (ids, am, rmask, blogp))

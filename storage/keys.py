@@ -55,6 +55,12 @@ def summary(run_id: str) -> str:
     return f"{run_prefix(run_id)}summary.json"
 
 
+def scale_targets(run_id: str) -> str:
+    """The replica and relay counts the run's last `laminar scale` set (client/run_control.py scale_run): what
+    `laminar run` follows to start and retire its worker processes, without a workflow query."""
+    return f"{run_prefix(run_id)}scale.json"
+
+
 # -- checkpoints -------------------------------------------------------------------------------------
 
 def checkpoints_prefix(run_id: str) -> str:

@@ -11,9 +11,13 @@ import abc
 import hashlib
 import io
 import os
+import socket
 import tempfile
+import time
 from pathlib import Path
 from urllib.parse import urlparse
+
+import psutil
 
 from laminar.errors import (
     BucketNotFoundError,
@@ -25,6 +29,13 @@ from laminar.private import private_dir
 
 MiB = 1024 * 1024
 _TMP_PREFIX = ".tmp-"
+# A local store's temp file (LocalObjectStore.put) is named .tmp-<name>~<host>~<pid>~<random>: the writer. One left
+# by a writer that died (killed mid-write) is removed by the next list() that walks its directory; one whose writer
+# runs on this host is a write in progress and kept however old; one whose writer cannot be checked from here
+# (another host sharing the directory, or a name from before the writer was recorded) is removed once its last
+# change is older than this.
+STALE_TMP_S = 15 * 60.0
+_HOST = socket.gethostname().replace("~", "-").replace("/", "-")
 
 
 def sha256_hex(data: bytes) -> str:
@@ -78,7 +89,8 @@ class ObjectStore(abc.ABC):
 
 
 class LocalObjectStore(ObjectStore):
-    """Objects as files under `root`; writes go to a temp file in the same directory, then os.replace."""
+    """Objects as files under `root`; writes go to a temp file in the same directory, then os.replace. Readers never
+    see a temp file (list skips them, no key may name one); list() removes those of writers that died."""
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root).absolute()
@@ -98,7 +110,7 @@ class LocalObjectStore(ObjectStore):
         path = self._path(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{_TMP_PREFIX}{path.name}.")
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{_TMP_PREFIX}{path.name}~{_HOST}~{os.getpid()}~")
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
@@ -147,15 +159,46 @@ class LocalObjectStore(ObjectStore):
         if not start.is_dir():
             return []
         keys = []
+        now = time.time()
         for dirpath, _dirnames, filenames in os.walk(start):
             rel_dir = Path(dirpath).relative_to(self.root).as_posix()
             for name in filenames:
-                if name.startswith(_TMP_PREFIX):
+                if name.startswith(_TMP_PREFIX):  # never an object; removed once its write is known to be dead
+                    _remove_if_stale(Path(dirpath) / name, now)
                     continue
                 key = name if rel_dir == "." else f"{rel_dir}/{name}"
                 if key.startswith(prefix):
                     keys.append(key)
         return sorted(keys)
+
+
+def _remove_if_stale(tmp: Path, now: float, stale_s: float = STALE_TMP_S) -> bool:
+    """Remove a local store's temp file whose write can no longer finish (module constants say when); True if it
+    was removed. A temp file that is gone already (its write finished or failed meanwhile) is no error."""
+    try:
+        changed = tmp.stat().st_mtime
+        parts = tmp.name.rsplit("~", 3)
+        if len(parts) == 4 and parts[1] == _HOST and parts[2].isdigit():
+            if _writes(int(parts[2]), changed):
+                return False  # a write in progress, however long it takes
+        elif now - changed < stale_s:
+            return False  # a writer this host cannot see: only an old one is taken as dead
+        tmp.unlink()
+        return True
+    except (FileNotFoundError, ValueError):
+        return False
+    except OSError:  # not ours to remove (permissions): a reader still ignores it
+        return False
+
+
+def _writes(pid: int, changed: float) -> bool:
+    """Whether process `pid` of this host can be the writer of a temp file last changed at `changed`: it runs and
+    started before that (a process started later was given the pid of a writer that died)."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= changed + 1.0
+    except psutil.Error:
+        return False
 
 
 def open_store(url: str, endpoint_url: str | None = None) -> ObjectStore:

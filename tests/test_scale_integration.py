@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest_asyncio
 
 from client.connect import connect, store_for
-from client.run_control import scale_run, start_workflow
+from client.run_control import scale_run, scale_targets, start_workflow
 from client.settings import Settings
 from devstack.stack import DevStack
 from laminar.contract import RunStatus
@@ -79,6 +79,8 @@ async def test_scale_up_and_down_while_training(scale_stack):
     # 2 -> 4 through the Python client: the lowest free ids start on the spare slots
     res = await scale_run(settings, cfg.run.run_id, 4)
     assert (res.replicas_target, res.started, res.removed) == (4, ["replica-2", "replica-3"], [])
+    store = store_for(settings)  # the record `laminar run` follows to start worker processes, without a query
+    assert scale_targets(store, cfg.run.run_id) == (4, 2)
     st4 = await _settled(handle, 4, st.step)
     assert st4.replicas_target == 4
     # the new replicas claimed and reported: 4 replica reports in the status
@@ -90,6 +92,7 @@ async def test_scale_up_and_down_while_training(scale_stack):
     assert "replicas_target=2" in out.stdout and "removed=replica-" in out.stdout, out.stdout
     removed = out.stdout.split("removed=")[1].split()[0].split(",")
     assert len(removed) == 2
+    assert scale_targets(store, cfg.run.run_id) == (2, 2)
 
     async def left() -> RunStatus | None:  # their activities returned and the workflow retired them
         st = await _settled(handle, 2, st4.step)
@@ -107,6 +110,7 @@ async def test_scale_up_and_down_while_training(scale_stack):
     # relays 2 -> 3 -> 2: host-2's relay joins the chain, then leaves it; steps go on throughout
     res3 = await scale_run(settings, cfg.run.run_id, relays=3)
     assert (res3.relays_target, res3.relays_started, res3.relays_removed) == (3, ["host-2"], [])
+    assert scale_targets(store, cfg.run.run_id) == (2, 3)
     st3 = await async_wait_until(lambda: _chain_is(handle, ["host-0", "host-1", "host-2"]), TIMEOUT_S,
                                  "host-2's relay in the chain")
     st3 = await _settled(handle, 2, st3.step)

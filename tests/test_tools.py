@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from temporalio.exceptions import ApplicationError
 
+from activities.errors import permanent_errors
 from envs.tasks.tool_use import ToolsTask
 from envs.tools import Episode, ToolResult, call, parse_call
 from envs.tools.calculator import Calculator, evaluate
 from laminar.contract import Lease
-from laminar.errors import CorruptDataError
+from laminar.errors import CorruptDataError, UntrainableRowError
+from laminar.records import untrainable
 from rl.engine import TorchEngine
 from rl.engine_api import Finished
 from rl.model import build_model, model_state_dict
@@ -155,9 +158,58 @@ def test_the_trainer_masks_tool_output_out_of_the_loss():
     # the response mask is the tool mask, shifted onto next-token targets; zero on the 6 tool-output tokens
     assert batch.response_mask[0, p - 1: p - 1 + len(t.response_ids)].tolist() == [float(m) for m in t.tool_mask]
     assert batch.response_mask.sum().item() == len(t.response_ids) - 6
-    with pytest.raises(ValueError, match="tool_mask"):
-        t.tool_mask = t.tool_mask[:-1]
+    t.tool_mask = t.tool_mask[:-1]
+    with pytest.raises(UntrainableRowError, match=r"group g0 sample 0 .*tool_mask of"):
         collate([t], TASK.pad_id)
+    # in the trainer's activities (activities/trainer.py) the refusal is permanent: the step is not retried with
+    # the same row forever, the run fails with the message
+    with pytest.raises(ApplicationError, match="group g0 sample 0") as refused:
+        with permanent_errors(CorruptDataError):
+            collate([t], TASK.pad_id)
+    assert refused.value.non_retryable and refused.value.type == "CorruptData"
+
+
+def _stale_episode(a: Batch, index: int, mask_len: int) -> None:
+    """Sample `index` of g0 carries turns of an older try: a tool mask longer than its new response (the chaos
+    run's "8 response tokens but a tool_mask of 12")."""
+    from envs.tools import ToolCall
+
+    ep = Episode(mask=[1] * (mask_len - 2) + [0, 0])
+    ep.calls.append(ToolCall(0, "calculator", 0.0))
+    a.episodes[f"g0/{index}"] = ep
+
+
+def test_a_sample_the_trainer_could_never_train_fails_its_group_and_never_becomes_data():
+    for retries in (1, 0):
+        engine = _engine()
+        a = Batch(engine, TASK, "run-t", "rollout-0", group_size=2, clock=lambda: 1.0, max_group_retries=retries)
+        a.admit([Lease("g0", 0)])
+        engine.abort(["g0/0"])
+        _stale_episode(a, 0, 12)
+        a.record([Finished("g0/0", a.groups["g0"].prompt.token_ids, _ids("1 2 3"), [-0.5] * 3, "length")])
+        if retries:  # generated again from its prompt, without the stale turns: trainable rows
+            assert not a.failed and "g0" in a.groups
+            _drain(engine, a)
+            (group,) = a.completed
+            assert all(untrainable(t) is None for t in group.done.values())
+            collate(list(group.done.values()), TASK.pad_id)
+        else:  # no retry left: dropped as a failed group (counted by the workflow), never a row of a batch
+            assert [(f.group_id, f.reason) for f in a.failed] == [("g0", "malformed")]
+            assert "sample 0: 3 response tokens but a tool_mask of 12" in a.failed[0].detail
+            assert not a.completed and not a.groups
+
+
+def test_a_resumed_finished_row_the_trainer_could_never_train_fails_its_group():
+    engine = _engine()
+    a = _batch(engine)
+    a.admit([Lease("g0", 0)])
+    _drain(engine, a)
+    rows = list(a.completed[0].done.values())
+    rows[1].logprobs = rows[1].logprobs[:-1]  # a row an older incarnation wrote wrong
+    b = Batch(_engine(seed=1), TASK, "run-t", "rollout-0", group_size=2, clock=lambda: 1.0, max_group_retries=0)
+    b.resume({"g0": rows}, 1)
+    assert [(f.group_id, f.reason) for f in b.failed] == [("g0", "malformed")]
+    assert "behaviour log-probs" in b.failed[0].detail and not b.completed and not b.groups
 
 
 def test_a_failing_tool_fails_the_group_with_reason_sandbox_then_drops_it():

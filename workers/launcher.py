@@ -46,6 +46,9 @@ class ManagedProcess:
     restart_at: float | None = None
     started_at: float = 0.0  # time.monotonic() of the last start
     pids: list[int] = field(default_factory=list)  # every incarnation's pid, oldest first (the process table)
+    # each incarnation's start time as the OS has it (psutil create_time), beside `pids`: a pid the OS gives to a
+    # later process is told apart from the incarnation by it (the chaos check `processes`); None if not read
+    create_times: list[float | None] = field(default_factory=list)
 
     @property
     def pid(self) -> int | None:
@@ -198,6 +201,7 @@ class LocalLauncher:
         p.restart_at = None
         p.started_at = time.monotonic()
         p.pids.append(p.proc.pid)
+        p.create_times.append(create_time(p.proc.pid))
         log.info("process_started", name=p.name, pid=p.proc.pid, log=str(p.log_path))
         self.publish_table()
 
@@ -270,15 +274,24 @@ class LocalLauncher:
 
 
 def process_table(processes, stopped: bool = False) -> dict:
-    """The launcher's processes: name, role, host, current pid and every earlier pid, restarts."""
+    """The launcher's processes: name, role, host, current pid and every earlier pid with its start time, restarts."""
     rows = []
     for p in processes:
         role = next((a for a in p.argv if a in ("control", "trainer", "relay", "rollout")), "")
         rows.append({"name": p.name, "role": role, "host_id": p.env.get("LAMINAR_HOST_ID", ""),
-                     "pid": p.pid, "pids": list(p.pids), "restarts": len(p.pids) - 1 if p.pids else 0,
+                     "pid": p.pid, "pids": list(p.pids), "create_times": list(p.create_times),
+                     "restarts": len(p.pids) - 1 if p.pids else 0,
                      "log": str(p.log_path)})
     return {"format": 1, "launcher_pid": os.getpid(), "updated_at": round(time.time(), 3), "stopped": stopped,
             "processes": rows}
+
+
+def create_time(pid: int) -> float | None:
+    """When the OS started process `pid` (seconds since the epoch, as psutil reads it), None if it is gone."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
 
 
 def process_cpu_s(pid: int) -> float | None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from envs.tasks import Prompt, RewardFailure
 
-REASONS = ("raised", "timeout", "nan", "wrong_type", "sandbox", "generation")
+REASONS = ("raised", "timeout", "nan", "wrong_type", "sandbox", "generation", "malformed")
 
 
 class _Job:

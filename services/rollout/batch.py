@@ -3,7 +3,9 @@ groups not yet reported), and what the incarnation counts. A finished sample bec
 `Batch.record` (the place a multi-turn environment loop hooks in: see services/rollout/__init__.py).
 
 Failures (envs/tasks/__init__.py): a reward that raises, overruns task.reward_timeout_s, or returns NaN or a
-non-number is not a reward; a prompt that cannot be built or admitted is a generation failure. Its whole group is generated again from the prompt (its other samples aborted,
+non-number is not a reward; a prompt that cannot be built or admitted is a generation failure; a finished sample
+whose row the trainer could never train (its lengths disagree: laminar/records.py `untrainable`) is "malformed".
+Its whole group is generated again from the prompt (its other samples aborted,
 their tokens counted as regenerated), with a fresh prompt and reward call context, up to
 task.max_group_retries times; then it leaves the batch as a `FailedGroup`, reported with the next
 `add_experience` so the workflow closes its lease as failed. A failed group is never written to a segment.
@@ -36,7 +38,7 @@ from envs.tools import Episode, Tool, ToolCall, call, parse_call, recorded_calls
 from laminar import metrics as prom
 from laminar.contract import FailedGroup, Lease
 from laminar.logs import get_logger
-from laminar.records import Trajectory
+from laminar.records import Trajectory, untrainable
 from rl.engine_api import Engine, Finished, InFlight
 
 log = get_logger(__name__)
@@ -160,7 +162,11 @@ class Batch:
         except RewardFailure as e:
             self.fail(group, e.reason, e.detail, thrown_away=len(f.response_ids))
             return False
-        group.done[index] = self.trajectory(group, index, f.response_ids, f.logprobs, reward, f.finish_reason, now)
+        t = self.trajectory(group, index, f.response_ids, f.logprobs, reward, f.finish_reason, now)
+        if (why := untrainable(t)) is not None:  # a row the trainer would refuse at every retry: never data
+            self.fail(group, "malformed", f"sample {index}: {why}", thrown_away=len(f.response_ids))
+            return False
+        group.done[index] = t
         self.episodes.pop(f.request_id, None)
         if len(group.done) == self.group_size:
             if not self.completed:
@@ -337,6 +343,11 @@ class Batch:
         first = rows[0]
         group = Group(Lease(group_id, first.prompt_id), self.task.prompt(first.prompt_id), first.started_at, version)
         self.groups[group_id] = group
+        bad = next(((t.sample_index, why) for t in rows if t.finish_reason != "partial"
+                    and (why := untrainable(t)) is not None), None)
+        if bad is not None:  # a finished row the trainer would refuse (written by an older incarnation): never data
+            self.fail(group, "malformed", f"sample {bad[0]}: {bad[1]}")
+            return
         for t in rows:
             if t.finish_reason != "partial":
                 group.done[t.sample_index] = t
