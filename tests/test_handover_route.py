@@ -178,7 +178,6 @@ def _parked_in(logs: list[Path], offsets: dict[Path, int]) -> Path | None:
     return None
 
 
-@pytest.mark.slow
 async def test_a_kept_replica_whose_process_is_killed_starts_afresh_on_the_shared_queue(stack):
     cfg = small_config("run.steps=8", "run.continue_as_new_every=2", "run.handover_keep=true")
     names = ["rollout-host-0", "rollout-host-1"]
