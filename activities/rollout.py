@@ -37,6 +37,7 @@ from laminar.contract import (
     RolloutReplicaInput,
     RolloutReplicaResult,
 )
+from laminar.errors import REPLICA_NOT_PARKED
 from laminar.logs import get_logger
 from laminar.metrics import CONTROL_UPDATE_RETRIES
 from laminar.notice import NOTICE
@@ -179,7 +180,7 @@ class RolloutActivities:
             log.warning("kept_replica_not_here", replica_id=inp.replica_id, task_queue=info.task_queue)
             raise ApplicationError(f"replica {inp.replica_id} is not parked in this process (task queue "
                                    f"{info.task_queue}): it was closed or expired; the run starts it on "
-                                   f"{ROLLOUT_QUEUE} instead", type=contract.REPLICA_NOT_PARKED, non_retryable=True)
+                                   f"{ROLLOUT_QUEUE} instead", type=REPLICA_NOT_PARKED, non_retryable=True)
         if replica is not None:
             replica.reattach(_TemporalControl(self.client, self.loop, inp.workflow_id), info.attempt + inp.attempt_base,
                              inp.generation)

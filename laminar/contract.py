@@ -510,11 +510,6 @@ class RolloutReplicaInput:
     attempt_base: int = 0
 
 
-# the error type a rollout process answers a kept replica's activity with when it no longer holds that replica
-# (expired, or closed for a fresh engine): the workflow starts it afresh on the shared queue (workflows/commands.py)
-REPLICA_NOT_PARKED = "ReplicaNotParked"
-
-
 @dataclass(frozen=True)
 class RolloutReplicaResult:
     replica_id: str

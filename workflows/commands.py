@@ -38,6 +38,7 @@ from laminar.contract import (
     TrainStepsInput,
     relay_queue,
 )
+from laminar.errors import REPLICA_NOT_PARKED
 from laminar.refs import CheckpointRef
 from workflows import timeouts
 
@@ -188,11 +189,11 @@ def start_replica(run_id: str, cfg: RunConfig, replica_id: str, segment: int, qu
 def not_adopted(e: ActivityError) -> bool:
     """A kept replica's activity on its process's own queue ended without it: no worker took it within the
     schedule-to-start timeout (the process is gone; the server does not retry that timeout), or the process answered
-    that it no longer holds the replica (contract.REPLICA_NOT_PARKED). Any other failure is the replica's own."""
+    that it no longer holds the replica (REPLICA_NOT_PARKED). Any other failure is the replica's own."""
     cause = e.cause
     if isinstance(cause, ActivityTimeoutError):
         return cause.type == TimeoutType.SCHEDULE_TO_START
-    return isinstance(cause, ApplicationError) and cause.type == contract.REPLICA_NOT_PARKED
+    return isinstance(cause, ApplicationError) and cause.type == REPLICA_NOT_PARKED
 
 
 async def run_kept_replica(run_id: str, cfg: RunConfig, replica_id: str, segment: int, queue: str,
