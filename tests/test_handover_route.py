@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from temporalio.api.enums.v1 import TimeoutType
+from temporalio.worker import SlotReleaseContext
 
 from client.converter import DATA_CONVERTER
 from client.run_control import start_workflow
@@ -26,7 +27,7 @@ from laminar.contract import ROLLOUT_QUEUE, ClaimPromptsInput, RolloutReplicaRes
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import history_chain
 from tests.fixtures.waiting import wait_until
-from workers.rollout_slots import Slots
+from workers.rollout_slots import SharedQueueSlots, Slots
 from workflows.replica_set import ReplicaSet
 from workflows.state import RunState
 
@@ -63,6 +64,26 @@ def test_an_unused_own_permit_and_expired_parks_free_the_slot():
     assert s.take_shared() and not s.free()
     with pytest.raises(ValueError, match="slots=0"):
         Slots(0, parked=lambda: 0)
+
+
+def test_the_shared_queue_polls_only_once_a_parked_replica_is_gone():
+    """The slot supplier the shared-queue worker asks before each poll: it waits while the parked replica holds the
+    slot, closing expired ones meanwhile (`waiting`), and gives the permit once that replica is gone."""
+    parked, looked = [1], []
+
+    def waiting() -> None:  # as the process's close_expired: the parked replica expired and is closed
+        looked.append(True)
+        parked[0] = 0
+
+    async def go() -> None:
+        supplier = SharedQueueSlots(Slots(1, parked=lambda: parked[0]), waiting=waiting)
+        permit = await asyncio.wait_for(supplier.reserve_slot(None), 5)  # type: ignore[arg-type]
+        assert looked and parked[0] == 0
+        assert supplier.try_reserve_slot(None) is None  # type: ignore[arg-type]  # the one slot is out
+        supplier.release_slot(SlotReleaseContext(slot_info=None, permit=permit))
+        assert supplier.try_reserve_slot(None) is not None  # type: ignore[arg-type]
+
+    asyncio.run(go())
 
 
 def test_the_replicas_that_parked_name_their_queues():

@@ -31,6 +31,7 @@ from temporalio.worker import (
 )
 
 POLL_S = 0.2  # a waiting poll looks again this often (a replica parked or adopted in an activity's thread)
+EXPIRE_EVERY = 25  # ... and every this many looks (5 s) closes the parked replicas that expired (PARK_S is 300 s)
 
 
 class Slots:
@@ -90,8 +91,11 @@ class SharedQueueSlots(CustomSlotSupplier):
         self.slots, self.waiting = slots, waiting
 
     async def reserve_slot(self, ctx: SlotReserveContext) -> SlotPermit:
+        looks = 0
         while not self.slots.take_shared():
-            await asyncio.to_thread(self.waiting)
+            if looks % EXPIRE_EVERY == 0:
+                await asyncio.to_thread(self.waiting)
+            looks += 1
             await asyncio.sleep(POLL_S)
         return _Permit()
 
