@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import random
 import time
 
@@ -28,6 +29,7 @@ from activities.heartbeat import background_heartbeat
 from laminar import contract
 from laminar.config import RunConfig
 from laminar.contract import (
+    ROLLOUT_QUEUE,
     AddExperienceInput,
     AddExperienceResult,
     ClaimPromptsInput,
@@ -35,6 +37,7 @@ from laminar.contract import (
     RolloutReplicaInput,
     RolloutReplicaResult,
 )
+from laminar.errors import REPLICA_NOT_PARKED
 from laminar.logs import get_logger
 from laminar.metrics import CONTROL_UPDATE_RETRIES
 from laminar.notice import NOTICE
@@ -153,8 +156,11 @@ class _TemporalControl:
 
 class RolloutActivities:
     def __init__(self, client: Client, loop: asyncio.AbstractEventLoop, store: ObjectStore, host_id: str,
-                 relay_token: str | None = None) -> None:
+                 relay_token: str | None = None, own_queue: str = "") -> None:
         self.relay_token = relay_token
+        # the queue only this process polls (contract.rollout_process_queue): a replica parked here names it in its
+        # result, and the next segment starts it there; "" where none is polled (it then names none)
+        self.own_queue = own_queue
         self.client = client
         self.loop = loop
         self.store = store
@@ -166,13 +172,18 @@ class RolloutActivities:
         info = activity.info()
         cfg = RunConfig.from_json(inp.config)
         beat_s = min(STARTUP_BEAT_S, cfg.rollout.heartbeat_timeout_s / 3)
-        for old in PARKING.expired(time.monotonic()):  # parked replicas whose next activity went elsewhere
-            old.close_parked()
+        self.close_expired()
         # the previous segment's incarnation, parked in this process at its continue-as-new (services/rollout/attach.py)
         replica = PARKING.adopt(inp.workflow_id, inp.replica_id)
         adopted = replica is not None
+        if not adopted and info.task_queue != ROLLOUT_QUEUE:  # sent here for a replica this process no longer holds
+            log.warning("kept_replica_not_here", replica_id=inp.replica_id, task_queue=info.task_queue)
+            raise ApplicationError(f"replica {inp.replica_id} is not parked in this process (task queue "
+                                   f"{info.task_queue}): it was closed or expired; the run starts it on "
+                                   f"{ROLLOUT_QUEUE} instead", type=REPLICA_NOT_PARKED, non_retryable=True)
         if replica is not None:
-            replica.reattach(_TemporalControl(self.client, self.loop, inp.workflow_id), info.attempt, inp.generation)
+            replica.reattach(_TemporalControl(self.client, self.loop, inp.workflow_id), info.attempt + inp.attempt_base,
+                             inp.generation)
         else:
             if not engine_traits(cfg).cheap_to_keep:  # a parked engine nobody adopted gives its memory up
                 for old in PARKING.take_all():
@@ -195,15 +206,23 @@ class RolloutActivities:
             displaced = PARKING.park(inp.workflow_id, inp.replica_id, replica, time.monotonic())
             if displaced is not None:
                 displaced.close_parked()
+            if self.own_queue:  # the next segment starts it here (workflows/commands.py run_kept_replica)
+                result = dataclasses.replace(result, queue=self.own_queue)
         return result
+
+    def close_expired(self) -> None:
+        """Close the replicas parked here whose next activity never came (PARK_S): the run was stopped or failed
+        meanwhile, or it started them elsewhere. Their slots are free again (workers/rollout_slots.py)."""
+        for old in PARKING.expired(time.monotonic()):
+            old.close_parked()
 
     def _replica(self, inp: RolloutReplicaInput, info: activity.Info, cfg: RunConfig) -> RolloutReplica:
         return RolloutReplica(
             run_id=inp.run_id,
             replica_id=inp.replica_id,
             host_id=self.host_id,
-            segment_prefix=f"{info.workflow_run_id.replace('-', '')[-12:]}-a{info.attempt}",
-            attempt=info.attempt,
+            segment_prefix=f"{info.workflow_run_id.replace('-', '')[-12:]}-a{info.attempt + inp.attempt_base}",
+            attempt=info.attempt + inp.attempt_base,
             generation=inp.generation,
             previous_heartbeat=_last_details(info.heartbeat_details),
             relay_token=self.relay_token,

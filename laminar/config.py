@@ -63,13 +63,12 @@ class RunSection(_Section):
         "the server refuses more than 2000 per run.",
     )
     handover_keep: bool = Field(
-        False,
+        True,
         description="At a continue-as-new, rollout replicas keep their groups in flight in memory and re-attach "
         "to the next history segment (services/rollout/attach.py) instead of writing them to their partial pools "
-        "and starting again. Off by default: a kept replica's next activity may land in another worker process, "
-        "which then regenerates its groups, tool calls included (a 30-minute tools chaos run ran 318 calls twice "
-        "this way); on for a run without tools on one rollout worker, or once the next activity is routed to "
-        "its own process.",
+        "and starting again; each parked replica's next activity goes to the queue of its own worker process, "
+        "and starts afresh from its pool on the shared queue when that process is gone. false: every hand-over "
+        "writes the groups in flight out.",
     )
     parent: str = Field(
         "", max_length=200,

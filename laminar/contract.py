@@ -91,6 +91,12 @@ def relay_queue(relay_id: str) -> str:
     return f"laminar-relay-{relay_id}"
 
 
+def rollout_process_queue(process: str) -> str:
+    """The queue only one rollout worker process polls (besides ROLLOUT_QUEUE): a replica it parked at a continue-as-new
+    is started there in the next segment, so that it is adopted where it is (services/rollout/attach.py)."""
+    return f"{ROLLOUT_QUEUE}@{process}"
+
+
 def workflow_id_for(run_id: str) -> str:
     return f"run/{run_id}"
 
@@ -499,6 +505,9 @@ class RolloutReplicaInput:
     replica_id: str
     config: dict[str, Any]
     generation: int = 0  # the run's history segment (continue-as-new count): fences the partial pool
+    # added to the activity's attempt in the pool's fence: a start on the shared queue after a kept replica's own
+    # process was not found (workflows/commands.py `run_kept_replica`) fences above any attempt of the one before it
+    attempt_base: int = 0
 
 
 @dataclass(frozen=True)
@@ -509,6 +518,7 @@ class RolloutReplicaResult:
     handed_over: int  # in-flight groups written to the partial pool at hand-over
     departed: str = ""  # it left (Departure.reason): "notice" or "removed"; "" for a hand-over or stop
     kept: int = -1  # parked for the next segment with this many groups in flight, none written out (-1: not parked)
+    queue: str = ""  # parked: the queue of the process that holds it (rollout_process_queue; "" from older workers)
 
 
 @dataclass(frozen=True)
@@ -535,7 +545,9 @@ class RunEvent:
     "groups", "replicas" or "trainer"; laminar/watchdog.py), relay_out / relay_back (subject: the relay's address,
     taken out of the chain for failing its data-plane checks, or back; workflows/relay_health.py), relay_leaving
     (a relay on notice left the chain by itself), workflow_reset (the run's workflow was wedged and reset by the
-    repairer; subject: the error, count: steps redone).
+    repairer; subject: the error, count: steps redone), replica_not_adopted (a replica parked at the last
+    continue-as-new was not found in its process, gone or no longer holding it: its activity started afresh on the
+    shared queue, as after a crash).
     """
 
     kind: str

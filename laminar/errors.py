@@ -71,3 +71,9 @@ class DevStackError(LaminarError):
 
 class EngineError(LaminarError):
     """The rollout engine was given input it cannot serve (prompt too long, no weights loaded)."""
+
+
+# The ApplicationError type a rollout process answers a kept replica's activity with when it no longer holds that
+# replica (expired, or closed for a fresh engine): the workflow starts it afresh on the shared queue
+# (workflows/commands.py `run_kept_replica`).
+REPLICA_NOT_PARKED = "ReplicaNotParked"

@@ -3,7 +3,9 @@
 - control: TrainingRunWorkflow (and the slot pool, workflows/pool.py) on `laminar-control` (workflow tasks only; never waits behind GPU work).
 - trainer: `init_trainer` / `train_step` on `laminar-trainer`, two slots (the running step and the one scheduled
   behind it, which waits its turn in the service), model kept in memory.
-- rollout: `run_rollout_replica` on the shared `laminar-rollout` queue, `slots` replicas at once.
+- rollout: `run_rollout_replica` on the shared `laminar-rollout` queue and on the process's own
+  (`laminar-rollout@<host>-<pid>-<random>`, where a replica it parked at a continue-as-new is started again), `slots`
+  replicas at once on both, parked ones included (workers/rollout_slots.py).
 - relay: a RelayServer (data plane) plus `run_relay` on `laminar-relay-<host_id>`.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from datetime import timedelta
@@ -32,6 +35,7 @@ from laminar.contract import (
     TRAINER_QUEUE,
     fault_queue,
     relay_queue,
+    rollout_process_queue,
     workflow_id_for,
 )
 from laminar.logs import get_logger
@@ -197,23 +201,28 @@ async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1
     import torch
 
     from activities.rollout import RolloutActivities
+    from services.rollout.attach import PARKING
+    from workers.rollout_slots import OwnQueueSlots, SharedQueueSlots, Slots, tuner
 
     torch.set_num_threads(1)
     _relay_timeouts(settings)
     client = await connect(settings)
+    # this process's own queue: a replica parked here at a continue-as-new is started here again (services/rollout/
+    # attach.py); the pid and a random part make it this process's alone, a restarted one polls another
+    own_queue = rollout_process_queue(f"{settings.host_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     acts = RolloutActivities(client, asyncio.get_running_loop(), store_for(settings), settings.host_id,
-                             relay_token=settings.relay_token)
-    worker = Worker(
-        client,
-        task_queue=ROLLOUT_QUEUE,
-        activities=[acts.run_rollout_replica],
-        activity_executor=ThreadPoolExecutor(max_workers=slots + 1),
-        max_concurrent_activities=slots,
-        max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
-        graceful_shutdown_timeout=timedelta(seconds=settings.notice_s),
-    )
-    await _serve(worker, "rollout", f"rollout-{settings.host_id}", allow_faults, settings.notice_s,
-                 host_id=settings.host_id, slots=slots)
+                             relay_token=settings.relay_token, own_queue=own_queue)
+    # `slots` replicas at once across both workers, parked ones included (workers/rollout_slots.py)
+    count = Slots(slots, parked=lambda: len(PARKING))
+    executor = ThreadPoolExecutor(max_workers=2 * slots + 1)
+    common = dict(activities=[acts.run_rollout_replica], activity_executor=executor,
+                  max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
+                  graceful_shutdown_timeout=timedelta(seconds=settings.notice_s))
+    worker = Worker(client, task_queue=ROLLOUT_QUEUE,
+                    tuner=tuner(SharedQueueSlots(count, waiting=acts.close_expired)), **common)
+    own = Worker(client, task_queue=own_queue, tuner=tuner(OwnQueueSlots(count)), **common)
+    await _serve(worker, "rollout", f"rollout-{settings.host_id}", allow_faults, settings.notice_s, extra=[own],
+                 host_id=settings.host_id, slots=slots, own_queue=own_queue)
 
 
 async def relay(settings: Settings, allow_faults: bool = False) -> None:

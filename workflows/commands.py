@@ -17,7 +17,8 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutType
+from temporalio.exceptions import TimeoutError as ActivityTimeoutError
 
 from laminar import contract
 from laminar.config import RunConfig
@@ -28,6 +29,7 @@ from laminar.contract import (
     RecordEvalInput,
     RepublishInput,
     RolloutReplicaInput,
+    RolloutReplicaResult,
     RunRelayInput,
     TrainerInitInput,
     TrainerInitResult,
@@ -36,6 +38,7 @@ from laminar.contract import (
     TrainStepsInput,
     relay_queue,
 )
+from laminar.errors import REPLICA_NOT_PARKED
 from laminar.refs import CheckpointRef
 from workflows import timeouts
 
@@ -164,19 +167,50 @@ async def record_eval(inp: RecordEvalInput) -> bool:
 
 # -- rollout replicas and the slot pool ------------------------------------------------------
 
-def start_replica(run_id: str, cfg: RunConfig, replica_id: str, segment: int) -> Any:
-    """One `run_rollout_replica` activity for this history segment (it retries until replaced). Returns its handle."""
+def start_replica(run_id: str, cfg: RunConfig, replica_id: str, segment: int, queue: str = ROLLOUT_QUEUE,
+                  to_start: timedelta | None = None, attempt_base: int = 0) -> Any:
+    """One `run_rollout_replica` activity for this history segment (it retries until replaced). Returns its handle.
+    On a process's own queue (a kept replica), `to_start` bounds each attempt's wait for that process."""
     return workflow.start_activity(
         contract.RUN_ROLLOUT_REPLICA,
         RolloutReplicaInput(run_id=run_id, workflow_id=workflow.info().workflow_id, replica_id=replica_id,
-                            config=cfg.to_json(), generation=segment),
-        task_queue=ROLLOUT_QUEUE,
+                            config=cfg.to_json(), generation=segment, attempt_base=attempt_base),
+        result_type=RolloutReplicaResult,
+        task_queue=queue,
+        schedule_to_start_timeout=to_start,
         start_to_close_timeout=timeouts.SEGMENT_ACTIVITY,
         heartbeat_timeout=timedelta(seconds=cfg.rollout.heartbeat_timeout_s),
         retry_policy=timeouts.RETRY_UNTIL_REPLACED,
         activity_id=f"rollout-{replica_id}",
-        summary=f"rollout {replica_id} (segment {segment})",
+        summary=f"rollout {replica_id} (segment {segment})" + ("" if queue == ROLLOUT_QUEUE else f" on {queue}"),
     )
+
+
+def not_adopted(e: ActivityError) -> bool:
+    """A kept replica's activity on its process's own queue ended without it: no worker took it within the
+    schedule-to-start timeout (the process is gone; the server does not retry that timeout), or the process answered
+    that it no longer holds the replica (REPLICA_NOT_PARKED). Any other failure is the replica's own."""
+    cause = e.cause
+    if isinstance(cause, ActivityTimeoutError):
+        return cause.type == TimeoutType.SCHEDULE_TO_START
+    return isinstance(cause, ApplicationError) and cause.type == REPLICA_NOT_PARKED
+
+
+async def run_kept_replica(run_id: str, cfg: RunConfig, replica_id: str, segment: int, queue: str,
+                           not_found: Callable[[str], None]) -> RolloutReplicaResult:
+    """A replica parked at the last continue-as-new (patch `handover-route`): its activity on the queue of the process
+    that holds it, where it is adopted; when that process is gone or no longer holds it, `not_found(replica_id)` and
+    a fresh start on the shared queue, as after a crash (it resumes from its partial pool; the leases it does not
+    resume go back to be leased again). The fresh start fences its pool above any attempt of the routed one."""
+    try:
+        return await start_replica(run_id, cfg, replica_id, segment, queue=queue, to_start=timeouts.KEPT_START)
+    except ActivityError as e:
+        if not not_adopted(e):
+            raise
+        workflow.logger.warning("replica_not_adopted", extra={"replica_id": replica_id, "queue": queue,
+                                                               "error": str(e.cause)})
+        not_found(replica_id)
+    return await start_replica(run_id, cfg, replica_id, segment, attempt_base=timeouts.KEPT_FALLBACK_ATTEMPTS)
 
 
 async def signal_pool(pool: str, signal: str, arg: PoolAsk | str) -> None:

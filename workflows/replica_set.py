@@ -56,6 +56,18 @@ class ReplicaSet:
         """Every replica activity of this segment has returned (or was cancelled)."""
         return all(t.done() for t in self.tasks.values())
 
+    def kept_on(self) -> dict[str, str]:
+        """The replicas whose activity returned parked (run.handover_keep), by id: the queue of the process that holds
+        each (RolloutReplicaResult.queue; none from a worker that predates it, nor for a removed replica)."""
+        out: dict[str, str] = {}
+        for replica_id, t in self.tasks.items():
+            if not t.done() or t.cancelled() or t.exception() is not None or replica_id in self.state.leaving:
+                continue
+            res = t.result()
+            if getattr(res, "kept", -1) >= 0 and getattr(res, "queue", ""):
+                out[replica_id] = res.queue
+        return out
+
     def leaving(self, replica_id: str) -> bool:
         return replica_id in self.state.leaving
 

@@ -90,6 +90,9 @@ class RunState:
     event_times: dict[str, list[float]] = field(default_factory=dict)  # "<kind>/<subject>" -> recent times
     last_step_at: float | None = None  # workflow time the last step completed
     handover_last_step_at: float | None = None  # set by a continue-as-new; cleared by the next segment's step
+    # replicas parked at the last continue-as-new (run.handover_keep), by id: the queue of the process that holds each
+    # (RolloutReplicaResult.queue); the next segment starts them there (patch `handover-route`), then forgets it
+    kept_on: dict[str, str] = field(default_factory=dict)
     handover_stalls: list[float] = field(default_factory=list)
     handover_stall_max: float = 0.0
     last_claims: dict[str, LastClaim] = field(default_factory=dict)  # replica_id -> its last claim

@@ -44,6 +44,14 @@ DRAIN = timedelta(seconds=120)
 # the replicas go on claiming and reporting; past this many updates in the segment it tells them anyway (the server
 # refuses more than history.maxTotalUpdates = 2,000 per run: a refused update is sent again, to the next segment)
 HANDOVER_UPDATES_CAP = 1900
+# A replica parked at a continue-as-new is started in the next segment on its process's own queue; a process that
+# does not take it within this long is taken for gone (the server does not retry a schedule-to-start timeout) and the
+# replica starts afresh on the shared queue. A live worker polls its queue at once: this is the margin for a loaded
+# machine, and the replica's groups wait that long when its process died.
+KEPT_START = timedelta(seconds=30)
+# That fresh start's pool fence is its attempt plus this (services/rollout/pool.py): above any attempt of the
+# routed activity, whose late writes (a stopped process that comes back) can then not replace the fresh start's.
+KEPT_FALLBACK_ATTEMPTS = 1000
 # republish is best effort and stop and continue-as-new wait for it: 60 s per attempt, 3 attempts 1 s apart,
 # and 120 s in all even while no trainer polls its queue (the trainer is restarting).
 REPUBLISH_ATTEMPT = timedelta(seconds=60)

@@ -97,7 +97,7 @@ class TrainingRunWorkflow:
         self.evaluation = Evaluation(self.state, cfg, rt, record=commands.record_eval)
         self.replicas = ReplicaSet(
             self.state, self.ledger, self.migrations, cfg, rt, may_start=lambda: seg.may_start(self.state),
-            start=lambda r: commands.start_replica(self.state.run_id, cfg, r, self.state.continued_as_new),
+            start=self._start_replica,
             retired=self.evaluation.release)
         self.grants = SlotGrants(self.state, cfg, rt, workflow.info().workflow_id, signal=commands.signal_pool,
                                  scale_to=self.replicas.scale_to, closing=lambda: seg.closing,
@@ -214,6 +214,19 @@ class TrainingRunWorkflow:
         if not workflow.patched("repack"):
             return
         self.migrations.plan(c_max=r.repack_c_max, at=now, batch_limit=decode_batch_limit(self._cfg))
+
+    def _start_replica(self, replica_id: str):
+        """A replica's activity in this segment: on the shared rollout queue, or, for one parked at the last
+        continue-as-new, on the queue of the process that holds it (patch `handover-route`; workflows/commands.py
+        `run_kept_replica` falls back to the shared queue when that process is gone)."""
+        assert self._cfg is not None
+        cfg, run_id, segment = self._cfg, self.state.run_id, self.state.continued_as_new
+        queue = self.state.kept_on.pop(replica_id, "")
+        if queue and workflow.patched("handover-route"):
+            return self.rt.spawn(commands.run_kept_replica(
+                run_id, cfg, replica_id, segment, queue,
+                not_found=lambda r: self.ledger.note_event("replica_not_adopted", r, workflow.time())))
+        return commands.start_replica(run_id, cfg, replica_id, segment)
 
     # -- rollout replicas: claims and reports (the ledger leases; workflows/replica_set.py runs them) ---
 
@@ -418,6 +431,8 @@ class TrainingRunWorkflow:
         await self._drain()
         if self.state.leaving:
             self.replicas.retire_left()  # every replica has returned (or was cancelled): removed ones leave now
+        # where each parked replica is: the next segment starts its activity there (patch handover-route)
+        self.state.kept_on = self.replicas.kept_on() if keep else {}
         self._note_history()
         self.state.continued_as_new += 1
         self.state.handover_last_step_at = self.state.last_step_at

@@ -4,12 +4,16 @@ without a hand-over").
 
 An activity scheduled by a workflow run ends with that run, so a replica's `run_rollout_replica` activity cannot
 outlive its segment. What can is the replica itself: told `handover` with `keep`, it leaves its groups in flight (no
-partial-pool write, no engine teardown), parks here under (workflow id, replica id) and returns; the next segment
-starts the replica's activity again (same activity id) and, when that activity lands in this process, it adopts the
-parked replica, whose first claim names every group it holds as `resuming`, so the workflow keeps those leases
-(they were carried in the state) and its later reports of them are accepted once. Landing elsewhere, the activity
-starts fresh as after a crash: its first claim releases what it does not resume from the pool, the parked replica
-is never adopted and is closed without contacting the workflow again.
+partial-pool write, no engine teardown), parks here under (workflow id, replica id) and returns, naming the queue
+only this process polls (contract.rollout_process_queue). The next segment starts the replica's activity again (same
+activity id) on that queue (patch `handover-route`, workflows/commands.py `run_kept_replica`), so it lands in this
+process and adopts the parked replica, whose first claim names every group it holds as `resuming`, so the workflow
+keeps those leases (they were carried in the state) and its later reports of them are accepted once. A process
+that no longer holds the replica answers ReplicaNotParked; one that is gone does not take the activity within its
+schedule-to-start timeout; either way the run starts the replica afresh on the shared queue, as after a crash: its
+first claim releases what it does not resume from the pool. A parked replica holds its process's slot while it waits
+(workers/rollout_slots.py). An activity that lands here on the shared queue (a run of older workflow code) adopts it
+too; elsewhere, the parked replica is never adopted and is closed without contacting the workflow again.
 
 Invariants (tests/test_handover_keep.py):
 - a parked replica never contacts the workflow: only the activity that adopts it does, so at most one incarnation of

@@ -232,6 +232,24 @@ async def handover_keep(rec: Recorder) -> list[Path]:
     return [rec.write(f"training_run_handover_keep_{i + 1}", h) for i, h in enumerate(histories[:2])]
 
 
+async def handover_route(rec: Recorder) -> list[Path]:
+    """As handover_keep, with the rollout workers' own queues: each replica parked at the hand-over names its process's
+    queue in its result, and the continued segment starts it there (patch `handover-route`), where it is adopted."""
+    from laminar.contract import ROLLOUT_QUEUE, RolloutReplicaResult
+
+    cfg = rec.config("handover-route", "run.steps=4", "run.continue_as_new_every=2", "run.handover_keep=true")
+    histories = await _continued_run(rec, cfg)
+    parked = [r for r in activity_results(histories[0], RolloutReplicaResult) if r.kept >= 0]
+    require(bool(parked) and all(r.queue.startswith(f"{ROLLOUT_QUEUE}@") for r in parked),
+            f"no replica parked naming its process's queue: {parked}")
+    require("handover-route" in patch_ids(histories[1]), "no handover-route marker in the continued segment")
+    queues = [e.activity_task_scheduled_event_attributes.task_queue.name for e in histories[1].events
+              if e.HasField("activity_task_scheduled_event_attributes")
+              and e.activity_task_scheduled_event_attributes.activity_type.name == contract.RUN_ROLLOUT_REPLICA]
+    require(sorted(queues) == sorted(r.queue for r in parked), f"routed {queues}, parked on {[r.queue for r in parked]}")
+    return [rec.write("training_run_handover_route", histories[1])]
+
+
 async def search_attributes(rec: Recorder) -> list[Path]:
     """A run started with the search attributes (the dev stack registers them; patch search-attributes) that goes
     through every phase: starting, running, paused (pause update), running (resume), stopping (stop), finished."""
@@ -407,6 +425,7 @@ async def eval_rounds(rec: Recorder) -> list[Path]:
 SCENARIOS: dict[str, Callable[[Recorder], Awaitable[list[Path]]]] = {
     "stream": stream, "repack": repack, "continue_as_new": continue_as_new, "search_attributes": search_attributes,
     "handover_keep": handover_keep,
+    "handover_route": handover_route,
     "drill_rollout": drill_rollout, "drill_store": drill_store, "failed_groups": failed_groups,
     "watchdog": watchdog,
     "scale": scale,
