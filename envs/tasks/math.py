@@ -3,7 +3,9 @@
 
 Configured by task.params: `generator` ("chain_sum" | "countdown" | "gsm8k"), `levels` (a difficulty
 curriculum: a list of reasoning-gym config overrides, e.g. `[{max_terms = 2, max_digits = 1}, {max_terms = 3,
-max_digits = 2}]`), `prompts_per_level` (prompt ids per level), `path` (the GSM8K file).
+max_digits = 2}]`), `prompts_per_level` (prompt ids per level), `path` (the GSM8K file), `instruction` (the line
+after each problem, for a real tokenizer; default INSTRUCTION), `answer` ("tag", the default, or "last_number":
+chain_sum only, the last number of a response that has no tag, for a model that never writes the tag).
 
 Curriculum: prompt id p (leased 0, 1, 2, ... in order) is at level min(p // prompts_per_level, levels - 1), so
 difficulty rises as the run goes on; each level is its own reasoning-gym dataset, seeded from (seed, level), and
@@ -23,7 +25,8 @@ every curriculum level (the hardest included), distinct problems only. A small p
 one-digit level has 200 problems (a +- b, a and b in 0..9), so about 25 held out.
 
 Reward (envs/tasks/answers.py), 1.0 or 0.0, never partial credit:
-- chain_sum: the tag's text, validated as arithmetic, equals the answer exactly (after removing whitespace);
+- chain_sum: the tag's text, validated as arithmetic, equals the answer exactly (after removing whitespace); with
+  `answer = "last_number"`, a response without a tag is scored on the last number it writes;
 - countdown: the tag's text, validated as arithmetic BEFORE reasoning-gym's scorer sees it (that scorer runs
   sympy's `parse_expr`, which executes code), uses exactly the given numbers and equals the target;
 - gsm8k: the tag's text, validated as a short free-form answer, equals the `#### n` answer by math-verify.
