@@ -96,12 +96,13 @@ def run(
 
     Extra `--section.key=value` arguments override config values.
     """
-    from cli.run import check_launcher, check_run, run_local
+    from cli.run import check_launcher, check_run, ensure_model, run_local
 
     with exit_codes():
         _accept_insecure(insecure)
         check_launcher(launcher, ray_address)
         cfg = _load_config(config, ctx.args, steps, run_id)
+        ensure_model(cfg, console)  # model.gguf: the model directory imported when missing
         check_run(cfg, Settings.from_env())  # model path, task, listener binds: before anything starts
         configure_logging(log_format)
         if report is not None:

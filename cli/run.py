@@ -85,6 +85,23 @@ def check_run(cfg: RunConfig, settings: Settings) -> None:
     warn_large_payloads(cfg)
 
 
+def ensure_model(cfg: RunConfig, console: Console) -> bool:
+    """`model.gguf` set and no model directory at `model.path`: import the GGUF file there first (rl/gguf_import.py,
+    what `laminar model import-gguf --out <model.path>` does), printing its progress. True when it imported."""
+    if not cfg.model.gguf or not cfg.model.path:
+        return False
+    from rl.gguf_import import SMOLLM2, import_gguf, is_complete
+
+    out = Path(cfg.model.path)
+    if is_complete(out):
+        return False
+    source = None if cfg.model.gguf == SMOLLM2 else Path(cfg.model.gguf)
+    console.print(f"model.path={cfg.model.path} is missing: importing model.gguf={cfg.model.gguf} there "
+                  "(laminar model import-gguf, once)", highlight=False, soft_wrap=True)
+    import_gguf(out, source, progress=lambda line: console.print(f"import: {line}", highlight=False, soft_wrap=True))
+    return True
+
+
 def warn_large_payloads(cfg: RunConfig) -> int:
     """Warn (not refuse: the config's own check refuses what cannot fit) when the batches a train step's input
     carries may pass the server's 256 KB warning: replicas that report groups one by one, with a long

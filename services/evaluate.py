@@ -67,8 +67,14 @@ def load_policy(store: ObjectStore, cfg: RunConfig, checkpoint: str) -> tuple[An
 
     path = Path(checkpoint)
     if path.is_dir():
+        from envs.tasks.tokenizer import with_model_specials
+        from services.model_files import tokenizer_config
+
         model, tokenizer, _ = load_pretrained(path)
-        task = build_task(cfg.task, seed=cfg.run.seed, tokenizer=tokenizer)
+        tok_cfg = tokenizer_config(path)  # a pretrained model's specials and chat template, as a run publishes them
+        if tok_cfg.get("eos_token"):
+            tokenizer = with_model_specials(tokenizer, tok_cfg)
+        task = build_task(cfg.task, seed=cfg.run.seed, tokenizer=tokenizer, chat_template=tok_cfg.get("chat_template"))
         run_id = cfg.run.run_id or f"eval-{re.sub(r'[^A-Za-z0-9_.-]', '-', path.resolve().name)}"
         return model, tokenizer, task, EvalTarget(run_id, 0, str(path.resolve()))
     run_id, loaded = load_checkpoint(store, checkpoint)

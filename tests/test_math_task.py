@@ -148,6 +148,40 @@ def test_chain_sum_reward_is_exact_match_on_the_tag():
     assert task.score(p, f"<answer>{right} or {wrong}</answer>") == 0.0
 
 
+def test_last_number_answers_credit_the_last_number_when_there_is_no_tag():
+    """task.params.answer = "last_number" (chain_sum): a model that never writes the tag (SmolLM2-135M-Instruct,
+    docs/guides/pretrained.md) is scored on the last number it writes; a tag, when there is one, still decides."""
+    from envs.tasks.answers import last_number
+
+    assert last_number("46 + 60 = 106.") == "106" and last_number("4 - 6 = -2") == "-2"
+    assert last_number("The answer is 2.5, not 3") == "3" and last_number("no idea") is None
+    task = get_task("math", seed=0, levels=[{"max_terms": 2, "max_digits": 1}], answer="last_number")
+    p = task.prompt(0)
+    right, wrong = p.answer_meta["answer"], str(int(p.answer_meta["answer"]) + 1)
+    assert task.score(p, f"The final answer is {right}.") == 1.0
+    assert task.score(p, f"{right}, or maybe {wrong}") == 0.0  # the last number, not any number
+    assert task.score(p, f"{right} <answer>{wrong}</answer>") == 0.0  # a tag decides
+    assert task.score(p, f"<answer>{right}</answer>") == 1.0
+    assert get_task("math", seed=0, levels=[{"max_terms": 2, "max_digits": 1}]).score(p, f"is {right}.") == 0.0
+
+
+def test_the_instruction_is_a_param_and_last_number_is_for_chain_sum_only():
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+
+    tok = Tokenizer(BPE())
+    tok.add_special_tokens(["<pad>", "<bos>", "<eos>"])
+    task = get_task("math", seed=0, tokenizer=tok, instruction="Give only the final answer.")
+    assert task.prompt(0).text.endswith("=\nGive only the final answer.")
+    assert task.heldout_rows(1)[0].prompt.endswith("\nGive only the final answer.")
+    with pytest.raises(ConfigError, match="task.params.answer='last_number' is for generator 'chain_sum'"):
+        get_task("math", generator="countdown", answer="last_number")
+    with pytest.raises(ConfigError, match="task.params.answer='number' is not one of tag, last_number"):
+        get_task("math", answer="number")
+    with pytest.raises(ConfigError, match="task.params.instruction='' must be a non-empty string"):
+        get_task("math", instruction="")
+
+
 def test_demonstrations_are_right_with_the_requested_accuracy():
     task = get_task("math", seed=0)
     rng = random.Random(0)

@@ -294,6 +294,30 @@ def test_trainer_step_moves_logprobs_with_the_advantage():
     assert sum(after[1].logprobs) < sum(batch[1].logprobs)
 
 
+class FullWidthTrainer(Trainer):
+    """The step as it was before the log-softmax started at the shortest prompt's last position: every position."""
+
+    @staticmethod
+    def _first_position(trajectories: list[Trajectory]) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_leaving_out_prompt_positions_changes_nothing_in_the_step(minibatches: int) -> None:
+    """Positions before the shortest prompt's last token predict only prompt tokens: the step's update and figures
+    are those of the full-width log-softmax (prompts of 3 and 2 tokens here, so one position is left out)."""
+    cfg = TrainerSection(lr=1e-2, minibatches=minibatches)
+    model, reference = build_model(HF, seed=0), build_model(HF, seed=0)
+    batch = on_policy_batch(model)
+    assert Trainer._first_position(batch) == 1
+    m = Trainer(model, cfg, group_size=3).step(batch, trainer_version=0)
+    r = FullWidthTrainer(reference, cfg, group_size=3).step(batch, trainer_version=0)
+    for field in ("loss", "grad_norm", "entropy", "clip_fraction", "kl_behaviour", "is_weight_mean"):
+        assert getattr(m, field) == pytest.approx(getattr(r, field), rel=1e-5, abs=1e-7), field
+    got, want = model_state_dict(model), model_state_dict(reference)
+    assert max(float((got[k] - want[k]).abs().max()) for k in got) <= 1e-6
+
+
 def test_trainer_drops_stale_samples_and_skips_empty_updates():
     model = build_model(HF, seed=0)
     trainer = Trainer(model, TrainerSection(max_staleness=0), group_size=3)

@@ -105,6 +105,20 @@ def test_the_rollout_prompt_is_the_models_chat_template(imported, gguf_model):
     assert tokenizer.encode(text, add_special_tokens=False).ids == list(want)
 
 
+@pytest.mark.slow  # make test stays under 15 min; run with -m slow
+def test_laminar_eval_on_the_model_directory_renders_the_chat_template(imported):
+    """`laminar eval CONFIG --checkpoint DIR` (services/evaluate.py load_policy): the task takes the directory's
+    specials and chat template, as a run's replicas do (without them: "tokenizer has no <pad> token")."""
+    from laminar.config import RunConfig
+    from services.evaluate import load_policy
+
+    cfg = RunConfig.load(EXAMPLE, [f"model.path={imported}"])
+    _, tokenizer, task, target = load_policy(None, cfg, str(imported))
+    assert (task.bos_id, task.eos_id, task.pad_id) == (1, 2, 2) and target.policy_version == 0
+    text = tokenizer.decode(task.prompt(0).token_ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system") and text.rstrip().endswith("<|im_start|>assistant")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 async def test_the_example_runs_two_steps_through_a_rollout_drill(tmp_path_factory):

@@ -32,6 +32,16 @@ def extract_answer(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
+LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in `text` (an optional minus sign, digits, an optional decimal part); None when
+    there is none. `"46 + 60 = 106."` -> `"106"`; `"4 - 6 = -2"` -> `"-2"`; `"no idea"` -> None."""
+    found = LAST_NUMBER.findall(text)
+    return found[-1] if found else None
+
+
 def arithmetic_answer(answer: str | None) -> str | None:
     """`answer` if it is a plain arithmetic expression a scorer may parse, else None.
 

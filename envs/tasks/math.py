@@ -3,7 +3,9 @@
 
 Configured by task.params: `generator` ("chain_sum" | "countdown" | "gsm8k"), `levels` (a difficulty
 curriculum: a list of reasoning-gym config overrides, e.g. `[{max_terms = 2, max_digits = 1}, {max_terms = 3,
-max_digits = 2}]`), `prompts_per_level` (prompt ids per level), `path` (the GSM8K file).
+max_digits = 2}]`), `prompts_per_level` (prompt ids per level), `path` (the GSM8K file), `instruction` (the line
+after each problem, for a real tokenizer; default INSTRUCTION), `answer` ("tag", the default, or "last_number":
+chain_sum only, the last number of a response that has no tag, for a model that never writes the tag).
 
 Curriculum: prompt id p (leased 0, 1, 2, ... in order) is at level min(p // prompts_per_level, levels - 1), so
 difficulty rises as the run goes on; each level is its own reasoning-gym dataset, seeded from (seed, level), and
@@ -23,7 +25,8 @@ every curriculum level (the hardest included), distinct problems only. A small p
 one-digit level has 200 problems (a +- b, a and b in 0..9), so about 25 held out.
 
 Reward (envs/tasks/answers.py), 1.0 or 0.0, never partial credit:
-- chain_sum: the tag's text, validated as arithmetic, equals the answer exactly (after removing whitespace);
+- chain_sum: the tag's text, validated as arithmetic, equals the answer exactly (after removing whitespace); with
+  `answer = "last_number"`, a response without a tag is scored on the last number it writes;
 - countdown: the tag's text, validated as arithmetic BEFORE reasoning-gym's scorer sees it (that scorer runs
   sympy's `parse_expr`, which executes code), uses exactly the given numbers and equals the target;
 - gsm8k: the tag's text, validated as a short free-form answer, equals the `#### n` answer by math-verify.
@@ -37,7 +40,7 @@ import random
 from typing import Any
 
 from envs.tasks import Prompt, PromptRow
-from envs.tasks.answers import arithmetic_answer, exact_match, extract_answer, math_verify_match
+from envs.tasks.answers import arithmetic_answer, exact_match, extract_answer, last_number, math_verify_match
 from envs.tasks.text import TextTask
 from laminar.errors import ConfigError
 
@@ -50,6 +53,7 @@ DIGITS = tuple(str(d) for d in range(10))
 SYMBOLS = ("+", "-", "*", "/", "(", ")", "=", ",", ".")
 OPEN, CLOSE = "<answer>", "</answer>"
 INSTRUCTION = "Give only the final answer inside <answer></answer>, for example <answer>42</answer>."
+ANSWER_FORMATS = ("tag", "last_number")  # task.params.answer: what a chain_sum response's answer is
 
 DEFAULT_LEVELS: dict[str, list[dict[str, Any]]] = {
     # reasoning-gym's own curriculum steps for chain_sum: terms 2..12, digits 1..10
@@ -104,13 +108,13 @@ class GeneratedPrompts:
     """A `PromptSource` over reasoning-gym's seeded `chain_sum` or `countdown` generator with a curriculum."""
 
     def __init__(self, generator: str, *, seed: int, levels: list[dict[str, Any]], prompts_per_level: int,
-                 compact: bool) -> None:
+                 compact: bool, instruction: str = INSTRUCTION) -> None:
         if not isinstance(levels, list) or not levels or not all(isinstance(lv, dict) for lv in levels):
             raise ConfigError(f"task.params.levels={levels!r} must be a non-empty list of tables of reasoning-gym "
                               f"{generator} config fields, e.g. [{{max_terms = 2, max_digits = 1}}]")
         if not isinstance(prompts_per_level, int) or prompts_per_level < 1:
             raise ConfigError(f"task.params.prompts_per_level={prompts_per_level!r} must be a positive integer")
-        self.generator, self.seed, self.compact = generator, seed, compact
+        self.generator, self.seed, self.compact, self.instruction = generator, seed, compact, instruction
         self.prompts_per_level = prompts_per_level
         self.datasets = self._datasets(levels, "math")
         self._levels = levels
@@ -180,12 +184,12 @@ class GeneratedPrompts:
     def _row(self, item: dict[str, Any], level: int, prompt_id: int) -> PromptRow:
         meta = item["metadata"]
         if self.generator == "chain_sum":
-            text = f"{spaced(meta['expression'])} =" if self.compact else f"{item['question']}\n{INSTRUCTION}"
+            text = f"{spaced(meta['expression'])} =" if self.compact else f"{item['question']}\n{self.instruction}"
             metadata = {"level": level, "expression": meta["expression"]}
         else:
             numbers = ", ".join(str(n) for n in meta["numbers"])
             text = f"{spaced(numbers)} = {spaced(str(meta['target']))}" if self.compact else \
-                f"{item['question']}\n{INSTRUCTION}"
+                f"{item['question']}\n{self.instruction}"
             metadata = {"level": level, "numbers": list(meta["numbers"]), "target": meta["target"]}
         return PromptRow(id=f"{self.generator}:{level}:{prompt_id}", prompt=text, answer=item["answer"],
                          metadata=metadata)
@@ -201,11 +205,20 @@ class MathTask(TextTask):
 
     def __init__(self, *, seed: int = 0, tokenizer: Any = None, chat_template: str | None = None,
                  generator: str = "chain_sum", levels: list[dict[str, Any]] | None = None,
-                 prompts_per_level: int = 1000, path: str = "") -> None:
+                 prompts_per_level: int = 1000, path: str = "", instruction: str = INSTRUCTION,
+                 answer: str = "tag") -> None:
         if generator not in GENERATORS:
             raise ConfigError(f"task.params.generator={generator!r} is not a math generator; use one of "
                               f"{', '.join(GENERATORS)}")
-        self.generator = generator
+        if answer not in ANSWER_FORMATS:
+            raise ConfigError(f"task.params.answer={answer!r} is not one of {', '.join(ANSWER_FORMATS)}")
+        if answer != "tag" and generator != "chain_sum":
+            raise ConfigError(f"task.params.answer={answer!r} is for generator 'chain_sum' (a number); "
+                              f"{generator} answers in <answer></answer>: remove it")
+        if not isinstance(instruction, str) or not instruction.strip():
+            raise ConfigError(f"task.params.instruction={instruction!r} must be a non-empty string (the line after "
+                              "each problem)")
+        self.generator, self.answer_format = generator, answer
         self.compact = _is_word_level(tokenizer)
         if generator == "gsm8k":
             from envs.tasks.gsm8k import Gsm8kPrompts
@@ -223,7 +236,7 @@ class MathTask(TextTask):
                 raise ConfigError(f"task.params.path={path!r} is only read by generator 'gsm8k'; remove it")
             source = GeneratedPrompts(generator, seed=seed, prompts_per_level=prompts_per_level,
                                       levels=DEFAULT_LEVELS[generator] if levels is None else levels,
-                                      compact=self.compact)
+                                      compact=self.compact, instruction=instruction)
         super().__init__(source=source, seed=seed, tokenizer=tokenizer, chat_template=chat_template)
 
     def extra_words(self) -> list[str]:
@@ -249,6 +262,8 @@ class MathTask(TextTask):
 
     def score(self, prompt: Prompt, response_text: str) -> float:
         answer = extract_answer(response_text)
+        if answer is None and self.answer_format == "last_number":
+            answer = last_number(response_text)
         expected = str(prompt.answer_meta["answer"])
         if self.generator == "chain_sum":
             return 1.0 if exact_match(arithmetic_answer(answer), expected) else 0.0
