@@ -38,6 +38,7 @@ log = get_logger(__name__)
 
 DEFAULT_PORT = 7233
 READY_TIMEOUT_S = 30.0
+S3_RESTART_ATTEMPTS = 3  # a drill's restart of S3 tries this often before it gives up
 STOP_TIMEOUT_S = 10.0
 S3_STOP_TIMEOUT_S = 120.0  # the S3 server saves its snapshot before it exits; a SIGKILL would lose it
 
@@ -231,9 +232,22 @@ class DevStack:
             log.warning("s3_server_interrupted", pid=info.s3_pid, outage_s=outage_s)
             time.sleep(outage_s)  # the outage itself
             port = int(info.s3_endpoint.rsplit(":", 1)[1])
-            info = self._start_s3(info, port=port)
+            info = self._restart_s3(info, port)
             self._write_record(info)
             return stopped_at, time.time()
+
+    def _restart_s3(self, info: DevStackInfo, port: int) -> DevStackInfo:
+        """Start the stopped S3 server again, trying up to S3_RESTART_ATTEMPTS times: a drill that stopped it
+        must not leave the stack without S3 because one start was slow (a 2-hour chaos run on a loaded 2-core
+        machine saw a start not answer within 30 s, and every later store fault was skipped)."""
+        for attempt in range(1, S3_RESTART_ATTEMPTS + 1):
+            try:
+                return self._start_s3(info, port=port)
+            except DevStackError as e:
+                if attempt == S3_RESTART_ATTEMPTS:
+                    raise
+                log.warning("s3_server_restart_failed", attempt=attempt, of=S3_RESTART_ATTEMPTS, error=str(e)[:300])
+        raise AssertionError("unreachable")
 
     def readonly_s3(self, hold_s: float) -> tuple[float, float, int]:
         """Drill: switch the dev stack's S3 server to read-only (every write refused with 403 AccessDenied,

@@ -8,11 +8,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
+import psutil
 import pytest
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client, WorkflowExecutionStatus
@@ -222,5 +224,41 @@ def test_s3_state_survives_down_up_and_an_interrupt(tmp_path):
         assert back_at - stopped_at >= 0.5
         assert stack.status().s3_endpoint == info.s3_endpoint  # same port after the interrupt
         assert s3.get_object(Bucket="laminar", Key="a/three")["Body"].read() == b"3"
+    finally:
+        stack.down()
+
+
+def test_an_interrupted_s3_that_fails_to_start_is_started_again(tmp_path):
+    """A drill's restart of S3 that fails once (here: its port held by another socket until the first start has
+    failed on it) is tried again, so the stack never stays without S3 and the state written before is served."""
+    stack = DevStack(tmp_path / "home")
+    try:
+        info = stack.up(s3=True, port=free_port(), ui=False)
+        s3 = boto3.client("s3", endpoint_url=info.s3_endpoint, **S3_CREDENTIALS)
+        s3.put_object(Bucket="laminar", Key="kept", Body=b"k")
+        port = int(info.s3_endpoint.rsplit(":", 1)[1])
+        log_file = Path(info.s3_log)
+        held: dict[str, object] = {}
+
+        def squat() -> None:  # take the port once the server let it go; give it back after one start failed on it
+            wait_until(lambda: not psutil.pid_exists(info.s3_pid), timeout_s=30, what="the S3 server to stop")
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+            held["bound"] = True
+            failures = log_file.read_text().count("Address already in use")
+            wait_until(lambda: log_file.read_text().count("Address already in use") > failures, timeout_s=60,
+                       what="a start of the S3 server to fail on the held port")
+            sock.close()
+
+        squatter = threading.Thread(target=squat, daemon=True)
+        squatter.start()
+        stack.interrupt_s3(outage_s=2.0)
+        squatter.join(timeout=5)
+        assert held.get("bound"), "the port was never held: the first start did not meet a taken port"
+        assert log_file.read_text().count("Address already in use") >= 1
+        assert stack.status().s3_endpoint == info.s3_endpoint
+        assert s3.get_object(Bucket="laminar", Key="kept")["Body"].read() == b"k"
     finally:
         stack.down()
