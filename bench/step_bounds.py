@@ -104,9 +104,9 @@ def matmul_params(model: torch.nn.Module) -> int:
 def profile_step(cfg: Any, threads: int = 1, device: str = "cpu") -> dict[str, Any]:
     from envs.tasks.scoring import RewardRunner
     from laminar.records import Trajectory
-    from rl.factory import build_local_engine
+    from laminar.policy import policy_for, staleness_bound
+    from rl.factory import build_local_engine, build_trainer
     from rl.model import state_dict_to_bytes
-    from rl.trainer import Trainer
     from services.evaluate import load_policy
 
     torch.set_num_threads(threads)
@@ -150,7 +150,10 @@ def profile_step(cfg: Any, threads: int = 1, device: str = "cpu") -> dict[str, A
                                prompt_ids=f.prompt_ids, response_ids=f.response_ids, logprobs=f.logprobs,
                                reward=float(rw), policy_version=0, replica_id="bench", started_at=now, ended_at=now,
                                finish_reason=f.finish_reason) for f, rw in zip(finished, rewards, strict=True)]
-    trainer = Trainer(model, t, group_size=r.group_size, temperature=r.temperature, pad_id=task.pad_id)
+    # the trainer a run builds (its own copy of the weights, as a run's trainer process has), on `device`
+    on_device = cfg.model_copy(update={"trainer": t.model_copy(update={"device": device})})
+    trainer = build_trainer(on_device, policy=policy_for(cfg), max_staleness=staleness_bound(cfg),
+                            model_dir=lambda: Path(cfg.model.path))
     opt: dict[str, float] = {"wall": 0.0, "cpu": 0.0, "n": 0}
     marks: list[tuple[float, float]] = []
 
