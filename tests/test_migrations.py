@@ -139,6 +139,46 @@ def test_a_restarted_source_voids_its_order_and_a_restarted_destination_its_inbo
     assert mig.pending() == 0
     assert _owners(ledger) == {"g00000000": "replica-1", "g00000004": "replica-2"}
     assert sorted(lease.group_id for lease in ledger.state.returned) == ["g00000001", "g00000002", "g00000003"]
+    # the migrated group goes back with the migration's segment (its prefixes and tool outputs), the
+    # destination's own groups as they were
+    assert sorted((r.group_id, r.resume.key if r.resume else None, r.resume_version) for r in ledger.state.returned) == [
+        ("g00000001", keys.migration(RUN, "m000002"), 3), ("g00000002", None, -1), ("g00000003", None, -1)]
+
+
+def test_a_destination_that_restarts_before_its_pool_holds_the_moved_groups_returns_them_with_the_segment() -> None:
+    """The tools chaos run's 32 calls run twice (seed 1, a8b5147): replica-1 handed g00004516 to replica-0 0.25 s
+    after its tool calls ran; replica-0's answer carried the Incoming and `handover` (a continue-as-new) together,
+    so it handed over without taking; its first claim in the next segment did not resume the group (its pool never
+    held it), which went back with no segment and was generated again from its prompt, its calls with it. The same
+    with a destination that took three groups and was retried (a Temporal restart) before its next pool flush."""
+    ledger, mig = _setup()
+    ledger.note_report(_report("replica-0", 3, 100, 300, 2))
+    ledger.note_report(_report("replica-1", 3, 200, 400, 3))
+    mig.plan(c_max=0.9, batch_limit=8, at=1.0)
+    moved = mig.hand_off("replica-0", Handoff("m000001", _segment("m000001", ["g00000000", "g00000001"])), at=2.0)
+    assert moved == ["g00000000", "g00000001"]
+    # the destination's next incarnation: first claim resuming only its own groups (what its pool holds)
+    mig.forget("replica-1")
+    assert ledger.first_claim("replica-1", ["g00000002", "g00000003"]) == ["g00000002", "g00000003"]
+    back = {r.group_id: r for r in ledger.state.returned}
+    assert sorted(back) == ["g00000000", "g00000001"]
+    assert all(r.resume is not None and r.resume.key == keys.migration(RUN, "m000001") and r.resume_version == 3
+               and r.resume.group_ids == ["g00000000", "g00000001"] for r in back.values())
+    # the next claimer gets them with the segment: it continues them, or answers their calls from its rows
+    leases = ledger.lease("replica-2", 2, claimer=_report("replica-2", 3, 100, 100, 1), at=3.0)
+    assert [(lease.group_id, lease.resume.key if lease.resume else None, lease.resume_version) for lease in leases] == [
+        ("g00000000", keys.migration(RUN, "m000001"), 3), ("g00000001", keys.migration(RUN, "m000001"), 3)]
+    # a destination that took them and resumes them from its pool keeps them, segment and all
+    ledger2, mig2 = _setup()
+    ledger2.note_report(_report("replica-0", 3, 100, 300, 2))
+    ledger2.note_report(_report("replica-1", 3, 200, 400, 3))
+    mig2.plan(c_max=0.9, batch_limit=8, at=1.0)
+    mig2.hand_off("replica-0", Handoff("m000001", _segment("m000001", ["g00000000"])), at=2.0)
+    mig2.take("replica-1", [Taken("m000001", True)], at=2.5)
+    mig2.forget("replica-1")
+    assert ledger2.first_claim("replica-1", ["g00000000", "g00000002", "g00000003"]) == [
+        "g00000000", "g00000002", "g00000003"]
+    assert _owners(ledger2)["g00000000"] == "replica-1" and ledger2.state.returned == []
 
 
 # -- departures (a replica leaves on notice or is removed by `laminar scale`) --------------------------------

@@ -17,8 +17,11 @@ Failures: the lease owner is what the workflow says, so every case reduces to th
 - S dies before its hand-off is recorded: its leases are still its own; its retry resumes them from its
   partial pool (or they go back to the pool). Its order is forgotten at its first claim.
 - S dies after the hand-off: the groups are D's; S's retry finds them no longer leased to it (resume_ok).
-- D dies before or after taking: the groups are D's leases; its retry resumes those its partial pool holds
-  and the rest go back to the pool (release_leases_of), and its unacknowledged `Incoming`s are forgotten.
+- D dies before or after taking (or hands over at a continue-as-new before taking): the groups are D's leases;
+  its retry resumes those its partial pool holds and the rest go back to the pool (release_leases_of) with the
+  migration's segment (`Lease.resume`, set at the hand-off as a departure's is), so the next replica continues
+  them, or generates them again answering their recorded tool calls from the rows: never from their bare
+  prompts, which ran their completed calls again. Its unacknowledged `Incoming`s are forgotten.
 - A retried claim carries the same hand-off or acknowledgement again: the second one finds nothing pending
   under that id and changes nothing.
 """
@@ -91,9 +94,10 @@ class Migrations:
         if not moved:
             self.ledger.note_event("repack_declined", subject, at, 0)
             return []
-        for g in moved:
-            self.state.open_leases[g].replica_id = order.destination
         segment = replace(handoff.segment, group_ids=moved)
+        for g in moved:  # the destination's now; if it restarts without them, they go back with the segment
+            lease = self.state.open_leases[g]
+            lease.replica_id, lease.resume, lease.resume_version = order.destination, segment, order.policy_version
         self.state.inbox.setdefault(order.destination, []).append(
             Incoming(migration_id=order.migration_id, source=source, segment=segment,
                      policy_version=order.policy_version))
