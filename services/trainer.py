@@ -157,6 +157,7 @@ class TrainerService:
             return path
 
         if self.trainer is not None:  # an FSDP trainer's other ranks go before new ones start
+            self.step = -1  # a build that fails below leaves nothing loaded, not a closed trainer at its old step
             self.trainer.close()
         trainer = build_trainer(cfg, policy=policy, max_staleness=staleness_bound(cfg), model_dir=model_dir)
         step, consumed = 0, set()
@@ -350,37 +351,52 @@ class TrainerService:
             m = self.trainer.step(trajectories, trainer_version=self._version())
         self.step += 1
         self.consumed.update(g for part in inp.batch for g in part.group_ids)
-        heartbeat()
-        with prof.measure("checkpoint"):
-            ckpt = self._maybe_checkpoint(keep_from_step=_replay_base(inp), deadline=last and self.notice.given)
-        stall_s = 0.0
-        if publishes(self.policy, self.step):  # stream: the version is complete after a batch's last minibatch
-            with prof.measure("publish"):
-                stall_s, _ = self._publish(inp.relay_chain)
-        metrics = StepMetrics(
-            reward_mean=m.reward_mean, loss=m.loss, grad_norm=m.grad_norm, samples=m.samples, tokens=m.tokens,
-            response_len_mean=m.response_len_mean, staleness={str(k): v for k, v in m.staleness.items()},
-            dropped_stale=m.dropped_stale, clip_fraction=m.clip_fraction, consumed_twice=twice,
-            is_weight_mean=m.is_weight_mean, is_weight_max=m.is_weight_max,
-            is_capped_fraction=m.is_capped_fraction, kl_behaviour=m.kl_behaviour,
-        )
-        busy_s = time.time() - t_start
-        with prof.measure("write_metrics"):
-            record = self._write_metrics(metrics, trajectories, wait_s=wait_s, busy_s=busy_s, stall_s=stall_s,
-                                         scheduled_at=scheduled_at, entropy=m.entropy)
-        with prof.measure("trackers"):
-            self._track(record, restored=restored, redone=redone, corrupt=corrupt)
-        prom.observe_train_step(self.step, self._version(), tokens=m.tokens, reward=m.reward_mean, loss=m.loss,
-                                clip_fraction=m.clip_fraction, staleness=metrics.staleness, consumed_twice=twice,
-                                wait_s=wait_s, busy_s=busy_s, stall_s=stall_s, published=publishes(self.policy, self.step))
-        if self.step >= self.cfg.run.steps or prof.clock() - self._profile_written >= PROFILE_EVERY_S:
-            self._write_profile()
-        self.last_step_end = time.time()
-        log.info("train_step_completed", step=self.step, reward=round(m.reward_mean, 4), tokens=m.tokens,
-                 staleness=metrics.staleness, stall_s=round(stall_s, 4), checkpoint=ckpt is not None)
-        return TrainStepResult(step=self.step, policy_version=self._version(), metrics=metrics, checkpoint=ckpt,
-                               steps_redone=redone, publish_stall_s=stall_s, restored=restored,
-                               corrupt_checkpoints=corrupt, **self._relay_checks(inp))
+        try:  # the outputs: a failure leaves a policy the workflow has not got (_disown)
+            heartbeat()
+            with prof.measure("checkpoint"):
+                ckpt = self._maybe_checkpoint(keep_from_step=_replay_base(inp), deadline=last and self.notice.given)
+            stall_s = 0.0
+            if publishes(self.policy, self.step):  # stream: the version is complete after a batch's last minibatch
+                with prof.measure("publish"):
+                    stall_s, _ = self._publish(inp.relay_chain)
+            metrics = StepMetrics(
+                reward_mean=m.reward_mean, loss=m.loss, grad_norm=m.grad_norm, samples=m.samples, tokens=m.tokens,
+                response_len_mean=m.response_len_mean, staleness={str(k): v for k, v in m.staleness.items()},
+                dropped_stale=m.dropped_stale, clip_fraction=m.clip_fraction, consumed_twice=twice,
+                is_weight_mean=m.is_weight_mean, is_weight_max=m.is_weight_max,
+                is_capped_fraction=m.is_capped_fraction, kl_behaviour=m.kl_behaviour,
+            )
+            busy_s = time.time() - t_start
+            with prof.measure("write_metrics"):
+                record = self._write_metrics(metrics, trajectories, wait_s=wait_s, busy_s=busy_s, stall_s=stall_s,
+                                             scheduled_at=scheduled_at, entropy=m.entropy)
+            with prof.measure("trackers"):
+                self._track(record, restored=restored, redone=redone, corrupt=corrupt)
+            prom.observe_train_step(self.step, self._version(), tokens=m.tokens, reward=m.reward_mean, loss=m.loss,
+                                    clip_fraction=m.clip_fraction, staleness=metrics.staleness, consumed_twice=twice,
+                                    wait_s=wait_s, busy_s=busy_s, stall_s=stall_s, published=publishes(self.policy, self.step))
+            if self.step >= self.cfg.run.steps or prof.clock() - self._profile_written >= PROFILE_EVERY_S:
+                self._write_profile()
+            self.last_step_end = time.time()
+            log.info("train_step_completed", step=self.step, reward=round(m.reward_mean, 4), tokens=m.tokens,
+                     staleness=metrics.staleness, stall_s=round(stall_s, 4), checkpoint=ckpt is not None)
+            return TrainStepResult(step=self.step, policy_version=self._version(), metrics=metrics, checkpoint=ckpt,
+                                   steps_redone=redone, publish_stall_s=stall_s, restored=restored,
+                                   corrupt_checkpoints=corrupt, **self._relay_checks(inp))
+        except BaseException as e:
+            self._disown(inp.run_id, self.step, e)
+            raise
+
+    def _disown(self, run_id: str, step: int, error: BaseException) -> None:
+        """A step that trained but whose outputs failed (a checkpoint, its metrics record or the profile the store
+        refused; a cancelled heartbeat): its activity fails and is retried, while the policy in memory already took
+        its batch. Nothing may build on that: the step scheduled ahead would train on it, and the retry, finding the
+        policy past its step, would rewind and redo it after, its record written again after the next step's (the
+        tools chaos run's step 979). So the policy counts as not loaded: the retry rewinds, the step ahead waits its
+        turn (StepOutOfTurnError, then the step before it first), and the steps keep their order."""
+        self.step = -1
+        self._ahead.clear()
+        log.warning("train_step_outputs_failed", run_id=run_id, step=step, error=str(error)[:300])
 
     def _rewind(self, inp: TrainStepInput, heartbeat) -> tuple[int, list[int]]:
         """Restore the newest retained checkpoint that verifies and replay the batches consumed since it.

@@ -13,7 +13,7 @@ import torch
 from envs.tasks import get_task
 from laminar.config import RunConfig
 from laminar.contract import BatchPart, TrainStepInput, TrainStepResult
-from laminar.errors import CorruptDataError, InconsistentStateError, StepOutOfTurnError
+from laminar.errors import CorruptDataError, InconsistentStateError, StepOutOfTurnError, StoreError
 from laminar.records import Trajectory
 from laminar.refs import SegmentRef
 from services.trainer import TrainerService
@@ -423,3 +423,79 @@ def test_a_deadline_checkpoint_the_store_refuses_is_skipped_and_the_trainer_stil
         assert not store.exists(keys.checkpoint_manifest("r", 3))  # nothing committed for step 3
     finally:
         stack.down()
+
+
+class _RefusingStore(LocalObjectStore):
+    """The real local store, refusing puts of the keys in `refuse` as a read-only S3 store refuses them."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.refuse: set[str] = set()
+
+    def put(self, key: str, data: bytes) -> None:
+        if key in self.refuse:
+            raise StoreError(f"put of {key} was denied: AccessDenied (HTTP 403): read-only")
+        super().put(key, data)
+
+
+def test_a_step_whose_record_the_store_refuses_is_built_on_by_no_step_before_its_retry(tmp_path):
+    """The tools chaos run (seed 1, a8b5147): step 979 trained, then a read-only store refused its metrics record, so
+    its activity failed with the policy in memory one step past what the workflow had. Step 980, scheduled ahead,
+    trained on it; step 979's retry then rewound from step 970, redid it and wrote its record after step 980's (the
+    checker's "repeat: steps [979]"). Now the policy counts as not loaded after such a failure: the step ahead waits
+    its turn, the retry rewinds, and the records are written once each, in step order, on the in-order weights."""
+    from chaos.checker import check_steps, read_step_records
+
+    store = _RefusingStore(tmp_path / "store")
+    trajs, home = TrajectoryStore(store), tmp_path / "home"
+    batches = [_batch(trajs, "r", 10 * i) for i in range(5)]
+    other = LocalObjectStore(tmp_path / "other")  # the same steps in order, in a store of their own
+    theirs = [_batch(TrajectoryStore(other), "r", 10 * i) for i in range(5)]
+    in_order = TrainerService(other, home / "a")
+    want = [in_order.train_step(_input("r", i, theirs[i], replay=theirs[:i])) for i in range(5)]
+    svc = TrainerService(store, home / "b")
+    for i in range(3):
+        svc.train_step(_input("r", i, batches[i], replay=batches[:i]))
+    step3 = _input("r", 3, batches[3], replay=batches[:3])
+    store.refuse = {keys.step_metrics("r", 4)}
+    with pytest.raises(StoreError, match="denied"):
+        svc.train_step(step3)  # trained, then its record refused: the activity fails
+    store.refuse = set()
+    ahead = dataclasses.replace(_input("r", 4, batches[4], replay=batches[:4]), ahead=True)
+    with pytest.raises(StepOutOfTurnError):
+        svc.train_step(ahead, attempt=1)  # nothing builds on the step the workflow has not got
+    retried = svc.train_step(step3, attempt=2)
+    assert (retried.step, retried.restored, retried.metrics.consumed_twice) == (4, True, 0)
+    last = svc.train_step(ahead, attempt=2)
+    assert (last.step, last.restored, last.metrics.consumed_twice) == (5, False, 0)
+    assert [retried.metrics.loss, last.metrics.loss] == pytest.approx([want[3].metrics.loss, want[4].metrics.loss])
+    assert all(torch.equal(a, b) for a, b in zip(svc.trainer.policy_state_dict().values(),
+                                                   in_order.trainer.policy_state_dict().values(), strict=True))
+    steps = read_step_records(store, "r")
+    assert check_steps(steps, 5).ok, check_steps(steps, 5).detail
+    assert steps[4]["time"] < steps[5]["time"]
+
+
+def test_a_restore_that_fails_leaves_nothing_loaded(setup, monkeypatch):
+    """Step 979's retries failed inside the rewind (the read-only store refused the model files the restore
+    publishes) after the old trainer was closed, and left it in place at its step: the next step trained on it. A
+    restore that fails leaves nothing loaded, so the next step rewinds instead."""
+    import services.trainer as trainer_module
+
+    store, trajs, home = setup
+    batches = [_batch(trajs, "r", 10 * i) for i in range(3)]
+    svc = TrainerService(store, home)
+    for i in range(2):
+        svc.train_step(_input("r", i, batches[i], replay=batches[:i]))
+    build = trainer_module.build_trainer
+
+    def refused(*args, **kwargs):
+        raise StoreError("put of model/config.json was denied: AccessDenied (HTTP 403): read-only")
+
+    monkeypatch.setattr(trainer_module, "build_trainer", refused)
+    with pytest.raises(StoreError, match="denied"):
+        svc.train_step(_input("r", 1, batches[1], replay=batches[:1]), attempt=2)  # a retry: it rewinds
+    assert svc.step == -1
+    monkeypatch.setattr(trainer_module, "build_trainer", build)
+    res = svc.train_step(_input("r", 2, batches[2], replay=batches[:2]))
+    assert (res.step, res.restored) == (3, True)  # from the step-2 checkpoint, on a trainer built afresh
