@@ -103,8 +103,8 @@ def matmul_params(model: torch.nn.Module) -> int:
 
 def profile_step(cfg: Any, threads: int = 1, device: str = "cpu") -> dict[str, Any]:
     from envs.tasks.scoring import RewardRunner
-    from laminar.records import Trajectory
     from laminar.policy import policy_for, staleness_bound
+    from laminar.records import Trajectory
     from rl.factory import build_local_engine, build_trainer
     from rl.model import state_dict_to_bytes
     from services.evaluate import load_policy

@@ -35,7 +35,7 @@ from chaos.checker import (
     read_workflow_resets,
     verify_checkpoints,
 )
-from chaos.nemesis import FaultRecord, Nemesis, partition_tool, read_table
+from chaos.nemesis import FaultRecord, Nemesis, alive, partition_tool, read_table, same_start
 from chaos.schedule import (
     KINDS,
     Schedule,
@@ -257,11 +257,6 @@ def _judge(settings: Settings, run_id: str, final: RunStatus | None, table_path:
                  exit_codes(run_log), t0, stop_error, read_workflow_resets(store, run_id), calls)
 
 
-# psutil derives create_time from the boot time and the start in clock ticks (1/100 s): the same process reads the
-# same, a later one with the same pid reads later by at least the pid's reuse, far more than this
-SAME_START_S = 0.05
-
-
 def incarnations(table: dict) -> set[tuple[int, float | None]]:
     """(pid, start time) of every incarnation the launcher's table lists; the start time is None in a table written
     before it recorded them (then the pid alone identifies the process, as it did)."""
@@ -271,21 +266,6 @@ def incarnations(table: dict) -> set[tuple[int, float | None]]:
         for i, pid in enumerate(r.get("pids", [])):
             out.add((int(pid), times[i] if i < len(times) else None))
     return out
-
-
-def _same(proc: psutil.Process, created: float | None) -> bool:
-    """Whether `proc` is the incarnation that started at `created` (not a later process given its pid)."""
-    return created is None or abs(proc.create_time() - created) <= SAME_START_S
-
-
-def alive(pid: int, created: float | None) -> bool:
-    """Whether the incarnation (pid, start time) still runs: a zombie does not, nor a process the OS has since given
-    the same pid."""
-    try:
-        proc = psutil.Process(pid)
-        return _same(proc, created) and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def strays(home: Path, known: set[tuple[int, float | None]]) -> list[int]:
@@ -300,7 +280,7 @@ def strays(home: Path, known: set[tuple[int, float | None]]) -> list[int]:
         if "cli.main" not in cmd or "worker" not in cmd:
             continue
         try:
-            if any(_same(p, created) for created in starts.get(p.info["pid"], [])):
+            if any(same_start(p, created) for created in starts.get(p.info["pid"], [])):
                 continue
             if p.environ().get("LAMINAR_HOME") == str(home) and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p.info["pid"])

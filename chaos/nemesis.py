@@ -69,8 +69,38 @@ def read_table(path: Path) -> dict:
 
 
 def current_pid(path: Path, name: str) -> int | None:
+    return current_incarnation(path, name)[0]
+
+
+def current_incarnation(path: Path, name: str) -> tuple[int | None, float | None]:
+    """(pid, start time) of the named process's newest incarnation in the launcher's table; the start time is None
+    in a table written before the launcher recorded them."""
     row = next((r for r in read_table(path).get("processes", []) if r["name"] == name), None)
-    return None if row is None else row["pid"]
+    if row is None:
+        return None, None
+    pids, times = row.get("pids") or [], row.get("create_times") or []
+    created = times[-1] if times and pids and pids[-1] == row["pid"] and len(times) == len(pids) else None
+    return row["pid"], created
+
+
+# psutil derives create_time from the boot time and the start in clock ticks (1/100 s): the same process reads the
+# same, a later one with the same pid reads later by at least the pid's reuse, far more than this
+SAME_START_S = 0.05
+
+
+def same_start(proc: psutil.Process, created: float | None) -> bool:
+    """Whether `proc` is the incarnation that started at `created` (not a later process given its pid)."""
+    return created is None or abs(proc.create_time() - created) <= SAME_START_S
+
+
+def alive(pid: int, created: float | None) -> bool:
+    """Whether the incarnation (pid, start time) still runs: a zombie does not, nor a process the OS has since given
+    the same pid."""
+    try:
+        proc = psutil.Process(pid)
+        return same_start(proc, created) and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def partition_tool() -> str | None:
@@ -186,8 +216,10 @@ class Nemesis:
         on_record(rec)
 
     def _target_pid(self, f: Fault, rec: FaultRecord) -> int | None:
-        pid = current_pid(self.table_path, f.target)
-        if pid is None or not psutil.pid_exists(pid):
+        pid, created = current_incarnation(self.table_path, f.target)
+        # alive() and not pid_exists(): the table's pid may have died (its restart not yet recorded) and been given
+        # to an unrelated process since (pids wrap within minutes here: a sandbox spawns one per tool call)
+        if pid is None or not alive(pid, created):
             rec.skipped, rec.detail = True, f"{f.target} had no live process (pid {pid}) at injection"
             return None
         rec.pid = pid

@@ -253,3 +253,30 @@ def test_rules_of_a_killed_nemesis_are_swept_those_of_a_live_one_kept():
                     *_partition_commands(tool, live_port, False)):
             subprocess.run(cmd, capture_output=True)
     assert str(live_port) not in subprocess.run(listing, capture_output=True, text=True).stdout
+
+
+def test_a_pid_given_to_another_process_is_not_signalled(tmp_path):
+    """The table's newest incarnation died and the OS gave its pid to an unrelated process before the launcher
+    recorded the restart: the nemesis must skip the fault, not kill the stranger. Here the stranger is a real
+    process whose table row carries a start time 30 s before its own."""
+    stranger = subprocess.Popen(SLEEPER)
+    try:
+        started = psutil.Process(stranger.pid).create_time()
+        table = tmp_path / "processes.json"
+        table.write_text(json.dumps({"processes": [
+            {"name": "trainer", "pid": stranger.pid, "pids": [stranger.pid], "create_times": [started - 30.0]}]}))
+        nemesis = Nemesis(table, None, None)
+        nemesis.run(Schedule(0, 5, ["kill"], 1, 1, [Fault(0, "kill", "trainer", 0.0, 0.0)]), time.time())
+        (rec,) = nemesis.records
+        assert rec.skipped and f"pid {stranger.pid}" in rec.detail, rec
+        assert stranger.poll() is None  # untouched
+        # the same row with the stranger's own start time is its incarnation: signalled
+        table.write_text(json.dumps({"processes": [
+            {"name": "trainer", "pid": stranger.pid, "pids": [stranger.pid], "create_times": [started]}]}))
+        nemesis = Nemesis(table, None, None)
+        nemesis.run(Schedule(0, 5, ["stop"], 1, 1, [Fault(0, "stop", "trainer", 0.0, 0.2)]), time.time())
+        assert not nemesis.records[0].skipped and nemesis.records[0].pid == stranger.pid
+        assert nemesis.records[0].healed_at is not None
+    finally:
+        if stranger.poll() is None:
+            stranger.kill()

@@ -13,7 +13,8 @@ import psutil
 import pytest
 
 from chaos.checker import check_processes
-from chaos.command import alive, incarnations, strays
+from chaos.command import incarnations, strays
+from chaos.nemesis import alive
 from workers.launcher import LocalLauncher, ManagedProcess, process_table
 
 SLEEPER = "import time; time.sleep(60)"

@@ -37,7 +37,10 @@ from tests.fixtures.waiting import async_wait_until
 
 LAMINAR = [sys.executable, "-m", "cli.main"]
 RUNS = 3
-STEPS = [3, 8, 8]  # the first run ends first, so its slots go to the two still going
+# The first run ends first, so its slots go to the two still going. It must still be live when the third is
+# started: each `laminar start` is a new process (seconds of imports), and with 3 steps the first run had finished
+# before the third arrived, so the pool never held all three (seen on main once steps got faster).
+STEPS = [12, 24, 24]
 RUN_TIMEOUT_S = 600  # three runs on one trainer and 4 rollout slots, on a busy 2-core machine
 # The default example's workers: rollout.replicas=2 on relay.relays=2 hosts, one replica each plus one spare slot
 # (cli/run.py), so 4 rollout slots for 3 runs asking 2 each. Max-min fair: level 1 costs 3 slots,
@@ -129,7 +132,7 @@ async def test_three_runs_share_one_worker_set(temporal_env, moto_server, tmp_pa
         waits = {}
         for run_id, final, steps in zip(run_ids, finals, STEPS, strict=True):
             assert final.phase == "finished" and final.step == steps, (run_id, final.phase, final.step)
-            assert final.continued_as_new >= 1, (run_id, final.continued_as_new)  # 3 steps: at 2; 8: at 2, 4, 6
+            assert final.continued_as_new >= 1, (run_id, final.continued_as_new)  # continues as new every 2 steps
             # groups_per_step=2: 6 steps consume 12 groups; every group generated is consumed or still ready
             assert final.groups_consumed == steps * 2 and final.groups_consumed_twice == 0
             assert final.groups_generated == final.groups_consumed + final.ready_groups  # none lost
