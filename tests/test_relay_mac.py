@@ -209,3 +209,28 @@ def test_replayed_dropped_or_reordered_frames_fail(payload: bytes, fault: str):
             assert client.latest_version(relay.addr, token=token) is None
         finally:
             proxy.close()
+
+
+def test_a_relay_of_another_protocol_version_is_refused_by_name(payload: bytes):
+    """A relay that greets with another protocol version (an older laminar: HMAC-SHA256 payload tags, not keyed
+    BLAKE3) is refused at the hello, naming both versions, before any tag could fail as if bytes were altered."""
+    token = secrets.token_hex(16)
+
+    def older(header: dict, body: bytearray) -> list[Frame]:
+        if header.get("op") == protocol.OP_HELLO:
+            header["proto"] = protocol.PROTOCOL_VERSION - 1
+        return [(header, body)]
+
+    with RelayServer("r-older", token=token) as relay:
+        assert relay.addr is not None
+        proxy = FrameProxy(relay.addr, down=older)
+        try:
+            want = (rf"speaks relay protocol {protocol.PROTOCOL_VERSION - 1} and this client "
+                    rf"{protocol.PROTOCOL_VERSION}; run the same laminar version")
+            with pytest.raises(RelayError, match=want):
+                client.push(proxy.addr, 1, payload, [], token=token, chunk_bytes=CHUNK)
+            with pytest.raises(RelayError, match=want):
+                client.latest_version(proxy.addr, token=token)
+            assert client.latest_version(relay.addr, token=token) is None  # nothing was sent through it
+        finally:
+            proxy.close()

@@ -174,6 +174,12 @@ def test_tag_check_tag_count_must_match_the_blocks():
         check.abort()
 
 
-def test_the_tag_is_hmac_sha256_under_the_data_key():
+def test_the_tag_is_keyed_blake3_under_the_data_key():
+    # the keyed_hash of the empty input under the key of BLAKE3's published test vectors (test_vectors.json)
+    vector_key = b"whats the Elvish word for friend"
+    assert macs.tag(vector_key, b"") == "92b2b75604ed3c761f9d6f62392c8a9227ad0ea3f09573e783f1498a4ed60d26"
     data = os.urandom(3000)
-    assert _tags(data, 3000) == [hmac.new(KEY, data, hashlib.sha256).hexdigest()]
+    (tag,) = _tags(data, 3000)
+    assert tag == macs.tag(KEY, data) and len(tag) == protocol.MAC_HEX_CHARS
+    assert tag != macs.tag(b"j" * 32, data)  # another run's key
+    assert tag != hashlib.sha256(data).hexdigest() and tag != hmac.new(KEY, data, hashlib.sha256).hexdigest()
