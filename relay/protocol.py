@@ -89,7 +89,8 @@ import xxhash
 from laminar.errors import RelayError
 from relay import macs
 
-PROTOCOL_VERSION = 5  # 5: payload tags are keyed BLAKE3; 4: authenticated frames, HMAC-SHA256 payload tags; 3: XXH3-128 running digests
+# 5: payload tags are keyed BLAKE3; 4: authenticated frames, HMAC-SHA256 payload tags; 3: XXH3-128 running digests
+PROTOCOL_VERSION = 5
 HEADER_LEN = struct.Struct(">I")
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB: headers are small JSON objects; anything larger is a bad frame
 MAX_PAYLOAD_BYTES = 1 << 40  # 1 TiB: a sanity bound so a garbage header cannot ask for absurd memory
