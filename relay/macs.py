@@ -13,8 +13,8 @@ receiver still admits nothing whose tag it has not checked. What changes is whic
 BLAKE3's keyed mode is a MAC (a PRF under a 32-byte key). The blake3 module releases the GIL while it hashes,
 like hashlib, so the workers hash in parallel with the socket and with each other; one thread each
 (max_threads=1), since the workers are already the parallelism. Each pass still reads every byte once; the
-cost moves off the sender's and the receiver's critical path. The scheduling decisions (which bytes fall in which block, what to hash ahead, what
-to release) are relay.pipeline's, pure and unit-tested.
+cost moves off the sender's and the receiver's critical path. The scheduling decisions (which bytes fall in
+which block, what to hash ahead, what to release) are relay.pipeline's, pure and unit-tested.
 """
 
 from __future__ import annotations

@@ -80,6 +80,10 @@ class _Handler(socketserver.BaseRequestHandler):
             header = protocol.recv_header(sock, allow_eof=True)
             if header is None:
                 return False
+            if header.get("proto", protocol.PROTOCOL_VERSION) != protocol.PROTOCOL_VERSION:
+                raise RelayError(f"the client speaks relay protocol {header.get('proto')!r} and this relay "
+                                 f"{protocol.PROTOCOL_VERSION}; run the same laminar version on the trainer, the "
+                                 "relays and the rollout hosts")
             body: bytes | memoryview | Version = b""
             if header.get("op") == protocol.OP_PUT:
                 reply = relay._receive_put(sock, header)

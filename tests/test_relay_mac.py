@@ -234,3 +234,27 @@ def test_a_relay_of_another_protocol_version_is_refused_by_name(payload: bytes):
             assert client.latest_version(relay.addr, token=token) is None  # nothing was sent through it
         finally:
             proxy.close()
+
+
+def test_a_client_of_another_protocol_version_is_refused_by_name(payload: bytes):
+    """The other way round: a request that names another protocol version (an older trainer or replica) gets an
+    error naming both versions from the relay, which admits nothing from it. Without a token: with one, the proxy's
+    rewrite of the header would fail the frame MAC first (a real older client's MAC would hold)."""
+    token = None
+
+    def older(header: dict, body: bytearray) -> list[Frame]:
+        if "proto" in header:
+            header["proto"] = protocol.PROTOCOL_VERSION - 1
+        return [(header, body)]
+
+    with RelayServer("r-older-client", token=token) as relay:
+        assert relay.addr is not None
+        proxy = FrameProxy(relay.addr, up=older)
+        try:
+            want = (rf"the client speaks relay protocol {protocol.PROTOCOL_VERSION - 1} and this relay "
+                    rf"{protocol.PROTOCOL_VERSION}")
+            with pytest.raises(RelayError, match=want):
+                client.latest_version(proxy.addr, token=token)
+            assert client.latest_version(relay.addr, token=token) is None
+        finally:
+            proxy.close()
