@@ -104,6 +104,17 @@ def _matches(module_name: str, target: str) -> bool:
     return module_name == target or module_name.endswith("." + target)
 
 
+def all_linear(model: nn.Module) -> list[str]:
+    """What `["all-linear"]` adapts: the last names of every linear module but the output head (as peft's own
+    "all-linear" does for a transformers model; peft cannot find the head of the built-in model, so it is named here:
+    the module `get_output_embeddings()` returns, else `lm_head`)."""
+    inner = _inner(model)
+    head = getattr(inner, "get_output_embeddings", lambda: None)()
+    names = {name.rsplit(".", 1)[-1] for name, m in inner.named_modules()
+             if isinstance(m, nn.Linear) and m is not head and not _matches(name, "lm_head")}
+    return sorted(names)
+
+
 def check_targets(model: nn.Module, spec: LoraSection) -> None:
     """ConfigError when a target matches no linear module, or names the output head of tied embeddings."""
     if spec.target_modules == ["all-linear"]:
@@ -139,7 +150,7 @@ def attach(model: nn.Module, spec: LoraSection) -> str:
 
     check_targets(model, spec)
     fp = base_fingerprint(model_state_dict(model))
-    targets: Any = "all-linear" if spec.target_modules == ["all-linear"] else list(spec.target_modules)
+    targets = all_linear(model) if spec.target_modules == ["all-linear"] else list(spec.target_modules)
     config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=targets, lora_dropout=spec.dropout,
                         bias="none")
     inject_adapter_in_model(config, _inner(model))

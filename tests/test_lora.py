@@ -74,6 +74,21 @@ def test_target_modules_that_match_nothing_fail_at_trainer_init_listing_the_modu
         lora_trainer(target_modules=["lm_head"])
 
 
+def test_all_linear_adapts_every_linear_module_but_the_output_head_and_the_engine_applies_it() -> None:
+    """["all-linear"] on a model with tied embeddings (SmolLM2's shape): peft cannot find the built-in model's head, so
+    left to itself it adapted lm_head too, and every replica refused every version ("adapter targets lm_head")."""
+    trainer = lora_trainer(target_modules=["all-linear"])
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainer._named}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    for version in range(2):
+        trainer.step(on_policy_batch(trainer.model, version), trainer_version=version)
+    engine = engine_for(base_seed=0)
+    engine.load_weights(bytes_to_state_dict(state_dict_to_bytes(trainer.policy_state_dict())), policy_version=2)
+    ids = torch.tensor([[1, 3, 4, 5, 6, 2]])
+    with torch.no_grad():
+        assert torch.allclose(engine.model(ids), trainer.model(ids), atol=1e-5)
+
+
 def test_only_adapter_parameters_require_grad_and_a_step_changes_only_them() -> None:
     trainer = lora_trainer()
     trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
