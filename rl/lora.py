@@ -233,8 +233,10 @@ class AdapterMerge:
     def _weight(self, module: str) -> torch.Tensor:
         p = self.params.get(module + ".weight")
         if p is None:
-            raise EngineError(f"adapter targets {module}, which this engine's model has no weight for; the version "
-                              "belongs to another architecture")
+            raise ConfigError(f"adapter targets {module}, which this engine's model has no weight of its own for (a "
+                              "weight tied to another, or another architecture): every version of this run would be "
+                              "refused, so the replica fails for good; leave that module out of "
+                              "trainer.lora.target_modules")
         return p
 
 

@@ -89,6 +89,18 @@ def test_all_linear_adapts_every_linear_module_but_the_output_head_and_the_engin
         assert torch.allclose(engine.model(ids), trainer.model(ids), atol=1e-5)
 
 
+def test_an_adapter_for_a_module_the_engine_lacks_is_a_permanent_error_naming_it() -> None:
+    """Every version of the run would be refused the same way: a ConfigError (the replica fails for good and the run
+    ends with this message), not an EngineError the replica retries without end."""
+    trainer = lora_trainer()
+    sd = dict(trainer.policy_state_dict())
+    for suffix in (".lora_A.weight", ".lora_B.weight"):
+        sd["lm_head" + suffix] = sd["model.layers.0.self_attn.q_proj" + suffix]
+    with pytest.raises(ConfigError, match=re.escape("adapter targets lm_head, which this engine's model has no weight "
+                                                    "of its own for")):
+        engine_for(base_seed=0).load_weights(sd, policy_version=1)
+
+
 def test_only_adapter_parameters_require_grad_and_a_step_changes_only_them() -> None:
     trainer = lora_trainer()
     trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
