@@ -283,6 +283,13 @@ class TrainerSection(_Section):
         description="Optimizer updates per step: the batch's samples are split into this many minibatches "
         "(count). With 1, pi_theta equals pi_prox at the only update, so tis/decoupled never clip.",
     )
+    micro_batch_samples: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="Samples per forward and backward pass (count): each minibatch goes through in micro-batches "
+        "of this many samples whose gradients add up to its one update (the same update, to float rounding), so the "
+        "trainer holds one micro-batch's activations and logits at a time instead of the minibatch's. Unset: the "
+        "whole minibatch at once. Lower it when the trainer runs out of memory.",
+    )
     max_staleness: int = Field(
         -1, ge=-1,
         description="Drop (and count) samples staler than this many versions; -1 keeps all, except in "

@@ -82,6 +82,11 @@ def check_engines(cfg: RunConfig) -> RunConfig:
             "the modelled trainer has no weights to shard")
     if t.lora is not None:
         _check_lora(cfg)
+    if t.micro_batch_samples is not None and t.backend != "single":
+        raise ConfigError(
+            f"trainer.micro_batch_samples={t.micro_batch_samples} with trainer.backend={t.backend!r} is not "
+            "implemented: its ranks would have to run the same number of micro-batches, in step, for the gradient "
+            "reduction; set trainer.backend = 'single', or remove trainer.micro_batch_samples")
     e = cfg.eval
     if (e.every_steps > 0 or e.at_start or e.at_end) and r.engine != "torch":
         asked = ", ".join(f for f, on in (("eval.every_steps", e.every_steps), ("eval.at_start", e.at_start),

@@ -147,20 +147,23 @@ class Trainer:
                                                                 batch.behaviour_logp))
 
         chunks = torch.arange(len(kept)).tensor_split(min(cfg.minibatches, len(kept)))
+        micro = cfg.micro_batch_samples or len(kept)  # samples per forward and backward pass
         # The proximal policy is the weights at the start of the step. With one minibatch the update's own
-        # forward pass is at those weights, so it serves (detached) and no extra pass is paid; with more, a
-        # no-grad pass first. (The model has no dropout: train and eval modes compute the same.)
+        # forward passes are at those weights (its micro-batches' gradients add up before the one update), so they
+        # serve (detached) and no extra pass is paid; with more, a no-grad pass first, in micro-batches too. (The
+        # model has no dropout: train and eval modes compute the same.)
         self.model.train()
         dp = self.world > 1  # every rank holds the whole batch; the proximal pass below is not split
-        first = self._log_softmax(batch.ids, batch.attention_mask, start) if len(chunks) == 1 and not dp else None
-        with torch.no_grad():
-            logp_all = first.detach() if first is not None else self._log_softmax(batch.ids, batch.attention_mask,
-                                                                                  start)
-            proximal_logp = logp_all.gather(-1, targets[..., None])[..., 0]
-            ent = token_entropy(logp_all)
-            entropy = float((ent * mask).sum() / mask.sum().clamp(min=1))
-        del logp_all
-        drift = behaviour_drift(proximal_logp, behaviour_logp, mask, cfg.tis_cap)
+        reuse = len(chunks) == 1 and not dp
+        proximal_logp = torch.zeros_like(behaviour_logp)
+        entropy_sum = 0.0
+        if not reuse:
+            with torch.no_grad():
+                for part in torch.arange(len(kept)).split(micro):
+                    logp_all = self._log_softmax(batch.ids[part], batch.attention_mask[part], start)
+                    proximal_logp[part] = logp_all.gather(-1, targets[part][..., None])[..., 0]
+                    entropy_sum += float((token_entropy(logp_all) * mask[part]).sum())
+                    del logp_all
 
         lr = cfg.lr * lr_factor(trainer_version, cfg.lr_decay_steps, cfg.lr_min_ratio)
         for group in self.optim.param_groups:
@@ -168,33 +171,43 @@ class Trainer:
         loss_sum, clipped, grad_norms = 0.0, 0.0, []
         for minibatch in chunks:
             rows = minibatch[self.rank :: self.world]  # this rank's share (all of it in one process)
-            logp_all = first if first is not None else self._log_softmax(batch.ids[rows], batch.attention_mask[rows],
-                                                                         start)
-            logp = logp_all.gather(-1, targets[rows][..., None])[..., 0]
-            parts = clipped_token_loss(
-                logp,
-                behaviour_logp[rows],
-                proximal_logp[rows],
-                advantages[rows],
-                mask[rows],
-                eps_low=cfg.eps_low,
-                eps_high=cfg.eps_high,
-                off_policy=cfg.off_policy,
-                tis_cap=cfg.tis_cap,
-                entropy=token_entropy(logp_all) if cfg.entropy_coef > 0 else None,
-                entropy_coef=cfg.entropy_coef,
-            )
-            # data parallel: the loss is the minibatch's token mean, so a rank weighs its own token mean by its
-            # share of the minibatch's tokens, times world because the gradient reduction averages over ranks
-            scale = parts.tokens / max(int(mask[minibatch].sum().item()), 1) * self.world if dp else 1.0
+            minibatch_tokens = max(int(mask[minibatch].sum().item()), 1)
             self.optim.zero_grad(set_to_none=True)
-            (parts.loss * scale).backward()
+            for part in rows.split(micro):
+                logp_all = self._log_softmax(batch.ids[part], batch.attention_mask[part], start)
+                if reuse:
+                    with torch.no_grad():
+                        proximal_logp[part] = logp_all.detach().gather(-1, targets[part][..., None])[..., 0]
+                        entropy_sum += float((token_entropy(logp_all.detach()) * mask[part]).sum())
+                logp = logp_all.gather(-1, targets[part][..., None])[..., 0]
+                parts = clipped_token_loss(
+                    logp,
+                    behaviour_logp[part],
+                    proximal_logp[part],
+                    advantages[part],
+                    mask[part],
+                    eps_low=cfg.eps_low,
+                    eps_high=cfg.eps_high,
+                    off_policy=cfg.off_policy,
+                    tis_cap=cfg.tis_cap,
+                    entropy=token_entropy(logp_all) if cfg.entropy_coef > 0 else None,
+                    entropy_coef=cfg.entropy_coef,
+                )
+                # the update's loss is the minibatch's token mean: each part (a micro-batch, or a rank's share) weighs
+                # its own token mean by its share of the minibatch's tokens; times world in data parallel, because
+                # the gradient reduction averages over the ranks
+                scale = parts.tokens / minibatch_tokens * (self.world if dp else 1)
+                (parts.loss * scale).backward()
+                del logp_all, logp
+                summed = self._all_sum([float(parts.loss.detach()) * parts.tokens,
+                                        parts.clip_fraction * parts.tokens])
+                loss_sum += summed[0]
+                clipped += summed[1]
             norm = torch.nn.utils.clip_grad_norm_(list(self._named.values()), cfg.grad_clip)
             grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
             self.optim.step()
-            summed = self._all_sum([float(parts.loss.detach()) * parts.tokens, parts.clip_fraction * parts.tokens])
-            loss_sum += summed[0]
-            clipped += summed[1]
+        entropy = entropy_sum / max(float(mask.sum()), 1.0)
+        drift = behaviour_drift(proximal_logp, behaviour_logp, mask, cfg.tis_cap)
         self.model.eval()
 
         tokens = int(mask.sum().item())
