@@ -318,11 +318,11 @@ def test_leaving_out_prompt_positions_changes_nothing_in_the_step(minibatches: i
     assert max(float((got[k] - want[k]).abs().max()) for k in got) <= 1e-6
 
 
-@pytest.mark.parametrize("minibatches,micro", [(1, 1), (1, 4), (2, 2), (2, 5)])
+@pytest.mark.parametrize("minibatches,micro", [(1, 4), (2, 2)])
 def test_micro_batches_give_the_same_update_as_the_whole_minibatch(minibatches: int, micro: int) -> None:
     """trainer.micro_batch_samples bounds memory, not the algorithm: the gradients of a minibatch's micro-batches add
     up to its one update. Two steps (AdamW state and the proximal reuse included), a stale batch with every
-    off-policy term active, an entropy bonus, micro-batches that do and do not divide the minibatch."""
+    off-policy term active, an entropy bonus; 6 samples in parts of 4 and 2, and two minibatches of 3 in parts of 2 and 1."""
     base = dict(lr=0.1, minibatches=minibatches, off_policy="tis", tis_cap=2.0, entropy_coef=0.01)
     model, stale = stale_setup()
     reference = build_model(HF, seed=0)
