@@ -144,7 +144,8 @@ async def test_rollout_drill_during_eval_rounds_scores_every_eval_prompt_once(dr
     check_rounds(store, cfg, final, versions=[r["policy_version"] for r in records])
 
 
-@pytest.mark.parametrize("fault", ["relay", "master-relay"])
+# relay: 13 s, slow (`make test` stays under 15 minutes); test_relay_drill_with_one_relay kills a relay in `make test`
+@pytest.mark.parametrize("fault", [pytest.param("relay", marks=pytest.mark.slow), "master-relay"])
 async def test_relay_drills(drill_stack, tmp_path, fault):
     handle = await _start_run(drill_stack)
     report = await _drill(drill_stack, handle, fault, tmp_path)
@@ -247,8 +248,9 @@ MODE_OVERRIDES = {
 }
 
 
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m != "sync" else m
-                                  for m in sorted(MODE_OVERRIDES)])  # 14-75 s each: only sync in `make test`
+# 14-75 s each, all slow (`make test` stays under 15 minutes; test_rollout_drill is the rollout drill it runs)
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", sorted(MODE_OVERRIDES))
 async def test_rollout_drill_in_every_mode(drill_stack, tmp_path, mode):
     handle = await _start_run(drill_stack, *MODE_OVERRIDES[mode])
     report = await _drill(drill_stack, handle, "rollout", tmp_path)
