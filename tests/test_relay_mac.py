@@ -15,7 +15,8 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -211,50 +212,52 @@ def test_replayed_dropped_or_reordered_frames_fail(payload: bytes, fault: str):
             proxy.close()
 
 
+def _one_version_older(when: Callable[[dict], bool]) -> Callable[[dict, bytearray], list[Frame]]:
+    """A FrameProxy rewrite: a frame whose header `when` picks names the protocol version before this one."""
+
+    def older(header: dict, body: bytearray) -> list[Frame]:
+        if when(header):
+            header["proto"] = protocol.PROTOCOL_VERSION - 1
+        return [(header, body)]
+
+    return older
+
+
+@contextmanager
+def _through_proxy(name: str, token: str | None, **rewrite) -> Iterator[tuple[RelayServer, FrameProxy]]:
+    """A relay, and a FrameProxy in front of it rewriting frames (`up=` client to relay, `down=` relay to client)."""
+    with RelayServer(name, token=token) as relay:
+        assert relay.addr is not None
+        proxy = FrameProxy(relay.addr, **rewrite)
+        try:
+            yield relay, proxy
+        finally:
+            proxy.close()
+
+
 def test_a_relay_of_another_protocol_version_is_refused_by_name(payload: bytes):
     """A relay that greets with another protocol version (an older laminar: HMAC-SHA256 payload tags, not keyed
     BLAKE3) is refused at the hello, naming both versions, before any tag could fail as if bytes were altered."""
     token = secrets.token_hex(16)
-
-    def older(header: dict, body: bytearray) -> list[Frame]:
-        if header.get("op") == protocol.OP_HELLO:
-            header["proto"] = protocol.PROTOCOL_VERSION - 1
-        return [(header, body)]
-
-    with RelayServer("r-older", token=token) as relay:
-        assert relay.addr is not None
-        proxy = FrameProxy(relay.addr, down=older)
-        try:
-            want = (rf"speaks relay protocol {protocol.PROTOCOL_VERSION - 1} and this client "
-                    rf"{protocol.PROTOCOL_VERSION}; run the same laminar version")
-            with pytest.raises(RelayError, match=want):
-                client.push(proxy.addr, 1, payload, [], token=token, chunk_bytes=CHUNK)
-            with pytest.raises(RelayError, match=want):
-                client.latest_version(proxy.addr, token=token)
-            assert client.latest_version(relay.addr, token=token) is None  # nothing was sent through it
-        finally:
-            proxy.close()
+    older = _one_version_older(lambda header: header.get("op") == protocol.OP_HELLO)
+    with _through_proxy("r-older", token, down=older) as (relay, proxy):
+        want = (rf"speaks relay protocol {protocol.PROTOCOL_VERSION - 1} and this client "
+                rf"{protocol.PROTOCOL_VERSION}; run the same laminar version")
+        with pytest.raises(RelayError, match=want):
+            client.push(proxy.addr, 1, payload, [], token=token, chunk_bytes=CHUNK)
+        with pytest.raises(RelayError, match=want):
+            client.latest_version(proxy.addr, token=token)
+        assert client.latest_version(relay.addr, token=token) is None  # nothing was sent through it
 
 
 def test_a_client_of_another_protocol_version_is_refused_by_name(payload: bytes):
     """The other way round: a request that names another protocol version (an older trainer or replica) gets an
     error naming both versions from the relay, which admits nothing from it. Without a token: with one, the proxy's
     rewrite of the header would fail the frame MAC first (a real older client's MAC would hold)."""
-    token = None
-
-    def older(header: dict, body: bytearray) -> list[Frame]:
-        if "proto" in header:
-            header["proto"] = protocol.PROTOCOL_VERSION - 1
-        return [(header, body)]
-
-    with RelayServer("r-older-client", token=token) as relay:
-        assert relay.addr is not None
-        proxy = FrameProxy(relay.addr, up=older)
-        try:
-            want = (rf"the client speaks relay protocol {protocol.PROTOCOL_VERSION - 1} and this relay "
-                    rf"{protocol.PROTOCOL_VERSION}")
-            with pytest.raises(RelayError, match=want):
-                client.latest_version(proxy.addr, token=token)
-            assert client.latest_version(relay.addr, token=token) is None
-        finally:
-            proxy.close()
+    with _through_proxy("r-older-client", None, up=_one_version_older(lambda header: "proto" in header)) as (
+            relay, proxy):
+        want = (rf"the client speaks relay protocol {protocol.PROTOCOL_VERSION - 1} and this relay "
+                rf"{protocol.PROTOCOL_VERSION}")
+        with pytest.raises(RelayError, match=want):
+            client.latest_version(proxy.addr, token=None)
+        assert client.latest_version(relay.addr, token=None) is None
