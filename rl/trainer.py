@@ -175,11 +175,13 @@ class Trainer:
             self.optim.zero_grad(set_to_none=True)
             for part in rows.split(micro):
                 logp_all = self._log_softmax(batch.ids[part], batch.attention_mask[part], start)
-                if reuse:
-                    with torch.no_grad():
-                        proximal_logp[part] = logp_all.detach().gather(-1, targets[part][..., None])[..., 0]
-                        entropy_sum += float((token_entropy(logp_all.detach()) * mask[part]).sum())
                 logp = logp_all.gather(-1, targets[part][..., None])[..., 0]
+                ent = token_entropy(logp_all) if cfg.entropy_coef > 0 else None  # the bonus's, and the figure's
+                if reuse:  # this forward pass is at the step's starting weights: it is the proximal policy
+                    proximal_logp[part] = logp.detach()
+                    with torch.no_grad():
+                        step_ent = ent.detach() if ent is not None else token_entropy(logp_all.detach())
+                        entropy_sum += float((step_ent * mask[part]).sum())
                 parts = clipped_token_loss(
                     logp,
                     behaviour_logp[part],
@@ -190,7 +192,7 @@ class Trainer:
                     eps_high=cfg.eps_high,
                     off_policy=cfg.off_policy,
                     tis_cap=cfg.tis_cap,
-                    entropy=token_entropy(logp_all) if cfg.entropy_coef > 0 else None,
+                    entropy=ent,
                     entropy_coef=cfg.entropy_coef,
                 )
                 # the update's loss is the minibatch's token mean: each part (a micro-batch, or a rank's share) weighs
@@ -198,7 +200,7 @@ class Trainer:
                 # the gradient reduction averages over the ranks
                 scale = parts.tokens / minibatch_tokens * (self.world if dp else 1)
                 (parts.loss * scale).backward()
-                del logp_all, logp
+                del logp_all, logp, ent
                 summed = self._all_sum([float(parts.loss.detach()) * parts.tokens,
                                         parts.clip_fraction * parts.tokens])
                 loss_sum += summed[0]
