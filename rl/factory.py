@@ -40,7 +40,7 @@ class EngineTraits:
     modelled_time: bool = False  # its time is modelled: modelled.speedup x faster than wall time, and its decode
     # batch runs at full speed up to modelled.roofline_batch
     every_worker: bool = True  # every rollout worker serves it; False: only a worker set started for it (vLLM)
-    lora: bool = False  # it applies LoRA versions (trainer.lora, rl/lora.py): merges each adapter into base weights
+    lora: bool = False  # it applies LoRA versions (trainer.lora, rl/lora.py) to the run's base weights it holds
     cheap_to_keep: bool = False  # an idle copy holds no memory worth freeing: a replica parked at a continue-as-new
     # (services/rollout/attach.py) that nobody adopted may wait for its adopter instead of being closed at once
 
@@ -55,7 +55,7 @@ class BackendTraits:
 
 
 ENGINE_TRAITS = {"torch": EngineTraits(spare_slots=1, trainers=("torch",), lora=True),
-                 "vllm": EngineTraits(spare_slots=0, trainers=("torch",), every_worker=False),
+                 "vllm": EngineTraits(spare_slots=0, trainers=("torch",), every_worker=False, lora=True),
                  "modelled": EngineTraits(spare_slots=1, trainers=("modelled",), modelled_time=True,
                                           cheap_to_keep=True)}
 BACKEND_TRAITS = {"single": BackendTraits(trainers=("torch", "modelled"), lora=True),
@@ -99,15 +99,15 @@ def check_engines(cfg: RunConfig) -> RunConfig:
 
 
 def _check_lora(cfg: RunConfig) -> None:
-    """trainer.lora needs an engine that merges adapters into base weights it holds (which pairs with a trainer
-    that has weights) and a backend that trains adapters. vLLM would load each version through its LoRA request API
-    (an adapter directory on disk): not built, nor tested (no vLLM with LoRA on a CPU host here)."""
+    """trainer.lora needs an engine that applies adapters to base weights it holds (which pairs with a trainer
+    that has weights: the torch engine merges each version, vLLM serves it through its LoRA requests) and a backend
+    that trains adapters."""
     r, t = cfg.rollout, cfg.trainer
     if not ENGINE_TRAITS[r.engine].lora:
         fits = [name for name, e in ENGINE_TRAITS.items() if e.lora]
         raise ConfigError(
             f"trainer.lora with rollout.engine={r.engine!r} is not implemented: only {fits} apply LoRA versions "
-            "(merged into the base weights the engine holds; vLLM's LoRA request API is not wired yet); set "
+            "(to the base weights the engine holds); set "
             f"rollout.engine to one of {fits} (and trainer.engine to one it pairs with), or remove trainer.lora")
     if not BACKEND_TRAITS[t.backend].lora:
         fits = [name for name, b in BACKEND_TRAITS.items() if b.lora]
@@ -148,11 +148,11 @@ def engines_served(cfg: RunConfig) -> list[str]:
 def build_engine(cfg: RunConfig, *, policy: Policy, seed: int, run_files: RunFiles,
                  run_base: RunBase | None = None) -> tuple[Engine, Any]:
     """(engine, task) of one rollout replica; seed: its sampling seed (the modelled engine samples nothing).
-    run_base: read (once) by a torch engine of a LoRA run, whose versions are adapters (rl/lora.py)."""
-    if cfg.trainer.lora is not None:  # check_engines lets only engines with the lora trait through: torch
+    run_base: read (once) by the engine of a LoRA run, whose versions are adapters (rl/lora.py)."""
+    if cfg.trainer.lora is not None:  # check_engines lets only engines with the lora trait through
         if run_base is None:
-            raise ValueError("trainer.lora is set: a torch engine needs run_base, the run's base weights")
-        return _torch_engine(cfg, policy, seed, run_files, run_base)
+            raise ValueError("trainer.lora is set: the engine needs run_base, the run's base weights")
+        return _ENGINES[cfg.rollout.engine](cfg, policy, seed, run_files, run_base)
     return _ENGINES[cfg.rollout.engine](cfg, policy, seed, run_files)
 
 
@@ -164,14 +164,16 @@ def _modelled_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFi
                           global_sync=policy.global_sync), ModelledTask(cfg)
 
 
-def _vllm_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles):
+def _vllm_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles, run_base: RunBase | None = None):
+    """With run_base (a LoRA run) vLLM holds the base weights and serves each version as a LoRA adapter."""
     from rl.vllm_engine import VllmEngine
 
     r = cfg.rollout  # vLLM builds the architecture from config.json; nothing else imports vllm
     hf, _, task = run_files()
+    lora = {} if run_base is None else {"base": run_base(), "lora_rank": cfg.trainer.lora.r}
     return VllmEngine(hf, max_inflight_seqs=r.max_inflight_groups * r.group_size, max_new_tokens=r.max_new_tokens,
                       max_prompt_len=r.max_prompt_len, temperature=r.temperature, seed=seed, eos_id=task.eos_id,
-                      device=r.device, dtype=r.dtype), task
+                      device=r.device, dtype=r.dtype, **lora), task
 
 
 def _torch_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles, run_base: RunBase | None = None):

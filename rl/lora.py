@@ -26,8 +26,9 @@ Interfaces
   (services/model_files.py `publish_base_weights`, only with LoRA on, sha256 per file); replicas read them when their
   engine is built (`load_run_base`, checked), and so do `laminar eval` and `laminar model export` of an adapter
   checkpoint (services/evaluate.py `load_checkpoint_weights`, services/export.py: a peft directory, or `--merge`).
-- Engines: the torch engine merges (above); the modelled engine ignores tensors; vLLM is refused at config load
-  (laminar/config.py LORA_ROLLOUT_ENGINES) until its LoRA request path is built and tested.
+- Engines: the torch engine merges (above); the vLLM engine (rl/vllm_engine.py) holds the base and serves each
+  version as a LoRA adapter through its LoRA request API (`write_peft_adapter` writes the directory it loads, the
+  fingerprint is checked first: `files_fingerprint`); the modelled engine ignores tensors.
 
 Invariants (tests/test_lora.py)
 1. Only adapter parameters require grad; a trainer step changes no base weight.
@@ -273,8 +274,15 @@ def write_peft_adapter(out: Path, payload: Any, base_model: str = "") -> Path:
 def load_base(model: nn.Module, base: dict[str, torch.Tensor]) -> str:
     """Copy a run's base weights (as its model directory's safetensors hold them) into `model`; returns their
     fingerprint, over the tensors the model has, at the file's precision (as the trainer computed it)."""
-    from rl.model import load_model_state, model_state_dict
+    from rl.model import load_model_state
 
     with torch.no_grad():
-        load_model_state(model, base)
-    return base_fingerprint({k: base[k] for k in model_state_dict(model)})
+        load_model_state(model, base)  # the file's tensors are the model's (bar the two below): else a ConfigError
+    return files_fingerprint(base, tied=bool(model.config.tie_word_embeddings))
+
+
+def files_fingerprint(base: Any, *, tied: bool) -> str:
+    """The fingerprint of a model directory's base weights without a model to load them into (the vLLM engine):
+    over the tensors `model_state_dict` names, i.e. the files' less a tied `lm_head.weight` and rotary buffers."""
+    return base_fingerprint({k: v for k, v in base.items()
+                             if not k.endswith("rotary_emb.inv_freq") and not (tied and k == "lm_head.weight")})

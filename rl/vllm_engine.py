@@ -20,7 +20,13 @@ How the contract maps onto vLLM (0.32):
 - KV usage: the scheduler's block pool (blocks in use x block size, of all blocks but vLLM's null block);
 - one engine per process (vLLM's forward context and parallel groups are process-wide; two engines in one
   process crashed): a second concurrent VllmEngine is an EngineError, and `close()` keeps the engine for the
-  next incarnation of the replica in this process (same shape), which aborts nothing it did not own.
+  next incarnation of the replica in this process (same shape), which aborts nothing it did not own;
+- LoRA (trainer.lora; `base=` the run's base weights, `lora_rank=` its r): vLLM starts with `enable_lora`, the base is
+  loaded once (as any weights are, above) and fingerprinted (rl/lora.py `files_fingerprint`); a version is an
+  adapter payload, checked against that fingerprint, written as a peft directory (rl/lora.py `write_peft_adapter`)
+  and registered with `add_lora` under an id of its own (a version number can come back with other weights after a
+  trainer restore), and every request after it carries its LoRARequest; the previous adapter is removed. The base
+  is never reloaded. vLLM applies the adapter unmerged (its punica kernels) beside the base matmuls.
 
 vLLM's CPU attention supports head_dim 32, 64, 80, 96, 112, 128, 256 (not the tiny default's 16): see
 examples/vllm.toml for a tiny model it runs.
@@ -31,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Iterable, Mapping
@@ -40,7 +47,7 @@ from typing import Any
 
 import torch
 
-from laminar.errors import EngineError
+from laminar.errors import ConfigError, EngineError
 from rl.engine import abort_slots, check_admission, check_resumable, first_free_slot, inflight_state
 from rl.engine_api import Finished, InFlight
 
@@ -48,6 +55,8 @@ _LOCK = threading.Lock()
 _POOL: dict[str, Any] = {}  # key -> vllm.LLM kept for the next incarnation in this process
 _IN_USE: set[str] = set()
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank values (vllm/config/lora.py)
+_LORA_IDS = iter(range(1, 2**31))  # vLLM's adapter ids, unique in this process (pooled engines included)
 GPU_MEMORY_UTILIZATION = 0.45  # share of the GPU vLLM may take (weights + KV); the trainer may share the GPU
 CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when unset: KV cache of a CPU engine (GiB)
 
@@ -77,7 +86,13 @@ class VllmEngine:
         device: str = "cpu",
         dtype: str = "float32",
         workdir: str | Path | None = None,
+        base: Mapping[str, torch.Tensor] | None = None,
+        lora_rank: int | None = None,
     ):
+        """base and lora_rank (a LoRA run, both or neither): the run's base weights (the model directory's
+        safetensors) and trainer.lora.r; versions are then adapters served through vLLM's LoRA requests."""
+        if (base is None) != (lora_rank is None):
+            raise ValueError("a LoRA vLLM engine needs both base (the run's base weights) and lora_rank")
         if max_inflight_seqs < 1 or max_new_tokens < 1 or temperature <= 0:
             raise EngineError(
                 f"engine needs max_inflight_seqs >= 1, max_new_tokens >= 1 and temperature > 0; got "
@@ -105,21 +120,28 @@ class VllmEngine:
         self._tied = bool(hf_config.get("tie_word_embeddings", False))
         self._slots: list[_Req | None] = [None] * max_inflight_seqs
         extra: dict[str, Any] = {} if device == "cpu" else {"gpu_memory_utilization": GPU_MEMORY_UTILIZATION}
-        key = json.dumps([hf_config, device, dtype, max_inflight_seqs, max_prompt_len + max_new_tokens],
-                         sort_keys=True)
+        if lora_rank is not None:
+            fits = [r for r in LORA_RANKS if r >= lora_rank]
+            if not fits:
+                raise ConfigError(f"trainer.lora.r={lora_rank} with rollout.engine='vllm': vLLM serves adapters of "
+                                  f"rank at most {LORA_RANKS[-1]}; set trainer.lora.r to at most that")
+            # one adapter serves at a time (a new version replaces it between batches); two are held while swapping
+            extra.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1, max_cpu_loras=2)
+        key = json.dumps([hf_config, device, dtype, max_inflight_seqs, max_prompt_len + max_new_tokens,
+                          extra.get("max_lora_rank")], sort_keys=True)
         with _LOCK:
             if _IN_USE:
                 raise EngineError(
                     "rollout.engine='vllm': this process already runs a vLLM engine (vLLM keeps process-wide state: "
                     "one engine per process); give each rollout worker one slot (`laminar worker rollout --slots 1`)"
                 )
+            model_dir = Path(workdir or tempfile.gettempdir()) / f"laminar-vllm-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
             llm = _POOL.get(key)
             if llm is None:
                 for old in _POOL.values():  # another shape: only one engine's memory at a time
                     old.llm_engine.engine_core.shutdown()
                 _POOL.clear()
                 # vLLM reads the architecture from a directory: config.json only (the weights come from the relay)
-                model_dir = Path(workdir or tempfile.gettempdir()) / f"laminar-vllm-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
                 model_dir.mkdir(parents=True, exist_ok=True)
                 (model_dir / "config.json").write_text(json.dumps({**hf_config, "torch_dtype": dtype}))
                 llm = LLM(
@@ -137,6 +159,20 @@ class VllmEngine:
             temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, logprobs=0,
             stop_token_ids=[eos_id], ignore_eos=False, detokenize=False, output_kind=RequestOutputKind.DELTA,
         )
+        self.fingerprint: str | None = None  # of the base weights a LoRA engine holds
+        self._lora_dir = model_dir / f"lora-{os.getpid()}"
+        self._adapter: Any = None  # the LoRARequest every request carries (LoRA engines, after the first version)
+        if base is not None:
+            from rl.lora import files_fingerprint
+
+            try:
+                for old in self._engine.list_loras():  # a pooled engine: the previous incarnation's adapter
+                    self._engine.remove_lora(old)
+                self._reload(base)
+            except BaseException:
+                self.close()
+                raise
+            self.fingerprint = files_fingerprint(base, tied=self._tied)
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -148,8 +184,50 @@ class VllmEngine:
                 f"policy_version={self.policy_version} are in flight; load a new policy version only "
                 "between batches"
             )
-        self._reload(state_dict)
+        self._load(state_dict, policy_version)
         self.policy_version = policy_version
+
+    def _load(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        """Full weights in place, or (a LoRA engine) the version's adapter; refused when they do not match."""
+        from rl.lora import is_adapter
+
+        if self.fingerprint is None and not is_adapter(state_dict):
+            self._reload(state_dict)
+            return
+        if self.fingerprint is None:
+            raise EngineError(
+                f"policy_version={policy_version} is a LoRA adapter, but this engine was built without its base "
+                "weights (trainer.lora unset where the engine was built?); build it with base and lora_rank")
+        if not is_adapter(state_dict):
+            raise EngineError(
+                f"policy_version={policy_version} holds full weights, but this engine applies LoRA adapters to "
+                "its base weights; a LoRA run publishes adapters only")
+        self._load_adapter(state_dict, policy_version)
+
+    def _load_adapter(self, payload: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        from rl.lora import fingerprint_of, write_peft_adapter
+
+        got = fingerprint_of(payload)
+        if got != self.fingerprint:
+            raise EngineError(
+                f"policy version was trained on base weights {got[:16]}.. but this engine holds base "
+                f"{str(self.fingerprint)[:16]}..; the version belongs to another base model (another run, or "
+                "model.path changed): restart the replica so it reads its run's base weights")
+        lora_id = next(_LORA_IDS)
+        path = write_peft_adapter(self._lora_dir / str(lora_id), payload)
+        adapter = LoRARequest(f"v{policy_version}-{lora_id}", lora_id, str(path))
+        try:
+            self._engine.add_lora(adapter)  # loaded now: a bad adapter fails here, not in the next step
+        except Exception as e:  # vLLM raises ValueError/RuntimeError for an adapter it cannot serve
+            shutil.rmtree(path, ignore_errors=True)
+            raise ConfigError(f"vLLM refused policy_version={policy_version}'s LoRA adapter: {e}; every version of "
+                              "this run would be refused (check trainer.lora.target_modules against the model)") from e
+        old, self._adapter = self._adapter, adapter
+        if old is not None:  # nothing in flight carries it any more (load_weights, interrupt_and_load)
+            self._engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def _reload(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         tensors = dict(state_dict)
@@ -168,7 +246,7 @@ class VllmEngine:
         held = [r for r in self._slots if r is not None]
         self._engine.abort_request([r.request_id for r in held])
         self._slots = [None] * len(self._slots)
-        self._reload(state_dict)
+        self._load(state_dict, policy_version)
         self.policy_version = policy_version
         tokens = 0
         for r in held:
@@ -200,7 +278,7 @@ class VllmEngine:
                         f"max_new_tokens={self.max_new_tokens}", self.eos_id)
         slot = first_free_slot(self._slots, request_id)
         self._engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids) + prefix_ids},
-                                 self._params(self.max_new_tokens - len(prefix_ids)))
+                                 self._params(self.max_new_tokens - len(prefix_ids)), lora_request=self._adapter)
         self._slots[slot] = _Req(request_id, list(prompt_ids), prefix_ids, prefix_logprobs)
 
     def snapshot_inflight(self) -> list[InFlight]:
@@ -246,5 +324,9 @@ class VllmEngine:
         """Abort what is in flight and hand the vLLM engine back to this process's pool: the replica's next
         incarnation (a hand-over, a retry) reuses it instead of starting vLLM again (~15 s here)."""
         self.abort()
+        if self._adapter is not None:  # the next incarnation loads its own first version
+            self._engine.remove_lora(self._adapter.lora_int_id)
+            shutil.rmtree(self._adapter.lora_path, ignore_errors=True)
+            self._adapter = None
         with _LOCK:
             _IN_USE.discard(self._key)

@@ -12,8 +12,8 @@ Needs a CUDA GPU and the project installed with the `gpu` extra (vLLM's CUDA bui
    bf16 autocast and the run's own profile printed at its end (control-plane waits, publish, ...):
    - full: rollout.engine = "vllm" on CUDA. Eval rounds during training are off: they need the torch engine
      (refused at load with vLLM); `laminar eval CONFIG --checkpoint gpu-smollm2-full` scores a checkpoint after.
-   - LoRA (r = 16 on every linear layer): rollout.engine = "torch" on CUDA in bf16, eval rounds on as in the
-     example. vLLM with a LoRA adapter is refused at config load (docs/guides/lora.md, 'Limits').
+   - LoRA (r = 16 on every linear layer but the head): rollout.engine = "vllm" on CUDA, which holds the base and
+     serves each version as a LoRA adapter (rl/vllm_engine.py); eval rounds off as above.
    Each run's summary goes to OUT/<variant>-summary.json and its output to OUT/<variant>.txt.
 
 Every command runs under its own timeout so the whole stays within 10 minutes (BUDGET_S).
@@ -31,9 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = "examples/smollm2_math.toml"
 BUDGET_S = 600  # the whole script (seconds)
 CUDA = ["--trainer.device=cuda", "--trainer.dtype=bfloat16", "--rollout.device=cuda", "--rollout.dtype=bfloat16"]
+NO_EVAL = ["--eval.at_start=false", "--eval.every_steps=0", "--eval.at_end=false"]  # eval rounds need the torch engine
 VARIANTS = {
-    "full": ["--rollout.engine=vllm", "--eval.at_start=false", "--eval.every_steps=0", "--eval.at_end=false"],
-    "lora": ["--rollout.engine=torch", '--trainer.lora={"r": 16, "alpha": 32, "target_modules": ["all-linear"]}'],
+    "full": ["--rollout.engine=vllm", *NO_EVAL],
+    "lora": ["--rollout.engine=vllm", *NO_EVAL, '--trainer.lora={"r": 16, "alpha": 32, "target_modules": ["all-linear"]}',
+             "--trainer.lr=0.0005"],
 }
 
 

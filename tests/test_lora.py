@@ -56,8 +56,7 @@ def test_config_is_off_by_default_and_errors_name_field_value_and_fix() -> None:
         RunConfig.load(None, ["--trainer.lora.r=0"])
     from rl.factory import check_engines  # the engine rules (names and traits live there)
 
-    with pytest.raises(ConfigError, match="rollout.engine='vllm' is not implemented"):
-        check_engines(RunConfig.load(None, ["--trainer.lora.r=4", "--rollout.engine=vllm"]))
+    check_engines(RunConfig.load(None, ["--trainer.lora.r=4", "--rollout.engine=vllm"]))  # LoRA requests
     with pytest.raises(ConfigError, match="trainer.backend='fsdp'"):
         check_engines(RunConfig.load(None, ["--trainer.lora.r=4", "--trainer.backend=fsdp"]))
     with pytest.raises(ConfigError, match="rollout.engine='modelled' is not implemented"):

@@ -111,3 +111,21 @@ def test_the_gpu_script_refuses_at_once_without_cuda(tmp_path):
     assert "no CUDA GPU" in done.stderr and "run this script on a GPU host" in done.stderr
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
     assert __import__("time").monotonic() - t0 < 60
+
+
+def test_every_gpu_script_variant_is_a_config_the_run_accepts():
+    """The script's runs (full and LoRA, both with vLLM) load and pass check_engines, as `laminar run` checks them
+    (the CUDA flags aside: on a host without CUDA they are a config error by design)."""
+    import importlib.util
+
+    from laminar.config import RunConfig
+    from rl.factory import check_engines
+
+    spec = importlib.util.spec_from_file_location("gpu_smollm2", ROOT / "scripts" / "gpu_smollm2.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert set(script.VARIANTS) == {"full", "lora"}
+    for variant, flags in script.VARIANTS.items():
+        cfg = check_engines(RunConfig.load(ROOT / script.EXAMPLE, [f.removeprefix("--") for f in flags]))
+        assert cfg.rollout.engine == "vllm", variant
+        assert (cfg.trainer.lora is not None) == (variant == "lora"), variant

