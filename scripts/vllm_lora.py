@@ -1,4 +1,4 @@
-"""vLLM serving a pretrained model's LoRA versions, against the same engine loading full versions.
+"""vLLM serving a pretrained model's LoRA versions, against vLLM loading full versions and the torch engine merging.
 
     .venv-vllm/bin/python scripts/vllm_lora.py MODEL_DIR [--r 16] [--versions 5] [--seqs 32] [--json OUT]
 
@@ -8,10 +8,13 @@ SmolLM2-135M-Instruct). In one process, with the run's own code (rl/vllm_engine.
 1. a LoRA trainer on the model (r, alpha = 2 r, every linear module but the head); its adapters are drawn at random
    (std 0.02 for A and B) so that a version moves the log-probs as a trained one does;
 2. a LoRA vLLM engine (the base loaded once from the directory), then `--versions` adapter versions loaded one after
-   another, each timed, and `--seqs` sequences of 64 new tokens generated under the last one (tokens/s); the engine's
+   another, each timed, and `--seqs` sequences of 64 new tokens generated under the last one, twice (the second is
+   timed: tokens/s); the engine's
    recorded log-probs against the LoRA trainer's (peft, unmerged) on the same tokens: the gap per token;
-3. the same engine shape without LoRA, `--versions` full versions loaded (the trainer's merged weights), the same
-   generation: tokens/s and the gap against the merged weights.
+3. the same vLLM engine shape without LoRA, `--versions` full versions loaded (the trainer's merged weights), the
+   same generation: tokens/s and the gap against the merged weights;
+4. the torch engine holding the base, merging each adapter version into it (rl/lora.py AdapterMerge), the same
+   generation (the LoRA engine the run uses on CPU by default).
 
 Wall seconds on this machine; run it alone. It prints a table and writes the figures as JSON with --json.
 """
@@ -94,52 +97,54 @@ def main(argv: list[str] | None = None) -> dict:
     out: dict = {"model_dir": str(a.model_dir), "r": a.r, "seqs": a.seqs, "max_new_tokens": MAX_NEW,
                  "bytes_per_version": {"lora": len(state_dict_to_bytes(payload))}}
 
-    t0 = time.perf_counter()
-    engine = VllmEngine(hf, base=base, lora_rank=a.r, **shape)
-    out["lora_engine_start_s"] = time.perf_counter() - t0  # vLLM start and the base's one load
-    loads = []
-    for v in range(a.versions):
-        t0 = time.perf_counter()
-        engine.load_weights(payload, v)
-        loads.append(time.perf_counter() - t0)
-    _generate(engine, prompts[:2])  # warm-up
-    finished, wall = _generate(engine, prompts)
-    tokens = sum(len(f.response_ids) for f in finished)
-    out["lora"] = {"load_s": loads, "tokens": tokens, "generate_s": wall, "tokens_per_s": tokens / wall,
-                   "gap_max_mean": _gap(trainer, finished)}
-    engine.close()
-
     merged = _merged(trainer)
     out["bytes_per_version"]["full"] = len(state_dict_to_bytes(merged))
     full_trainer = Trainer(_plain(a.model_dir, merged), TrainerSection(), group_size=2, temperature=TEMPERATURE)
-    t0 = time.perf_counter()
-    engine = VllmEngine(hf, **shape)
-    out["full_engine_start_s"] = time.perf_counter() - t0
-    loads = []
-    for v in range(a.versions):
-        t0 = time.perf_counter()
-        engine.load_weights(merged, v)
-        loads.append(time.perf_counter() - t0)
-    _generate(engine, prompts[:2])
-    finished, wall = _generate(engine, prompts)
-    tokens = sum(len(f.response_ids) for f in finished)
-    out["full"] = {"load_s": loads, "tokens": tokens, "generate_s": wall, "tokens_per_s": tokens / wall,
-                   "gap_max_mean": _gap(full_trainer, finished)}
-    engine.close()
 
-    print(f"vLLM on {a.model_dir.name}, {a.seqs} sequences x {MAX_NEW} new tokens, float32, r={a.r}")
-    print(f"{'':38}{'LoRA':>14}{'full':>14}")
-    b = out["bytes_per_version"]
-    print(f"{'bytes per version':38}{b['lora']:>14,}{b['full']:>14,}")
-    print(f"{'engine start (s)':38}{out['lora_engine_start_s']:>14.2f}{out['full_engine_start_s']:>14.2f}")
-    for k in ("lora", "full"):
-        out[k]["load_s_median"] = statistics.median(out[k]["load_s"])
-    print(f"{'load per version, median (s)':38}{out['lora']['load_s_median']:>14.3f}{out['full']['load_s_median']:>14.3f}")
-    print(f"{'generation (tokens/s)':38}{out['lora']['tokens_per_s']:>14.1f}{out['full']['tokens_per_s']:>14.1f}")
-    print(f"{'max |trainer - engine| log-prob':38}{out['lora']['gap_max_mean'][0]:>14.2e}"
-          f"{out['full']['gap_max_mean'][0]:>14.2e}")
-    print(f"{'mean |trainer - engine| log-prob':38}{out['lora']['gap_max_mean'][1]:>14.2e}"
-          f"{out['full']['gap_max_mean'][1]:>14.2e}")
+    def torch_engine():
+        from rl.engine import TorchEngine
+        from rl.lora import load_base
+        from rl.model import build_model
+
+        model = build_model(hf, seed=0)
+        fp = load_base(model, base)
+        kw = {k: v for k, v in shape.items() if k != "dtype"}
+        return TorchEngine(model, None, base_fingerprint=fp, **kw)
+
+    variants = {  # name: (build the engine, the version it loads, the trainer that judges its log-probs)
+        "vllm_lora": (lambda: VllmEngine(hf, base=base, lora_rank=a.r, **shape), payload, trainer),
+        "vllm_full": (lambda: VllmEngine(hf, **shape), merged, full_trainer),
+        "torch_merge": (torch_engine, payload, trainer),
+    }
+    for name, (build, version, judge) in variants.items():
+        t0 = time.perf_counter()
+        engine = build()
+        start_s = time.perf_counter() - t0  # the engine's start and (LoRA) the base's one load
+        loads = []
+        for v in range(a.versions):
+            t0 = time.perf_counter()
+            engine.load_weights(version, v)
+            loads.append(time.perf_counter() - t0)
+        _generate(engine, prompts)  # warm-up: the same batch once (shapes, caches)
+        finished, wall = _generate(engine, prompts)
+        tokens = sum(len(f.response_ids) for f in finished)
+        out[name] = {"start_s": start_s, "load_s": loads, "load_s_median": statistics.median(loads),
+                     "tokens": tokens, "generate_s": wall, "tokens_per_s": tokens / wall,
+                     "gap_max_mean": _gap(judge, finished)}
+        engine.close()
+
+    print(f"{a.model_dir.name}, {a.seqs} sequences x {MAX_NEW} new tokens, float32, r={a.r}, torch threads "
+          f"{torch.get_num_threads()}")
+    names = list(variants)
+    print(f"{'':34}" + "".join(f"{n:>14}" for n in names))
+    rows = [("bytes per version", lambda n: f"{len(state_dict_to_bytes(variants[n][1])):,}"),
+            ("engine start (s)", lambda n: f"{out[n]['start_s']:.2f}"),
+            ("load per version, median (s)", lambda n: f"{out[n]['load_s_median']:.3f}"),
+            ("generation (tokens/s)", lambda n: f"{out[n]['tokens_per_s']:.1f}"),
+            ("max |trainer - engine| log-prob", lambda n: f"{out[n]['gap_max_mean'][0]:.2e}"),
+            ("mean |trainer - engine| log-prob", lambda n: f"{out[n]['gap_max_mean'][1]:.2e}")]
+    for label, cell in rows:
+        print(f"{label:34}" + "".join(f"{cell(n):>14}" for n in names))
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))
     return out

@@ -70,7 +70,9 @@ def test_the_torch_path_never_imports_vllm() -> None:
     assert sys.modules.get("vllm") is None
 
 
-LORA_RUN = ['--trainer.lora={"r": 8, "alpha": 16, "target_modules": ["all-linear"]}', "--trainer.lr=0.01"]
+# LoRA's learning rate on this tiny model: at 0.01 neither engine's LoRA run learned in 150 steps (torch 0.36 -> 0.37,
+# vLLM 0.31 -> 0.15, mean of the first and last 15 steps); at 0.003 both did (0.33 -> 0.53, 0.32 -> 0.54)
+LORA_RUN = ['--trainer.lora={"r": 8, "alpha": 16, "target_modules": ["all-linear"]}', "--trainer.lr=0.003"]
 
 
 @pytest.mark.slow
