@@ -187,6 +187,14 @@ class RolloutSection(_Section):
     device: Device = Field("cpu", description="Where the torch engine runs (`cuda`: the worker's current GPU).")
     dtype: DType = Field(
         "float32", description="Engine weights and KV cache (`bfloat16` on GPU); vLLM computes in it too.")
+    lora_apply: Literal["auto", "adapter", "merge"] = Field(
+        "auto",
+        description="How a vLLM engine applies a LoRA run's versions (trainer.lora): `adapter` serves each through "
+        "vLLM's LoRA requests (milliseconds to load, unmerged matmuls on every token), `merge` writes W + (alpha/r) "
+        "B A into its weights in place (a reload of the whole model per version, decoding at full speed), `auto` "
+        "merges on CPU (vLLM's CPU LoRA kernels decode 3.9x slower than merged weights; docs/guides/lora.md) and "
+        "uses adapters on CUDA. The torch engine always merges.",
+    )
     repack: bool = Field(
         True,
         description="Dynamic repack (laminar mode only; workflows/repack.py): replicas in ramp-down hand their "

@@ -156,6 +156,12 @@ def build_engine(cfg: RunConfig, *, policy: Policy, seed: int, run_files: RunFil
     return _ENGINES[cfg.rollout.engine](cfg, policy, seed, run_files)
 
 
+def lora_merges(cfg: RunConfig) -> bool:
+    """Whether a vLLM engine merges LoRA versions into its weights (rollout.lora_apply; auto: on CPU, where vLLM's
+    LoRA kernels decode several times slower than merged weights) or serves them as LoRA requests."""
+    return cfg.rollout.lora_apply == "merge" or (cfg.rollout.lora_apply == "auto" and cfg.rollout.device == "cpu")
+
+
 def _modelled_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles):
     from rl.modelled import ModelledEngine, ModelledTask
 
@@ -170,7 +176,8 @@ def _vllm_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles,
 
     r = cfg.rollout  # vLLM builds the architecture from config.json; nothing else imports vllm
     hf, _, task = run_files()
-    lora = {} if run_base is None else {"base": run_base(), "lora_rank": cfg.trainer.lora.r}
+    lora = {} if run_base is None else {"base": run_base(), "lora_rank": cfg.trainer.lora.r,
+                                        "lora_merge": lora_merges(cfg)}
     return VllmEngine(hf, max_inflight_seqs=r.max_inflight_groups * r.group_size, max_new_tokens=r.max_new_tokens,
                       max_prompt_len=r.max_prompt_len, temperature=r.temperature, seed=seed, eos_id=task.eos_id,
                       device=r.device, dtype=r.dtype, **lora), task

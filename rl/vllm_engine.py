@@ -26,7 +26,9 @@ How the contract maps onto vLLM (0.32):
   adapter payload, checked against that fingerprint, written as a peft directory (rl/lora.py `write_peft_adapter`)
   and registered with `add_lora` under an id of its own (a version number can come back with other weights after a
   trainer restore), and every request after it carries its LoRARequest; the previous adapter is removed. The base
-  is never reloaded. vLLM applies the adapter unmerged (its punica kernels) beside the base matmuls.
+  is never reloaded. vLLM applies the adapter unmerged (its punica kernels) beside the base matmuls. With
+  `lora_merge` (rollout.lora_apply; the default on CPU, where those kernels decode 3.9x slower) LoRA stays off in
+  vLLM and each version is merged into a copy of the base (rl/lora.py `merged_state_dict`) and reloaded in place.
 
 vLLM's CPU attention supports head_dim 32, 64, 80, 96, 112, 128, 256 (not the tiny default's 16): see
 examples/vllm.toml for a tiny model it runs.
@@ -88,9 +90,11 @@ class VllmEngine:
         workdir: str | Path | None = None,
         base: Mapping[str, torch.Tensor] | None = None,
         lora_rank: int | None = None,
+        lora_merge: bool = False,
     ):
         """base and lora_rank (a LoRA run, both or neither): the run's base weights (the model directory's
-        safetensors) and trainer.lora.r; versions are then adapters served through vLLM's LoRA requests."""
+        safetensors) and trainer.lora.r; versions are then adapters, served through vLLM's LoRA requests, or with
+        lora_merge merged into the base (W + scaling B A) and loaded as full weights."""
         if (base is None) != (lora_rank is None):
             raise ValueError("a LoRA vLLM engine needs both base (the run's base weights) and lora_rank")
         if max_inflight_seqs < 1 or max_new_tokens < 1 or temperature <= 0:
@@ -120,7 +124,7 @@ class VllmEngine:
         self._tied = bool(hf_config.get("tie_word_embeddings", False))
         self._slots: list[_Req | None] = [None] * max_inflight_seqs
         extra: dict[str, Any] = {} if device == "cpu" else {"gpu_memory_utilization": GPU_MEMORY_UTILIZATION}
-        if lora_rank is not None:
+        if lora_rank is not None and not lora_merge:
             fits = [r for r in LORA_RANKS if r >= lora_rank]
             if not fits:
                 raise ConfigError(f"trainer.lora.r={lora_rank} with rollout.engine='vllm': vLLM serves adapters of "
@@ -162,11 +166,12 @@ class VllmEngine:
         self.fingerprint: str | None = None  # of the base weights a LoRA engine holds
         self._lora_dir = model_dir / f"lora-{os.getpid()}"
         self._adapter: Any = None  # the LoRARequest every request carries (LoRA engines, after the first version)
+        self._base = dict(base) if base is not None and lora_merge else None  # what each merge starts from
         if base is not None:
             from rl.lora import files_fingerprint
 
             try:
-                for old in self._engine.list_loras():  # a pooled engine: the previous incarnation's adapter
+                for old in self._engine.list_loras() if self._base is None else ():  # a pooled engine's last adapter
                     self._engine.remove_lora(old)
                 self._reload(base)
             except BaseException:
@@ -215,6 +220,11 @@ class VllmEngine:
                 f"policy version was trained on base weights {got[:16]}.. but this engine holds base "
                 f"{str(self.fingerprint)[:16]}..; the version belongs to another base model (another run, or "
                 "model.path changed): restart the replica so it reads its run's base weights")
+        if self._base is not None:  # merged: the whole model reloaded in place, always from the base
+            from rl.lora import merged_state_dict
+
+            self._reload(merged_state_dict(self._base, payload))
+            return
         lora_id = next(_LORA_IDS)
         path = write_peft_adapter(self._lora_dir / str(lora_id), payload)
         adapter = LoRARequest(f"v{policy_version}-{lora_id}", lora_id, str(path))

@@ -11,9 +11,10 @@ SmolLM2-135M-Instruct). In one process, with the run's own code (rl/vllm_engine.
    another, each timed, and `--seqs` sequences of 64 new tokens generated under the last one, twice (the second is
    timed: tokens/s); the engine's
    recorded log-probs against the LoRA trainer's (peft, unmerged) on the same tokens: the gap per token;
-3. the same vLLM engine shape without LoRA, `--versions` full versions loaded (the trainer's merged weights), the
+3. the same with the adapter merged into vLLM's weights on each load (rollout.lora_apply = "merge");
+4. the same vLLM engine shape without LoRA, `--versions` full versions loaded (the trainer's merged weights), the
    same generation: tokens/s and the gap against the merged weights;
-4. the torch engine holding the base, merging each adapter version into it (rl/lora.py AdapterMerge), the same
+5. the torch engine holding the base, merging each adapter version into it (rl/lora.py AdapterMerge), the same
    generation (the LoRA engine the run uses on CPU by default).
 
 Wall seconds on this machine; run it alone. It prints a table and writes the figures as JSON with --json.
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     variants = {  # name: (build the engine, the version it loads, the trainer that judges its log-probs)
         "vllm_lora": (lambda: VllmEngine(hf, base=base, lora_rank=a.r, **shape), payload, trainer),
+        "vllm_merge": (lambda: VllmEngine(hf, base=base, lora_rank=a.r, lora_merge=True, **shape), payload, trainer),
         "vllm_full": (lambda: VllmEngine(hf, **shape), merged, full_trainer),
         "torch_merge": (torch_engine, payload, trainer),
     }
