@@ -166,28 +166,15 @@ class TorchEngine:
                 f"policy_version={self.policy_version} are in flight; load a new policy version only "
                 "between batches"
             )
-        from rl.lora import is_adapter
+        from rl.lora import version_is_adapter
 
         with torch.no_grad():
-            if self._lora is not None or is_adapter(state_dict):
-                self._load_adapter(state_dict, policy_version)
+            if version_is_adapter(state_dict, policy_version, lora_engine=self._lora is not None,
+                                  build_fix="base_fingerprint"):
+                self._lora.apply(state_dict)  # merged into the base weights it holds (rl/lora.py AdapterMerge)
             else:
                 load_model_state(self.model, state_dict)
         self.policy_version = policy_version
-
-    def _load_adapter(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> None:
-        """A LoRA version: merged into the base weights this engine holds (rl/lora.py AdapterMerge)."""
-        from rl.lora import is_adapter
-
-        if self._lora is None:
-            raise EngineError(
-                f"policy_version={policy_version} is a LoRA adapter, but this engine was built without its base "
-                "weights (trainer.lora unset where the engine was built?); build it with base_fingerprint")
-        if not is_adapter(state_dict):
-            raise EngineError(
-                f"policy_version={policy_version} holds full weights, but this engine applies LoRA adapters to "
-                "its base weights; a LoRA run publishes adapters only")
-        self._lora.apply(state_dict)
 
     def interrupt_and_load(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> int:
         """Partial rollout: stop every in-flight sequence, load the weights, continue each under them.

@@ -202,6 +202,31 @@ class LoraTrainer(Trainer):
                               f"{result.unexpected_keys[:5]}; check trainer.lora.target_modules")
 
 
+def version_is_adapter(sd: Any, policy_version: int, *, lora_engine: bool, build_fix: str) -> bool:
+    """Whether a version an engine is given is an adapter, refusing the two mismatches: an adapter on an engine built
+    without the run's base weights (build_fix: how to build it with them), full weights on a LoRA engine."""
+    adapter = is_adapter(sd)
+    if adapter and not lora_engine:
+        raise EngineError(
+            f"policy_version={policy_version} is a LoRA adapter, but this engine was built without its base "
+            f"weights (trainer.lora unset where the engine was built?); build it with {build_fix}")
+    if lora_engine and not adapter:
+        raise EngineError(
+            f"policy_version={policy_version} holds full weights, but this engine applies LoRA adapters to "
+            "its base weights; a LoRA run publishes adapters only")
+    return adapter
+
+
+def check_base(sd: Any, fingerprint: str) -> None:
+    """EngineError when an adapter payload was trained on another base than the engine's (fingerprint)."""
+    got = fingerprint_of(sd)
+    if got != fingerprint:
+        raise EngineError(
+            f"policy version was trained on base weights {got[:16]}.. but this engine holds base "
+            f"{fingerprint[:16]}..; the version belongs to another base model (another run, or model.path "
+            "changed): restart the replica so it reads its run's base weights")
+
+
 class AdapterMerge:
     """An engine's LoRA state: the base fingerprint and the base weights of the modules adapters target."""
 
@@ -212,12 +237,7 @@ class AdapterMerge:
 
     @torch.no_grad()
     def apply(self, sd: Any) -> None:
-        got = fingerprint_of(sd)
-        if got != self.fingerprint:
-            raise EngineError(
-                f"policy version was trained on base weights {got[:16]}.. but this engine holds base "
-                f"{self.fingerprint[:16]}..; the version belongs to another base model (another run, or model.path "
-                "changed): restart the replica so it reads its run's base weights")
+        check_base(sd, self.fingerprint)
         pairs = adapter_pairs(sd)
         scaling = float(sd[SCALING_KEY].reshape(-1)[0])
         if not self.base:  # the first adapter: keep the base of every module it targets

@@ -194,32 +194,21 @@ class VllmEngine:
 
     def _load(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
         """Full weights in place, or (a LoRA engine) the version's adapter; refused when they do not match."""
-        from rl.lora import is_adapter
+        from rl.lora import version_is_adapter
 
-        if self.fingerprint is None and not is_adapter(state_dict):
+        if version_is_adapter(state_dict, policy_version, lora_engine=self.fingerprint is not None,
+                              build_fix="base and lora_rank"):
+            self._load_adapter(state_dict, policy_version)
+        else:
             self._reload(state_dict)
-            return
-        if self.fingerprint is None:
-            raise EngineError(
-                f"policy_version={policy_version} is a LoRA adapter, but this engine was built without its base "
-                "weights (trainer.lora unset where the engine was built?); build it with base and lora_rank")
-        if not is_adapter(state_dict):
-            raise EngineError(
-                f"policy_version={policy_version} holds full weights, but this engine applies LoRA adapters to "
-                "its base weights; a LoRA run publishes adapters only")
-        self._load_adapter(state_dict, policy_version)
 
     def _load_adapter(self, payload: Mapping[str, torch.Tensor], policy_version: int) -> None:
         from vllm.lora.request import LoRARequest
 
-        from rl.lora import fingerprint_of, write_peft_adapter
+        from rl.lora import check_base, write_peft_adapter
 
-        got = fingerprint_of(payload)
-        if got != self.fingerprint:
-            raise EngineError(
-                f"policy version was trained on base weights {got[:16]}.. but this engine holds base "
-                f"{str(self.fingerprint)[:16]}..; the version belongs to another base model (another run, or "
-                "model.path changed): restart the replica so it reads its run's base weights")
+        assert self.fingerprint is not None
+        check_base(payload, self.fingerprint)
         if self._base is not None:  # merged: the whole model reloaded in place, always from the base
             from rl.lora import merged_state_dict
 
