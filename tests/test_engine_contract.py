@@ -155,13 +155,18 @@ def gaps(subject: Subject, finished: list[Finished], sd: dict[str, torch.Tensor]
     return torch.tensor(out)
 
 
+def close_engine(engine: Engine) -> None:
+    """Hand a module's engine back at the end (vLLM: one engine per process, the next module builds its own)."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+
+
 @pytest.fixture(scope="module", params=ENGINES)
 def subject(request):
     s = Subject(request.param)
     yield s
-    close = getattr(s.engine, "close", None)
-    if close is not None:
-        close()
+    close_engine(s.engine)
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from tests.test_engine_contract import (
     TEMPERATURE,
     TOL,
     A,
+    close_engine,
     needs_cuda,
     needs_vllm,
     rid,
@@ -117,9 +118,7 @@ BASE = Trainer(build_model(HF, seed=0), TrainerSection(), group_size=2, temperat
 def subject(request):
     s = LoraSubject(request.param)
     yield s
-    close = getattr(s.engine, "close", None)
-    if close is not None:
-        close()
+    close_engine(s.engine)
 
 
 @pytest.fixture
