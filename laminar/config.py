@@ -193,7 +193,7 @@ class RolloutSection(_Section):
         "vLLM's LoRA requests (milliseconds to load, unmerged matmuls on every token), `merge` writes W + (alpha/r) "
         "B A into its weights in place (a reload of the whole model per version, decoding at full speed), `auto` "
         "merges on CPU (vLLM's CPU LoRA kernels decode 3.9x slower than merged weights; docs/guides/lora.md) and "
-        "uses adapters on CUDA. The torch engine always merges.",
+        "uses adapters on CUDA. The torch engine always merges (`adapter` with it is a config error).",
     )
     repack: bool = Field(
         True,

@@ -41,6 +41,7 @@ class EngineTraits:
     # batch runs at full speed up to modelled.roofline_batch
     every_worker: bool = True  # every rollout worker serves it; False: only a worker set started for it (vLLM)
     lora: bool = False  # it applies LoRA versions (trainer.lora, rl/lora.py) to the run's base weights it holds
+    lora_requests: bool = False  # it can also serve them unmerged, as LoRA requests (rollout.lora_apply = "adapter")
     cheap_to_keep: bool = False  # an idle copy holds no memory worth freeing: a replica parked at a continue-as-new
     # (services/rollout/attach.py) that nobody adopted may wait for its adopter instead of being closed at once
 
@@ -55,7 +56,8 @@ class BackendTraits:
 
 
 ENGINE_TRAITS = {"torch": EngineTraits(spare_slots=1, trainers=("torch",), lora=True),
-                 "vllm": EngineTraits(spare_slots=0, trainers=("torch",), every_worker=False, lora=True),
+                 "vllm": EngineTraits(spare_slots=0, trainers=("torch",), every_worker=False, lora=True,
+                                      lora_requests=True),
                  "modelled": EngineTraits(spare_slots=1, trainers=("modelled",), modelled_time=True,
                                           cheap_to_keep=True)}
 BACKEND_TRAITS = {"single": BackendTraits(trainers=("torch", "modelled"), lora=True),
@@ -109,6 +111,12 @@ def _check_lora(cfg: RunConfig) -> None:
             f"trainer.lora with rollout.engine={r.engine!r} is not implemented: only {fits} apply LoRA versions "
             "(to the base weights the engine holds); set "
             f"rollout.engine to one of {fits} (and trainer.engine to one it pairs with), or remove trainer.lora")
+    if r.lora_apply == "adapter" and not ENGINE_TRAITS[r.engine].lora_requests:
+        fits = [name for name, e in ENGINE_TRAITS.items() if e.lora_requests]
+        raise ConfigError(
+            f"rollout.lora_apply='adapter' with rollout.engine={r.engine!r}: that engine merges each LoRA version into "
+            f"its weights and serves no LoRA requests (only {fits} do); set rollout.lora_apply to 'auto' or 'merge', "
+            f"or rollout.engine to one of {fits}")
     if not BACKEND_TRAITS[t.backend].lora:
         fits = [name for name, b in BACKEND_TRAITS.items() if b.lora]
         raise ConfigError(

@@ -201,6 +201,9 @@ def test_the_factory_builds_every_lora_engine_and_refuses_a_rank_vllm_cannot_ser
             is merges, (apply, device)
     with pytest.raises(ConfigError, match="rollout.lora_apply"):
         RunConfig.load(None, ["rollout.lora_apply=sometimes"])
+    with pytest.raises(ConfigError, match="rollout.lora_apply='adapter' with rollout.engine='torch'"):
+        check_engines(RunConfig.load(None, ["rollout.lora_apply=adapter", *lora]))
+    check_engines(RunConfig.load(None, ["rollout.lora_apply=merge", *lora]))  # what the torch engine does anyway
     if not HAS_VLLM:  # the rank check lives in the vLLM engine (tests/test_vllm_engine.py runs this in .venv-vllm)
         return
     from rl.vllm_engine import VllmEngine
