@@ -199,13 +199,14 @@ def _parked_in(logs: list[Path], offsets: dict[Path, int]) -> Path | None:
     return None
 
 
-async def test_a_kept_replica_whose_process_is_killed_starts_afresh_on_the_shared_queue(stack):
-    cfg = small_config("run.steps=8", "run.continue_as_new_every=2", "run.handover_keep=true")
-    names = ["rollout-host-0", "rollout-host-1"]
-    logs = [stack.launcher.processes[n].log_path for n in names]
+ATTEMPTS = 3  # runs of the kill-at-park test, each a fresh workflow (its docstring)
+
+
+async def _kill_at_the_first_park(stack, cfg, names, logs):
+    """Start a run, SIGKILL the rollout process whose log first shows a parked replica, wait for the supervisor to
+    restart it, and return (handle, the run's final status)."""
     offsets = {log: log.stat().st_size for log in logs}
     handle = await start_workflow(stack.client, cfg)
-    # the first park: kill that process at once, before or just after the next segment adopts the replica there
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while (log := _parked_in(logs, offsets)) is None:
         assert time.monotonic() < deadline, "no replica parked"
@@ -215,10 +216,29 @@ async def test_a_kept_replica_whose_process_is_killed_starts_afresh_on_the_share
     victim.proc.wait(10)
     # the supervisor brings the process back (a new one: another own queue); the survivor's one slot is its own replica's
     wait_until(lambda: victim.name in stack.launcher.supervise(), 30, "the launcher to restart the rollout worker")
-    final: RunStatus = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
-    _check_accounting(final, cfg.run.steps, cfg.trainer.groups_per_step)
-    not_adopted = [e.subject for e in final.events if e.kind == "replica_not_adopted"]
-    assert len(not_adopted) == 1, final.events
+    return handle, await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+
+
+async def test_a_kept_replica_whose_process_is_killed_starts_afresh_on_the_shared_queue(stack):
+    """The kill must land between a replica's park and its adoption by the next segment: a window of tens of
+    milliseconds that this test, polling the logs, can miss on a loaded machine (a clean-clone CI run did). When the
+    replica was adopted before the kill, the run recovers it as any dead replica (checked), and the test tries again
+    with a new run: up to ATTEMPTS runs, each of which must account for every group."""
+    names = ["rollout-host-0", "rollout-host-1"]
+    logs = [stack.launcher.processes[n].log_path for n in names]
+    missed = 0  # runs whose kill landed after the adoption
+    while True:
+        cfg = small_config("run.steps=8", "run.continue_as_new_every=2", "run.handover_keep=true")  # a new run id
+        handle, final = await _kill_at_the_first_park(stack, cfg, names, logs)
+        _check_accounting(final, cfg.run.steps, cfg.trainer.groups_per_step)
+        not_adopted = [e.subject for e in final.events if e.kind == "replica_not_adopted"]
+        if not_adopted or missed + 1 == ATTEMPTS:
+            break
+        # adopted before the kill: the dead process's replica was recovered like any other, nothing lost (above)
+        assert [e for e in final.events if e.kind == "replica_recovered"], final.events
+        missed += 1
+    print(f"kill at park: {missed} of {missed + 1} runs adopted the replica before the kill")
+    assert len(not_adopted) == 1, (f"{missed + 1} runs", final.events)
     histories = await history_chain(stack.client, handle.id)
     # the segment after the kill: the replica's activity on the killed process's queue ended without it (not taken
     # within the schedule-to-start timeout), and a second one on the shared queue took over
