@@ -192,7 +192,7 @@ class RolloutSection(_Section):
         description="How a vLLM engine applies a LoRA run's versions (trainer.lora): `adapter` serves each through "
         "vLLM's LoRA requests (milliseconds to load, unmerged matmuls on every token), `merge` writes W + (alpha/r) "
         "B A into its weights in place (a reload of the whole model per version, decoding at full speed), `auto` "
-        "merges on CPU (vLLM's CPU LoRA kernels decode 3.9x slower than merged weights; docs/guides/lora.md) and "
+        "merges on CPU (vLLM's CPU LoRA kernels decode 3.7x slower than merged weights; docs/guides/lora.md) and "
         "uses adapters on CUDA. The torch engine always merges (`adapter` with it is a config error).",
     )
     repack: bool = Field(

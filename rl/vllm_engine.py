@@ -27,7 +27,7 @@ How the contract maps onto vLLM (0.32):
   and registered with `add_lora` under an id of its own (a version number can come back with other weights after a
   trainer restore), and every request after it carries its LoRARequest; the previous adapter is removed. The base
   is never reloaded. vLLM applies the adapter unmerged (its punica kernels) beside the base matmuls. With
-  `lora_merge` (rollout.lora_apply; the default on CPU, where those kernels decode 3.9x slower) LoRA stays off in
+  `lora_merge` (rollout.lora_apply; the default on CPU, where those kernels decode 3.7x slower) LoRA stays off in
   vLLM and each version is merged into a copy of the base (rl/lora.py `merged_state_dict`) and reloaded in place.
 
 vLLM's CPU attention supports head_dim 32, 64, 80, 96, 112, 128, 256 (not the tiny default's 16): see

@@ -191,7 +191,7 @@ def test_the_factory_builds_every_lora_engine_and_refuses_a_rank_vllm_cannot_ser
         check_engines(RunConfig.load(None, [f"rollout.engine={engine}", *lora]))
     with pytest.raises(ConfigError, match="trainer.lora with rollout.engine='modelled'"):
         check_engines(RunConfig.load(None, ["rollout.engine=modelled", "trainer.engine=modelled", *lora]))
-    # rollout.lora_apply: auto merges on CPU (vLLM's CPU LoRA kernels decode 3.9x slower), serves adapters on CUDA
+    # rollout.lora_apply: auto merges on CPU (vLLM's CPU LoRA kernels decode 3.7x slower), serves adapters on CUDA
     from rl.factory import lora_merges
 
     for apply, device, merges in [("auto", "cpu", True), ("auto", "cuda", False), ("adapter", "cpu", False),
