@@ -179,7 +179,8 @@ def _modelled_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFi
 
 
 def _vllm_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles, run_base: RunBase | None = None):
-    """With run_base (a LoRA run) vLLM holds the base weights and serves each version as a LoRA adapter."""
+    """With run_base (a LoRA run) vLLM holds the base weights and applies each version as a LoRA request or merged
+    into them (lora_merges)."""
     from rl.vllm_engine import VllmEngine
 
     r = cfg.rollout  # vLLM builds the architecture from config.json; nothing else imports vllm

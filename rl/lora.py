@@ -26,9 +26,10 @@ Interfaces
   (services/model_files.py `publish_base_weights`, only with LoRA on, sha256 per file); replicas read them when their
   engine is built (`load_run_base`, checked), and so do `laminar eval` and `laminar model export` of an adapter
   checkpoint (services/evaluate.py `load_checkpoint_weights`, services/export.py: a peft directory, or `--merge`).
-- Engines: the torch engine merges (above); the vLLM engine (rl/vllm_engine.py) holds the base and serves each
-  version as a LoRA adapter through its LoRA request API (`write_peft_adapter` writes the directory it loads, the
-  fingerprint is checked first: `files_fingerprint`); the modelled engine ignores tensors.
+- Engines: the torch engine merges (above); the vLLM engine (rl/vllm_engine.py) holds the base (fingerprinted by
+  `files_fingerprint`) and, by rollout.lora_apply, serves each version through its LoRA request API
+  (`write_peft_adapter` writes the directory it loads) or merges it (`merged_state_dict`) and reloads; both check
+  the fingerprint first (`check_base`); the modelled engine ignores tensors.
 
 Invariants (tests/test_lora.py)
 1. Only adapter parameters require grad; a trainer step changes no base weight.
