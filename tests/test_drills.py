@@ -18,7 +18,7 @@ from client.connect import connect, store_for
 from client.run_control import start_workflow
 from client.settings import Settings
 from devstack.stack import DevStack
-from laminar.contract import DrillInput, DrillReport, RunStatus
+from laminar.contract import PREEMPT_ROLES, DrillInput, DrillReport, RunStatus
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import assert_all_payloads_small, terminate_running
@@ -188,12 +188,16 @@ async def test_trainer_drill(drill_stack, tmp_path):
 
 
 @pytest.mark.slow  # a LoRA run's drills: the trainer restores its adapter, a new replica reads the base from the store;
-# in partial_rollout the resumed groups continue on the adapter version they started on (merged into the same base)
-@pytest.mark.parametrize(("fault", "mode"), [("rollout", "laminar"), ("trainer", "laminar"),
-                                             ("rollout", "partial_rollout")])
-async def test_drills_with_lora(drill_stack, tmp_path, fault, mode):
+# in partial_rollout the resumed groups continue on the adapter version they started on (merged into the same base);
+# every fault of laminar/contract.py FAULTS, preempt at each of its roles
+@pytest.mark.parametrize(("fault", "mode", "kw"), [
+    ("rollout", "laminar", {}), ("trainer", "laminar", {}), ("rollout", "partial_rollout", {}),
+    ("relay", "laminar", {}), ("master-relay", "laminar", {}), ("control", "laminar", {}),
+    ("store", "laminar", {"outage_s": 3.0}), *(("preempt", "laminar", {"target": role}) for role in PREEMPT_ROLES)],
+    ids=lambda v: v.get("target", "") if isinstance(v, dict) else v)
+async def test_drills_with_lora(drill_stack, tmp_path, fault, mode, kw):
     handle = await _start_run(drill_stack, 'trainer.lora={"r": 4, "alpha": 8}', f"run.mode={mode}")
-    report = await _drill(drill_stack, handle, fault, tmp_path)
+    report = await _drill(drill_stack, handle, fault, tmp_path, **kw)
     _assert_recovered(report, fault)
     if fault == "trainer":
         assert 0 <= report.steps_redone <= 3
