@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{torch.get_num_threads()}")
     names = list(variants)
     print(f"{'':34}" + "".join(f"{n:>14}" for n in names))
-    rows = [("bytes per version", lambda n: f"{len(state_dict_to_bytes(variants[n][1])):,}"),
+    size = out["bytes_per_version"]  # measured once per kind of version, above
+    rows = [("bytes per version", lambda n: f"{size['full' if variants[n][1] is merged else 'lora']:,}"),
             ("engine start (s)", lambda n: f"{out[n]['start_s']:.2f}"),
             ("load per version, median (s)", lambda n: f"{out[n]['load_s_median']:.3f}"),
             ("generation (tokens/s)", lambda n: f"{out[n]['tokens_per_s']:.1f}"),
