@@ -57,6 +57,7 @@ from bench.control_plan import (
     intervals,
     latency_summary,
     predicted_updates_per_s,
+    replica_stalls,
     run_overrides,
     workflow_task_latencies,
 )
@@ -107,6 +108,8 @@ class Records:
     first_claims: list[tuple[int, float]] = field(default_factory=list)  # (generation, answered at)
     returns: list[tuple[int, float, int]] = field(default_factory=list)  # (generation, at, groups written out)
     parked: list[tuple[int, float, int]] = field(default_factory=list)  # (generation, at, groups kept in memory)
+    parks: list[tuple[str, int, float]] = field(default_factory=list)  # (replica, generation, parked at)
+    resumes: list[tuple[str, int, float]] = field(default_factory=list)  # (replica, generation, first claim answered)
     errors: list[str] = field(default_factory=list)
     steps: dict[int, dict] = field(default_factory=dict)  # the trainer stub's step records (chaos/checker.py)
     claimed: set[str] = field(default_factory=set)  # replicas that have claimed once
@@ -188,6 +191,7 @@ class SyntheticReplica:
         keep "generating"), nothing is written out; the next segment's activity re-attaches it."""
         held = len(self.groups) + len(self.completed)
         self.run.rec.parked.append((self.inp.generation, time.monotonic(), held))
+        self.run.rec.parks.append((self.inp.replica_id, self.inp.generation, time.monotonic()))
         self.run.rec.returns.append((self.inp.generation, time.monotonic(), 0))
         self.run.parking.park(self.inp.workflow_id, self.inp.replica_id, self, time.monotonic())
         return RolloutReplicaResult(replica_id=self.inp.replica_id, groups_completed=0, tokens_generated=0,
@@ -213,6 +217,7 @@ class SyntheticReplica:
                                                      request_id=self._request_id()))
         now = time.monotonic()
         self.run.rec.first_claims.append((self.inp.generation, now))
+        self.run.rec.resumes.append((rid, self.inp.generation, now))
         self.run.rec.claimed.add(rid)
         self.version = max(self.version, first.newest_policy_version)
         if (first.stop or first.handover) and old is not None:
@@ -582,6 +587,9 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
             "groups_written_total": sum(h.groups_written for h in hos),
             # groups replicas kept in memory across the hand-overs (run.handover_keep: parked and re-attached)
             "groups_kept_total": sum(n for _, _, n in rec.parked),
+            # each kept replica's own time without generating: its park to its first claim answered in the next
+            # segment (what sim/params.py CONTROL_KEEP_STALL_S charges a replica per continue-as-new)
+            "replica_stall_s": latency_summary(replica_stalls(rec.parks, rec.resumes)),
             "handover_keep": opts.handover_keep,
             "trainer_stalls_s": list(final.handover_stalls) if final is not None else [],
         },

@@ -205,6 +205,17 @@ def handovers(told: Iterable[tuple[int, float, int]], resumed: Iterable[tuple[in
     return out
 
 
+def replica_stalls(parked: Iterable[tuple[str, int, float]], resumed: Iterable[tuple[str, int, float]]) -> list[float]:
+    """Each kept replica's own stall at a hand-over: from its park in generation g (replica, g, when it parked) to its
+    first claim answered in generation g + 1 (replica, g + 1, when). The time it generated nothing, which is what
+    the simulator charges a replica per continue-as-new (sim/params.py CONTROL_KEEP_STALL_S). A replica parked and
+    never resumed (the run stopped, or it was started afresh) has no stall here."""
+    first: dict[tuple[str, int], float] = {}
+    for rid, gen, at in resumed:
+        first[(rid, gen)] = min(at, first.get((rid, gen), at))
+    return [first[(rid, gen + 1)] - at for rid, gen, at in parked if (rid, gen + 1) in first]
+
+
 def done_when(cell_result: dict[str, Any]) -> list[tuple[str, bool, str]]:
     """Issue 32's done-when on one cell's result: (what, holds, the value)."""
     p99 = max((u["p99_s"] or 0.0 for u in cell_result["updates"].values()), default=0.0)

@@ -455,7 +455,7 @@ def render_control_table(report: dict) -> Table:
                         f"{report['config']['duration_s']:g} s per cell ({report['config']['date']})")
     for col in ("cell", "R", "groups/s", "updates/s (pred.)", "p50 ms", "p99 ms", "max ms", "wf task p99 ms",
                 "server CPU", "control CPU", "bench CPU", "CPU ms/update server, control", "server MiB", "events/s",
-                "CAN every s", "hand-over s", "written", "lost", "twice", "load"):
+                "CAN every s", "hand-over s", "replica stall p50/max s", "written", "lost", "twice", "load"):
         table.add_column(col, justify="right")
 
     def ms(v):
@@ -466,7 +466,7 @@ def render_control_table(report: dict) -> Table:
 
     for r in report["results"]:
         if r.get("error"):
-            table.add_row(r["cell"], str(r["replicas"]), *["-"] * 17, f"failed: {r['error'][:60]}")
+            table.add_row(r["cell"], str(r["replicas"]), *["-"] * 18, f"failed: {r['error'][:60]}")
             continue
         a, can, per = r["all_updates"], r["continue_as_new"], r["cpu_ms_per_update"]
         table.add_row(r["cell"], str(r["replicas"]), f"{r['groups_per_s_target']:.1f}",
@@ -477,6 +477,8 @@ def render_control_table(report: dict) -> Table:
                       f"{f(per['temporal_server'], '{:.1f}')}, {f(per['control_worker'], '{:.1f}')}",
                       f(r["server_rss_mib"]["max"], "{:.0f}"),
                       f"{r['history_events_per_s']:.0f}", f(can["interval_s"]["p50_s"], "{:.0f}"),
-                      f(can["stall_s"]["p50_s"]), str(can["groups_written_total"]), str(r["groups_lost"]),
+                      f(can["stall_s"]["p50_s"]),
+                      f"{f(can['replica_stall_s']['p50_s'])}/{f(can['replica_stall_s']['max_s'])}",
+                      str(can["groups_written_total"]), str(r["groups_lost"]),
                       str(r["groups_consumed_twice"]), f(r["load_avg_1m"]["mean"]))
     return table

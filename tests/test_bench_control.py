@@ -17,6 +17,7 @@ from bench.control_plan import (
     done_when,
     draw_hold_s,
     handovers,
+    replica_stalls,
     heaviest,
     intervals,
     latency_summary,
@@ -118,6 +119,15 @@ def test_handovers_pair_returns_with_the_next_segments_first_claims():
     assert h[0].stall_s == pytest.approx(1.5) and h[0].returned_at == 10.4
     assert h[1].stall_s == pytest.approx(0.5)
     assert handovers([(3, 5.0, 1)], [])[0].stall_s is None  # the run stopped before the next segment claimed
+
+
+def test_replica_stalls_pair_each_park_with_that_replicas_first_claim_in_the_next_segment():
+    parks = [("r0", 0, 10.0), ("r1", 0, 10.2), ("r0", 1, 40.0), ("r2", 0, 10.1)]
+    resumed = [("r0", 0, 1.0), ("r1", 0, 1.1), ("r1", 1, 10.5), ("r0", 1, 11.0), ("r0", 1, 12.0), ("r0", 2, 40.3)]
+    # r0: 10.0 -> 11.0 (its first answer of generation 1, not a later one), r1: 10.2 -> 10.5, r0 again: 40.0 -> 40.3;
+    # r2 never resumed (started afresh elsewhere, or the run stopped): no stall
+    assert replica_stalls(parks, resumed) == pytest.approx([1.0, 0.3, 0.3])
+    assert replica_stalls(parks, []) == []
 
 
 def _result(p99: float, lost: int = 0, twice: int = 0, every: float | None = 400.0, written: int = 10) -> dict:
