@@ -17,12 +17,12 @@ from bench.control_plan import (
     done_when,
     draw_hold_s,
     handovers,
-    replica_stalls,
     heaviest,
     intervals,
     latency_summary,
     percentile,
     predicted_updates_per_s,
+    replica_stalls,
     run_overrides,
     workflow_task_latencies,
 )
