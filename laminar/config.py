@@ -30,6 +30,18 @@ Device = Literal["cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 
+
+# The server's limit on updates per workflow run (history.maxTotalUpdates, temporalio/temporal
+# common/dynamicconfig/constants.go: "The limit on the total number of distinct updates in this workflow has been
+# reached (2000)"). A workflow task that would accept one more fails, and fails again on every retry: the run is
+# wedged for good (measured: `laminar bench control` at 160 replicas, docs/benchmarks/control.md). A segment hands
+# over early enough that its replicas and relays cannot take it there (workflows/timeouts.py updates_budget).
+SERVER_MAX_TOTAL_UPDATES = 2000
+UPDATES_RESERVE = 50  # updates besides the replicas' a segment may take after it told them (operator, relay notice)
+# The most replicas and relays one run may have: each may take two updates past a hand-over's start, and a segment
+# must still hold at least 100 of its own.
+MAX_UPDATE_SENDERS = (SERVER_MAX_TOTAL_UPDATES - UPDATES_RESERVE - 100) // 2
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -543,6 +555,14 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _modes_fit(self) -> RunConfig:
+        senders = self.rollout.replicas + self.relay.relays
+        if senders > MAX_UPDATE_SENDERS:
+            raise ValueError(
+                f"rollout.replicas={self.rollout.replicas} + relay.relays={self.relay.relays} = {senders}: one run's "
+                f"workflow carries at most {MAX_UPDATE_SENDERS} replicas and relays (the server accepts "
+                f"{SERVER_MAX_TOTAL_UPDATES} updates per run and each may send two while a segment hands over); "
+                f"give fewer, larger replicas"
+            )
         lookahead = lookahead_of(self.run.mode)
         need = (lookahead + 1) * self.trainer.groups_per_step if lookahead is not None else 0
         if self.rollout.max_ready_groups < need:

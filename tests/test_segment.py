@@ -85,3 +85,30 @@ def test_a_new_run_and_a_continued_one_parse():
 def test_a_bad_input_is_a_config_error(inp, message):
     with pytest.raises(ConfigError, match=message):
         parse_input(inp)
+
+
+DEFAULT = RunConfig.load(None, ["run.steps=10"])
+
+
+@pytest.mark.parametrize(("senders", "updates", "hands_over"), [
+    (4, 1499, False), (4, 1500, True),  # few replicas: run.updates_per_segment (1,500)
+    (300, 1349, False), (300, 1350, True),  # 300 replicas and relays: 2,000 - 2 x 300 - 50
+])
+def test_a_run_with_many_replicas_hands_over_before_it_can_reach_the_server_s_update_limit(senders, updates,
+                                                                                           hands_over):
+    seg = Segment(updates=updates)
+    assert seg.should_continue_as_new(RunState(run_id="r", step=4), DEFAULT, Info(10), senders) is hands_over
+
+
+def test_the_budget_leaves_every_sender_two_updates_below_the_server_s_limit_up_to_the_most_a_run_may_have():
+    from laminar.config import MAX_UPDATE_SENDERS, SERVER_MAX_TOTAL_UPDATES, UPDATES_RESERVE
+    from workflows.timeouts import HANDOVER_UPDATES_CAP, updates_budget
+
+    for senders in range(1, MAX_UPDATE_SENDERS + 1):
+        cap = min(HANDOVER_UPDATES_CAP, updates_budget(senders))
+        # the task that crosses the cap accepts at most one update per sender, the hand-over's answers one more each
+        assert cap + 2 * senders + UPDATES_RESERVE <= SERVER_MAX_TOTAL_UPDATES, senders
+        assert cap >= 100, senders
+    with pytest.raises(ConfigError, match="at most 925 replicas and relays"):
+        RunConfig.load(None, ["rollout.replicas=924", "relay.relays=2"])
+    RunConfig.load(None, ["rollout.replicas=923", "relay.relays=2"])

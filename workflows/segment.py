@@ -16,6 +16,7 @@ from laminar.errors import ConfigError
 from rl.factory import check_engines
 from workflows.carry import decode_state
 from workflows.state import RunState
+from workflows.timeouts import updates_budget
 
 
 class HistoryInfo(Protocol):
@@ -37,20 +38,22 @@ class Segment:
     closing: bool = False  # draining for continue-as-new or finish: relay watchers and the watchdog stop
     finished: bool = False  # the run returned its final status
 
-    def full(self, cfg: RunConfig, info: HistoryInfo) -> bool:
-        """The segment is near a server limit (events, updates) or the server suggests a new one."""
+    def full(self, cfg: RunConfig, info: HistoryInfo, senders: int = 0) -> bool:
+        """The segment is near a server limit (events, updates: run.updates_per_segment, or fewer for a run whose
+        `senders` of updates, replicas and relays, would otherwise take it past the server's limit while it hands
+        over: timeouts.updates_budget) or the server suggests a new one."""
         return (info.get_current_history_length() >= cfg.run.history_events_per_segment
-                or self.updates >= cfg.run.updates_per_segment
+                or self.updates >= min(cfg.run.updates_per_segment, updates_budget(senders))
                 or info.is_continue_as_new_suggested())
 
-    def should_continue_as_new(self, state: RunState, cfg: RunConfig, info: HistoryInfo) -> bool:
+    def should_continue_as_new(self, state: RunState, cfg: RunConfig, info: HistoryInfo, senders: int = 0) -> bool:
         """Hand over now: the segment is full, or run.continue_as_new_every steps were taken in it (never at the
         run's end, nor while it stops)."""
         if state.step >= cfg.run.steps or state.stopping:
             return False
         every = cfg.run.continue_as_new_every
         forced = every > 0 and state.step > self.first_step and state.step % every == 0
-        return forced or self.full(cfg, info)
+        return forced or self.full(cfg, info, senders)
 
     def may_start(self, state: RunState) -> bool:
         """New replicas and relays are started now (else the next segment starts them, from the state)."""

@@ -10,6 +10,8 @@ from datetime import timedelta
 
 from temporalio.common import RetryPolicy
 
+from laminar.config import SERVER_MAX_TOTAL_UPDATES, UPDATES_RESERVE
+
 # -- TrainingRunWorkflow -------------------------------------------------------------------------
 
 # run_rollout_replica and run_relay live as long as their history segment; their heartbeat timeout is the
@@ -42,8 +44,19 @@ RELAY_REJOIN_HEARTBEATS = 2
 DRAIN = timedelta(seconds=120)
 # A continue-as-new with kept replicas (run.handover_keep) first lets the trainer's activities in flight return while
 # the replicas go on claiming and reporting; past this many updates in the segment it tells them anyway (the server
-# refuses more than history.maxTotalUpdates = 2,000 per run: a refused update is sent again, to the next segment)
+# refuses more than history.maxTotalUpdates = 2,000 per run: a refused update is sent again, to the next segment),
+# or earlier for a run with many replicas (updates_budget).
 HANDOVER_UPDATES_CAP = 1900
+
+
+def updates_budget(contacts: int) -> int:
+    """The most updates a segment may have handled when it tells `contacts` senders of updates (rollout replicas and
+    relays) to hand over, so that the run never reaches the server's limit: past it, each sender may have one update
+    accepted in the workflow task that crossed it (a replica has one contact in flight at a time) and one more that
+    the hand-over answers, besides the reserve. Negative when `contacts` is more than one run can carry
+    (laminar/config.py MAX_UPDATE_SENDERS refuses such a config)."""
+    return SERVER_MAX_TOTAL_UPDATES - 2 * contacts - UPDATES_RESERVE
+
 # A replica parked at a continue-as-new is started in the next segment on its process's own queue; a process that
 # does not take it within this long is taken for gone (the server does not retry a schedule-to-start timeout) and the
 # replica starts afresh on the shared queue. A live worker polls its queue at once: this is the margin for a loaded

@@ -33,7 +33,7 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from laminar import contract, search
-    from laminar.config import RunConfig
+    from laminar.config import MAX_UPDATE_SENDERS, RunConfig
     from laminar.contract import (
         CONTROL_QUEUE,
         AddExperienceInput,
@@ -131,7 +131,7 @@ class TrainingRunWorkflow:
         self.board.upsert_search_attributes()
         self.trainer.ahead = workflow.patched("train-ahead")
         while self.state.step < self._cfg.run.steps and not self.state.stopping:
-            if self.seg.should_continue_as_new(self.state, self._cfg, workflow.info()):
+            if self.seg.should_continue_as_new(self.state, self._cfg, workflow.info(), self._senders()):
                 await self._continue_as_new()
             if not await self._wait_for_batch():
                 break
@@ -152,7 +152,7 @@ class TrainingRunWorkflow:
         assert self._cfg is not None
         cfg, t0, idle = self._cfg, workflow.time(), not self.trainer.flights
         await workflow.wait_condition(lambda: self.state.stopping or self.trainer.has_batch()
-                                      or self.seg.full(cfg, workflow.info())
+                                      or self.seg.full(cfg, workflow.info(), self._senders())
                                       or self.replicas.failed() is not None or self.relays.republish_wanted
                                       or bool(self.state.leaving and self.replicas.left())
                                       or self.trainer.returned())
@@ -381,6 +381,11 @@ class TrainingRunWorkflow:
             check_target(inp.replicas)
         if inp.relays is not None:
             plan_relays(self.relays.ids(), inp.relays)  # raises on a target out of range
+        replicas = inp.replicas if inp.replicas is not None else len(self.replicas.ids())
+        relays = inp.relays if inp.relays is not None else len(self.relays.ids())
+        if replicas + relays > MAX_UPDATE_SENDERS:
+            raise ValueError(f"scale: {replicas} replicas and {relays} relays: one run's workflow carries at most "
+                             f"{MAX_UPDATE_SENDERS} of them together (the server accepts 2,000 updates per run)")
         if self.state.stopping or self.seg.finished:
             raise ValueError(f"scale: run {self.state.run_id} is {self.board.phase()}; a stopping run is not scaled")
 
@@ -441,12 +446,21 @@ class TrainingRunWorkflow:
         workflow.continue_as_new(contract.TrainingRunInput(config=self._cfg.to_json(), state=state),
                                  task_timeout=contract.WORKFLOW_TASK)
 
+    def _senders(self) -> int:
+        """Who sends this run updates: its replicas and relays (timeouts.updates_budget)."""
+        return len(self.replicas.ids()) + len(self.relays.ids())
+
     async def _trainer_returns(self) -> None:
         """Before telling kept replicas of a hand-over: commit the trainer activities in flight as they return (they
-        end with this segment), scheduling none; the replicas work on. Ends early at the segment's update cap."""
-        while self.trainer.flights and not self.state.stopping and self.seg.updates < timeouts.HANDOVER_UPDATES_CAP:
+        end with this segment), scheduling none; the replicas work on. Ends early at the segment's update cap: the
+        lower of HANDOVER_UPDATES_CAP and the run's budget (patch handover-cap: a run with more than 25 replicas and
+        relays could pass the server's limit after the fixed cap and wedge)."""
+        cap = timeouts.HANDOVER_UPDATES_CAP
+        if workflow.patched("handover-cap"):
+            cap = min(cap, timeouts.updates_budget(self._senders()))
+        while self.trainer.flights and not self.state.stopping and self.seg.updates < cap:
             await workflow.wait_condition(lambda: self.trainer.returned() or self.state.stopping
-                                          or self.seg.updates >= timeouts.HANDOVER_UPDATES_CAP)
+                                          or self.seg.updates >= cap)
             self.trainer.commit_returned()
 
     def _can_step(self) -> bool:

@@ -232,6 +232,15 @@ async def handover_keep(rec: Recorder) -> list[Path]:
     return [rec.write(f"training_run_handover_keep_{i + 1}", h) for i, h in enumerate(histories[:2])]
 
 
+async def handover_cap(rec: Recorder) -> list[Path]:
+    """As handover_keep, recorded since the wait for the trainer ends at the run's update budget (patch
+    `handover-cap`, workflows/timeouts.py updates_budget): the segment that hands over."""
+    cfg = rec.config("handover-cap", "run.steps=4", "run.continue_as_new_every=2", "run.handover_keep=true")
+    histories = await _continued_run(rec, cfg)
+    require("handover-cap" in patch_ids(histories[0]), "no handover-cap marker in the segment that hands over")
+    return [rec.write("training_run_handover_cap", histories[0])]
+
+
 async def handover_route(rec: Recorder) -> list[Path]:
     """As handover_keep, with the rollout workers' own queues: each replica parked at the hand-over names its process's
     queue in its result, and the continued segment starts it there (patch `handover-route`), where it is adopted."""
@@ -425,6 +434,7 @@ async def eval_rounds(rec: Recorder) -> list[Path]:
 SCENARIOS: dict[str, Callable[[Recorder], Awaitable[list[Path]]]] = {
     "stream": stream, "repack": repack, "continue_as_new": continue_as_new, "search_attributes": search_attributes,
     "handover_keep": handover_keep,
+    "handover_cap": handover_cap,
     "handover_route": handover_route,
     "drill_rollout": drill_rollout, "drill_store": drill_store, "failed_groups": failed_groups,
     "watchdog": watchdog,
