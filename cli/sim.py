@@ -159,9 +159,11 @@ def simulate_command(
     warmup: int = typer.Option(3, min=1, help="Of which excluded from the metrics (warm-up)."),
     control_plane: str = typer.Option("off", "--control-plane", help="on: replicas claim and report through one "
                                       "workflow that serves one update at a time, at the measured costs "
-                                      "(sim/params.py CONTROL_*), and hand over at each continue-as-new; "
-                                      "no-handover: the same without the hand-overs; off: a control plane that "
-                                      "answers at once (the default until the on case is fast at 7B scale)."),
+                                      "(sim/params.py CONTROL_*), each parked across a continue-as-new (as "
+                                      "shipped); write: each writes its groups out instead (run.handover_keep = "
+                                      "false); no-handover: a continue-as-new nobody feels; off: a control plane "
+                                      "that answers at once (the default: the on case is slow to simulate at 7B "
+                                      "scale). With --validate, the simulator's side of each row."),
     relay_bench: Path | None = typer.Option(None, "--relay-bench", help="Relay chain bandwidths from a `laminar "
                                             "bench relay --json` report (e.g. docs/relay-bench.json)."),
     fail: list[str] = typer.Option([], "--fail", help="KIND@TIME (rollout, relay, trainer, preempt; TIME as 10m "
@@ -176,19 +178,17 @@ def simulate_command(
                                   "bounds admission (modelled.kv_capacity_tokens lowered)."),
 ) -> None:
     """Simulate trainer, rollout replicas, relays and the control plane at GPU scale (modelled time)."""
-    from sim.scenarios import RelayLink
+    from sim.scenarios import CONTROL_PLANES, RelayLink
     from sim.sweep import SweepSpec, failure_runs, speedup_summary, sweep
 
     mode_list = _check_modes(_csv(modes))
+    if control_plane not in CONTROL_PLANES:
+        raise typer.BadParameter(f"--control-plane {control_plane!r}: use one of {', '.join(CONTROL_PLANES)}")
     if validate:
-        validate_command(mode_list, _csv(workloads), replicas, iterations, kv_binds, json_path)
+        validate_command(mode_list, _csv(workloads), replicas, iterations, kv_binds, json_path, control_plane)
         return
     if repack not in ("on", "off"):
         raise typer.BadParameter(f"--repack {repack!r}: use on or off")
-    from sim.scenarios import CONTROL_PLANES
-
-    if control_plane not in CONTROL_PLANES:
-        raise typer.BadParameter(f"--control-plane {control_plane!r}: use one of {', '.join(CONTROL_PLANES)}")
     if warmup >= iterations:
         raise typer.BadParameter(f"--warmup {warmup} leaves no measured batch of --iterations {iterations}")
     link = RelayLink()
@@ -264,14 +264,19 @@ def replica_timing():
     return control_timing()
 
 
-def simulate_like_bench(cfg, iterations: int) -> dict[str, Any]:
-    """The simulator on one `laminar bench throughput` run config (sim/scenarios.py from_run_config)."""
+def simulate_like_bench(cfg, iterations: int, control_plane: str = "off") -> dict[str, Any]:
+    """The simulator on one `laminar bench throughput` run config (sim/scenarios.py from_run_config): the replicas'
+    intervals and, unless control_plane is off, the workflow's measured costs (sim/scenarios.py control_plane_cost),
+    both in the modelled engine's seconds (a wall second is modelled.speedup of them)."""
     from bench.throughput import warmup_steps
     from sim.core import simulate
-    from sim.scenarios import from_run_config
+    from sim.scenarios import control_plane_cost, from_run_config
 
+    speedup = cfg.modelled.speedup
     sim_cfg = from_run_config(cfg, iterations=iterations, warmup=warmup_steps(iterations))
-    res = simulate(replace(sim_cfg, control=replica_timing().scaled(cfg.modelled.speedup)))
+    cost = control_plane_cost(control_plane)
+    res = simulate(replace(sim_cfg, control=replica_timing().scaled(speedup),
+                           control_plane=None if cost is None else cost.scaled(speedup)))
     return {"tokens_per_s": res.tokens_per_s, "staleness_max": res.staleness_max, "kv_utilisation": res.kv_utilisation,
             "trainer_idle_fraction": res.trainer_idle_fraction, "complete": res.complete, "repacks": res.repacks}
 
@@ -289,7 +294,7 @@ def _progress_printer():
 
 
 def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replicas: int, iterations: int,
-                     kv_binds: bool, json_path: Path | None) -> None:
+                     kv_binds: bool, json_path: Path | None, control_plane: str = "off") -> None:
     """Simulator and real stack (bench/throughput.py run_bench, the modelled engine) on the same configs."""
     from bench.throughput import WORKLOADS, BenchSpec, run_bench
     from cli.bench import launch_bench_workers
@@ -313,14 +318,15 @@ def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replica
             raise typer.Exit(130) from None
         for real in report["results"]:
             cfg = spec.run_config(real["mode"], real["workload"], "sim", real.get("repack", True))
-            sim = simulate_like_bench(cfg, iterations)
+            sim = simulate_like_bench(cfg, iterations, control_plane)
             ratio = sim["tokens_per_s"] / real["tokens_per_s"] if real.get("tokens_per_s") else None
             rows.append({"setting": label, "workload": real["workload"], "mode": real["mode"],
                          "real_tokens_per_s": real.get("tokens_per_s"), "sim_tokens_per_s": round(sim["tokens_per_s"], 1),
                          "sim_over_real": None if ratio is None else round(ratio, 3),
                          "within_15pct": ratio is not None and abs(ratio - 1) <= 0.15,
                          "real_staleness_max": real.get("staleness_max"), "sim_staleness_max": sim["staleness_max"]})
-    t = Table(title=f"simulator vs real stack ({replicas} replicas, {iterations} global batches, modelled engine)")
+    t = Table(title=f"simulator vs real stack ({replicas} replicas, {iterations} global batches, modelled engine, "
+                    f"control plane {control_plane})")
     for col in ("setting", "workload", "mode", "real tokens/s", "sim tokens/s", "sim / real", "within 15 %",
                 "staleness max real / sim"):
         t.add_column(col)
@@ -330,7 +336,7 @@ def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replica
                   "yes" if r["within_15pct"] else "NO", f"{r['real_staleness_max']} / {r['sim_staleness_max']}")
     console.print(t)
     if json_path is not None:
-        json_path.write_text(json.dumps({"validation": rows}, indent=2, default=str))
+        json_path.write_text(json.dumps({"control_plane": control_plane, "validation": rows}, indent=2, default=str))
         console.print(f"json: {json_path}")
     if not all(r["within_15pct"] for r in rows):
         raise typer.Exit(1)

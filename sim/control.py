@@ -5,8 +5,9 @@ What is modelled (workflows/training_run.py, `_continue_as_new`):
 - one server: a run's workflow tasks run one at a time (Temporal serialises a workflow's tasks), so updates queue
   behind each other, FIFO. An update sent at t is answered at max(t, server free) + task_s, plus rtt_s on the wire;
 - continue-as-new every `updates_per_segment` updates: the new run's first task waits `continue_as_new_s`, and every
-  replica hands over (writes its in-flight groups to its pool and starts again), which stalls its generation by
-  `handover_s`;
+  replica's generation stops for `handover_s`. As the stack ships (run.handover_keep) a replica parks with its groups
+  in its engine and the new run's activity adopts it, so that is all it costs; with `writes_out`
+  (run.handover_keep = false) it also writes its in-flight groups to its pool and prefills them again in the new run;
 - a step's trainer activity, when the trainer waited for its batch, starts `dispatch_s` after the report that
   completed the batch was answered (the activity's schedule-to-start and the trainer's head).
 
@@ -26,7 +27,8 @@ class ControlPlaneCost:
     dispatch_s: float  # a trainer activity scheduled after a report: schedule-to-start plus the trainer's head
     updates_per_segment: int  # run.updates_per_segment: continue-as-new after this many updates
     continue_as_new_s: float  # the new run's first workflow task (state carried over) and its start
-    handover_s: float  # each replica at a continue-as-new: pool write, activity restart, re-attach
+    handover_s: float  # each replica at a continue-as-new: from its park (or pool write) to its first claim answered
+    writes_out: bool = False  # run.handover_keep = false: in-flight groups written out and prefilled again
 
     def __post_init__(self) -> None:
         for name in ("task_s", "rtt_s", "dispatch_s", "continue_as_new_s", "handover_s"):
@@ -34,6 +36,12 @@ class ControlPlaneCost:
                 raise ValueError(f"ControlPlaneCost.{name}={getattr(self, name)}: give seconds >= 0")
         if self.updates_per_segment < 1:
             raise ValueError(f"ControlPlaneCost.updates_per_segment={self.updates_per_segment}: give 1 or more")
+
+    def scaled(self, factor: float) -> ControlPlaneCost:
+        """The same costs in the modelled engine's seconds (a wall second is `factor` modelled ones: its speedup)."""
+        return ControlPlaneCost(self.task_s * factor, self.rtt_s * factor, self.dispatch_s * factor,
+                                self.updates_per_segment, self.continue_as_new_s * factor, self.handover_s * factor,
+                                self.writes_out)
 
 
 @dataclass

@@ -725,15 +725,15 @@ class Simulator:
         self._act(r)
 
     def _handover(self) -> None:
-        """A continue-as-new: every live replica writes its in-flight groups to its pool and starts again (its
-        generation stops for handover_s, then its in-flight tokens are prefilled again)."""
+        """A continue-as-new: every live replica's generation stops for handover_s (parked, then adopted by the new
+        run's activity); with writes_out it wrote its in-flight groups to its pool and prefills them again."""
         assert self.cp is not None
         self.handovers += 1
         for r in self.replicas:
             if r.dead_until > self.now:
                 continue
             self._sync(r)
-            tokens = int(r.kv())
+            tokens = int(r.kv()) if self.cp.cost.writes_out else 0
             self.reprefill += tokens
             r.busy_until = max(r.busy_until, self.now) + self.cp.cost.handover_s + self.costs.prefill_s(tokens)
             self._schedule(r)

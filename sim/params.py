@@ -66,9 +66,13 @@ CONTROL_TASK_S = 0.010  # measured: a workflow task 10.0 ms mean (p50 8.8 ms, p9
 CONTROL_RTT_S = 0.004  # measured: an update's way to its workflow task 3.8 ms mean (server + queue)
 CONTROL_DISPATCH_S = 0.0195  # measured: trainer activity schedule-to-start 9.8 ms + the trainer's head 9.7 ms
 CONTROL_CONTINUE_AS_NEW_S = 0.29  # measured: the trainer's stall across a continue-as-new, p50 0.286 s (summary)
-CONTROL_HANDOVER_S = 0.29  # assumed equal: a replica writes its pool, its activity starts again in the new run; a
-# lower bound at scale: `laminar bench control` measured 2.4-6.6 s stalls at 10-20 synthetic replicas on a loaded
-# machine (the new run's first task decodes the whole ledger: docs/benchmarks/control.md)
+CONTROL_HANDOVER_S = 0.29  # run.handover_keep = false ("write"), assumed equal: a replica writes its pool, its
+# activity starts again in the new run; a lower bound at scale: `laminar bench control --handover write` measured
+# 2.4-6.6 s stalls at 10-20 synthetic replicas on a loaded machine (docs/benchmarks/control.md)
+CONTROL_KEEP_STALL_S = 0.58  # measured: as shipped (run.handover_keep), each replica's park to its first claim
+# answered in the next segment, p50 0.58 s at 10 synthetic replicas (p99 1.14 s), quiet 2-core machine (`laminar
+# bench control --scale 0.125 --updates-per-segment 300`, 2026-12-03: docs/benchmarks/control.md); at 20-160 replicas
+# 0.76-2.32 s, the growth being the first claims queued behind each other, which the FIFO above charges by itself
 UPDATES_PER_SEGMENT = 1500  # run.updates_per_segment's default (laminar/config.py)
 
 

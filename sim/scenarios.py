@@ -82,10 +82,26 @@ def placements(model: P.ModelParams, gpus: int, mode: str) -> list[Placement]:
 
 CONTROL_PLANE = ControlPlaneCost(task_s=P.CONTROL_TASK_S, rtt_s=P.CONTROL_RTT_S, dispatch_s=P.CONTROL_DISPATCH_S,
                                  updates_per_segment=P.UPDATES_PER_SEGMENT,
-                                 continue_as_new_s=P.CONTROL_CONTINUE_AS_NEW_S, handover_s=P.CONTROL_HANDOVER_S)
+                                 continue_as_new_s=P.CONTROL_CONTINUE_AS_NEW_S, handover_s=P.CONTROL_KEEP_STALL_S)
 
 
-CONTROL_PLANES = ("on", "off", "no-handover")
+# on: as the stack ships (run.handover_keep: a replica parks across a continue-as-new and keeps its groups);
+# write: run.handover_keep = false (each replica writes its groups out and prefills them again in the new run);
+# no-handover: a continue-as-new nobody feels; off: a control plane that answers at once, for free.
+CONTROL_PLANES = ("on", "write", "no-handover", "off")
+
+
+def control_plane_cost(control_plane: str) -> ControlPlaneCost | None:
+    """The measured costs of one CONTROL_PLANES setting (None for off), in wall seconds."""
+    if control_plane not in CONTROL_PLANES:
+        raise ValueError(f"control_plane={control_plane!r}: use one of {', '.join(CONTROL_PLANES)}")
+    if control_plane == "off":
+        return None
+    if control_plane == "write":
+        return replace(CONTROL_PLANE, handover_s=P.CONTROL_HANDOVER_S, writes_out=True)
+    if control_plane == "no-handover":
+        return replace(CONTROL_PLANE, handover_s=0.0, updates_per_segment=10**9)
+    return CONTROL_PLANE
 
 
 def control_timing() -> ControlTiming:
@@ -101,13 +117,12 @@ def sim_config(model: P.ModelParams, workload: P.WorkloadParams, mode: str, plac
                failures: tuple[tuple[str, float], ...] = (), control_plane: str = "off") -> SimConfig:
     """The run of `mode` on this placement, with every number from sim/params.py. control_plane (CONTROL_PLANES):
     "on": the replicas claim and report as services/rollout/ does (its intervals) through one workflow that serves
-    one update at a time (sim/control.py), which continues as new with a hand-over of every replica; "no-handover":
-    the same, with a continue-as-new that replicas do not feel (a design not built: issue 32 item 2); "off": a
-    control plane that answers at once, for free."""
-    if control_plane not in CONTROL_PLANES:
-        raise ValueError(f"control_plane={control_plane!r}: use one of {', '.join(CONTROL_PLANES)}")
-    on = control_plane != "off"
-    cost = CONTROL_PLANE if control_plane == "on" else replace(CONTROL_PLANE, handover_s=0.0, updates_per_segment=10**9)
+    one update at a time (sim/control.py), which continues as new, each replica parked across it (as shipped);
+    "write": the same with every replica writing its groups out at each continue-as-new (run.handover_keep =
+    false); "no-handover": a continue-as-new that replicas do not feel; "off": a control plane that answers at once,
+    for free."""
+    cost = control_plane_cost(control_plane)
+    on = cost is not None
     tp = placement.tp
     costs = model.costs(tp, placement.train)
     if link.local_pull_bytes_s is not None:

@@ -1,5 +1,6 @@
 """The simulator's control plane (sim/control.py): one run's workflow serves updates one task at a time, continues as
-new every `updates_per_segment` updates (every replica hands over), and the simulated runs pay for it."""
+new every `updates_per_segment` updates (every replica stalls; with writes_out it prefills its groups again), and the
+simulated runs pay for it."""
 
 from __future__ import annotations
 
@@ -64,13 +65,25 @@ def test_a_slower_workflow_costs_throughput_and_a_saturated_one_costs_most(mode)
     assert runs[2].control_plane["queued_max_s"] > 0
 
 
-def test_continue_as_new_hands_over_every_replica_and_costs_a_reprefill():
+def test_continue_as_new_stalls_every_replica_and_a_write_out_costs_a_reprefill():
     res = simulate(small(control_plane=replace(FREE, updates_per_segment=20, handover_s=0.5)))
     assert res.complete and res.control_plane["handovers"] >= 2
     assert res.control_plane["segments"] == res.control_plane["handovers"] + 1
     free = simulate(small(control_plane=replace(FREE, updates_per_segment=20)))  # the same hand-overs, free
     assert res.step_times[-1] > free.step_times[-1] + 0.5  # the last step comes later by the stalls
-    assert free.reprefill_tokens > simulate(small()).reprefill_tokens  # each hand-over prefills in-flight tokens
+    # kept (as shipped): the groups stay in the engine; written out: every in-flight token is prefilled again
+    # (measured on this config: 616 tokens prefilled again by preemption and repack alone, 24,132 with write-outs)
+    written = simulate(small(control_plane=replace(FREE, updates_per_segment=20, writes_out=True)))
+    assert written.control_plane["handovers"] == free.control_plane["handovers"]
+    assert written.reprefill_tokens > 10 * free.reprefill_tokens
+
+
+def test_costs_scale_to_the_modelled_engine_s_seconds():
+    c = ControlPlaneCost(task_s=0.01, rtt_s=0.004, dispatch_s=0.02, updates_per_segment=1500, continue_as_new_s=0.3,
+                         handover_s=0.5, writes_out=True)
+    s = c.scaled(10.0)
+    assert (s.task_s, s.rtt_s, s.dispatch_s, s.continue_as_new_s, s.handover_s) == pytest.approx((0.1, 0.04, 0.2, 3.0, 5.0))
+    assert s.updates_per_segment == 1500 and s.writes_out
 
 
 def test_no_group_is_trained_twice_or_lost_with_reports_in_flight_when_a_replica_dies():
@@ -93,8 +106,11 @@ def test_the_sweep_s_run_takes_the_control_plane_it_is_given():
 
     m, w = P.MODELS["7b"], P.WORKLOADS["math"]
     pl = placements(m, 16, "laminar")[0]
-    on, off, free_cas = (sim_config(m, w, "laminar", pl, control_plane=c) for c in ("on", "off", "no-handover"))
-    assert on.control_plane == CONTROL_PLANE and on.control is not None
+    on, write, off, free_cas = (sim_config(m, w, "laminar", pl, control_plane=c)
+                                for c in ("on", "write", "off", "no-handover"))
+    assert on.control_plane == CONTROL_PLANE and on.control is not None and not on.control_plane.writes_out
+    assert on.control_plane.handover_s == P.CONTROL_KEEP_STALL_S
+    assert write.control_plane.writes_out and write.control_plane.handover_s == P.CONTROL_HANDOVER_S
     assert off.control_plane is None and off.control is None
     assert free_cas.control_plane.handover_s == 0 and free_cas.control_plane.task_s == CONTROL_PLANE.task_s
     with pytest.raises(ValueError, match="control_plane='maybe'"):
@@ -108,3 +124,18 @@ def test_simulate_refuses_an_unknown_control_plane():
 
     bad = CliRunner().invoke(app, ["simulate", "--control-plane", "maybe"])
     assert bad.exit_code == 2 and "maybe" in bad.output and "no-handover" in bad.output
+
+
+@pytest.mark.slow
+def test_the_validation_s_simulator_side_charges_the_control_plane_in_modelled_seconds():
+    from bench.throughput import BenchSpec
+    from cli.sim import simulate_like_bench
+
+    spec = BenchSpec(modes=("laminar",), workloads=("uniform",), replicas=4, engine="modelled", iterations=4,
+                     owner="test")
+    cfg = spec.run_config("laminar", "uniform", "sim", True)
+    off, on = (simulate_like_bench(cfg, 4, c) for c in ("off", "on"))
+    assert off["complete"] and on["complete"]
+    assert on["tokens_per_s"] != off["tokens_per_s"]  # the workflow's tasks and dispatches, x modelled.speedup
+    with pytest.raises(ValueError, match="control_plane='maybe'"):
+        simulate_like_bench(cfg, 4, "maybe")
