@@ -467,6 +467,12 @@ class BenchOptions:
     seed: int = 0
     contact_s: float | None = None  # a what-if: the replicas' contact_s instead of ReplicaTiming's (None: the real one)
     handover_keep: bool = True  # run.handover_keep: replicas park across a continue-as-new (False: they write out)
+    # a what-if: rollout.heartbeat_timeout_s, the replicas' heartbeats reaching the server every third of it (None:
+    # the config's 3 s timeout and activities/heartbeat.py's once a second)
+    heartbeat_timeout_s: float | None = None
+
+    def heartbeat_throttle(self) -> timedelta:
+        return HEARTBEAT_THROTTLE if self.heartbeat_timeout_s is None else timedelta(seconds=self.heartbeat_timeout_s / 3)
 
     def timing(self) -> ReplicaTiming:
         return TIMING if self.contact_s is None else replace(TIMING, contact_s=self.contact_s)
@@ -478,7 +484,8 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
     from client.run_control import start_stored_run
     from rl.factory import check_engines
 
-    cfg = check_engines(RunConfig.load(None, run_overrides(cell, opts.updates_per_segment, opts.handover_keep)))
+    cfg = check_engines(RunConfig.load(None, run_overrides(cell, opts.updates_per_segment, opts.handover_keep,
+                                                           opts.heartbeat_timeout_s)))
     cfg = cfg.with_run_id(f"bench-control-{stamp}-{index}")
     run = CellRun(cell=cell, rec=Records(), rng=random.Random(opts.seed * 1000 + index), timing=opts.timing())
     rollout.runs[cfg.run.run_id] = run
@@ -683,7 +690,8 @@ async def run_bench(cells: list[Cell], opts: BenchOptions, settings: Settings, s
         async with (
             Worker(client, task_queue=ROLLOUT_QUEUE, activities=[rollout.run_rollout_replica],
                    activity_executor=ThreadPoolExecutor(max_workers=slots + 4), max_concurrent_activities=slots + 4,
-                   max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE, graceful_shutdown_timeout=timedelta(seconds=5)),
+                   max_heartbeat_throttle_interval=opts.heartbeat_throttle(),
+                   graceful_shutdown_timeout=timedelta(seconds=5)),
             Worker(client, task_queue=TRAINER_QUEUE, max_concurrent_activities=1,
                    activities=[trainer.init_trainer, trainer.train_step, trainer.train_steps, trainer.republish]),
             Worker(client, task_queue=relay_queue(RELAY_ID), activities=[relay.run_relay],
@@ -706,6 +714,8 @@ async def run_bench(cells: list[Cell], opts: BenchOptions, settings: Settings, s
         "temporal": settings.temporal_address, "server_pid": server_pid, "cpus": os.cpu_count(),
         "timing": {"contact_s": opts.timing().contact_s, "report_max_wait_s": TIMING.report_max_wait_s,
                    "report_min_groups": TIMING.report_min_groups, "claim_min_groups": TIMING.claim_min_groups,
-                   "heartbeat_every_s": TIMING.heartbeat_every_s},
+                   "heartbeat_every_s": TIMING.heartbeat_every_s,
+                   "heartbeat_timeout_s": opts.heartbeat_timeout_s,
+                   "heartbeat_throttle_s": opts.heartbeat_throttle().total_seconds()},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }}

@@ -102,7 +102,8 @@ def draw_hold_s(rng: random.Random, cell: Cell) -> float:
     return rng.expovariate(1.0 / cell.mean_hold_s)
 
 
-def run_overrides(cell: Cell, updates_per_segment: int | None = None, handover_keep: bool = True) -> list[str]:
+def run_overrides(cell: Cell, updates_per_segment: int | None = None, handover_keep: bool = True,
+                  heartbeat_timeout_s: float | None = None) -> list[str]:
     """The run config of a bench run: laminar mode, one relay, no repack (a synthetic replica holds no sequences
     to hand to another), modelled engines (no model files; the workflow reads only their traits), steps enough
     never to finish (the bench stops the run)."""
@@ -117,6 +118,8 @@ def run_overrides(cell: Cell, updates_per_segment: int | None = None, handover_k
     if updates_per_segment is not None:
         out.append(f"run.updates_per_segment={updates_per_segment}")
     out.append(f"run.handover_keep={'true' if handover_keep else 'false'}")
+    if heartbeat_timeout_s is not None:
+        out.append(f"rollout.heartbeat_timeout_s={heartbeat_timeout_s:g}")
     return out
 
 

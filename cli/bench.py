@@ -347,6 +347,10 @@ def control_bench(
     handover: str = typer.Option("keep", "--handover", help="At a continue-as-new, replicas `keep` their groups in "
                                  "flight and re-attach (run.handover_keep=true) or `write` them to their "
                                  "partial pools and start again (before/after)."),
+    heartbeat_timeout: str | None = typer.Option(None, "--heartbeat-timeout", help="A what-if: the replicas' "
+                                                 f"rollout.heartbeat_timeout_s ({DURATION_HELP}), their heartbeats "
+                                                 "reaching the server every third of it (default: 3 s, once a "
+                                                 "second)."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the report as JSON here."),
 ) -> None:
     """What one run's workflow carries: the real TrainingRunWorkflow on the dev stack's Temporal server, R synthetic
@@ -367,7 +371,9 @@ def control_bench(
                             warmup_s=parse_duration(warmup, "--warmup", allow_zero=True),
                             updates_per_segment=updates_per_segment, seed=seed,
                             contact_s=None if contact is None else parse_duration(contact, "--contact"),
-                            handover_keep=_handover_keep(handover))
+                            handover_keep=_handover_keep(handover),
+                            heartbeat_timeout_s=None if heartbeat_timeout is None
+                            else parse_duration(heartbeat_timeout, "--heartbeat-timeout"))
         step_s = parse_duration(step, "--step", allow_zero=True)
         if sim:
             from sim.params import WORKLOADS

@@ -88,6 +88,8 @@ def test_run_overrides_make_a_valid_config():
     assert (cfg.rollout.replicas, cfg.rollout.max_inflight_groups, cfg.trainer.groups_per_step) == (3, 4, 8)
     assert cfg.run.updates_per_segment == 50 and not cfg.rollout.repack and cfg.relay.relays == 1
     assert RunConfig.load(None, run_overrides(c)).run.updates_per_segment == RunConfig().run.updates_per_segment
+    assert RunConfig.load(None, run_overrides(c)).rollout.heartbeat_timeout_s == RunConfig().rollout.heartbeat_timeout_s
+    assert RunConfig.load(None, run_overrides(c, heartbeat_timeout_s=10.0)).rollout.heartbeat_timeout_s == 10.0
 
 
 def test_percentiles_and_summary():
