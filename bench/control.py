@@ -151,6 +151,7 @@ class CellRun:
     parking: Parking = field(default_factory=Parking)  # replicas kept across a continue-as-new (run.handover_keep)
     lock: threading.Lock = field(default_factory=threading.Lock)
     timing: ReplicaTiming = TIMING  # the replicas' cadence (BenchOptions.contact_s: a what-if)
+    beat_s: float = TIMING.heartbeat_every_s  # how often a replica heartbeats (ReplicaTiming.beat_every_s)
 
 
 class SyntheticReplica:
@@ -263,7 +264,7 @@ class SyntheticReplica:
                     self._lease(claim_res.leases, now)
                     contacts.claimed(len(claim_res.leases), claim_res.paused)
                 contacts.trainer_starved = res.trainer_starved
-            if now - beat_at >= self.timing.heartbeat_every_s:
+            if now - beat_at >= self.run.beat_s:
                 self.control.heartbeat({"policy_version": self.version, "in_flight": len(self.groups),
                                         "unsaved_tokens": 0})
                 beat_at = now
@@ -467,12 +468,9 @@ class BenchOptions:
     seed: int = 0
     contact_s: float | None = None  # a what-if: the replicas' contact_s instead of ReplicaTiming's (None: the real one)
     handover_keep: bool = True  # run.handover_keep: replicas park across a continue-as-new (False: they write out)
-    # a what-if: rollout.heartbeat_timeout_s, the replicas' heartbeats reaching the server every third of it (None:
-    # the config's 3 s timeout and activities/heartbeat.py's once a second)
+    # rollout.heartbeat_timeout_s (None: the config's): the replicas heartbeat every quarter of it, as the real loop
+    # does (ReplicaTiming.beat_every_s), and the worker lets through at most one a second (activities/heartbeat.py)
     heartbeat_timeout_s: float | None = None
-
-    def heartbeat_throttle(self) -> timedelta:
-        return HEARTBEAT_THROTTLE if self.heartbeat_timeout_s is None else timedelta(seconds=self.heartbeat_timeout_s / 3)
 
     def timing(self) -> ReplicaTiming:
         return TIMING if self.contact_s is None else replace(TIMING, contact_s=self.contact_s)
@@ -487,7 +485,8 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
     cfg = check_engines(RunConfig.load(None, run_overrides(cell, opts.updates_per_segment, opts.handover_keep,
                                                            opts.heartbeat_timeout_s)))
     cfg = cfg.with_run_id(f"bench-control-{stamp}-{index}")
-    run = CellRun(cell=cell, rec=Records(), rng=random.Random(opts.seed * 1000 + index), timing=opts.timing())
+    run = CellRun(cell=cell, rec=Records(), rng=random.Random(opts.seed * 1000 + index), timing=opts.timing(),
+                  beat_s=opts.timing().beat_every_s(cfg.rollout.heartbeat_timeout_s))
     rollout.runs[cfg.run.run_id] = run
     trainer.runs[cfg.run.run_id] = run
     rec = run.rec
@@ -690,8 +689,7 @@ async def run_bench(cells: list[Cell], opts: BenchOptions, settings: Settings, s
         async with (
             Worker(client, task_queue=ROLLOUT_QUEUE, activities=[rollout.run_rollout_replica],
                    activity_executor=ThreadPoolExecutor(max_workers=slots + 4), max_concurrent_activities=slots + 4,
-                   max_heartbeat_throttle_interval=opts.heartbeat_throttle(),
-                   graceful_shutdown_timeout=timedelta(seconds=5)),
+                   max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE, graceful_shutdown_timeout=timedelta(seconds=5)),
             Worker(client, task_queue=TRAINER_QUEUE, max_concurrent_activities=1,
                    activities=[trainer.init_trainer, trainer.train_step, trainer.train_steps, trainer.republish]),
             Worker(client, task_queue=relay_queue(RELAY_ID), activities=[relay.run_relay],
@@ -715,7 +713,6 @@ async def run_bench(cells: list[Cell], opts: BenchOptions, settings: Settings, s
         "timing": {"contact_s": opts.timing().contact_s, "report_max_wait_s": TIMING.report_max_wait_s,
                    "report_min_groups": TIMING.report_min_groups, "claim_min_groups": TIMING.claim_min_groups,
                    "heartbeat_every_s": TIMING.heartbeat_every_s,
-                   "heartbeat_timeout_s": opts.heartbeat_timeout_s,
-                   "heartbeat_throttle_s": opts.heartbeat_throttle().total_seconds()},
+                   "heartbeat_timeout_s": opts.heartbeat_timeout_s},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }}

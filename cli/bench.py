@@ -347,10 +347,10 @@ def control_bench(
     handover: str = typer.Option("keep", "--handover", help="At a continue-as-new, replicas `keep` their groups in "
                                  "flight and re-attach (run.handover_keep=true) or `write` them to their "
                                  "partial pools and start again (before/after)."),
-    heartbeat_timeout: str | None = typer.Option(None, "--heartbeat-timeout", help="A what-if: the replicas' "
-                                                 f"rollout.heartbeat_timeout_s ({DURATION_HELP}), their heartbeats "
-                                                 "reaching the server every third of it (default: 3 s, once a "
-                                                 "second)."),
+    heartbeat_timeout: str | None = typer.Option(None, "--heartbeat-timeout", help="The replicas' "
+                                                 f"rollout.heartbeat_timeout_s ({DURATION_HELP}; default: the "
+                                                 "config's, 3 s); they heartbeat every quarter of it, at most once a "
+                                                 "second."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the report as JSON here."),
 ) -> None:
     """What one run's workflow carries: the real TrainingRunWorkflow on the dev stack's Temporal server, R synthetic

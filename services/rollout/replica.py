@@ -276,7 +276,7 @@ class RolloutReplica:
 
     def _upkeep(self, now: float) -> None:
         self.pool.flush_if_due(now, self.cfg.rollout.flush_interval_s)
-        if now - self.last_beat >= self.timing.heartbeat_every_s:
+        if now - self.last_beat >= self.timing.beat_every_s(self.cfg.rollout.heartbeat_timeout_s):
             with self.profile.measure("heartbeat"):
                 self.control.heartbeat(self._heartbeat_details())
             self.last_beat = now

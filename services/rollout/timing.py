@@ -37,6 +37,14 @@ class ReplicaTiming:
         return min(self.paused_claim_max_s if paused else self.idle_claim_max_s, max(self.claim_poll_s, current * 2))
 
 
+    def beat_every_s(self, heartbeat_timeout_s: float) -> float:
+        """How often the loop heartbeats: every quarter of the activity's heartbeat timeout (so that a beat delayed
+        by a long engine step still lands well within it), and at most every heartbeat_every_s. Each beat that reaches the server loads
+        and writes back the run's whole mutable state (a third of a busy server's CPU at 160 replicas,
+        docs/benchmarks/control.md), and the worker lets through at most one a second (activities/heartbeat.py): a
+        longer rollout.heartbeat_timeout_s is how a run with many replicas trades detection time for server CPU."""
+        return max(self.heartbeat_every_s, heartbeat_timeout_s / 4)
+
     def update_retry_s(self, retries: int, draw: float) -> float:
         """The wait before sending a refused update again, its `retries`-th retry (0: the first); `draw` uniform in
         [0, 1) (the caller's random source: clock-free and testable). Equal jitter: half the doubling bound plus a
