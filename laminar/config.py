@@ -188,8 +188,8 @@ class RolloutSection(_Section):
     heartbeat_timeout_s: float = Field(
         3.0, ge=1.0, le=3600.0,
         description="Replica heartbeat timeout: the failure detector of a dead rollout worker (s). A replica beats "
-        "every quarter of it (at most once a second reaches the server); each beat costs the server about an "
-        "update, so a run with many replicas lowers the server's load with a longer one.",
+        "every quarter of it (at most once a second reaches the server, and at least every 5 s); each beat costs "
+        "the server about an update, so a run with many replicas lowers the server's load with a longer one.",
     )
     engine: RolloutEngine = Field(
         "torch",

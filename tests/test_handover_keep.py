@@ -75,7 +75,8 @@ def test_a_replica_beats_every_quarter_of_its_heartbeat_timeout_and_at_most_ever
     assert t.beat_every_s(3.0) == pytest.approx(0.75)  # the default: the worker still lets one a second through
     assert t.beat_every_s(10.0) == pytest.approx(2.5)  # a run at scale trades detection for server CPU
     assert t.beat_every_s(0.3) == t.heartbeat_every_s  # never faster than the loop's own bound
-    for timeout in (1.0, 3.0, 30.0, 600.0):
+    assert t.beat_every_s(300.0) == t.heartbeat_max_s  # nor slower than a cancellation may wait (a 5-minute timeout)
+    for timeout in (1.0, 3.0, 10.0, 30.0, 600.0):
         assert 3 * t.beat_every_s(timeout) < timeout  # three beats may be late or lost before the server times it out
 
 

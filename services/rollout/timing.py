@@ -19,6 +19,7 @@ class ReplicaTiming:
     # trainer's next step (no wait at all while the last answer said the trainer is starved: then the wait
     # would be the trainer's)
     heartbeat_every_s: float = 0.2  # the loop heartbeats at most this often (a beat costs ~1.6 ms: thread hop)
+    heartbeat_max_s: float = 5.0  # ... and at least this often: a cancellation reaches an activity in a beat's answer
     profile_every_s: float = 5.0  # how often the replica writes its time breakdown to the store (and at return)
     idle_wait_s: float = 0.05  # an idle turn waits this long for the control call in flight (or sleeps it)
     # a refused or aborted update (the server's limit on updates in flight per workflow, a workflow task that
@@ -39,11 +40,12 @@ class ReplicaTiming:
 
     def beat_every_s(self, heartbeat_timeout_s: float) -> float:
         """How often the loop heartbeats: every quarter of the activity's heartbeat timeout (so that a beat delayed
-        by a long engine step still lands well within it), and at most every heartbeat_every_s. Each beat that reaches the server loads
+        by a long engine step still lands well within it), at most every heartbeat_every_s and at least every
+        heartbeat_max_s (the server hands a cancellation to an activity in the answer to its heartbeat). Each beat that reaches the server loads
         and writes back the run's whole mutable state (a third of a busy server's CPU at 160 replicas,
         docs/benchmarks/control.md), and the worker lets through at most one a second (activities/heartbeat.py): a
         longer rollout.heartbeat_timeout_s is how a run with many replicas trades detection time for server CPU."""
-        return max(self.heartbeat_every_s, heartbeat_timeout_s / 4)
+        return min(self.heartbeat_max_s, max(self.heartbeat_every_s, heartbeat_timeout_s / 4))
 
     def update_retry_s(self, retries: int, draw: float) -> float:
         """The wait before sending a refused update again, its `retries`-th retry (0: the first); `draw` uniform in
