@@ -210,6 +210,9 @@ class TrainerService:
         rows = self._prefetch(inp.batch)
         with self._turn(heartbeat) as waited:
             if (done := self._taken_ahead(inp)) is not None:
+                if schedule_to_start_s is not None:  # one queue wait per activity, this one's too (its step was
+                    # trained by _catch_up: the task queue handed the steps over out of order)
+                    self.profile.latency("train_step_schedule_to_start", schedule_to_start_s)
                 return done
             if waited and self.notice.given:
                 # queued behind the step that was running at the notice: that one ended with a deadline
