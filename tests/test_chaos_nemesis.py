@@ -192,6 +192,7 @@ def test_partition_drops_the_relays_data_port_then_heals(tmp_path):
         launcher.stop_all(timeout_s=5)
 
 
+@pytest.mark.slow  # make test stays under 15 minutes; run with pytest -m slow
 def test_readonly_store_refuses_writes_for_the_hold(tmp_path, aws_test_env):
     """The readonly fault against the dev stack's real S3 server: writes denied while it holds, counted by the
     server and recorded by the nemesis; reads served; writes accepted after it."""

@@ -219,6 +219,7 @@ async def _kill_at_the_first_park(stack, cfg, names, logs):
     return handle, await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
 
 
+@pytest.mark.slow  # make test stays under 15 minutes; run with pytest -m slow
 async def test_a_kept_replica_whose_process_is_killed_starts_afresh_on_the_shared_queue(stack):
     """The kill must land between a replica's park and its adoption by the next segment: a window of tens of
     milliseconds that this test, polling the logs, can miss on a loaded machine (a clean-clone CI run did). When the

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 from typer.testing import CliRunner
 
 from cli.bench import bench_app, parse_size
@@ -54,6 +55,7 @@ def test_sizes_parse():
     assert parse_size("65536") == 65536
 
 
+@pytest.mark.slow  # make test stays under 15 minutes; run with pytest -m slow
 def test_sigterm_stops_every_node_process_it_started(tmp_path):
     """`timeout` or a CI runner ends a benchmark with SIGTERM: the relays, agents and the object store it started
     (real processes) must go with it, as with Ctrl-C, instead of outliving it."""

@@ -198,6 +198,7 @@ def test_read_only_refuses_every_write_serves_reads_and_counts(stack: DevStack) 
     assert store.list("runs/") == ["runs/r1/kept"]
 
 
+@pytest.mark.slow  # make test stays under 15 minutes; run with pytest -m slow
 def test_a_store_outage_during_read_only_still_ends_read_write(stack: DevStack) -> None:
     """Chaos overlaps faults: a store outage that starts while the store is read-only and outlasts the read-only
     hold. The switch back to read-write waits for the restarted server (the dev stack's lock, which the outage

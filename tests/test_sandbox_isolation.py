@@ -328,6 +328,7 @@ print('killed', sum(1 for c in codes if os.WIFSIGNALED(c)))"""
     print(r.detail, repr(r.output))
 
 
+@pytest.mark.slow  # make test stays under 15 minutes; run with pytest -m slow
 @pytest.mark.skipif(not CGROUP, reason=f"per-sandbox limits need a cgroup; this machine: {limits_kind()}")
 def test_rlimits_alone_let_32_processes_past_the_memory_limit_and_the_cgroup_does_not():
     # 32 x 64 MiB = 2 GiB in one 512 MiB sandbox: with rlimits alone (per process) all fit; with the cgroup, not

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from client.run_control import start_workflow
 from laminar.contract import RunStatus
 from reporting.tool_calls import count_tool_calls
@@ -23,6 +25,7 @@ from tests.fixtures.stack import small_config
 HEARTBEAT_TIMEOUT_S, BUILD_S = 2.5, 5.0
 
 
+@pytest.mark.slow  # make test stays under 15 minutes; run with pytest -m slow
 async def test_a_replica_start_longer_than_its_heartbeat_timeout_runs_once_and_runs_no_tool_call_twice(stack):
     params = {"build_s": BUILD_S, "tool_use": 0.6, "levels": [{"max_terms": 2, "min_digits": 2, "max_digits": 2}]}
     cfg = small_config(f"task.name={TASK_NAME}", f"task.params={json.dumps(params)}",
