@@ -30,7 +30,6 @@ Device = Literal["cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 
-
 # The server's limit on updates per workflow run (history.maxTotalUpdates, temporalio/temporal
 # common/dynamicconfig/constants.go: "The limit on the total number of distinct updates in this workflow has been
 # reached (2000)"). A workflow task that would accept one more fails, and fails again on every retry: the run is
@@ -41,6 +40,7 @@ UPDATES_RESERVE = 50  # updates besides the replicas' a segment may take after i
 # The most replicas and relays one run may have: each may take two updates past a hand-over's start, and a segment
 # must still hold at least 100 of its own.
 MAX_UPDATE_SENDERS = (SERVER_MAX_TOTAL_UPDATES - UPDATES_RESERVE - 100) // 2
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -41,10 +41,11 @@ class ReplicaTiming:
     def beat_every_s(self, heartbeat_timeout_s: float) -> float:
         """How often the loop heartbeats: every quarter of the activity's heartbeat timeout (so that a beat delayed
         by a long engine step still lands well within it), at most every heartbeat_every_s and at least every
-        heartbeat_max_s (the server hands a cancellation to an activity in the answer to its heartbeat). Each beat that reaches the server loads
-        and writes back the run's whole mutable state (a third of a busy server's CPU at 160 replicas,
-        docs/benchmarks/control.md), and the worker lets through at most one a second (activities/heartbeat.py): a
-        longer rollout.heartbeat_timeout_s is how a run with many replicas trades detection time for server CPU."""
+        heartbeat_max_s (the server hands a cancellation to an activity in the answer to its heartbeat). Each beat
+        that reaches the server loads and writes back the run's whole mutable state (a third of a busy server's CPU
+        at 160 replicas, docs/benchmarks/control.md), and the worker lets through at most one a second
+        (activities/heartbeat.py): a longer rollout.heartbeat_timeout_s is how a run with many replicas trades
+        detection time for server CPU."""
         return min(self.heartbeat_max_s, max(self.heartbeat_every_s, heartbeat_timeout_s / 4))
 
     def update_retry_s(self, retries: int, draw: float) -> float:
