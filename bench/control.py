@@ -105,11 +105,9 @@ class Records:
     """Appended to from the replicas' threads (list.append is atomic under the GIL)."""
 
     updates: list[tuple[str, float, float]] = field(default_factory=list)  # (name, ended at, latency s)
-    first_claims: list[tuple[int, float]] = field(default_factory=list)  # (generation, answered at)
+    first_claims: list[tuple[str, int, float]] = field(default_factory=list)  # (replica, generation, answered at)
     returns: list[tuple[int, float, int]] = field(default_factory=list)  # (generation, at, groups written out)
-    parked: list[tuple[int, float, int]] = field(default_factory=list)  # (generation, at, groups kept in memory)
-    parks: list[tuple[str, int, float]] = field(default_factory=list)  # (replica, generation, parked at)
-    resumes: list[tuple[str, int, float]] = field(default_factory=list)  # (replica, generation, first claim answered)
+    parked: list[tuple[str, int, float, int]] = field(default_factory=list)  # (replica, generation, at, groups kept)
     errors: list[str] = field(default_factory=list)
     steps: dict[int, dict] = field(default_factory=dict)  # the trainer stub's step records (chaos/checker.py)
     claimed: set[str] = field(default_factory=set)  # replicas that have claimed once
@@ -191,10 +189,10 @@ class SyntheticReplica:
         """Kept across the continue-as-new (services/rollout/attach.py): its groups keep their finish times (they
         keep "generating"), nothing is written out; the next segment's activity re-attaches it."""
         held = len(self.groups) + len(self.completed)
-        self.run.rec.parked.append((self.inp.generation, time.monotonic(), held))
-        self.run.rec.parks.append((self.inp.replica_id, self.inp.generation, time.monotonic()))
-        self.run.rec.returns.append((self.inp.generation, time.monotonic(), 0))
-        self.run.parking.park(self.inp.workflow_id, self.inp.replica_id, self, time.monotonic())
+        now = time.monotonic()
+        self.run.rec.parked.append((self.inp.replica_id, self.inp.generation, now, held))
+        self.run.rec.returns.append((self.inp.generation, now, 0))
+        self.run.parking.park(self.inp.workflow_id, self.inp.replica_id, self, now)
         return RolloutReplicaResult(replica_id=self.inp.replica_id, groups_completed=0, tokens_generated=0,
                                     handed_over=0, kept=held)
 
@@ -217,8 +215,7 @@ class SyntheticReplica:
                                                      first_claim=True, attempt=self.attempt,
                                                      request_id=self._request_id()))
         now = time.monotonic()
-        self.run.rec.first_claims.append((self.inp.generation, now))
-        self.run.rec.resumes.append((rid, self.inp.generation, now))
+        self.run.rec.first_claims.append((rid, self.inp.generation, now))
         self.run.rec.claimed.add(rid)
         self.version = max(self.version, first.newest_policy_version)
         if (first.stop or first.handover) and old is not None:
@@ -544,7 +541,7 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
         to_start += s
         to_complete += c
     seg_starts = [h[0][1] for h in histories if h]
-    hos = handovers(rec.returns, rec.first_claims)
+    hos = handovers(rec.returns, [(gen, at) for _, gen, at in rec.first_claims])
     checked = accounting(final, rec.steps) if final is not None else None
 
     def cpu_share(a: float | None, b: float | None) -> float | None:
@@ -592,10 +589,11 @@ async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp:
             "stall_s": latency_summary(h.stall_s for h in hos if h.stall_s is not None),
             "groups_written_total": sum(h.groups_written for h in hos),
             # groups replicas kept in memory across the hand-overs (run.handover_keep: parked and re-attached)
-            "groups_kept_total": sum(n for _, _, n in rec.parked),
+            "groups_kept_total": sum(n for *_, n in rec.parked),
             # each kept replica's own time without generating: its park to its first claim answered in the next
             # segment (what sim/params.py CONTROL_KEEP_STALL_S charges a replica per continue-as-new)
-            "replica_stall_s": latency_summary(replica_stalls(rec.parks, rec.resumes)),
+            "replica_stall_s": latency_summary(replica_stalls([(r, g, at) for r, g, at, _ in rec.parked],
+                                                              rec.first_claims)),
             "handover_keep": opts.handover_keep,
             "trainer_stalls_s": list(final.handover_stalls) if final is not None else [],
         },

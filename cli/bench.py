@@ -350,7 +350,7 @@ def control_bench(
     heartbeat_timeout: str | None = typer.Option(None, "--heartbeat-timeout", help="The replicas' "
                                                  f"rollout.heartbeat_timeout_s ({DURATION_HELP}; default: the "
                                                  "config's, 3 s); they heartbeat every quarter of it, at most once a "
-                                                 "second."),
+                                                 "second and at least every 5 s."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the report as JSON here."),
 ) -> None:
     """What one run's workflow carries: the real TrainingRunWorkflow on the dev stack's Temporal server, R synthetic

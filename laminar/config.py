@@ -42,6 +42,17 @@ UPDATES_RESERVE = 50  # updates besides the replicas' a segment may take after i
 MAX_UPDATE_SENDERS = (SERVER_MAX_TOTAL_UPDATES - UPDATES_RESERVE - 100) // 2
 
 
+def check_update_senders(replicas: int, relays: int) -> None:
+    """ValueError when one run would have more replicas and relays than its workflow carries (MAX_UPDATE_SENDERS);
+    the config's validator and the `scale` update's both ask here."""
+    if replicas + relays > MAX_UPDATE_SENDERS:
+        raise ValueError(
+            f"rollout.replicas={replicas} + relay.relays={relays} = {replicas + relays}: one run's workflow carries "
+            f"at most {MAX_UPDATE_SENDERS} replicas and relays (the server accepts {SERVER_MAX_TOTAL_UPDATES} "
+            f"updates per run and each may send two while a segment hands over); give fewer, larger replicas"
+        )
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -557,14 +568,7 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _modes_fit(self) -> RunConfig:
-        senders = self.rollout.replicas + self.relay.relays
-        if senders > MAX_UPDATE_SENDERS:
-            raise ValueError(
-                f"rollout.replicas={self.rollout.replicas} + relay.relays={self.relay.relays} = {senders}: one run's "
-                f"workflow carries at most {MAX_UPDATE_SENDERS} replicas and relays (the server accepts "
-                f"{SERVER_MAX_TOTAL_UPDATES} updates per run and each may send two while a segment hands over); "
-                f"give fewer, larger replicas"
-            )
+        check_update_senders(self.rollout.replicas, self.relay.relays)
         lookahead = lookahead_of(self.run.mode)
         need = (lookahead + 1) * self.trainer.groups_per_step if lookahead is not None else 0
         if self.rollout.max_ready_groups < need:

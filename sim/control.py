@@ -17,7 +17,7 @@ Where each figure comes from is in sim/params.py (CONTROL_PLANE_*). A saturated 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,8 @@ class ControlPlaneCost:
 
     def scaled(self, factor: float) -> ControlPlaneCost:
         """The same costs in the modelled engine's seconds (a wall second is `factor` modelled ones: its speedup)."""
-        return ControlPlaneCost(self.task_s * factor, self.rtt_s * factor, self.dispatch_s * factor,
-                                self.updates_per_segment, self.continue_as_new_s * factor, self.handover_s * factor,
-                                self.writes_out)
+        return replace(self, task_s=self.task_s * factor, rtt_s=self.rtt_s * factor, dispatch_s=self.dispatch_s * factor,
+                       continue_as_new_s=self.continue_as_new_s * factor, handover_s=self.handover_s * factor)
 
 
 @dataclass

@@ -49,13 +49,14 @@ DRAIN = timedelta(seconds=120)
 HANDOVER_UPDATES_CAP = 1900
 
 
-def updates_budget(contacts: int) -> int:
-    """The most updates a segment may have handled when it tells `contacts` senders of updates (rollout replicas and
+def updates_budget(senders: int) -> int:
+    """The most updates a segment may have handled when it tells its `senders` of updates (rollout replicas and
     relays) to hand over, so that the run never reaches the server's limit: past it, each sender may have one update
     accepted in the workflow task that crossed it (a replica has one contact in flight at a time) and one more that
-    the hand-over answers, besides the reserve. Negative when `contacts` is more than one run can carry
-    (laminar/config.py MAX_UPDATE_SENDERS refuses such a config)."""
-    return SERVER_MAX_TOTAL_UPDATES - 2 * contacts - UPDATES_RESERVE
+    the hand-over answers, besides the reserve. Negative when `senders` is more than one run can carry
+    (laminar/config.py check_update_senders refuses such a config or scale)."""
+    return SERVER_MAX_TOTAL_UPDATES - 2 * senders - UPDATES_RESERVE
+
 
 # A replica parked at a continue-as-new is started in the next segment on its process's own queue; a process that
 # does not take it within this long is taken for gone (the server does not retry a schedule-to-start timeout) and the

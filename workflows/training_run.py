@@ -33,7 +33,7 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from laminar import contract, search
-    from laminar.config import MAX_UPDATE_SENDERS, RunConfig
+    from laminar.config import RunConfig, check_update_senders
     from laminar.contract import (
         CONTROL_QUEUE,
         AddExperienceInput,
@@ -381,11 +381,8 @@ class TrainingRunWorkflow:
             check_target(inp.replicas)
         if inp.relays is not None:
             plan_relays(self.relays.ids(), inp.relays)  # raises on a target out of range
-        replicas = inp.replicas if inp.replicas is not None else len(self.replicas.ids())
-        relays = inp.relays if inp.relays is not None else len(self.relays.ids())
-        if replicas + relays > MAX_UPDATE_SENDERS:
-            raise ValueError(f"scale: {replicas} replicas and {relays} relays: one run's workflow carries at most "
-                             f"{MAX_UPDATE_SENDERS} of them together (the server accepts 2,000 updates per run)")
+        check_update_senders(inp.replicas if inp.replicas is not None else len(self.replicas.ids()),
+                             inp.relays if inp.relays is not None else len(self.relays.ids()))
         if self.state.stopping or self.seg.finished:
             raise ValueError(f"scale: run {self.state.run_id} is {self.board.phase()}; a stopping run is not scaled")
 
