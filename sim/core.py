@@ -214,6 +214,8 @@ class _Replica:
         self.groups: set[_Group] = set()
         self.newest: int | None = None  # the newest version this replica knows is at its relay
         self.claim_every = 0.0  # control plane: back-off after empty claims
+        self.wake_after: int | None = None  # ... the run's version at the last empty claim (Contacts.wake_after)
+        self.woke_for = -1  # ... the relay version the last claim it woke went out for
         self.claim_epoch = 0
         self.unreported: list[_Group] = []
         self.report_epoch = 0
@@ -355,6 +357,10 @@ class Simulator:
     def _see(self, r: _Replica, version: int) -> None:
         if r.newest is None or version > r.newest:
             r.newest = version
+            if r.wake_after is not None and version > max(r.wake_after, r.woke_for):
+                # services/rollout/control.py Contacts.woken: a version newer than the one its empty claim saw
+                # is at its relay: it claims again now, whatever its back-off
+                r.woke_for, r.claim_every, r.claim_epoch = version, 0.0, r.claim_epoch + 1
             self._act(r)
 
     # -- lengths -----------------------------------------------------------------------------------------
@@ -751,6 +757,10 @@ class Simulator:
         c = self.cfg.control
         if c is not None:  # services/rollout/timing.py next_claim_interval: back off while claims come back empty
             r.claim_every = 0.0 if leases else min(c.idle_claim_max_s, max(c.claim_poll_s, 2 * r.claim_every))
+            if leases:
+                r.wake_after = None
+            elif want > 0:
+                r.wake_after = st.policy_version
             if not leases:
                 r.claim_epoch += 1
                 self._at(self.now + r.claim_every, "claim_retry", (r.rid, r.claim_epoch))

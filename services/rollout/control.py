@@ -90,21 +90,47 @@ class Contacts:
     claim_every: float = 0.0  # the claim back-off (ReplicaTiming.next_claim_interval)
     asked: int = 0  # groups the claim in flight asked for
     trainer_starved: bool = False  # the last answer said the trainer waits for groups: report at once
+    # The last claim came back empty while the run was at this version (not paused): what frees prompts (the
+    # trainer's next step: a barrier's next batch, the staleness bound, room under max_ready_groups) comes with
+    # a newer version, so the replica claims again as soon as one reaches its relay, whatever its back-off.
+    wake_after: int | None = None
+    woke_for: int = -1  # the relay version the last such claim went out for (one per version)
 
     def claim_due(self, now: float, want: int, groups: int, completed: int, waiting: bool, holding: bool,
-                  urgent: bool) -> bool:
+                  urgent: bool, relay_version: int | None = None) -> bool:
         """want: free group slots; waiting: busy, without weights, or holding for a migration (learn of
-        hand-overs and relays that join later); urgent: a repack hand-off or acknowledgement to send."""
+        hand-overs and relays that join later); urgent: a repack hand-off or acknowledgement to send;
+        relay_version: the newest version its relay holds (None: unknown)."""
         t = self.timing
         enough = 1 if not groups else min(t.claim_min_groups, self.max_inflight_groups)
-        return (want >= enough and now - self.last_claim >= self.claim_every) or (
+        return (want >= enough and (now - self.last_claim >= self.claim_every or self.woken(relay_version))) or (
             waiting and not completed and now - self.last_claim >= (t.claim_poll_s if holding else t.contact_s)
         ) or urgent
+
+    def awaited_version(self) -> int | None:
+        """The relay version that would wake this starved replica (poll the relay often until then), or None."""
+        return None if self.wake_after is None else max(self.wake_after, self.woke_for) + 1
+
+    def woken(self, relay_version: int | None) -> bool:
+        awaited = self.awaited_version()
+        return awaited is not None and relay_version is not None and relay_version >= awaited
+
+    def claiming(self, relay_version: int | None) -> None:
+        """A claim goes out: one that a new version woke starts the back-off over (claim_poll_s if it comes back
+        empty: the relay can hold the version a moment before the workflow has committed its step)."""
+        if self.woken(relay_version):
+            assert relay_version is not None
+            self.woke_for, self.claim_every = relay_version, 0.0
 
     def report_due(self, now: float, groups: int, completed: int, completed_since: float) -> bool:
         t = self.timing
         return completed >= t.report_min_groups or completed > 0 and (
             not groups or self.trainer_starved or now - completed_since >= t.report_max_wait_s)
 
-    def claimed(self, got: int, paused: bool) -> None:
+    def claimed(self, got: int, paused: bool, run_version: int) -> None:
+        """A claim's answer: `got` leases for the `asked`, the run's version (its trainer's newest) in it."""
         self.claim_every = self.timing.next_claim_interval(self.claim_every, self.asked, got, paused)
+        if got or paused:
+            self.wake_after = None
+        elif self.asked:
+            self.wake_after = run_version

@@ -183,7 +183,7 @@ class RolloutReplica:
             self.pool.write()
             self._write_profile()
             raise InterruptedError(f"replica {self.replica_id} cancelled")
-        self.weights.refresh(now, self.batch.pending, self.timing, self.profile)
+        self.weights.refresh(now, self.batch.pending, self.timing, self.profile, self.contacts.awaited_version())
         if (done := self._on_answer()) is not None:
             return done
         if self.batch.deferred:  # resumes that waited for room (Batch.resume)
@@ -219,7 +219,7 @@ class RolloutReplica:
             return self._hand_over(False, keep=res.keep)
         if claim is not None:
             self.batch.pending += claim.leases
-            self.contacts.claimed(len(claim.leases), claim.paused)
+            self.contacts.claimed(len(claim.leases), claim.paused, claim.newest_policy_version)
             self.eval.answered(claim.eval_leases)
         self.weights.hold_version = res.hold_version
         self.contacts.trainer_starved = res.trainer_starved
@@ -234,14 +234,16 @@ class RolloutReplica:
             return
         want, b, holding = self._admissible_groups(), self.batch, self.weights.hold_version >= 0
         waiting = self.engine.in_flight() > 0 or self.engine.policy_version is None or holding
+        relay_version = self.weights.newest_at_relay
         claim_due = self.contacts.claim_due(now, want, len(b.groups), len(b.completed), waiting, holding,
-                                            self.repack.urgent) or self.eval.due()
+                                            self.repack.urgent, relay_version) or self.eval.due()
         done = len(b.completed) + len(b.failed)
         if not (claim_due or self.contacts.report_due(now, len(b.groups), done, b.completed_since)):
             return
         claim = None
         if claim_due:
             self.contacts.asked = want
+            self.contacts.claiming(relay_version)
             handoff, taken = self.repack.outgoing()
             claim = ClaimPromptsInput(report=self._report(), max_groups=max(0, want), attempt=self.attempt,
                                       request_id=self.calls.request_id(), handoff=handoff, taken=taken,

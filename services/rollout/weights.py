@@ -39,10 +39,15 @@ class Weights:
         self.last_poll = 0.0
         self.none_held = False  # the last poll reached a relay and no relay held any version of this run
 
-    def refresh(self, now: float, pending: list[Lease], timing: ReplicaTiming, profile: TimeBreakdown) -> None:
-        """Poll the relay when due, then load (or interrupt and load) what the run mode says."""
-        if now - self.last_poll >= (timing.version_wait_poll_s if self.waiting_for_version(pending)
-                                    else timing.version_poll_s):
+    def refresh(self, now: float, pending: list[Lease], timing: ReplicaTiming, profile: TimeBreakdown,
+                awaited: int | None = None) -> None:
+        """Poll the relay when due (often while waiting for a version: `waiting_for_version`, or, idle, for
+        `awaited`, the version that wakes a starved replica's next claim), then load (or interrupt and load) what
+        the run mode says."""
+        fast = self.waiting_for_version(pending) or (
+            awaited is not None and self.engine.in_flight() == 0
+            and (self.newest_at_relay is None or self.newest_at_relay < awaited))
+        if now - self.last_poll >= (timing.version_wait_poll_s if fast else timing.version_poll_s):
             with profile.measure("poll_relay"):
                 self.poll()
             self.last_poll = now
