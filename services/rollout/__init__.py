@@ -15,7 +15,10 @@ at a time:
   Control traffic is bounded by work: a busy replica, or one still without weights, contacts the workflow at
   least every `contact_s` (that is how it learns of a hand-over while it has no room to claim, and of relays
   that joined after it started, e.g. after a Temporal outage); an idle replica backs off to
-  `idle_claim_max_s` and a paused one to `paused_claim_max_s`;
+  `idle_claim_max_s` and a paused one to `paused_claim_max_s`, but a claim that came back empty at version v
+  is sent again as soon as a version newer than v reaches the replica's relay (what frees prompts, the
+  trainer's next step, comes with one; `Contacts.woken`), and while idle and waiting for it the replica polls
+  its relay every `version_wait_poll_s`;
 - generation (`batch.py`): one engine step per turn; each finished sample becomes a trajectory in
   `Batch.record`, and a group with all its samples is complete;
 - partial pool (`pool.py`): every flush interval, all in-flight groups are written to the partial-response
