@@ -106,7 +106,7 @@ class Agent:
         try:
             for _ in range(50):
                 t = time.perf_counter()
-                protocol.send_frame(sock, {"op": protocol.OP_VERSION, "run": run})
+                protocol.send_frame(sock, {"proto": protocol.PROTOCOL_VERSION, "op": protocol.OP_VERSION, "run": run})
                 protocol.recv_frame(sock)
                 rtts.append(time.perf_counter() - t)
         finally:

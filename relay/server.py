@@ -80,7 +80,12 @@ class _Handler(socketserver.BaseRequestHandler):
             header = protocol.recv_header(sock, allow_eof=True)
             if header is None:
                 return False
-            if header.get("proto", protocol.PROTOCOL_VERSION) != protocol.PROTOCOL_VERSION:
+            if "proto" not in header:  # every request names its version (relay/client.py): nothing older is served
+                raise RelayError(f"the request names no relay protocol version and this relay speaks "
+                                 f"{protocol.PROTOCOL_VERSION}; send \"proto\": {protocol.PROTOCOL_VERSION} in "
+                                 "every request header (relay/client.py does), or run the same laminar version "
+                                 "on the trainer, the relays and the rollout hosts")
+            if header["proto"] != protocol.PROTOCOL_VERSION:
                 raise RelayError(f"the client speaks relay protocol {header.get('proto')!r} and this relay "
                                  f"{protocol.PROTOCOL_VERSION}; run the same laminar version on the trainer, the "
                                  "relays and the rollout hosts")

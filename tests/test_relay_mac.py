@@ -261,3 +261,18 @@ def test_a_client_of_another_protocol_version_is_refused_by_name(payload: bytes)
         with pytest.raises(RelayError, match=want):
             client.latest_version(proxy.addr, token=None)
         assert client.latest_version(relay.addr, token=None) is None
+
+
+def test_a_request_that_names_no_protocol_version_is_refused():
+    """A request header without "proto" (something that is not this laminar's client) is refused with what to
+    send, not served as if it spoke the current version."""
+
+    def unversioned(header: dict, body: bytearray) -> list[Frame]:
+        header.pop("proto", None)
+        return [(header, body)]
+
+    with _through_proxy("r-unversioned", None, up=unversioned) as (relay, proxy):
+        with pytest.raises(RelayError, match=rf'names no relay protocol version .* send "proto": '
+                                             rf'{protocol.PROTOCOL_VERSION}'):
+            client.latest_version(proxy.addr, token=None)
+        assert client.latest_version(relay.addr, token=None) is None
