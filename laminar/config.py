@@ -42,12 +42,15 @@ UPDATES_RESERVE = 50  # updates besides the replicas' a segment may take after i
 MAX_UPDATE_SENDERS = (SERVER_MAX_TOTAL_UPDATES - UPDATES_RESERVE - 100) // 2
 
 
-def check_update_senders(replicas: int, relays: int) -> None:
+def check_update_senders(replicas: int, relays: int, *, scale: bool = False) -> None:
     """ValueError when one run would have more replicas and relays than its workflow carries (MAX_UPDATE_SENDERS);
-    the config's validator and the `scale` update's both ask here."""
+    the config's validator and the `scale` update's (scale=True: the message names the update's arguments) both
+    ask here."""
     if replicas + relays > MAX_UPDATE_SENDERS:
+        what = (f"scale: replicas={replicas} + relays={relays}" if scale
+                else f"rollout.replicas={replicas} + relay.relays={relays}")
         raise ValueError(
-            f"rollout.replicas={replicas} + relay.relays={relays} = {replicas + relays}: one run's workflow carries "
+            f"{what} = {replicas + relays}: one run's workflow carries "
             f"at most {MAX_UPDATE_SENDERS} replicas and relays (the server accepts {SERVER_MAX_TOTAL_UPDATES} "
             f"updates per run and each may send two while a segment hands over); give fewer, larger replicas"
         )

@@ -112,3 +112,8 @@ def test_the_budget_leaves_every_sender_two_updates_below_the_server_s_limit_up_
     with pytest.raises(ConfigError, match="at most 925 replicas and relays"):
         RunConfig.load(None, ["rollout.replicas=924", "relay.relays=2"])
     RunConfig.load(None, ["rollout.replicas=923", "relay.relays=2"])
+    # the `scale` update's validator names its own arguments
+    from laminar.config import check_update_senders
+
+    with pytest.raises(ValueError, match=r"^scale: replicas=920 \+ relays=8 = 928: .*at most 925"):
+        check_update_senders(920, 8, scale=True)

@@ -382,7 +382,7 @@ class TrainingRunWorkflow:
         if inp.relays is not None:
             plan_relays(self.relays.ids(), inp.relays)  # raises on a target out of range
         check_update_senders(inp.replicas if inp.replicas is not None else len(self.replicas.ids()),
-                             inp.relays if inp.relays is not None else len(self.relays.ids()))
+                             inp.relays if inp.relays is not None else len(self.relays.ids()), scale=True)
         if self.state.stopping or self.seg.finished:
             raise ValueError(f"scale: run {self.state.run_id} is {self.board.phase()}; a stopping run is not scaled")
 
