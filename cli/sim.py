@@ -267,15 +267,18 @@ def replica_timing():
 def simulate_like_bench(cfg, iterations: int, control_plane: str = "off") -> dict[str, Any]:
     """The simulator on one `laminar bench throughput` run config (sim/scenarios.py from_run_config): the replicas'
     intervals and, unless control_plane is off, the workflow's measured costs (sim/scenarios.py control_plane_cost),
-    both in the modelled engine's seconds (a wall second is modelled.speedup of them)."""
+    both in the modelled engine's seconds (a wall second is modelled.speedup of them), and the replica loop's time
+    outside the engine (sim/params.py REPLICA_LOOP_SHARE, measured on the real stack)."""
     from bench.throughput import warmup_steps
+    from sim import params as P
     from sim.core import simulate
-    from sim.scenarios import control_plane_cost, from_run_config
+    from sim.scenarios import control_plane_cost, from_run_config, with_replica_loop
 
     speedup = cfg.modelled.speedup
     sim_cfg = from_run_config(cfg, iterations=iterations, warmup=warmup_steps(iterations))
     cost = control_plane_cost(control_plane)
     res = simulate(replace(sim_cfg, control=replica_timing().scaled(speedup),
+                           costs=with_replica_loop(sim_cfg.costs, P.REPLICA_LOOP_SHARE),
                            control_plane=None if cost is None else cost.scaled(speedup)))
     return {"tokens_per_s": res.tokens_per_s, "staleness_max": res.staleness_max, "kv_utilisation": res.kv_utilisation,
             "trainer_idle_fraction": res.trainer_idle_fraction, "complete": res.complete, "repacks": res.repacks}
@@ -299,6 +302,7 @@ def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replica
     from bench.throughput import WORKLOADS, BenchSpec, run_bench
     from cli.bench import launch_bench_workers
     from client.exit import stop_like_ctrl_c
+    from sim import params as P
 
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad or not workloads:
@@ -326,7 +330,7 @@ def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replica
                          "within_15pct": ratio is not None and abs(ratio - 1) <= 0.15,
                          "real_staleness_max": real.get("staleness_max"), "sim_staleness_max": sim["staleness_max"]})
     t = Table(title=f"simulator vs real stack ({replicas} replicas, {iterations} global batches, modelled engine, "
-                    f"control plane {control_plane})")
+                    f"control plane {control_plane}, replica loop {P.REPLICA_LOOP_SHARE:.1%} outside the engine)")
     for col in ("setting", "workload", "mode", "real tokens/s", "sim tokens/s", "sim / real", "within 15 %",
                 "staleness max real / sim"):
         t.add_column(col)
@@ -336,7 +340,8 @@ def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replica
                   "yes" if r["within_15pct"] else "NO", f"{r['real_staleness_max']} / {r['sim_staleness_max']}")
     console.print(t)
     if json_path is not None:
-        json_path.write_text(json.dumps({"control_plane": control_plane, "validation": rows}, indent=2, default=str))
+        json_path.write_text(json.dumps({"control_plane": control_plane, "replica_loop_share": P.REPLICA_LOOP_SHARE,
+                                         "validation": rows}, indent=2, default=str))
         console.print(f"json: {json_path}")
     if not all(r["within_15pct"] for r in rows):
         raise typer.Exit(1)

@@ -57,6 +57,16 @@ MACHINE_REPLACE_S = 252.0  # paper 8.5: full recovery in about 252 s after a two
 ENGINE_START_S = 60.0  # assumed: a rollout engine's restart on its GPUs (process, CUDA graphs) at scale
 
 
+# -- the real stack's replica loop (the validation only: `laminar simulate --validate`) --------------------------
+# Between engine steps a replica's loop flushes its partial pool, polls its relay, heartbeats and records finished
+# samples; the engine waits meanwhile. Measured: `py-spy record --idle` on one rollout host (5 replica loops) for 30 s
+# inside the window of `laminar bench throughput --modes laminar --workload long_tail` (commit 28ccf73, quiet 2-core
+# machine, 2026-12-03): 93.6 % of the loops' wall in the engine's step, 6.4 % outside it (pool flush 2.4, relay poll
+# 1.2, heartbeat hand-off 0.8, recording 0.6, weight loads 0.3). At modelled.speedup 10 each of those wall seconds is
+# ten modelled ones, so the validation's twin charges it (sim/scenarios.py with_replica_loop); the paper-scale runs
+# do not (on a GPU the same wall time is a different share, unmeasured).
+REPLICA_LOOP_SHARE = 0.064
+
 # -- the control plane: one run's workflow serves every claim and report (sim/control.py) ----------------------
 # Measured on the default example on a 2-core machine, nothing else running (`laminar bench overhead
 # examples/tiny.toml`, 2026-12-02, then `python -m bench.trainer_gaps RUN_ID` on its history): a dev server with

@@ -164,6 +164,16 @@ def sim_config(model: P.ModelParams, workload: P.WorkloadParams, mode: str, plac
     )
 
 
+def with_replica_loop(costs: CostModel, share: float) -> CostModel:
+    """The engine's costs as a replica loop that spends `share` of its wall outside the engine sees them: every
+    decode and prefill second takes 1 / (1 - share) (P.REPLICA_LOOP_SHARE: the real stack's, measured)."""
+    if not 0 <= share < 1:
+        raise ValueError(f"share={share!r}: the replica loop's share outside the engine is in [0, 1)")
+    k = 1 / (1 - share)
+    return replace(costs, step_floor_s=costs.step_floor_s * k, kv_read_s_per_token=costs.kv_read_s_per_token * k,
+                   compute_s_per_seq=costs.compute_s_per_seq * k, prefill_s_per_token=costs.prefill_s_per_token * k)
+
+
 def from_run_config(cfg: RunConfig, *, iterations: int, warmup: int) -> SimConfig:
     """The simulator's twin of one modelled run on the real stack (`laminar bench throughput`'s run config): the
     [modelled] section's costs (CostModel.from_modelled, the engine's own), its response lengths (rl/modelled.py

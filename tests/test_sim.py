@@ -249,3 +249,19 @@ def test_tool_calling_workload_holds_kv_during_calls_and_repacks():
     assert res.step_times != single.step_times  # the calls change the schedule
     for mode in ("sync", "partial_rollout"):
         assert simulate(replace(cfg, mode=mode)).complete
+
+
+def test_the_validation_twin_charges_the_replica_loop_s_time_outside_the_engine():
+    from sim.scenarios import with_replica_loop
+
+    slower = with_replica_loop(SMALL_COSTS, 0.2)
+    assert slower.decode_steps_s(8, 0.0, 100) == pytest.approx(SMALL_COSTS.decode_steps_s(8, 0.0, 100) / 0.8)
+    assert slower.prefill_s(1000) == pytest.approx(SMALL_COSTS.prefill_s(1000) / 0.8)
+    assert (slower.trainer_s_per_token, slower.weight_bytes) == (SMALL_COSTS.trainer_s_per_token, SMALL_COSTS.weight_bytes)
+    assert with_replica_loop(SMALL_COSTS, 0.0) == SMALL_COSTS
+    with pytest.raises(ValueError, match="share=1.0"):
+        with_replica_loop(SMALL_COSTS, 1.0)
+    # the validation's own twin (cli/sim.py simulate_like_bench) charges it: generation-bound, it is that much slower
+    base = simulate(small())
+    charged = simulate(replace(small(), costs=with_replica_loop(SMALL_COSTS, 0.2)))
+    assert charged.tokens_per_s < base.tokens_per_s * 0.9
