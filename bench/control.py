@@ -259,7 +259,8 @@ class SyntheticReplica:
                 if claim_res is not None:
                     self.version = max(self.version, claim_res.newest_policy_version)
                     self._lease(claim_res.leases, now)
-                    contacts.claimed(len(claim_res.leases), claim_res.paused)
+                    # no relay here: an empty claim backs off and is never woken by a version (the real loop's is)
+                    contacts.claimed(len(claim_res.leases), claim_res.paused, claim_res.newest_policy_version)
                 contacts.trainer_starved = res.trainer_starved
             if now - beat_at >= self.run.beat_s:
                 self.control.heartbeat({"policy_version": self.version, "in_flight": len(self.groups),
