@@ -168,13 +168,19 @@ async def test_kept_replicas_are_adopted_in_their_own_processes(stack):
     _check_accounting(final, cfg.run.steps, cfg.trainer.groups_per_step)
     histories = await history_chain(stack.client, handle.id)
     assert final.continued_as_new >= 1 and len(histories) == final.continued_as_new + 1
-    adopted = 0
+    adopted, both_parked = 0, 0
     for before, after in zip(histories, histories[1:], strict=False):
-        parked = {r.replica_id: r for r in _results(before) if r.kept >= 0}
-        # every replica parked (none wrote its groups out), each naming the queue of its own process: two processes
-        assert sorted(parked) == ["replica-0", "replica-1"], _results(before)
-        assert all(r.handed_over == 0 and r.queue.startswith(f"{ROLLOUT_QUEUE}@") for r in parked.values())
-        assert len({r.queue for r in parked.values()}) == 2
+        results = _results(before)
+        parked = {r.replica_id: r for r in results if r.kept >= 0}
+        # a replica that joined only as the segment ended (a slow start on a loaded machine: its first claim already
+        # said hand over) returns holding nothing and does not park; every other one parked (none wrote its groups
+        # out), each naming the queue of its own process
+        late = [r for r in results if r.kept < 0]
+        assert all(r.groups_completed == 0 and r.handed_over == 0 for r in late), results
+        assert parked and all(r.handed_over == 0 and r.queue.startswith(f"{ROLLOUT_QUEUE}@") for r in parked.values())
+        if len(parked) == 2:
+            assert len({r.queue for r in parked.values()}) == 2, parked  # two replicas parked in two processes
+            both_parked += 1
         scheduled, ended = _rollout_activities(after)
         # the next segment starts each there, once, and it is adopted there: a process's own queue answers any
         # activity for a replica it does not hold with ReplicaNotParked, which would show here and be retried elsewhere
@@ -184,7 +190,7 @@ async def test_kept_replicas_are_adopted_in_their_own_processes(stack):
         for r, p in parked.items():  # its first claim resumes every group it held in memory, none from a pool
             assert len(claims[r].resuming) == p.kept, (r, claims[r].resuming, p.kept)
         adopted += len(parked)
-    assert adopted >= 2
+    assert adopted >= 2 and both_parked >= 1, (adopted, both_parked)
     assert final.tokens_regenerated == 0 and final.steps_redone == 0
     assert not [e for e in final.events if e.kind in ("replica_not_adopted", "replica_rejoined")], final.events
 
