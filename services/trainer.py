@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -70,6 +69,7 @@ if TYPE_CHECKING:
 from laminar.policy import policy_for, publishes, staleness_bound, version_of
 from services.model_files import publish_base_weights, publish_model_files, resolve_model_dir
 from services.tracking import Trackers, step_scalars
+from services.turns import Turns
 from storage import keys
 from storage.checkpoints import CheckpointStore, LoadedCheckpoint
 from storage.objects import ObjectStore
@@ -78,7 +78,7 @@ from storage.trajectories import TrajectoryStore
 log = get_logger(__name__)
 
 PUBLISHED_RUNS_KEPT = 4  # runs whose last published version this process keeps to republish (one payload each)
-MAX_CATCH_UP = 4  # steps a trainer takes ahead of their own activity (_catch_up); the workflow schedules 1 ahead
+MAX_CATCH_UP = 4  # steps a trainer takes ahead of their own activity (_catch_up); the workflow schedules 2 ahead
 PROFILE_EVERY_S = 5.0  # how often the trainer writes its time breakdown to the store (and at the last step)
 
 
@@ -86,7 +86,7 @@ class TrainerService:
     def __init__(self, store: ObjectStore, home: Path, relay_token: str | None = None,
                  notice: Notice = NOTICE) -> None:
         self.notice = notice  # the process's (tests pass their own)
-        self._busy = threading.Lock()  # a step, or the deadline checkpoint: never both at once
+        self._turns = Turns()  # a step, or the deadline checkpoint: never both at once; waiting steps in step order
         self.checkpointed_step = -1  # the step of the newest checkpoint of the in-memory policy (saved or loaded)
         self.relay_token = relay_token
         self.store = store
@@ -208,7 +208,7 @@ class TrainerService:
         The trainer's worker runs two activities at once (workers/processes.py), so the step scheduled ahead is
         already here while the one before it computes: it reads its segments now, then waits its turn (_turn)."""
         rows = self._prefetch(inp.batch)
-        with self._turn(heartbeat) as waited:
+        with self._turn(heartbeat, (inp.run_id, inp.step)) as waited:
             if (done := self._taken_ahead(inp)) is not None:
                 if schedule_to_start_s is not None:  # one queue wait per activity, this one's too (its step was
                     # trained by _catch_up: the task queue handed the steps over out of order)
@@ -236,17 +236,15 @@ class TrainerService:
             return self._train_step(inp, heartbeat, schedule_to_start_s, scheduled_at, last, rows)
 
     @contextmanager
-    def _turn(self, heartbeat=lambda: None) -> Iterator[bool]:
-        """One call at a time touches the policy (a step, an init, a republish, the deadline checkpoint); a call
-        waiting for the one before it keeps its activity's heartbeat going (waiting is not a hang). Yields whether
-        it had to wait."""
-        waited = not self._busy.acquire(blocking=False)
-        while waited and not self._busy.acquire(timeout=1.0):
-            heartbeat()
+    def _turn(self, heartbeat=lambda: None, step: tuple[str, int] | None = None) -> Iterator[bool]:
+        """One call at a time touches the policy (a step, an init, a republish, the deadline checkpoint), the waiting
+        steps of a run lowest first (services/turns.py); a call waiting for the one before it keeps its activity's
+        heartbeat going (waiting is not a hang). Yields whether it had to wait."""
+        _, waited = self._turns.acquire(step, on_wait=heartbeat)
         try:
             yield waited
         finally:
-            self._busy.release()
+            self._turns.release()
 
     def _prefetch(self, batch: list[BatchPart]) -> dict[str, list[Trajectory]]:
         """The batch's segments, read before the step's turn (segments are immutable: attempt-scoped keys). A
@@ -314,7 +312,7 @@ class TrainerService:
         at that step. Deletes nothing (the workflow's retained checkpoints are the next step's to prune). Waits
         for a step still running at most until the notice's deadline; None if it did not end by then, or if the
         store refused the checkpoint (an outage or a read-only store: the worker still leaves cleanly, exit 0)."""
-        if not self._busy.acquire(timeout=min(self.notice.remaining_s(), 3600.0)):
+        if not self._turns.acquire(timeout=min(self.notice.remaining_s(), 3600.0))[0]:
             return None
         try:
             if self.trainer is None or self.run_id is None or self.step <= max(0, self.checkpointed_step):
@@ -327,7 +325,7 @@ class TrainerService:
             log.info("deadline_checkpoint", run_id=self.run_id, step=self.step, in_step=False)
             return ref
         finally:
-            self._busy.release()
+            self._turns.release()
 
     def _train_step(self, inp: TrainStepInput, heartbeat, schedule_to_start_s: float | None,
                     scheduled_at: float | None, last: bool,

@@ -99,8 +99,8 @@ async def test_pause_and_resume(stack):
     # flight at the pause is a race (the trainer may just have taken them all), so the test waits for the
     # leases to close rather than for a count of ready groups.
     held = await async_wait_until(lambda: _still(handle), RUN_TIMEOUT_S, "the paused run's leases and step to finish")
-    # at most the steps already dispatched when the pause landed: the one running and the one scheduled ahead
-    # (the trainer worker's TRAINER_SLOTS = 2, workers/processes.py)
+    # at most the steps already dispatched when the pause landed: the one running and those scheduled ahead
+    # (the trainer worker's TRAINER_SLOTS, workers/processes.py)
     assert held.step <= paused_at + TRAINER_SLOTS
     # Replicas kept contacting the run while it was paused (their reports closed the leases): none got a new
     # prompt, and the ready groups stay unconsumed.

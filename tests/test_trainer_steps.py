@@ -71,7 +71,8 @@ def finish(fut: asyncio.Future, inputs: list[TrainStepInput]) -> None:
     fut.set_result(results[0] if len(inputs) == 1 else results)
 
 
-def _trainer(overrides: list[str], commands: FakeCommands, ahead: bool = True, patched: bool = True):
+def _trainer(overrides: list[str], commands: FakeCommands, ahead: bool = True, patched: bool = True,
+             deep: bool = False):
     cfg = RunConfig.load(None, ["trainer.groups_per_step=2", "rollout.max_ready_groups=16", *overrides])
     state = RunState(run_id=RUN, trainer_ready=True)
     ledger, rt = Ledger(state), FakeRuntime()
@@ -87,7 +88,7 @@ def _trainer(overrides: list[str], commands: FakeCommands, ahead: bool = True, p
     trainer = Trainer(state, ledger, cfg, policy_for(cfg), rt, relays, train_steps_patched=train_steps_patched,
                       committed=lambda: calls.__setitem__("committed", calls["committed"] + 1),
                       stepped=lambda: calls.__setitem__("stepped", calls["stepped"] + 1), commands=commands)
-    trainer.ahead = ahead
+    trainer.ahead, trainer.deep = ahead, deep
     return trainer, state, ledger, rt, calls
 
 
@@ -135,6 +136,39 @@ async def test_keep_last_one_schedules_nothing_ahead():
     assert _steps(cmds.started) == [[0]]
     # has_batch counts room to schedule: with keep_last 1 none is behind the running step, so starved() holds
     assert not trainer.has_batch() and trainer.starved()
+
+
+async def test_train_ahead_2_schedules_two_behind_the_running_step_and_commits_in_order():
+    cmds = FakeCommands()
+    trainer, state, ledger, rt, _ = _trainer(["run.steps=10"], cmds, deep=True)  # keep_last 3 (the default)
+    _complete(ledger, 8, "0")  # four steps' groups
+    trainer.advance()
+    assert _steps(cmds.started) == [[0], [1], [2]]  # one running, two behind it (TRAIN_AHEAD)
+    assert [i[0].ahead for i in cmds.started] == [False, True, True]
+    assert not trainer.has_batch() and not trainer.starved()  # no room for a fourth
+    # each input is whole on its own: the third replays the two batches before it on top of the same restore point
+    assert [len(i[0].replay) for i in cmds.started] == [0, 1, 2]
+    rt.t = 2.0
+    finish(cmds.handles[0], cmds.started[0])
+    trainer.advance()  # step 0 commits; step 3 is scheduled behind steps 1 and 2
+    assert state.step == 1 and _steps(cmds.started) == [[0], [1], [2], [3]]
+    for h, inp in zip(cmds.handles[1:], cmds.started[1:], strict=True):
+        finish(h, inp)
+    await trainer.settle()
+    assert state.step == 4 and state.groups_consumed == 8 and state.ready == []
+
+
+async def test_train_ahead_2_stays_below_keep_last_and_starves_with_room():
+    cmds = FakeCommands()
+    trainer, _, ledger, _, _ = _trainer(["run.steps=10", "trainer.keep_last=2"], cmds, deep=True)
+    _complete(ledger, 8, "0")
+    trainer.advance()
+    assert _steps(cmds.started) == [[0], [1]]  # keep_last 2: restore points of two in flight at most one apart
+    cmds = FakeCommands()
+    trainer, _, ledger, _, _ = _trainer(["run.steps=10"], cmds, deep=True)
+    _complete(ledger, 4, "0")  # two steps' groups: room for a third, and no batch for it
+    trainer.advance()
+    assert _steps(cmds.started) == [[0], [1]] and trainer.starved()  # a replica reports its next group at once
 
 
 async def test_the_run_never_schedules_past_its_last_step():

@@ -1,8 +1,8 @@
 """Worker process entry points: one process per role (`laminar worker {control,trainer,rollout,relay}`).
 
 - control: TrainingRunWorkflow (and the slot pool, workflows/pool.py) on `laminar-control` (workflow tasks only; never waits behind GPU work).
-- trainer: `init_trainer` / `train_step` on `laminar-trainer`, two slots (the running step and the one scheduled
-  behind it, which waits its turn in the service), model kept in memory.
+- trainer: `init_trainer` / `train_step` on `laminar-trainer`, three slots (the running step and the two scheduled
+  behind it, which wait their turn in the service), model kept in memory.
 - rollout: `run_rollout_replica` on the shared `laminar-rollout` queue and on the process's own
   (`laminar-rollout@<host>-<pid>-<random>`, where a replica it parked at a continue-as-new is started again), `slots`
   replicas at once on both, parked ones included (workers/rollout_slots.py).
@@ -151,7 +151,7 @@ def _repair_sweep_s() -> float:
     return value
 
 
-TRAINER_SLOTS = 2  # the running step and the one scheduled behind it (TRAIN_AHEAD = 1)
+TRAINER_SLOTS = 3  # the running step and the two scheduled behind it (workflows/trainer.py TRAIN_AHEAD = 2)
 
 
 async def trainer(settings: Settings, allow_faults: bool = False) -> None:
@@ -168,8 +168,9 @@ async def trainer(settings: Settings, allow_faults: bool = False) -> None:
         client,
         task_queue=TRAINER_QUEUE,
         activities=[acts.init_trainer, acts.train_step, acts.train_steps, acts.republish],
-        # Two slots: the step the workflow schedules ahead (workflows/trainer.py) starts while the one before it
-        # computes, reads its segments, and waits its turn in TrainerService; one thread more for heartbeats.
+        # Three slots: the steps the workflow schedules ahead (workflows/trainer.py) start while the one before them
+        # computes, read their segments, and wait their turn in TrainerService (in step order, services/turns.py);
+        # one thread more for heartbeats.
         activity_executor=ThreadPoolExecutor(max_workers=TRAINER_SLOTS + 1),
         max_concurrent_activities=TRAINER_SLOTS,
         max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,

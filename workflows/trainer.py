@@ -10,10 +10,10 @@ the command functions of workflows/commands.py (`init_trainer`, `republish`, `st
   in stream mode, every minibatch step up to the batch's publish whose groups are complete) and commits it.
 - Train-ahead (patch `train-ahead`): `advance` commits the oldest trainer activity if it returned and schedules
   the next ones whose batches are complete, up to TRAIN_AHEAD behind the running one. The trainer's worker takes
-  the next while the running one computes (two slots; services/trainer.py runs them one at a time), so the next
+  the next while the running one computes (three slots; services/trainer.py runs them one at a time, in step order), so the next
   starts as the running one ends: no step waits for a workflow task or for the task queue. A step
   scheduled ahead counts against rollout.max_ready_groups (its groups stay ready until it commits), and its input
-  is whole on its own (Ledger.train_inputs_after), so a trainer that restarts, or runs the two out of order after a
+  is whole on its own (Ledger.train_inputs_after), so a trainer that restarts, or runs them out of order after a
   crash, rewinds as for any step.
 - Republish: a chain change (`RelayChain.republish_wanted`) or a replica that finds no version on any relay has the
   trainer push its current version again.
@@ -39,8 +39,9 @@ from workflows.relay_chain import RelayChain
 from workflows.state import RunState
 
 HANDOVER_STALLS_KEPT = 64  # hand-over stalls kept for the summary's p50 (max and count cover the whole run)
-TRAIN_AHEAD = 1  # trainer activities scheduled behind the running one (patch train-ahead; the trainer's queue runs
-# one at a time, so the next starts as the running one returns, without waiting for a workflow task)
+TRAIN_AHEAD = 2  # trainer activities scheduled behind the running one at most (patch train-ahead-2; the trainer's
+# queue runs them one at a time, in step order, so the next starts as the running one returns, without waiting for a
+# workflow task); 1 in a history from before that patch (patch train-ahead)
 
 
 @dataclasses.dataclass
@@ -63,6 +64,7 @@ class Trainer:
         self.stepped = stepped  # after each trainer activity, once its times are noted (search attributes)
         self.training = False  # a trainer activity is in flight
         self.ahead = False  # patch train-ahead: trainer activities are scheduled ahead (advance)
+        self.deep = False  # patch train-ahead-2: up to TRAIN_AHEAD of them (one before it)
         self.free_at = 0.0  # (train-ahead) when the last trainer activity returned
         self.flights: list[TrainFlight] = []  # (train-ahead) the trainer activities in flight, in step order
         self.version_pushed_at = rt.now()  # the last publish or republish (see note_version_missing)
@@ -117,9 +119,10 @@ class Trainer:
     def starved(self) -> bool:
         """The trainer is idle for want of complete groups (so a replica should not hold one back to batch
         its reports: that wait would be the trainer's)."""
-        if self.ahead:  # starved as its running step ends: no step is scheduled behind it and no batch is there
-            return (self.state.trainer_ready and not self.state.paused and len(self.flights) <= 1
-                    and not self.has_batch())
+        if self.ahead:  # starved once the steps in flight end: none is scheduled behind the running one, or there is
+            # room for one more (train-ahead-2), and no batch is there for it
+            return (self.state.trainer_ready and not self.state.paused
+                    and len(self.flights) <= max(1, self._train_ahead()) and not self.has_batch())
         return self.state.trainer_ready and not self.training and not self.state.paused and not self.has_batch()
 
     def returned(self) -> bool:
@@ -127,12 +130,12 @@ class Trainer:
         return bool(self.flights) and self.flights[0].handle.done()
 
     def _train_ahead(self) -> int:
-        """Trainer activities scheduled behind the running one: TRAIN_AHEAD, or none with trainer.keep_last 1. Two
-        activities in flight name restore points at most one commit apart; a trainer that runs the later one
-        first (after a crash) deletes checkpoints older than its input's oldest retained one, which holds the
-        earlier input's restore point only when the run keeps two or more."""
+        """Trainer activities scheduled behind the running one: TRAIN_AHEAD (1 before patch train-ahead-2), and
+        fewer than trainer.keep_last. n + 1 activities in flight name restore points at most n commits apart; a
+        trainer that runs the last one first (after a crash) deletes checkpoints older than its input's oldest
+        retained one, which holds the first input's restore point only when the run keeps n + 1 or more."""
         assert self.cfg is not None
-        return TRAIN_AHEAD if self.cfg.trainer.keep_last >= 2 else 0
+        return max(0, min(TRAIN_AHEAD if self.deep else 1, self.cfg.trainer.keep_last - 1))
 
     def _in_flight_batches(self) -> list[list[str]]:
         """The group ids of every step in flight, in step order."""

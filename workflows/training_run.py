@@ -130,6 +130,7 @@ class TrainingRunWorkflow:
             self.board.watchdog_task = self.rt.spawn(self.board.watchdog())
         self.board.upsert_search_attributes()
         self.trainer.ahead = workflow.patched("train-ahead")
+        self.trainer.deep = self.trainer.ahead and workflow.patched("train-ahead-2")
         while self.state.step < self._cfg.run.steps and not self.state.stopping:
             if self.seg.should_continue_as_new(self.state, self._cfg, workflow.info(), self._senders()):
                 await self._continue_as_new()

@@ -414,6 +414,33 @@ async def train_ahead(rec: Recorder) -> list[Path]:
     return [rec.write("training_run_train_ahead", h)]
 
 
+def _most_in_flight(h) -> int:
+    """The most train_step activities in flight at once in a history."""
+    in_flight: set[int] = set()
+    most = 0
+    for e in h.events:
+        if e.HasField("activity_task_scheduled_event_attributes") and \
+                e.activity_task_scheduled_event_attributes.activity_type.name == contract.TRAIN_STEP:
+            in_flight.add(e.event_id)
+            most = max(most, len(in_flight))
+        elif e.HasField("activity_task_completed_event_attributes"):
+            in_flight.discard(e.activity_task_completed_event_attributes.scheduled_event_id)
+    return most
+
+
+async def train_ahead_2(rec: Recorder) -> list[Path]:
+    """An 8-step laminar run, 4 replicas (patch train-ahead-2): train_step activities scheduled while two others were
+    in flight (the running step and one behind it)."""
+    cfg = rec.config("train_ahead_2", "run.steps=8", "rollout.replicas=4")
+    handle = await start_workflow(rec.client, cfg)
+    final: RunStatus = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    (h,) = await rec.chain(handle)
+    require(final.phase == "finished" and final.groups_consumed_twice == 0, f"{final.phase}")
+    require("train-ahead-2" in patch_ids(h), "no train-ahead-2 patch marker")
+    require(_most_in_flight(h) == 3, f"at most {_most_in_flight(h)} train_step activities in flight at once")
+    return [rec.write("training_run_train_ahead_2", h)]
+
+
 async def eval_rounds(rec: Recorder) -> list[Path]:
     """A 4-step math run with eval.at_start and eval.at_end (patch eval-rounds): claims that carry eval leases and
     results, two rounds closed and recorded by `record_eval` activities, the end waiting for the last round."""
@@ -441,6 +468,7 @@ SCENARIOS: dict[str, Callable[[Recorder], Awaitable[list[Path]]]] = {
     "scale": scale,
     "pool": pool,
     "train_ahead": train_ahead,
+    "train_ahead_2": train_ahead_2,
     "eval_rounds": eval_rounds,
 }
 
