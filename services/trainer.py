@@ -205,8 +205,9 @@ class TrainerService:
         deadline checkpoint names this step; a killed one's retry comes), instead of replaying from an older
         restore point now and again for the step before it.
 
-        The trainer's worker runs two activities at once (workers/processes.py), so the step scheduled ahead is
-        already here while the one before it computes: it reads its segments now, then waits its turn (_turn)."""
+        The trainer's worker runs three activities at once (workers/processes.py), so the steps scheduled ahead are
+        already here while the one before them computes: each reads its segments now, then waits its turn (_turn,
+        lowest step first)."""
         rows = self._prefetch(inp.batch)
         with self._turn(heartbeat, (inp.run_id, inp.step)) as waited:
             if (done := self._taken_ahead(inp)) is not None:
