@@ -400,6 +400,10 @@ class TrainStepInput:
     # not at that step defers it once (services/trainer.py), so the step before it, retried or finishing on a
     # trainer that leaves, runs first
     ahead: bool = False
+    # with ahead: how many trainer steps were in flight before it when it was scheduled (train-ahead-2: 1 or 2; 0 in
+    # inputs from before it, meaning 1). A retry that must rewind trains those first and keeps their results, so that
+    # their own retries do not rewind again (services/trainer.py _steps_before)
+    behind: int = 0
 
 
 @dataclass(frozen=True)

@@ -227,7 +227,7 @@ class TrainerService:
                         f"run {inp.run_id} step {inp.step}: scheduled ahead of step {inp.step - 1}, but this trainer "
                         f"is at step {self.step} of run {self.run_id}; retried, so that step {inp.step - 1} runs first")
                 if self.checkpoints.verified_at(inp.run_id, inp.step) is None:  # else: a deadline checkpoint
-                    rewound = self._step_before(inp, heartbeat, scheduled_at)
+                    rewound = self._steps_before(inp, heartbeat, scheduled_at)
                     res = self._train_step(inp, heartbeat, schedule_to_start_s, scheduled_at, last, rows)
                     # this step's result reports the restore (the step before it may have committed already, on
                     # the trainer that died, and then never asks for the result kept for it)
@@ -286,17 +286,24 @@ class TrainerService:
         while len(self._ahead) > MAX_CATCH_UP:
             self._ahead.pop(next(iter(self._ahead)))
 
-    def _step_before(self, inp: TrainStepInput, heartbeat, scheduled_at: float | None) -> TrainStepResult:
+    def _steps_before(self, inp: TrainStepInput, heartbeat, scheduled_at: float | None) -> TrainStepResult:
         """A step scheduled ahead still out of turn on its retry, with no checkpoint at its step (a trainer that left
-        on notice writes one once the step before it is done): take the step before it first (its batch is the
-        last of the replay; it rewinds as that step's own activity would, and its steps redone are counted in its
-        result) and keep that result for the step's own activity (_taken_ahead), so neither rewinds twice."""
-        before = dataclasses.replace(inp, step=inp.step - 1, batch=inp.replay[-1], replay=inp.replay[:-1], ahead=False)
-        res = self._train_step(before, heartbeat, None, scheduled_at, last=False)
-        # the restore is reported once, by the step that asked for it (train_step); the kept result says none
-        self._ahead[(inp.run_id, before.step)] = (_group_ids(before.batch), dataclasses.replace(
-            res, restored=False, steps_redone=0, corrupt_checkpoints=[]))
-        return res
+        on notice writes one once the step before it is done): take the steps that were in flight before it first
+        (`inp.behind` of them, 1 for older inputs: their batches end the replay; the first rewinds as its own
+        activity would, replaying only the batches before them, and its steps redone are counted in its result) and
+        keep each result for that step's own activity (_taken_ahead), so that none of them rewinds again. Returns the
+        first one's result (the rewind)."""
+        first = None
+        for back in range(min(max(inp.behind, 1), len(inp.replay)), 0, -1):
+            before = dataclasses.replace(inp, step=inp.step - back, batch=inp.replay[-back], replay=inp.replay[:-back],
+                                         ahead=False, behind=0)
+            res = self._train_step(before, heartbeat, None, scheduled_at, last=False)
+            first = first or res
+            # the restore is reported once, by the step that asked for it (train_step); the kept result says none
+            self._ahead[(inp.run_id, before.step)] = (_group_ids(before.batch), dataclasses.replace(
+                res, restored=False, steps_redone=0, corrupt_checkpoints=[]))
+        assert first is not None  # inp.replay is not empty (train_step's condition)
+        return first
 
     def _taken_ahead(self, inp: TrainStepInput) -> TrainStepResult | None:
         """The result of this very step (same run, step and batch) if _catch_up took it already, on the policy

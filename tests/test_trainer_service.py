@@ -304,6 +304,30 @@ def test_a_step_scheduled_ahead_waits_its_turn_once_on_a_trainer_elsewhere(setup
                                               ahead=True)).step == 3
 
 
+def test_a_retry_two_steps_ahead_trains_both_steps_before_it_once(setup):
+    """Train-ahead 2: steps 0, 1 and 2 were in flight on a trainer that died; step 2's retry reaches the new
+    trainer first. It trains steps 0 and 1 on its way (its input says two were in flight before it) and keeps their
+    results, so that their own retries answer from them instead of rewinding again: nothing is trained twice (the
+    trainer drill counts steps redone)."""
+    store, trajs, home = setup
+    batches = [_batch(trajs, "r", 10 * i) for i in range(3)]
+    in_order = TrainerService(store, home)  # another run id: its checkpoints are not run r's
+    want = [in_order.train_step(_input("ref", i, batches[i], replay=batches[:i])) for i in range(3)]
+    svc = TrainerService(store, home)
+    third = svc.train_step(dataclasses.replace(_input("r", 2, batches[2], replay=batches[:2]), ahead=True, behind=2),
+                           attempt=2)
+    assert (third.step, third.restored, third.steps_redone, svc.step) == (3, True, 0, 3)
+    second = svc.train_step(dataclasses.replace(_input("r", 1, batches[1], replay=batches[:1]), ahead=True, behind=1),
+                            attempt=2)
+    first = svc.train_step(_input("r", 0, batches[0]), attempt=2)
+    assert [(r.step, r.restored, r.steps_redone) for r in (first, second)] == [(1, False, 0), (2, False, 0)]
+    assert svc.step == 3  # answered from the kept results: no rewind
+    assert [first.metrics.loss, second.metrics.loss, third.metrics.loss] == pytest.approx(
+        [w.metrics.loss for w in want])
+    assert all(torch.equal(a, b) for a, b in zip(svc.trainer.policy_state_dict().values(),
+                                                   in_order.trainer.policy_state_dict().values(), strict=True))
+
+
 def test_the_step_scheduled_ahead_reads_its_segments_while_the_one_before_it_computes(setup):
     """The trainer's worker has two slots: the step behind the running one arrives while it runs. It reads its
     segments at once (outside the turn), then waits for the policy; nothing of it touches the policy early."""

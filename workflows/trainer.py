@@ -215,7 +215,7 @@ class Trainer:
         if not inputs:
             return False
         if in_flight:
-            inputs[0] = dataclasses.replace(inputs[0], ahead=True)
+            inputs[0] = dataclasses.replace(inputs[0], ahead=True, behind=len(in_flight))
         self.note_handover_stall()
         handle = self.commands.start_train(self.cfg, inputs)
         self.flights.append(TrainFlight(inputs=inputs, handle=handle, scheduled_at=self.rt.now()))
