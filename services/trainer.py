@@ -291,10 +291,13 @@ class TrainerService:
         on notice writes one once the step before it is done): take the steps that were in flight before it first
         (`inp.behind` of them, 1 for older inputs: their batches end the replay; the first rewinds as its own
         activity would, replaying only the batches before them, and its steps redone are counted in its result) and
-        keep each result for that step's own activity (_taken_ahead), so that none of them rewinds again. Returns the
-        first one's result (the rewind)."""
+        keep each result for that step's own activity (_taken_ahead), so that none of them rewinds again. A checkpoint
+        at one of those steps (a trainer that left on notice wrote one once its step was done) is where they start
+        instead: the steps before it were done. Returns the first one's result (the rewind)."""
         first = None
-        for back in range(min(max(inp.behind, 1), len(inp.replay)), 0, -1):
+        back = min(max(inp.behind, 1), len(inp.replay))
+        back = next((b for b in range(1, back) if self.checkpoints.verified_at(inp.run_id, inp.step - b)), back)
+        for back in range(back, 0, -1):
             before = dataclasses.replace(inp, step=inp.step - back, batch=inp.replay[-back], replay=inp.replay[:-back],
                                          ahead=False, behind=0)
             res = self._train_step(before, heartbeat, None, scheduled_at, last=False)

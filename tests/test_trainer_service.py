@@ -328,6 +328,30 @@ def test_a_retry_two_steps_ahead_trains_both_steps_before_it_once(setup):
                                                    in_order.trainer.policy_state_dict().values(), strict=True))
 
 
+def test_a_retry_two_steps_ahead_starts_at_the_deadline_checkpoint_of_a_step_in_between(setup):
+    """On notice the leaving trainer finished step 2 (its deadline checkpoint is at step 3) and steps 3 and 4 declined;
+    step 4's retry (two were in flight before it) reaches the successor first. It starts at the checkpoint: step 3
+    restores it, nothing is redone, and step 3's own retry answers from the kept result."""
+    from laminar.notice import Notice
+
+    store, trajs, home = setup
+    notice = Notice()
+    batches = [_batch(trajs, "r", 10 * i) for i in range(5)]
+    svc = TrainerService(store, home, notice=notice)
+    for i in range(3):
+        svc.train_step(_input("r", i, batches[i], replay=batches[:i]))
+    notice.give(30.0, "SIGTERM")
+    assert svc.deadline_checkpoint().step == 3
+    successor = TrainerService(store, home)
+    fifth = successor.train_step(dataclasses.replace(_input("r", 4, batches[4], replay=batches[:4]), ahead=True,
+                                                     behind=2), attempt=2)
+    assert (fifth.step, fifth.restored, fifth.steps_redone, fifth.metrics.consumed_twice) == (5, True, 0, 0)
+    assert sorted(successor._ahead) == [("r", 3)]  # step 3 was trained on the way, step 2 was not trained again
+    fourth = successor.train_step(dataclasses.replace(_input("r", 3, batches[3], replay=batches[:3]), ahead=True,
+                                                      behind=1), attempt=2)
+    assert (fourth.step, fourth.restored, fourth.steps_redone, successor.step) == (4, False, 0, 5)
+
+
 def test_the_step_scheduled_ahead_reads_its_segments_while_the_one_before_it_computes(setup):
     """The trainer's worker has two slots: the step behind the running one arrives while it runs. It reads its
     segments at once (outside the turn), then waits for the policy; nothing of it touches the policy early."""
