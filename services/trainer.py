@@ -295,9 +295,9 @@ class TrainerService:
         at one of those steps (a trainer that left on notice wrote one once its step was done) is where they start
         instead: the steps before it were done. Returns the first one's result (the rewind)."""
         first = None
-        back = min(max(inp.behind, 1), len(inp.replay))
-        back = next((b for b in range(1, back) if self.checkpoints.verified_at(inp.run_id, inp.step - b)), back)
-        for back in range(back, 0, -1):
+        most = min(max(inp.behind, 1), len(inp.replay))
+        start = next((b for b in range(1, most) if self.checkpoints.verified_at(inp.run_id, inp.step - b)), most)
+        for back in range(start, 0, -1):
             before = dataclasses.replace(inp, step=inp.step - back, batch=inp.replay[-back], replay=inp.replay[:-back],
                                          ahead=False, behind=0)
             res = self._train_step(before, heartbeat, None, scheduled_at, last=False)
