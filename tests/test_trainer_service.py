@@ -237,11 +237,9 @@ def test_on_notice_between_steps_the_trainer_checkpoints_its_policy(setup):
     assert (after.step, after.steps_redone, after.metrics.consumed_twice) == (4, 0, 0)
 
 
-def test_a_successor_uses_the_deadline_checkpoint_the_input_does_not_name_yet(setup):
-    """The workflow scheduled step 3 (restore point: nothing, replay batches 0..2) before the deadline checkpoint's
-    signal reached it. The successor finds the checkpoint at step 3, checks it consumed every replayed group and
-    none of this step's, and restores it: 0 steps redone instead of 3. A checkpoint of a different history (its
-    consumed set lacks a replayed group) is not used: the 3 steps are replayed."""
+def _left_on_notice_after_three_steps(setup) -> list:
+    """Steps 0..2 of run r on a trainer given the notice, which then writes its deadline checkpoint (step 3); the
+    five batches of run r."""
     from laminar.notice import Notice
 
     store, trajs, home = setup
@@ -252,6 +250,16 @@ def test_a_successor_uses_the_deadline_checkpoint_the_input_does_not_name_yet(se
         svc.train_step(_input("r", i, batches[i], replay=batches[:i]))
     notice.give(30.0, "SIGTERM")
     assert svc.deadline_checkpoint().step == 3
+    return batches
+
+
+def test_a_successor_uses_the_deadline_checkpoint_the_input_does_not_name_yet(setup):
+    """The workflow scheduled step 3 (restore point: nothing, replay batches 0..2) before the deadline checkpoint's
+    signal reached it. The successor finds the checkpoint at step 3, checks it consumed every replayed group and
+    none of this step's, and restores it: 0 steps redone instead of 3. A checkpoint of a different history (its
+    consumed set lacks a replayed group) is not used: the 3 steps are replayed."""
+    store, _, home = setup
+    batches = _left_on_notice_after_three_steps(setup)
     res = TrainerService(store, home).train_step(_input("r", 3, batches[3], replay=batches[:3]))
     assert (res.step, res.steps_redone, res.restored, res.metrics.consumed_twice) == (4, 0, True, 0)
     # another history: the input says step 3 came from batches 0, 1 and 4 (not 2): the checkpoint is not it
@@ -332,16 +340,8 @@ def test_a_retry_two_steps_ahead_starts_at_the_deadline_checkpoint_of_a_step_in_
     """On notice the leaving trainer finished step 2 (its deadline checkpoint is at step 3) and steps 3 and 4 declined;
     step 4's retry (two were in flight before it) reaches the successor first. It starts at the checkpoint: step 3
     restores it, nothing is redone, and step 3's own retry answers from the kept result."""
-    from laminar.notice import Notice
-
-    store, trajs, home = setup
-    notice = Notice()
-    batches = [_batch(trajs, "r", 10 * i) for i in range(5)]
-    svc = TrainerService(store, home, notice=notice)
-    for i in range(3):
-        svc.train_step(_input("r", i, batches[i], replay=batches[:i]))
-    notice.give(30.0, "SIGTERM")
-    assert svc.deadline_checkpoint().step == 3
+    store, _, home = setup
+    batches = _left_on_notice_after_three_steps(setup)
     successor = TrainerService(store, home)
     fifth = successor.train_step(dataclasses.replace(_input("r", 4, batches[4], replay=batches[:4]), ahead=True,
                                                      behind=2), attempt=2)
