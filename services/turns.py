@@ -14,6 +14,7 @@ free turn when one comes, as with a lock.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 
@@ -28,20 +29,21 @@ class Turns:
         """Wait for the turn: until it is free and, for `step`, no lower step of its run waits. Calls on_wait every
         every_s while waiting (an activity's heartbeat). Returns (got it, had to wait); (False, True) only after
         `timeout` seconds."""
+        now = time.monotonic()
+        deadline, beat_at = (None if timeout is None else now + timeout), now + every_s
         with self._cv:
             if step is not None:
                 self._waiting.append(step)
             waited = False
             try:
-                waited_s = 0.0
                 while not self._mine(step):
-                    waited = True
-                    wait_s = every_s if timeout is None else min(every_s, timeout - waited_s)
-                    if wait_s <= 0:
+                    waited, now = True, time.monotonic()
+                    if deadline is not None and now >= deadline:
                         return False, True
-                    if not self._cv.wait(wait_s):
-                        waited_s += wait_s
+                    if now >= beat_at:  # on the clock, not per wake-up: other calls' comings and goings notify too
                         on_wait()
+                        beat_at = now + every_s
+                    self._cv.wait((beat_at if deadline is None else min(beat_at, deadline)) - now)
                 self._held = True
                 return True, waited
             finally:

@@ -47,8 +47,9 @@ def test_a_step_whose_predecessor_is_not_here_does_not_wait_for_it():
     turns = Turns()
     assert turns.acquire(("r", 5)) == (True, False)  # step 4 went to another trainer, or has not arrived
     turns.release()
-    got, waited = turns.acquire(("other-run", 1), timeout=1.0)  # another run's steps are not ordered against it
-    assert (got, waited) == (True, False)
+    turns._waiting.append(("r", 1))  # step 1 of run r waits (its thread not yet woken)
+    assert turns.acquire(("r", 2), timeout=0.1) == (False, True)  # a later step of run r gives it the turn ...
+    assert turns.acquire(("other-run", 5), timeout=0.1) == (True, False)  # ... another run's step is not behind it
     turns.release()
 
 

@@ -10,8 +10,8 @@ the command functions of workflows/commands.py (`init_trainer`, `republish`, `st
   in stream mode, every minibatch step up to the batch's publish whose groups are complete) and commits it.
 - Train-ahead (patch `train-ahead`): `advance` commits the oldest trainer activity if it returned and schedules
   the next ones whose batches are complete, up to TRAIN_AHEAD behind the running one. The trainer's worker takes
-  the next while the running one computes (three slots; services/trainer.py runs them one at a time, in step order), so the next
-  starts as the running one ends: no step waits for a workflow task or for the task queue. A step
+  them while the running one computes (three slots; services/trainer.py runs them one at a time, in step order), so
+  the next starts as the running one ends: no step waits for a workflow task or for the task queue. A step
   scheduled ahead counts against rollout.max_ready_groups (its groups stay ready until it commits), and its input
   is whole on its own (Ledger.train_inputs_after), so a trainer that restarts, or runs them out of order after a
   crash, rewinds as for any step.
@@ -64,7 +64,7 @@ class Trainer:
         self.stepped = stepped  # after each trainer activity, once its times are noted (search attributes)
         self.training = False  # a trainer activity is in flight
         self.ahead = False  # patch train-ahead: trainer activities are scheduled ahead (advance)
-        self.deep = False  # patch train-ahead-2: up to TRAIN_AHEAD of them (one before it)
+        self.deep = False  # patch train-ahead-2: up to TRAIN_AHEAD of them behind the running one (else one)
         self.free_at = 0.0  # (train-ahead) when the last trainer activity returned
         self.flights: list[TrainFlight] = []  # (train-ahead) the trainer activities in flight, in step order
         self.version_pushed_at = rt.now()  # the last publish or republish (see note_version_missing)

@@ -390,30 +390,6 @@ async def pool(rec: Recorder) -> list[Path]:
     return [rec.write("training_run_pool", h), rec.write("slot_pool", ph)]
 
 
-async def train_ahead(rec: Recorder) -> list[Path]:
-    """A 10-step laminar run (patch train-ahead): a trainer step scheduled while the one before it ran, and reports
-    that carry the replica's next claim (add_experience with `claim`)."""
-    cfg = rec.config("train_ahead", "run.steps=10")
-    handle = await start_workflow(rec.client, cfg)
-    final: RunStatus = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
-    (h,) = await rec.chain(handle)
-    require(final.phase == "finished" and final.groups_consumed_twice == 0, f"{final.phase}")
-    require("train-ahead" in patch_ids(h), "no train-ahead patch marker")
-    in_flight: set[int] = set()  # scheduled event ids of train_step activities not completed yet
-    ahead = 0
-    for e in h.events:
-        if e.HasField("activity_task_scheduled_event_attributes") and \
-                e.activity_task_scheduled_event_attributes.activity_type.name == contract.TRAIN_STEP:
-            ahead += bool(in_flight)
-            in_flight.add(e.event_id)
-        elif e.HasField("activity_task_completed_event_attributes"):
-            in_flight.discard(e.activity_task_completed_event_attributes.scheduled_event_id)
-    require(ahead >= 1, "no train_step scheduled while another was in flight")
-    reports = update_inputs(h, contract.ADD_EXPERIENCE, AddExperienceInput)
-    require(any(r.claim is not None for r in reports), "no add_experience that carries a claim")
-    return [rec.write("training_run_train_ahead", h)]
-
-
 def _most_in_flight(h) -> int:
     """The most train_step activities in flight at once in a history."""
     in_flight: set[int] = set()
@@ -426,6 +402,21 @@ def _most_in_flight(h) -> int:
         elif e.HasField("activity_task_completed_event_attributes"):
             in_flight.discard(e.activity_task_completed_event_attributes.scheduled_event_id)
     return most
+
+
+async def train_ahead(rec: Recorder) -> list[Path]:
+    """A 10-step laminar run (patch train-ahead): a trainer step scheduled while the one before it ran, and reports
+    that carry the replica's next claim (add_experience with `claim`)."""
+    cfg = rec.config("train_ahead", "run.steps=10")
+    handle = await start_workflow(rec.client, cfg)
+    final: RunStatus = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    (h,) = await rec.chain(handle)
+    require(final.phase == "finished" and final.groups_consumed_twice == 0, f"{final.phase}")
+    require("train-ahead" in patch_ids(h), "no train-ahead patch marker")
+    require(_most_in_flight(h) >= 2, "no train_step scheduled while another was in flight")
+    reports = update_inputs(h, contract.ADD_EXPERIENCE, AddExperienceInput)
+    require(any(r.claim is not None for r in reports), "no add_experience that carries a claim")
+    return [rec.write("training_run_train_ahead", h)]
 
 
 async def train_ahead_2(rec: Recorder) -> list[Path]:
