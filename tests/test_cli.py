@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 from laminar.contract import RunStatus, workflow_id_for
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import wait_until
 
 LAMINAR = [sys.executable, "-m", "cli.main"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _laminar(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
@@ -84,3 +88,25 @@ def test_laminar_run_end_to_end(tmp_path):
     assert sum(summary["staleness_histogram"].values()) == summary["groups_consumed"] * 4  # group_size 4
     # It started the dev stack, so it stopped it: no record of live processes is left behind.
     assert not (home / "dev.json").exists()
+
+
+# A command run in a subprocess goes through cli.main.main (run_then_exit), never a Typer app called directly: the
+# Temporal client's native threads can crash a finalising interpreter after the command finished (a `dev up` of
+# tests/test_devstack.py exited -11 in CI when it called `dev_app()` directly).
+_APP_CALLED = re.compile(r"\bfrom cli\.[\w.]+ import [^;\n]*;[^\n]*\b(?!main\()\w+\(\)")
+
+
+def apps_called_directly(source: str) -> list[int]:
+    """Lines where a string literal imports from cli and calls something other than main()."""
+    tree = ast.parse(source)
+    return [n.lineno for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and _APP_CALLED.search(n.value)]
+
+
+def test_subprocesses_run_commands_through_the_entry_point():
+    bad = "from cli.dev import dev_app; " + "dev_app()"  # in two literals, so this file passes its own scan
+    assert apps_called_directly(f'ENTRY = "{bad}"\n') == [1]
+    assert apps_called_directly('ENTRY = "from cli.main import main; main()"\n') == []
+    found = [f"{p.relative_to(ROOT)}:{line}" for p in sorted((ROOT / "tests").rglob("*.py"))
+             for line in apps_called_directly(p.read_text())]
+    assert found == [], f"run commands as `python -m cli.main ...` (cli.main.main): {found}"
