@@ -368,6 +368,9 @@ def workers(
 def worker(
     role: str = typer.Argument(..., help="control | trainer | rollout | relay"),
     slots: int = typer.Option(1, help="Rollout replicas this worker runs at once (rollout only)."),
+    spare: int = typer.Option(0, help="Of --slots, those kept for a replica whose worker died: taken for a new "
+                                      "replica only after 2 s without one (rollout only), so new replicas spread "
+                                      "over the workers first."),
     allow_faults: bool = typer.Option(
         False, "--allow-faults", help="Accept recovery-drill faults on this process's own fault queue."
     ),
@@ -390,6 +393,9 @@ def worker(
             raise ConfigError(f"worker role {role!r} is not one of {', '.join(processes.ROLES)}")
         if slots < 1:
             raise ConfigError(f"--slots={slots} must be at least 1")
+        if not 0 <= spare < slots:
+            raise ConfigError(f"--spare={spare} must be at least 0 and below --slots={slots} (a worker keeps one slot "
+                              "or more for new replicas)")
         configure_logging(settings.log_format, settings.log_level)
         from laminar.metrics import serve
 
@@ -398,7 +404,7 @@ def worker(
               token=settings.metrics_token, insecure=settings.insecure)
         main_fn = processes.ROLES[role]
         if role == "rollout":
-            asyncio.run(main_fn(settings, allow_faults, slots))
+            asyncio.run(main_fn(settings, allow_faults, slots, spare))
         else:
             asyncio.run(main_fn(settings, allow_faults))
 

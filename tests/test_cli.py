@@ -110,3 +110,9 @@ def test_subprocesses_run_commands_through_the_entry_point():
     found = [f"{p.relative_to(ROOT)}:{line}" for p in sorted((ROOT / "tests").rglob("*.py"))
              for line in apps_called_directly(p.read_text())]
     assert found == [], f"run commands as `python -m cli.main ...` (cli.main.main): {found}"
+
+
+def test_worker_rejects_a_spare_that_leaves_no_slot(tmp_path):
+    out = _laminar(["worker", "rollout", "--slots", "1", "--spare", "1"], {"LAMINAR_HOME": str(tmp_path)})
+    assert out.returncode == 2
+    assert "--spare=1 must be at least 0 and below --slots=1" in " ".join(out.stderr.split())

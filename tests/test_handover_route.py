@@ -86,6 +86,37 @@ def test_the_shared_queue_polls_only_once_a_parked_replica_is_gone():
     asyncio.run(go())
 
 
+def test_a_spare_slot_is_taken_only_by_a_caller_that_says_so():
+    parked = [0]
+    s = Slots(2, parked=lambda: parked[0], spare=1)
+    assert s.take_shared() and not s.take_shared()  # the process's share: one new replica
+    assert s.take_shared(spare_ok=True) and not s.take_shared(spare_ok=True)  # the spare, then no slot at all
+    s.give_shared()
+    s.give_shared()
+    parked[0] = 1  # a parked replica holds the share: only the spare is left
+    assert not s.take_shared() and s.take_shared(spare_ok=True)
+    with pytest.raises(ValueError, match="spare=2"):
+        Slots(2, parked=lambda: 0, spare=2)
+
+
+def test_the_shared_queue_polls_with_a_spare_only_after_waiting():
+    """The first poll goes at once; the spare's waits `spare_wait_s`, so a replica another process is polling for
+    goes there first (without the wait, the process that polled first took both of the default run's replicas)."""
+
+    async def go() -> tuple[float, float]:
+        supplier = SharedQueueSlots(Slots(2, parked=lambda: 0, spare=1), spare_wait_s=0.6)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await asyncio.wait_for(supplier.reserve_slot(None), 5)  # type: ignore[arg-type]
+        first = loop.time() - t0
+        assert supplier.try_reserve_slot(None) is None  # type: ignore[arg-type]  # no spare without the wait
+        await asyncio.wait_for(supplier.reserve_slot(None), 5)  # type: ignore[arg-type]
+        return first, loop.time() - t0
+
+    first, spare = asyncio.run(go())
+    assert first < 0.3 and spare >= 0.6
+
+
 def test_the_replicas_that_parked_name_their_queues():
     async def go() -> dict[str, str]:
         loop = asyncio.get_running_loop()

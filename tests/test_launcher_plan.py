@@ -15,10 +15,10 @@ from workers.launcher import ManagedProcess, plan_processes
 BASE = [sys.executable, "-m", "cli.main", "worker"]
 
 
-def _plan(tmp_path: Path, relays: int, replicas: int) -> list[ManagedProcess]:
+def _plan(tmp_path: Path, relays: int, replicas: int, spare_slots: int = 0) -> list[ManagedProcess]:
     cfg = RunConfig.load(None, [f"relay.relays={relays}", f"rollout.replicas={replicas}"])
     settings = Settings.from_env({"LAMINAR_HOME": str(tmp_path)})
-    return plan_processes(cfg, settings, tmp_path / "logs")
+    return plan_processes(cfg, settings, tmp_path / "logs", spare_slots=spare_slots)
 
 
 def test_two_hosts_three_replicas(tmp_path: Path) -> None:
@@ -70,3 +70,12 @@ def test_replica_slots_per_host(tmp_path: Path, relays: int, replicas: int, slot
     # each rollout worker follows its host's relay
     for name in rollout:
         assert names.index(name) == names.index(name.replace("rollout-", "relay-")) + 1
+
+
+def test_spare_slots_are_named_so_the_worker_polls_with_them_late(tmp_path: Path) -> None:
+    """The default run (2 replicas, 2 hosts, the torch engine's 1 spare): each rollout worker has its replica's slot
+    and a spare, which it polls with only after a wait (workers/rollout_slots.py), so one replica runs on each."""
+    rollout = {p.name: p.argv[len(BASE):] for p in _plan(tmp_path, relays=2, replicas=2, spare_slots=1)
+               if p.name.startswith("rollout")}
+    assert rollout == {"rollout-host-0": ["rollout", "--slots", "2", "--spare", "1"],
+                       "rollout-host-1": ["rollout", "--slots", "2", "--spare", "1"]}

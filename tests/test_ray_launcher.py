@@ -56,8 +56,8 @@ def test_placement_on_cpu_mirrors_the_local_plan(tmp_path):
         "control", "trainer", "relay-host-0", "rollout-host-0", "relay-host-1", "rollout-host-1"]
     by = {p.name: p for p in placements}
     # Same worker argv after `laminar worker`: 3 replicas on 2 hosts -> 2 and 1, plus one spare slot each.
-    assert by["rollout-host-0"].args == ["--allow-faults", "rollout", "--slots", "3"]
-    assert by["rollout-host-1"].args == ["--allow-faults", "rollout", "--slots", "2"]
+    assert by["rollout-host-0"].args == ["--allow-faults", "rollout", "--slots", "3", "--spare", "1"]
+    assert by["rollout-host-1"].args == ["--allow-faults", "rollout", "--slots", "2", "--spare", "1"]
     assert by["relay-host-1"].env["LAMINAR_HOST_ID"] == "host-1"
     assert all(k.startswith("LAMINAR_") for p in placements for k in p.env)  # nothing else of this shell
     assert all(p.num_gpus == 0 for p in placements)  # CPU config: no GPU asked for

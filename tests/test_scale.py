@@ -86,3 +86,15 @@ def test_match_replicas_starts_a_rollout_worker_per_short_host(tmp_path):
     finally:
         launcher.stop_all(timeout_s=5)
     assert all(p.proc is None or p.proc.poll() is not None for p in launcher.processes.values())
+
+def test_a_host_without_a_rollout_worker_gets_one_with_its_spare(tmp_path):
+    # 1 replica on 2 hosts: host-0 has 1 + 1 spare, host-1 none; 2 replicas: host-1's first worker, its spare named
+    cfg = RunConfig.load(None, ["relay.relays=2", "rollout.replicas=1"])
+    settings = Settings.from_env({"LAMINAR_HOME": str(tmp_path)})
+    launcher = LocalLauncher(plan_processes(cfg, settings, tmp_path / "logs", spare_slots=1))
+    try:
+        assert launcher.match_replicas(2, 2, 1) == ["rollout-host-1-1"]
+        assert launcher.processes["rollout-host-1-1"].argv[-5:] == ["rollout", "--slots", "2", "--spare", "1"]
+    finally:
+        launcher.stop_all(timeout_s=5)
+

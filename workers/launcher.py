@@ -72,7 +72,7 @@ def plan_processes(cfg: RunConfig, settings: Settings, log_dir: Path, spare_slot
         host_env = {**env, "LAMINAR_HOST_ID": f"host-{i}"}
         procs.append(ManagedProcess(f"relay-host-{i}", [*base, "relay"], host_env, log_dir / f"relay-host-{i}.log"))
         if slots:
-            procs.append(ManagedProcess(f"rollout-host-{i}", [*base, "rollout", "--slots", str(slots)], host_env,
+            procs.append(ManagedProcess(f"rollout-host-{i}", [*base, *rollout_args(slots, spare_slots)], host_env,
                                         log_dir / f"rollout-host-{i}.log"))
     for p in procs:
         p.env = {**p.env, "LAMINAR_METRICS_PORT": str(free_port(settings.metrics_bind) if metrics else 0)}
@@ -84,6 +84,12 @@ def rollout_slots(replicas: int, hosts: int, spare_slots: int) -> list[int]:
     not divide evenly), plus `spare_slots` on every host that has a share. 5 on 2 hosts, 1 spare: [4, 3]."""
     return [s + spare_slots if s else 0
             for s in (replicas // hosts + (1 if i < replicas % hosts else 0) for i in range(hosts))]
+
+
+def rollout_args(slots: int, spare: int) -> list[str]:
+    """`laminar worker`'s arguments for a rollout worker of `slots` slots, `spare` of them spares (polled for a new
+    replica only after a wait, so that a run's replicas spread over its workers first: workers/rollout_slots.py)."""
+    return ["rollout", "--slots", str(slots), *(["--spare", str(spare)] if spare else [])]
 
 
 def slots_to_add(replicas: int, hosts: int, spare_slots: int, have: list[int]) -> list[int]:
@@ -144,7 +150,8 @@ class LocalLauncher:
                 env = dict(relay.env)
                 if env.get("LAMINAR_METRICS_PORT", "0") not in ("", "0"):
                     env["LAMINAR_METRICS_PORT"] = str(free_port(env.get("LAMINAR_METRICS_BIND", "127.0.0.1")))
-                p = ManagedProcess(name, [*relay.argv[:-1], "rollout", "--slots", str(add)], env,
+                spare = spare_slots if not have[i] else 0  # a host's first rollout worker keeps its spares
+                p = ManagedProcess(name, [*relay.argv[:-1], *rollout_args(add, spare)], env,
                                    relay.log_path.with_name(f"{name}.log"))
                 self.processes[name] = p
                 self._start(p)

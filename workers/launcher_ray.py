@@ -42,7 +42,7 @@ from laminar.config import RunConfig
 from laminar.errors import ConfigError, LaminarError
 from laminar.logs import get_logger
 from rl.factory import trainer_gpus
-from workers.launcher import ManagedProcess, process_cpu_s, slots_to_add
+from workers.launcher import ManagedProcess, process_cpu_s, rollout_args, slots_to_add
 
 log = get_logger(__name__)
 
@@ -394,8 +394,9 @@ class RayLauncher:
                 if not add or relay is None or self._stop.is_set():
                     continue
                 name = next(f"rollout-host-{i}-{k}" for k in range(1, 10_000) if f"rollout-host-{i}-{k}" not in by_name)
-                args = [*relay.args[:-1], "rollout", "--slots", str(add)]
-                gpus = gpu_per_replica * (add - (spare_slots if not have[i] else 0))
+                spare = spare_slots if not have[i] else 0  # a host's first rollout worker keeps its spares
+                args = [*relay.args[:-1], *rollout_args(add, spare)]
+                gpus = gpu_per_replica * (add - spare)
                 p = Placement(name, "rollout", relay.host_id, args, {**relay.env, "LAMINAR_METRICS_PORT": "0"},
                               str(Path(relay.log_path).with_name(f"{name}.log")), ROLE_CPUS["rollout"], gpus)
                 if self._start_near_relay(p):

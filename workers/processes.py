@@ -198,7 +198,7 @@ async def _leave_trainer(client, service) -> None:
         log.warning("deadline_checkpoint_not_signalled", run_id=service.run_id, step=ref.step, error=str(e))
 
 
-async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1) -> None:
+async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1, spare: int = 0) -> None:
     import torch
 
     from activities.rollout import RolloutActivities
@@ -213,8 +213,9 @@ async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1
     own_queue = rollout_process_queue(f"{settings.host_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     acts = RolloutActivities(client, asyncio.get_running_loop(), store_for(settings), settings.host_id,
                              relay_token=settings.relay_token, own_queue=own_queue)
-    # `slots` replicas at once across both workers, parked ones included (workers/rollout_slots.py)
-    count = Slots(slots, parked=lambda: len(PARKING))
+    # `slots` replicas at once across both workers, parked ones included; `spare` of them polled for late
+    # (workers/rollout_slots.py)
+    count = Slots(slots, parked=lambda: len(PARKING), spare=spare)
     executor = ThreadPoolExecutor(max_workers=2 * slots + 1)
     common = dict(activities=[acts.run_rollout_replica], activity_executor=executor,
                   max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
@@ -223,7 +224,7 @@ async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1
                     tuner=tuner(SharedQueueSlots(count, waiting=acts.close_expired)), **common)
     own = Worker(client, task_queue=own_queue, tuner=tuner(OwnQueueSlots(count)), **common)
     await _serve(worker, "rollout", f"rollout-{settings.host_id}", allow_faults, settings.notice_s, extra=[own],
-                 host_id=settings.host_id, slots=slots, own_queue=own_queue)
+                 host_id=settings.host_id, slots=slots, spare=spare, own_queue=own_queue)
 
 
 async def relay(settings: Settings, allow_faults: bool = False) -> None:

@@ -9,6 +9,12 @@ adoption turns a parked replica into a running one, so the own-queue worker take
 this, a process of one slot could start a second engine beside a parked one (it was closed for it, and its groups
 generated again elsewhere), or run a fresh and an adopted replica at once.
 
+Of the slots, `spare` are for a replica whose process died (workers/launcher.py `rollout_slots`): the shared worker
+polls with a spare permit only after waiting SPARE_WAIT_S for it, so that the run's fresh replicas spread over the
+processes first. Without it, the process that polled first took every replica it had slots for (the default run's
+two replicas in one process of its two, sharing one interpreter: the trainer waited on the control plane twice as
+long; docs/decisions.md, "Fresh replicas spread over the processes first").
+
 `Slots` is the count, pure and clock-free (tests/test_handover_route.py); `SharedQueueSlots` and `OwnQueueSlots`
 are its two views as Temporal's slot suppliers (temporalio.worker.CustomSlotSupplier), which the worker asks for a
 permit before each poll and gives back when the task is done (or the poll ended without one).
@@ -32,15 +38,21 @@ from temporalio.worker import (
 
 POLL_S = 0.2  # a waiting poll looks again this often (a replica parked or adopted in an activity's thread)
 EXPIRE_EVERY = 25  # ... and every this many looks (5 s) closes the parked replicas that expired (PARK_S is 300 s)
+# a spare permit waits this long: longer than the gap between processes started together beginning to poll (0.02-0.25
+# s measured on the default run), short beside a dead replica's detection (its heartbeat timeout)
+SPARE_WAIT_S = 2.0
 
 
 class Slots:
-    """`slots` replicas at once in this process: running on either worker, or parked here (`parked()`)."""
+    """`slots` replicas at once in this process: running on either worker, or parked here (`parked()`); the last
+    `spare` of them are taken only by a caller that says `spare_ok`."""
 
-    def __init__(self, slots: int, parked: Callable[[], int]) -> None:
+    def __init__(self, slots: int, parked: Callable[[], int], spare: int = 0) -> None:
         if slots < 1:
             raise ValueError(f"slots={slots} must be at least 1")
-        self.slots, self.parked = slots, parked
+        if not 0 <= spare < slots:
+            raise ValueError(f"spare={spare} must be at least 0 and below slots={slots}")
+        self.slots, self.parked, self.spare = slots, parked, spare
         self.shared = 0  # permits the shared-queue worker holds (a poll waiting for a task, or a running replica)
         self.own = 0  # permits the own-queue worker holds
         self.adopting = 0  # ... of which running a task (an adoption)
@@ -50,9 +62,12 @@ class Slots:
         """A slot is free for the shared-queue worker to poll with."""
         return self.shared + self.adopting + self.parked() < self.slots
 
-    def take_shared(self) -> bool:
+    def take_shared(self, spare_ok: bool = False) -> bool:
+        """A permit for the shared-queue worker: while a slot is free, and a spare one only when spare_ok."""
         with self._lock:
             if not self.free():
+                return False
+            if not spare_ok and self.shared + self.adopting + self.parked() >= self.slots - self.spare:
                 return False
             self.shared += 1
             return True
@@ -84,15 +99,18 @@ class _Permit(SlotPermit):
 
 
 class SharedQueueSlots(CustomSlotSupplier):
-    """The shared-queue worker's permits: only while `Slots.free`. `waiting()` runs while a poll waits (the process
-    closes the parked replicas that expired there, which frees their slots)."""
+    """The shared-queue worker's permits: only while `Slots.free`, a spare one after `spare_wait_s` of waiting.
+    `waiting()` runs while a poll waits (the process closes the parked replicas that expired there, which frees their
+    slots)."""
 
-    def __init__(self, slots: Slots, waiting: Callable[[], None] = lambda: None) -> None:
-        self.slots, self.waiting = slots, waiting
+    def __init__(self, slots: Slots, waiting: Callable[[], None] = lambda: None,
+                 spare_wait_s: float = SPARE_WAIT_S) -> None:
+        self.slots, self.waiting, self.spare_wait_s = slots, waiting, spare_wait_s
 
     async def reserve_slot(self, ctx: SlotReserveContext) -> SlotPermit:
-        looks = 0
-        while not self.slots.take_shared():
+        loop = asyncio.get_running_loop()
+        since, looks = loop.time(), 0
+        while not self.slots.take_shared(spare_ok=loop.time() - since >= self.spare_wait_s):
             if looks % EXPIRE_EVERY == 0:
                 await asyncio.to_thread(self.waiting)
             looks += 1
