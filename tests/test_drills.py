@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
 
 from cli.drill import run_drill
 from client.connect import connect, store_for
@@ -77,7 +78,13 @@ async def _start_run(stack: DrillStack, *extra: str):
 
 
 async def _finish(handle) -> RunStatus:
-    await handle.execute_update("stop", result_type=str)
+    try:
+        await handle.execute_update("stop", result_type=str)
+    except RPCError as e:
+        # the run may have reached run.steps meanwhile: a drill's observer watches up to 60 s after recovery for the
+        # throughput to come back (activities/drill.py THROUGHPUT_WATCH_S); its result is checked all the same
+        if e.status != RPCStatusCode.NOT_FOUND or "already completed" not in e.message:
+            raise
     final: RunStatus = await handle.result()
     assert final.groups_consumed_twice == 0
     assert final.prompts_issued == (final.groups_consumed + final.ready_groups + final.open_leases
