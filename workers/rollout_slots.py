@@ -12,8 +12,8 @@ generated again elsewhere), or run a fresh and an adopted replica at once.
 Of the slots, `spare` are for a replica whose process died (workers/launcher.py `rollout_slots`): the shared worker
 polls with a spare permit only after waiting SPARE_WAIT_S for it, so that the run's fresh replicas spread over the
 processes first. Without it, the process that polled first took every replica it had slots for (the default run's
-two replicas in one process of its two, sharing one interpreter: the trainer waited on the control plane twice as
-long; docs/decisions.md, "Fresh replicas spread over the processes first").
+two replicas in one process of its two, sharing one interpreter: the trainer waited on the control plane 10.5-15.4 %
+of its wall instead of 4.8-6.1 %; docs/decisions.md, "Fresh replicas spread over the rollout workers first").
 
 `Slots` is the count, pure and clock-free (tests/test_handover_route.py); `SharedQueueSlots` and `OwnQueueSlots`
 are its two views as Temporal's slot suppliers (temporalio.worker.CustomSlotSupplier), which the worker asks for a
