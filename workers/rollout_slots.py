@@ -40,7 +40,7 @@ POLL_S = 0.2  # a waiting poll looks again this often (a replica parked or adopt
 EXPIRE_EVERY = 25  # ... and every this many looks (5 s) closes the parked replicas that expired (PARK_S is 300 s)
 # a spare permit waits this long: longer than the gap between processes started together beginning to poll (0.02-0.25
 # s measured on the default run), short beside a dead replica's detection (its heartbeat timeout)
-SPARE_WAIT_S = 2.0
+SPARE_WAIT_S = 2.0  # `laminar worker --spare`'s help and docs/guides/deployment.md say 2 s
 
 
 class Slots:
