@@ -39,7 +39,8 @@ from temporalio.worker import (
 POLL_S = 0.2  # a waiting poll looks again this often (a replica parked or adopted in an activity's thread)
 EXPIRE_EVERY = 25  # ... and every this many looks (5 s) closes the parked replicas that expired (PARK_S is 300 s)
 # a spare permit waits this long: longer than the gap between processes started together beginning to poll (0.02-0.25
-# s measured on the default run), short beside a dead replica's detection (its heartbeat timeout)
+# s measured on the default run). A spare's poll, once started, holds its permit until a task or the long poll's end,
+# so a dead replica's retry (after its heartbeat timeout, 3 s by default) mostly finds it polling, at worst 2 s later
 SPARE_WAIT_S = 2.0  # `laminar worker --spare`'s help and docs/guides/deployment.md say 2 s
 
 
@@ -65,9 +66,8 @@ class Slots:
     def take_shared(self, spare_ok: bool = False) -> bool:
         """A permit for the shared-queue worker: while a slot is free, and a spare one only when spare_ok."""
         with self._lock:
-            if not self.free():
-                return False
-            if not spare_ok and self.shared + self.adopting + self.parked() >= self.slots - self.spare:
+            used = self.shared + self.adopting + self.parked()
+            if used >= (self.slots if spare_ok else self.slots - self.spare):
                 return False
             self.shared += 1
             return True
