@@ -88,12 +88,17 @@ async def test_invalid_cli_input_fails_the_workflow(stack):
 
 
 async def test_pause_and_resume(stack):
-    cfg = small_config("run.steps=5")
+    # Steps on the test stack take tens of milliseconds, and a pause lets the steps already dispatched finish (the
+    # running one and TRAINER_SLOTS - 1 behind it): a run of 5 steps paused at step 2 finished while paused, and
+    # the test then waited for a paused phase that never came. 20 steps leave room for the pause to land late.
+    cfg = small_config("run.steps=20")
     handle = await start_workflow(stack.client, cfg)
     await async_wait_until(lambda: _step_at_least(handle, 1), RUN_TIMEOUT_S, "the first trainer step")
     assert await handle.execute_update("pause", result_type=str) == "paused"
     at_pause = await _status(handle)
     paused_at = at_pause.step
+    assert paused_at + TRAINER_SLOTS < cfg.run.steps, (
+        f"the pause landed at step {paused_at}: the steps already dispatched may finish the run of {cfg.run.steps}")
     # A pause grants no new lease and starts no step: what was leased before it finishes and is reported (its
     # groups become ready), the step in flight commits, and then the run is still. How many groups were in
     # flight at the pause is a race (the trainer may just have taken them all), so the test waits for the
@@ -110,7 +115,7 @@ async def test_pause_and_resume(stack):
         "paused", held.step, at_pause.prompts_issued, 0, held.ready_groups)
     assert await handle.execute_update("resume", result_type=str) == "running"
     final = await handle.result()
-    _check_accounting(final, 5, cfg.trainer.groups_per_step)
+    _check_accounting(final, cfg.run.steps, cfg.trainer.groups_per_step)
     # The history shows no train_step scheduled between the pause and the resume.
     events = [e for h in await history_chain(stack.client, handle.id) for e in h.events]
     names = [_event_name(e) for e in events]
