@@ -47,6 +47,7 @@ from laminar.config import RunConfig
 from laminar.errors import ConfigError
 from laminar.logs import configure_logging
 from rl.factory import check_engines
+from workers.rollout_slots import SPARE_WAIT_S
 
 app = typer.Typer(
     help="Laminar on Temporal: fault-tolerant asynchronous RL post-training.",
@@ -369,8 +370,8 @@ def worker(
     role: str = typer.Argument(..., help="control | trainer | rollout | relay"),
     slots: int = typer.Option(1, help="Rollout replicas this worker runs at once (rollout only)."),
     spare: int = typer.Option(0, help="Of --slots, those kept for a replica whose worker died: taken for a new "
-                                      "replica only after 2 s without one (rollout only), so new replicas spread "
-                                      "over the workers first."),
+                                      f"replica only after {SPARE_WAIT_S:g} s without one (rollout only), so new "
+                                      "replicas spread over the workers first."),
     allow_faults: bool = typer.Option(
         False, "--allow-faults", help="Accept recovery-drill faults on this process's own fault queue."
     ),
