@@ -36,8 +36,8 @@ async def test_a_long_pause_continues_as_new_and_resumes(stack):
     one continue-as-new; polling every 0.5 s (what replicas did before) sends 2 * 48 = 96 updates, which
     at 20 per segment is 4 or more. The hand-over happens with no trainer step at all, and the run
     resumes and finishes with nothing lost or consumed twice."""
-    # 12 steps: the steps already dispatched at the pause (up to 3) still finish, and must not end the run
-    cfg = small_config("run.steps=12", "run.updates_per_segment=20")
+    # 20 steps: the steps already dispatched at the pause (up to 3) still finish, and must not end the run
+    cfg = small_config("run.steps=20", "run.updates_per_segment=20")
     handle = await start_workflow(stack.client, cfg)
     await async_wait_until(lambda: _step_at_least(handle, 2), RUN_TIMEOUT_S, "step 2")
     assert await handle.execute_update("pause", result_type=str) == "paused"
@@ -50,7 +50,7 @@ async def test_a_long_pause_continues_as_new_and_resumes(stack):
                                                                          during.continued_as_new)
     assert await handle.execute_update("resume", result_type=str) == "running"
     final: RunStatus = await handle.result()
-    assert final.phase == "finished" and final.step == 12
+    assert final.phase == "finished" and final.step == cfg.run.steps
     assert final.groups_consumed_twice == 0
     assert final.groups_generated == final.groups_consumed + final.ready_groups
     # no history segment ever exceeded the update budget (plus the few in flight when it closed)

@@ -106,7 +106,9 @@ async def test_live_run_metrics_and_search_attributes(stack):
     before = await _scrape_when_up(trainer_url)
     assert before[("laminar_process_info", (("host", "host-0"), ("process", "trainer"), ("role", "trainer")))] == 1
 
-    cfg = small_config("run.steps=6")
+    # 40 steps: 6 took about half a second on the test stack, a short window for the listing to see it running
+    cfg = small_config("run.steps=40")
+    steps = cfg.run.steps
     handle = await start_workflow(stack.client, cfg)  # the namespace has the attributes: the run starts with them
     query = f"LaminarPhase = 'running' AND LaminarMode = 'laminar' AND WorkflowId = '{handle.id}'"
 
@@ -115,12 +117,12 @@ async def test_live_run_metrics_and_search_attributes(stack):
 
     assert await async_wait_until(listed, 120, f"the run listed by {query!r}") == [handle.id]
     final: RunStatus = await handle.result(rpc_timeout=None)
-    assert final.phase == "finished" and final.step == 6
+    assert final.phase == "finished" and final.step == steps
 
     after = await asyncio.to_thread(_scrape, trainer_url)
     records = step_records(stack.store, cfg.run.run_id)
-    # this run's 6 steps on the session's one trainer, and exactly the tokens its step records hold
-    assert _total(after, "laminar_trainer_steps_total") - _total(before, "laminar_trainer_steps_total") == 6
+    # this run's steps on the session's one trainer, and exactly the tokens its step records hold
+    assert _total(after, "laminar_trainer_steps_total") - _total(before, "laminar_trainer_steps_total") == steps
     assert (_total(after, "laminar_trainer_tokens_total") - _total(before, "laminar_trainer_tokens_total")
             == sum(r["tokens"] for r in records))
     assert _total(after, "laminar_trainer_groups_consumed_twice_total") == 0
@@ -133,6 +135,6 @@ async def test_live_run_metrics_and_search_attributes(stack):
     # the finished run's attributes, as the workflow left them
     desc = await handle.describe()
     attrs = desc.typed_search_attributes
-    assert (attrs.get(search.PHASE), attrs.get(search.STEP), attrs.get(search.POLICY_VERSION)) == ("finished", 6, 6)
+    assert (attrs.get(search.PHASE), attrs.get(search.STEP), attrs.get(search.POLICY_VERSION)) == ("finished", steps, steps)
     assert attrs.get(search.REWARD) == records[-1]["reward_mean"]
     assert attrs.get(search.MODE) == "laminar"

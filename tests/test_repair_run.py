@@ -42,7 +42,7 @@ async def test_a_training_run_wedged_like_the_chaos_run_is_reset_and_finishes(te
         "LAMINAR_HOME": str(home), "LAMINAR_TEMPORAL_ADDRESS": temporal_address(temporal_env.client),
         "LAMINAR_STORE": (home / "store").as_uri(),
     })
-    cfg = small_config("run.steps=24")
+    cfg = small_config("run.steps=100")  # long enough to go on past the divergence and the kill (steps take ~50 ms)
     procs = plan_processes(cfg, settings, home / "logs")
     for p in procs:
         p.env = {**p.env, "PYTHONPATH": str(ROOT)}

@@ -1,6 +1,6 @@
 """The watchdog end to end: a run starved on purpose (its rollout workers stopped with SIGSTOP) shows what it
-waits for in `laminar status` within run.stall_warn_s of going silent; resumed, the line clears and the run
-finishes with no group lost and none consumed twice.
+waits for in `laminar status` within run.stall_warn_s of going silent; resumed, the line clears, the run steps on,
+and stopped, it ends with no group lost and none consumed twice.
 
 Real parts only: the session's Temporal dev server and worker processes (tests/fixtures/stack.py), the status
 query through client/run_control.py, and the real `laminar status` command as a subprocess.
@@ -34,9 +34,11 @@ def _rollout_pids(stack) -> list[int]:
 
 
 async def test_a_starved_run_shows_what_it_waits_for_and_clears_when_fed(stack):
-    # 12 steps of 2 groups; rollout.max_ready_groups=6 lets the trainer take at most 3 more steps on groups already
-    # complete once the replicas stop, so the run cannot finish while they are stopped.
-    cfg = small_config("run.steps=12", f"run.stall_warn_s={WARN_S}")
+    # Steps on the test stack take tens of milliseconds: a run of 12 steps finished before the test, polling for its
+    # first step every 0.5 s, stopped the replicas (a clean-clone CI run), and no stall could follow. A long run,
+    # stopped once fed again: rollout.max_ready_groups=6 lets the trainer take at most 3 more steps on groups
+    # already complete once the replicas stop (and a step or two in flight), so it cannot end while they are stopped.
+    cfg = small_config("run.steps=1000", f"run.stall_warn_s={WARN_S}")
     handle = await start_workflow(stack.client, cfg)
     run_id = cfg.run.run_id
 
@@ -86,15 +88,18 @@ async def test_a_starved_run_shows_what_it_waits_for_and_clears_when_fed(stack):
         st = await status()
         return st if stall_line(st, time.time()) is None else None
 
-    await async_wait_until(cleared, RUN_TIMEOUT_S, "the watchdog's line to clear", interval_s=0.5)
+    fed = await async_wait_until(cleared, RUN_TIMEOUT_S, "the watchdog's line to clear", interval_s=0.5)
+    await async_wait_until(lambda: _stepped(status, fed.step + 2), RUN_TIMEOUT_S, "steps after the stall",
+                           interval_s=0.2)
+    assert await handle.execute_update("stop", result_type=str) == "stopping"
     final: RunStatus = await handle.result(rpc_timeout=None)
-    assert final.phase == "finished" and final.step == cfg.run.steps
+    assert final.phase == "finished" and st.step < fed.step + 2 <= final.step < cfg.run.steps
     assert groups_lost(final) == 0 and final.groups_consumed_twice == 0
     # the workflow noticed the stall itself (one `stall` event per stall: the subject names what it waited for)
     stalls = [e for e in final.events if e.kind == "stall"]
-    print(f"stall events: {stalls}; resumed to finished: step {final.step}, lost {groups_lost(final)}")
+    print(f"stall events: {stalls}; resumed and stopped: step {final.step}, lost {groups_lost(final)}")
     assert any(e.subject == "replicas" for e in stalls), final.events
 
 
-async def _stepped(status) -> bool:
-    return (await status()).step >= 1
+async def _stepped(status, step: int = 1) -> bool:
+    return (await status()).step >= step
