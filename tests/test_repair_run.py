@@ -1,11 +1,13 @@
 """The repairer on a real training run: the wedge's failure injected into a run of the real stack (control,
-trainer, relays and rollout workers as OS processes, the session's Temporal dev server, a local store).
+trainer, relays and rollout workers as OS processes, a Temporal dev server of the test's own, a local store).
 
-The control worker carries tests.wedge's DivergeOnce interceptor: once the test drops the marker file, the live run
-issues a timer at one update that no replay issues. The test then kills the control worker by pid; its supervisor
-starts a new one, whose cold replay fails on every workflow task with `[TMPRL1100]`, as the chaos run's did. The
-new control worker's repairer resets the run; the run finishes every step with no group lost and none consumed
-twice, and its status, events and store say what happened."""
+The server is the test's own so that its control worker, which carries tests.wedge's DivergeOnce interceptor, is the
+only one that runs the workflow: on the session's server an earlier test's stack polls the same queues, and the run's
+updates could go to a control worker without it. Once the test drops the marker file, the live run issues a timer at
+one update that no replay issues. The test then kills the control worker by pid; its supervisor starts a new one,
+whose cold replay fails on every workflow task with `[TMPRL1100]`, as the chaos run's did. The new control worker's
+repairer resets the run; the run finishes every step with no group lost and none consumed twice, and its status,
+events and store say what happened."""
 
 from __future__ import annotations
 
@@ -35,11 +37,11 @@ RUN_TIMEOUT_S = 600
 
 
 @pytest.mark.slow
-async def test_a_training_run_wedged_like_the_chaos_run_is_reset_and_finishes(temporal_env, tmp_path):
+async def test_a_training_run_wedged_like_the_chaos_run_is_reset_and_finishes(own_temporal_env, tmp_path):
     home = tmp_path / "home"
     marker = tmp_path / "diverge"
     settings = Settings.from_env({
-        "LAMINAR_HOME": str(home), "LAMINAR_TEMPORAL_ADDRESS": temporal_address(temporal_env.client),
+        "LAMINAR_HOME": str(home), "LAMINAR_TEMPORAL_ADDRESS": temporal_address(own_temporal_env.client),
         "LAMINAR_STORE": (home / "store").as_uri(),
     })
     cfg = small_config("run.steps=100")  # long enough to go on past the divergence and the kill (steps take ~50 ms)
@@ -53,7 +55,7 @@ async def test_a_training_run_wedged_like_the_chaos_run_is_reset_and_finishes(te
     launcher.start_all()
     launcher.start_supervision()
     try:
-        await start_workflow(temporal_env.client, cfg)
+        await start_workflow(own_temporal_env.client, cfg)
         run_id = cfg.run.run_id
 
         async def status() -> RunStatus:
