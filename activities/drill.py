@@ -97,8 +97,11 @@ class DrillActivities:
                 throughput_at = (rules.throughput_restored_at(steps.tokens(), injected_at, time.time())
                                  if steps.baseline_read else None)
                 settled = recovered is not None and sum(t > recovered for t in times) >= SETTLE_STEPS
-                # the throughput figure needs a window after the fault: watch on for it, a bounded while
-                watched = throughput_at is not None or time.time() > (recovered or 0.0) + THROUGHPUT_WATCH_S
+                # the throughput figure needs a window after the fault: watch on for it, a bounded while (not at all
+                # without a baseline: a run that stepped too briefly before the fault has none)
+                no_baseline = steps.baseline_read and rules.baseline_tokens_per_s(steps.tokens(), injected_at) is None
+                watched = (throughput_at is not None or no_baseline
+                           or time.time() > (recovered or 0.0) + THROUGHPUT_WATCH_S)
                 if (settled and watched) or (recovered is not None and st.phase in ("stopping", "finished")):
                     break
             await asyncio.sleep(POLL_S)
@@ -106,6 +109,8 @@ class DrillActivities:
         times = await asyncio.to_thread(steps.times_until, final.step)
         throughput_at = rules.throughput_restored_at(steps.tokens(), injected_at, observed_until)
         notes = "" if recovered is not None else f"no recovery observed within {inp.drill.timeout_s:.0f}s"
+        young = rules.no_baseline_note(steps.tokens(), injected_at) if steps.baseline_read else ""
+        notes = "; ".join(x for x in (notes, young) if x)
         if inp.drill.during == "migration":
             notes = "; ".join(x for x in (f"during migration {', '.join(plan.baseline.migrating)}", notes) if x)
         report = rules.build_report(inp.drill.drill_id, plan.fault, plan.target, injected_at, plan.baseline,

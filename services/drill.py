@@ -26,7 +26,8 @@ use its kind, "preempt-<role>" (rule_kind).
 Throughput restored (throughput_restored_at): the baseline is the trainer's mean tokens/s over the minute before
 the fault (from its step records: tokens and completion time); the run is back at the end of the first sliding
 window wholly after the fault whose tokens/s is at least 90 % of it. The window is 5 of the mean step intervals
-before the fault, at least 10 s.
+before the fault, at least 10 s. A run that stepped for less than 10 s before the fault has no baseline (its first
+steps are a burst on groups made before them), and its report says so instead of a time.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ THROUGHPUT_WINDOW_S = 10.0  # the sliding window of throughput_restored_at: at l
 THROUGHPUT_WINDOW_STEPS = 5  # ... and at least this many of the steps before the fault (one step is no rate)
 THROUGHPUT_BEFORE_S = 60.0  # the baseline: the trainer's mean tokens/s over this long before the fault
 THROUGHPUT_FRACTION = 0.9  # back when the window's tokens/s is at least this fraction of the baseline
+# no baseline from a run that stepped for less than this before the fault: its first steps train on the groups made
+# before its first one, a burst no steady run reaches (a relay drill 0.8 s into a run measured 651 tokens/s against
+# a steady 454-508, and never saw its throughput back)
+THROUGHPUT_BASELINE_MIN_S = THROUGHPUT_WINDOW_S
 
 
 @dataclass
@@ -148,17 +153,26 @@ def trainer_stall_s(step_times: list[float], start: float, end: float) -> float:
     return max((b - a for a, b in zip(marks, marks[1:], strict=False)), default=0.0)
 
 
+def baseline_span_s(steps: list[tuple[float, int]], injected_at: float, before_s: float = THROUGHPUT_BEFORE_S) -> float:
+    """How long the baseline of baseline_tokens_per_s spans: `before_s`, or less for a run whose first step
+    completed later than that before the fault (0 without a step before it)."""
+    times = [t for t, _ in steps if t <= injected_at]
+    return injected_at - max(injected_at - before_s, min(times)) if times else 0.0
+
+
 def baseline_tokens_per_s(steps: list[tuple[float, int]], injected_at: float,
-                          before_s: float = THROUGHPUT_BEFORE_S) -> float | None:
+                          before_s: float = THROUGHPUT_BEFORE_S,
+                          min_s: float = THROUGHPUT_BASELINE_MIN_S) -> float | None:
     """The trainer's mean tokens/s over the `before_s` seconds before injection. steps: (completion time, tokens)
     of each step. A run younger than that is measured from its first step's completion (whose tokens were
-    produced before it, so they are left out). None without a step in that span."""
-    times = [t for t, _ in steps if t <= injected_at]
-    if not times:
+    produced before it, so they are left out). None without a step in that span, or when it spans less than
+    `min_s` (THROUGHPUT_BASELINE_MIN_S: a run's first seconds are no baseline)."""
+    span = baseline_span_s(steps, injected_at, before_s)
+    if span <= 0 or span < min_s:
         return None
-    start = max(injected_at - before_s, min(times))
+    start = injected_at - span
     tokens = sum(n for t, n in steps if start < t <= injected_at)
-    return tokens / (injected_at - start) if tokens and injected_at > start else None
+    return tokens / span if tokens else None
 
 
 def throughput_window_s(steps: list[tuple[float, int]], injected_at: float, before_s: float = THROUGHPUT_BEFORE_S,
@@ -172,6 +186,15 @@ def throughput_window_s(steps: list[tuple[float, int]], injected_at: float, befo
     start = max(injected_at - before_s, min(times))
     count = sum(1 for t in times if t > start)
     return max(min_s, window_steps * (injected_at - start) / count) if count else min_s
+
+
+def no_baseline_note(steps: list[tuple[float, int]], injected_at: float) -> str:
+    """The report's note when the run stepped too briefly before the fault for a throughput baseline, else ""."""
+    span = baseline_span_s(steps, injected_at)
+    if span >= THROUGHPUT_BASELINE_MIN_S:
+        return ""
+    return (f"no throughput baseline: the run had stepped for {span:.1f}s before the fault (at least "
+            f"{THROUGHPUT_BASELINE_MIN_S:g}s needed: inject later, e.g. a larger --at-step)")
 
 
 def throughput_restored_at(steps: list[tuple[float, int]], injected_at: float, observed_until: float,

@@ -186,6 +186,25 @@ def test_the_throughput_baseline_is_the_minute_before_the_fault():
     assert rules.baseline_tokens_per_s(young, 100.0) == pytest.approx(50.0)
     assert rules.baseline_tokens_per_s([(100.0, 100)], 100.0) is None  # one step: no span
     assert rules.baseline_tokens_per_s([(101.0, 100)], 100.0) is None  # nothing before the fault
+    assert rules.no_baseline_note(steps, 100.0) == rules.no_baseline_note(young, 100.0) == ""
+
+
+def test_a_run_that_stepped_less_than_a_window_before_the_fault_has_no_baseline_and_says_so():
+    # A relay drill 0.8 s into a run (a clean-clone CI run's): 13 steps on groups made before the first one, 651
+    # tokens/s, against a steady 454-508 after the fault, which never reached 90 % of it. Modelled: a burst of 13
+    # steps of 50 tokens in 0.78 s, then a steady 500 tokens/s (10 steps a second)
+    burst = [(99.22 + 0.06 * i, 50) for i in range(13)]
+    steady = [(100.0 + 0.1 * i, 50) for i in range(1, 700)]
+    assert rules.baseline_tokens_per_s(burst, 100.0) is None
+    assert rules.throughput_restored_at(burst + steady, 100.0, observed_until=170.0) is None
+    assert rules.baseline_tokens_per_s(burst, 100.0, min_s=0.0) == pytest.approx(12 * 50 / 0.78)  # the old figure
+    note = rules.no_baseline_note(burst, 100.0)
+    assert note == ("no throughput baseline: the run had stepped for 0.8s before the fault (at least 10s needed: "
+                    "inject later, e.g. a larger --at-step)")
+    # 10 s of steps before the fault (the burst, then steady) is a baseline again, and the throughput is back
+    older = [(89.22 + 0.06 * i, 50) for i in range(13)] + [(90.0 + 0.1 * i, 50) for i in range(1, 101)]
+    assert rules.baseline_span_s(older, 100.0) == pytest.approx(10.78) and rules.no_baseline_note(older, 100.0) == ""
+    assert rules.throughput_restored_at(older + steady, 100.0, observed_until=170.0) is not None
 
 
 def test_throughput_is_restored_at_the_end_of_the_first_good_window_after_the_fault():
