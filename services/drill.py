@@ -153,11 +153,17 @@ def trainer_stall_s(step_times: list[float], start: float, end: float) -> float:
     return max((b - a for a, b in zip(marks, marks[1:], strict=False)), default=0.0)
 
 
+def _baseline_start(steps: list[tuple[float, int]], injected_at: float, before_s: float) -> float:
+    """Where the baseline's span starts: `before_s` before the fault, or a younger run's first step completion (the
+    fault itself without a step before it)."""
+    times = [t for t, _ in steps if t <= injected_at]
+    return max(injected_at - before_s, min(times)) if times else injected_at
+
+
 def baseline_span_s(steps: list[tuple[float, int]], injected_at: float, before_s: float = THROUGHPUT_BEFORE_S) -> float:
     """How long the baseline of baseline_tokens_per_s spans: `before_s`, or less for a run whose first step
     completed later than that before the fault (0 without a step before it)."""
-    times = [t for t, _ in steps if t <= injected_at]
-    return injected_at - max(injected_at - before_s, min(times)) if times else 0.0
+    return injected_at - _baseline_start(steps, injected_at, before_s)
 
 
 def baseline_tokens_per_s(steps: list[tuple[float, int]], injected_at: float,
@@ -167,10 +173,10 @@ def baseline_tokens_per_s(steps: list[tuple[float, int]], injected_at: float,
     of each step. A run younger than that is measured from its first step's completion (whose tokens were
     produced before it, so they are left out). None without a step in that span, or when it spans less than
     `min_s` (THROUGHPUT_BASELINE_MIN_S: a run's first seconds are no baseline)."""
-    span = baseline_span_s(steps, injected_at, before_s)
+    start = _baseline_start(steps, injected_at, before_s)
+    span = injected_at - start
     if span <= 0 or span < min_s:
         return None
-    start = injected_at - span
     tokens = sum(n for t, n in steps if start < t <= injected_at)
     return tokens / span if tokens else None
 
@@ -180,11 +186,8 @@ def throughput_window_s(steps: list[tuple[float, int]], injected_at: float, befo
     """The sliding window: window_steps mean step intervals of the baseline span (as baseline_tokens_per_s
     measures it), at least min_s, so that one step completing never makes a rate on its own at a slow step
     rate."""
-    times = [t for t, _ in steps if t <= injected_at]
-    if not times:
-        return min_s
-    start = max(injected_at - before_s, min(times))
-    count = sum(1 for t in times if t > start)
+    start = _baseline_start(steps, injected_at, before_s)
+    count = sum(1 for t, _ in steps if start < t <= injected_at)
     return max(min_s, window_steps * (injected_at - start) / count) if count else min_s
 
 
