@@ -60,9 +60,11 @@ def updates_budget(senders: int) -> int:
 
 # A replica parked at a continue-as-new is started in the next segment on its process's own queue; a process that
 # does not take it within this long is taken for gone (the server does not retry a schedule-to-start timeout) and the
-# replica starts afresh on the shared queue. A live worker polls its queue at once: this is the margin for a loaded
-# machine, and the replica's groups wait that long when its process died.
-KEPT_START = timedelta(seconds=30)
+# replica starts afresh on the shared queue. A live worker polls its queue at once (adoptions take 0.1-0.2 s): this is
+# the margin for a loaded machine. The replica's groups wait that long when its process died, and so does every
+# retry of an adopted replica (a retry goes back to the same queue): with 30 s a rollout worker killed after the
+# run's first continue-as-new was detected 33.9 s after the kill, against its 3 s heartbeat timeout.
+KEPT_START = timedelta(seconds=10)
 # That fresh start's pool fence is its attempt plus this (services/rollout/pool.py): above any attempt of the
 # routed activity, whose late writes (a stopped process that comes back) can then not replace the fresh start's.
 KEPT_FALLBACK_ATTEMPTS = 1000
