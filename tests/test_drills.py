@@ -21,7 +21,7 @@ from client.run_control import start_workflow
 from client.settings import Settings
 from devstack.stack import DevStack
 from laminar.contract import PREEMPT_ROLES, DrillInput, DrillReport, RunStatus
-from services.drill import THROUGHPUT_BASELINE_MIN_S, THROUGHPUT_WINDOW_S
+from services.drill import THROUGHPUT_BASELINE_MIN_S
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import assert_all_payloads_small, terminate_running
@@ -177,12 +177,12 @@ async def test_relay_drill_with_one_relay(drill_stack, tmp_path):
 
 
 @pytest.mark.slow  # about 30 s: the run steps for 12 s before the drill
-async def test_a_drill_on_a_run_past_its_first_window_measures_its_throughput(drill_stack, tmp_path):
+async def test_a_drill_on_a_run_past_its_first_window_has_a_throughput_baseline(drill_stack, tmp_path):
     """The drills above inject about a second into their runs, which is no throughput baseline (services/drill.py
-    THROUGHPUT_BASELINE_MIN_S; their reports say so). After 12 s of steps the run has one, and a figure, when the
-    throughput is back within the observer's watch, comes a window after the fault at the earliest. Whether it is back
-    is not asserted: the test task's model learns fast, and in one run of three its tokens per step halved within
-    a minute at an unchanged step rate, so its tokens/s never reached 90 % of the minute before."""
+    THROUGHPUT_BASELINE_MIN_S; their reports say so). After 12 s of steps the run has one: its report has no such
+    note. Whether the throughput is back within the observer's watch is printed, not asserted: the test task's model
+    learns fast, and in one run of three its tokens per step halved within a minute at an unchanged step rate, so
+    its tokens/s never reached 90 % of the minute before."""
     handle = await start_workflow(drill_stack.client, small_config(*DRILL_OVERRIDES, "relay.relays=1"))
     await async_wait_until(lambda: _step_at_least(handle, 1), 120, "the first step")
     await asyncio.sleep(THROUGHPUT_BASELINE_MIN_S + 2.0)
@@ -191,7 +191,6 @@ async def test_a_drill_on_a_run_past_its_first_window_measures_its_throughput(dr
     assert report.notes == "", report
     back = report.throughput_restored_at
     print(f"throughput back {None if back is None else round(back - report.injected_at, 2)} s after the fault")
-    assert back is None or back >= report.injected_at + THROUGHPUT_WINDOW_S, report
     await _finish(handle)
 
 
