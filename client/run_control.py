@@ -382,7 +382,7 @@ def _eval_rows(st: RunStatus) -> dict[str, str]:
 def render_status(st: RunStatus) -> Table:
     t = Table(title=f"run {st.run_id}", show_header=False)
     rows = {
-        "phase": f"{st.phase} (its step in flight finishes)" if st.phase == "paused" and st.training else st.phase,
+        "phase": f"{st.phase} (its steps in flight finish)" if st.phase == "paused" and st.training else st.phase,
         "step": f"{st.step}/{st.total_steps}",
         "policy_version": st.policy_version,
         "reward (recent)": f"{st.reward_recent[-1]:.3f}" if st.reward_recent else "-",

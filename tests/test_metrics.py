@@ -135,6 +135,7 @@ async def test_live_run_metrics_and_search_attributes(stack):
     # the finished run's attributes, as the workflow left them
     desc = await handle.describe()
     attrs = desc.typed_search_attributes
-    assert (attrs.get(search.PHASE), attrs.get(search.STEP), attrs.get(search.POLICY_VERSION)) == ("finished", steps, steps)
+    assert (attrs.get(search.PHASE), attrs.get(search.STEP), attrs.get(search.POLICY_VERSION)) == (
+        "finished", steps, steps)
     assert attrs.get(search.REWARD) == records[-1]["reward_mean"]
     assert attrs.get(search.MODE) == "laminar"

@@ -41,7 +41,7 @@ EXPIRE_EVERY = 25  # ... and every this many looks (5 s) closes the parked repli
 # a spare permit waits this long: longer than the gap between processes started together beginning to poll (0.02-0.25
 # s measured on the default run). A spare's poll, once started, holds its permit until a task or the long poll's end,
 # so a dead replica's retry (after its heartbeat timeout, 3 s by default) mostly finds it polling, at worst 2 s later
-SPARE_WAIT_S = 2.0  # `laminar worker --spare`'s help shows it; docs/guides/deployment.md says 2 s
+SPARE_WAIT_S = 2.0  # `laminar worker --spare`'s help shows it; docs/guides/deployment.md and drills.md say 2 s
 
 
 class Slots:
