@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from laminar.storage.objects import ObjectStore
 from temporalio import activity
 
 from laminar import contract, metrics
 from laminar.config import RunConfig
 from laminar.contract import RecordEvalInput
-from storage.objects import ObjectStore
 
 
 class EvalActivities:
@@ -24,8 +24,8 @@ class EvalActivities:
     @activity.defn(name=contract.RECORD_EVAL)
     async def record_eval(self, inp: RecordEvalInput) -> float:
         """Store the record; returns its accuracy (pass@1)."""
-        from services.eval_records import EvalTarget, store_record
-        from services.tracking import enabled
+        from laminar.services.eval_records import EvalTarget, store_record
+        from laminar.services.tracking import enabled
 
         cfg = RunConfig.from_json(inp.config)
         target = EvalTarget(inp.run_id, inp.policy_version, f"{inp.run_id}@{inp.policy_version}:during-training")
@@ -41,8 +41,8 @@ class EvalActivities:
 
     def _track(self, cfg: RunConfig, run_id: str, version: int) -> None:
         """The run's trackers get this round; TensorBoard the whole series, from the records (services/tracking.py)."""
-        from services.eval_records import read_evals
-        from services.tracking import EvalTrackers, eval_scalars
+        from laminar.services.eval_records import read_evals
+        from laminar.services.tracking import EvalTrackers, eval_scalars
 
         series = {int(r["policy_version"]): eval_scalars(r) for r in read_evals(self.store, run_id)}
         EvalTrackers(run_id, cfg, self.home).log(version, series)

@@ -19,13 +19,18 @@ import dataclasses
 import random
 import time
 
+from laminar.activities.errors import permanent_errors
+from laminar.activities.heartbeat import background_heartbeat
+from laminar.rl.factory import engine_traits
+from laminar.services.rollout import RolloutReplica
+from laminar.services.rollout.attach import PARKING
+from laminar.services.rollout.timing import TIMING
+from laminar.storage.objects import ObjectStore
 from temporalio import activity
 from temporalio.client import Client, RPCTimeoutOrCancelledError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.errors import permanent_errors
-from activities.heartbeat import background_heartbeat
 from laminar import contract
 from laminar.config import RunConfig
 from laminar.contract import (
@@ -41,11 +46,6 @@ from laminar.errors import REPLICA_NOT_PARKED
 from laminar.logs import get_logger
 from laminar.metrics import CONTROL_UPDATE_RETRIES
 from laminar.notice import NOTICE
-from rl.factory import engine_traits
-from services.rollout import RolloutReplica
-from services.rollout.attach import PARKING
-from services.rollout.timing import TIMING
-from storage.objects import ObjectStore
 
 log = get_logger(__name__)
 

@@ -8,10 +8,11 @@ checkpoint that verifies, an inconsistent replay) fail the activity for good (ac
 
 from __future__ import annotations
 
+from laminar.activities.errors import permanent_errors
+from laminar.activities.heartbeat import background_heartbeat
+from laminar.services.trainer import TrainerService
 from temporalio import activity
 
-from activities.errors import permanent_errors
-from activities.heartbeat import background_heartbeat
 from laminar import contract
 from laminar.contract import (
     RepublishInput,
@@ -22,7 +23,6 @@ from laminar.contract import (
     TrainStepsInput,
 )
 from laminar.errors import CorruptDataError
-from services.trainer import TrainerService
 
 
 class TrainerActivities:

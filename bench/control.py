@@ -42,15 +42,10 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from temporalio import activity
-from temporalio.client import Client
-from temporalio.service import RPCError
-from temporalio.worker import Worker
-
-from activities.heartbeat import HEARTBEAT_THROTTLE
-from activities.relay import RelayActivities
-from activities.rollout import _TemporalControl
-from bench.control_plan import (
+from laminar.activities.heartbeat import HEARTBEAT_THROTTLE
+from laminar.activities.relay import RelayActivities
+from laminar.activities.rollout import _TemporalControl
+from laminar.bench.control_plan import (
     Cell,
     draw_hold_s,
     handovers,
@@ -61,7 +56,17 @@ from bench.control_plan import (
     run_overrides,
     workflow_task_latencies,
 )
-from client.settings import Settings
+from laminar.client.settings import Settings
+from laminar.services.drill import groups_lost
+from laminar.services.rollout.attach import Parking
+from laminar.services.rollout.control import Contacts
+from laminar.services.rollout.timing import TIMING, ReplicaTiming
+from laminar.workflows.scale import relay_ids
+from temporalio import activity
+from temporalio.client import Client
+from temporalio.service import RPCError
+from temporalio.worker import Worker
+
 from laminar import contract
 from laminar.config import RunConfig
 from laminar.contract import (
@@ -86,11 +91,6 @@ from laminar.contract import (
 )
 from laminar.errors import LaminarError
 from laminar.refs import CheckpointRef, SegmentRef
-from services.drill import groups_lost
-from services.rollout.attach import Parking
-from services.rollout.control import Contacts
-from services.rollout.timing import TIMING, ReplicaTiming
-from workflows.scale import relay_ids
 
 RELAY_ID = relay_ids(1)[0]
 PROGRESS_EVERY_S = 5.0
@@ -394,7 +394,7 @@ def start_control_worker(settings: Settings, log_path: Path) -> subprocess.Popen
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "cli.main", "worker", "control"], env=env, stdout=log,
+        return subprocess.Popen([sys.executable, "-m", "laminar.cli.main", "worker", "control"], env=env, stdout=log,
                                 stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
 
 
@@ -414,7 +414,7 @@ def start_own_server(home: Path, dynamic: list[str]) -> tuple[subprocess.Popen, 
     history.maxInFlightUpdates=100), on a free port; returns the process and its address once it answers."""
     import shutil
 
-    from devstack.stack import DEV_SERVER_TUNING, free_port
+    from laminar.devstack.stack import DEV_SERVER_TUNING, free_port
 
     local = Path(sys.executable).parent / "temporal"
     binary = str(local) if local.exists() else shutil.which("temporal")
@@ -477,8 +477,8 @@ class BenchOptions:
 async def run_cell(client: Client, store, cell: Cell, opts: BenchOptions, stamp: str, index: int,
                    rollout: SyntheticRollout, trainer: StubTrainer, meters: dict[str, CpuMeter], server: CpuMeter,
                    progress: Progress, accounting: Accounting) -> dict[str, Any]:
-    from client.run_control import start_stored_run
-    from rl.factory import check_engines
+    from laminar.client.run_control import start_stored_run
+    from laminar.rl.factory import check_engines
 
     cfg = check_engines(RunConfig.load(None, run_overrides(cell, opts.updates_per_segment, opts.handover_keep,
                                                            opts.heartbeat_timeout_s)))
@@ -669,7 +669,7 @@ async def _histories(client: Client, workflow_id: str) -> list[list[tuple[str, f
 
 async def run_bench(cells: list[Cell], opts: BenchOptions, settings: Settings, server_pid: int | None,
                     progress: Progress, accounting: Accounting) -> dict[str, Any]:
-    from client.connect import connect, store_for
+    from laminar.client.connect import connect, store_for
 
     # a replica or relay activity cancelled at a hand-over or the stop logs a traceback per activity; the replicas'
     # own errors are in the report (replica_errors)

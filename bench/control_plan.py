@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.rollout.timing import TIMING, ReplicaTiming
+from laminar.services.rollout.timing import TIMING, ReplicaTiming
 
 # done-when of issue 32 (docs/benchmarks/control.md)
 P99_TARGET_S = 0.25

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from laminar.errors import LaminarError
 from laminar.logs import get_logger
 
-log = get_logger("bench.netns")
+log = get_logger("laminar.bench.netns")
 
 SUBNET = "10.77.0"
 

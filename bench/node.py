@@ -21,9 +21,9 @@ import time
 from typing import Any
 
 import typer
+from laminar.relay import client, protocol
 
 from laminar.logs import configure_logging
-from relay import client, protocol
 
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
 
@@ -32,7 +32,7 @@ app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
 def serve_relay(relay_id: str = typer.Option(..., "--id"), host: str = typer.Option(..., "--host"),
                 keep_versions: int = typer.Option(2, "--keep")) -> None:
     """Serve a relay on host; print its address and pid as one JSON line."""
-    from relay.server import RelayServer
+    from laminar.relay.server import RelayServer
 
     configure_logging(level="warning")
     token = os.environ.get("LAMINAR_RELAY_TOKEN") or None
@@ -140,7 +140,7 @@ class Agent:
         chain), as a rollout pulls each new version once; a memcpy of the same size is timed right before
         each pull, so both best-ofs see the same moments of a shared machine.
         """
-        from relay.weights import load_into, state_dict_from_buffer
+        from laminar.relay.weights import load_into, state_dict_from_buffer
 
         if self.params is None:
             import torch
@@ -167,8 +167,7 @@ class Agent:
 
     def store_setup_cmd(self, endpoint: str, bucket: str, create: bool) -> dict:
         import boto3
-
-        from storage.objects import S3ObjectStore
+        from laminar.storage.objects import S3ObjectStore
 
         deadline = time.monotonic() + 60
         while True:

@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from laminar.reporting.report import moving_mean
+from laminar.reporting.summary import reward_rise
+
 from laminar.config import RunConfig
-from reporting.report import moving_mean
-from reporting.summary import reward_rise
 
 WINDOW = 30  # steps in the reward moving average
 THRESHOLDS = (0.6, 0.8)
@@ -65,8 +66,8 @@ def ratios(loop: dict[str, Any], laminar: dict[str, Any]) -> dict[str, float | N
 
 def run_loop(cfg: RunConfig, home: Path) -> dict[str, Any]:
     """The single-process loop in this process (torch's default thread count: every core)."""
-    from rl.sync_loop import run_sync_loop
-    from services.model_files import resolve_model_dir
+    from laminar.rl.sync_loop import run_sync_loop
+    from laminar.services.model_files import resolve_model_dir
 
     cpu0 = time.process_time()
     result = run_sync_loop(cfg, resolve_model_dir(cfg, home))
@@ -81,13 +82,13 @@ def run_laminar(config_path: Path, overrides: list[str]) -> dict[str, Any]:
     """`laminar run` in a child process (it starts the dev stack if none runs); its summary -> one column.
     Interrupted or failing, the child is stopped as Ctrl-C stops it (SIGTERM: it ends its run and its workers),
     and the run is terminated if it still runs: no run of the benchmark outlives it."""
-    from client.run_control import end_runs_now
-    from client.settings import Settings
+    from laminar.client.run_control import end_runs_now
+    from laminar.client.settings import Settings
 
     run_id = "bench-overhead-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="laminar-bench-") as tmp:
         summary_path = Path(tmp) / "summary.json"
-        child = subprocess.Popen([sys.executable, "-m", "cli.main", "run", str(config_path), "--run-id", run_id,
+        child = subprocess.Popen([sys.executable, "-m", "laminar.cli.main", "run", str(config_path), "--run-id", run_id,
                                   "--summary", str(summary_path), *overrides])
         try:
             if child.wait() != 0:

@@ -57,11 +57,11 @@ from pathlib import Path
 from typing import IO, Any
 
 import psutil
+from laminar.bench.netns import Netns
+from laminar.devstack.stack import free_port
+from laminar.relay import protocol
 
-from bench.netns import Netns
-from devstack.stack import free_port
 from laminar.errors import LaminarError
-from relay import protocol
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STORE_PORT = 9077
@@ -223,7 +223,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
 
         def spawn(name: str, node: str, *args: str) -> _Proc:
             nice = _other_host(node)
-            argv = [*prefix(node), *nice, sys.executable, "-m", "bench.node", *args]
+            argv = [*prefix(node), *nice, sys.executable, "-m", "laminar.bench.node", *args]
             proc = _Proc(name, argv, log_dir, env)
             procs.append(proc)
             return proc

@@ -2,7 +2,7 @@
 version of the module given by its file (an older sandbox, taken from git), interleaved in one process so
 that both see the same machine load.
 
-    git show d286274^:rl/tools/sandbox.py | sed 's/from rl.tools import/from envs.tools import/' > /tmp/old_sandbox.py
+    git show d286274^:rl/tools/sandbox.py | sed 's/from rl.tools import/from laminar.envs.tools import/' > /tmp/old_sandbox.py
     python -m bench.sandbox_compare --old /tmp/old_sandbox.py --runs 30
 
 `d286274^` is the sandbox before the allow-list root and the per-sandbox cgroups (issue 35): a read-only view
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from envs.tools import sandbox as new_sandbox
+from laminar.envs.tools import sandbox as new_sandbox
 
 
 def load_module(path: Path):

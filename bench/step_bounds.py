@@ -102,12 +102,13 @@ def matmul_params(model: torch.nn.Module) -> int:
 
 
 def profile_step(cfg: Any, threads: int = 1, device: str = "cpu") -> dict[str, Any]:
-    from envs.tasks.scoring import RewardRunner
+    from laminar.envs.tasks.scoring import RewardRunner
+    from laminar.rl.factory import build_local_engine, build_trainer
+    from laminar.rl.model import state_dict_to_bytes
+    from laminar.services.evaluate import load_policy
+
     from laminar.policy import policy_for, staleness_bound
     from laminar.records import Trajectory
-    from rl.factory import build_local_engine, build_trainer
-    from rl.model import state_dict_to_bytes
-    from services.evaluate import load_policy
 
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.run.seed)
@@ -233,7 +234,7 @@ def format_table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     from laminar.config import RunConfig
 
-    ap = argparse.ArgumentParser(prog="python -m bench.step_bounds", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m laminar.bench.step_bounds", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", type=Path)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a worker process runs with 1)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the GPU's rates; the trainer in float32)")

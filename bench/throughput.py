@@ -64,18 +64,21 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, get_args
 
-from client.settings import Settings
+from laminar.client.settings import Settings
+from laminar.reporting.report import (
+    version_intervals,  # per-replica timeline, in modelled s with scale=time_scale
+)
+from laminar.reporting.summary import build_profile, percentile
+from laminar.rl.factory import check_engines, time_modelled
+from laminar.rl.factory import time_scale as engine_time_scale
+from laminar.storage.objects import ObjectStore
+from laminar.storage.records import TrajRow, step_records, trajectory_rows
+
 from laminar import contract
 from laminar.config import MODES, Engine, RunConfig
 from laminar.contract import RunStatus
 from laminar.errors import LaminarError
 from laminar.logs import get_logger
-from reporting.report import version_intervals  # per-replica timeline, in modelled s with scale=time_scale
-from reporting.summary import build_profile, percentile
-from rl.factory import check_engines, time_modelled
-from rl.factory import time_scale as engine_time_scale
-from storage.objects import ObjectStore
-from storage.records import TrajRow, step_records, trajectory_rows
 
 WORKLOADS = ("long_tail", "uniform", "tools")
 WORKLOAD_SETS = {"both": ("long_tail", "uniform"), "all": WORKLOADS}  # --workload names for several workloads
@@ -135,7 +138,7 @@ def scaled_overrides(mode: str, replicas: int, engine: str, workload: str, itera
 
 
 def time_scale(cfg: RunConfig) -> float:
-    """Modelled seconds per wall second: modelled.speedup for the modelled engine, 1 for torch (rl.factory)."""
+    """Modelled seconds per wall second: modelled.speedup for the modelled engine, 1 for torch (laminar.rl.factory)."""
     return engine_time_scale(cfg)
 
 
@@ -400,7 +403,7 @@ class BenchSpec:
 
 def run_bench(spec: BenchSpec, progress: Progress, launch: LaunchWorkers) -> dict[str, Any]:
     """Start (or reuse) the dev stack, run every (workload, mode) one after another, return the report."""
-    from devstack.stack import DevStack
+    from laminar.devstack.stack import DevStack
 
     for workload, mode, repack in spec.runs():  # fail on a bad mode or override before anything starts
         spec.run_config(mode, workload, "check", repack)
@@ -415,7 +418,7 @@ def run_bench(spec: BenchSpec, progress: Progress, launch: LaunchWorkers) -> dic
         try:
             results = asyncio.run(_run_all(spec, settings, progress, launch, started))
         except BaseException:  # interrupted (SIGTERM, Ctrl-C) or failed: end what it started, then go
-            from client.run_control import end_runs_now
+            from laminar.client.run_control import end_runs_now
 
             end_runs_now(settings, started, f"{spec.owner} was interrupted or failed",
                          say=lambda m: progress("dev stack", None, m))
@@ -447,7 +450,7 @@ def run_bench(spec: BenchSpec, progress: Progress, launch: LaunchWorkers) -> dic
 
 async def _run_all(spec: BenchSpec, settings: Settings, progress: Progress,
                    launch: LaunchWorkers, started: list[str]) -> list[dict[str, Any]]:
-    from client.connect import connect, store_for
+    from laminar.client.connect import connect, store_for
 
     client = await connect(settings, core_logs=False)
     store = store_for(settings)
@@ -476,10 +479,9 @@ async def _run_one(client, store: ObjectStore, settings: Settings, cfg: RunConfi
                    spec: BenchSpec, launch: LaunchWorkers, started: list[str]) -> RunData:
     """One run on its own workers. Whatever ends it early (a timeout, a failure, an interrupt) terminates its
     workflow before its workers stop: a run left Running would be served by the next run's workers."""
+    from laminar.client.run_control import start_stored_run
+    from laminar.client.watch import watch_run
     from temporalio.client import WorkflowFailureError
-
-    from client.run_control import start_stored_run
-    from client.watch import watch_run
 
     polls: list[KvPoll] = []
     statuses: list[RunStatus] = []  # for the repack events (bounded windows: polled often enough not to miss one)

@@ -145,9 +145,9 @@ def table(gaps: list[Gap], steps: int) -> str:
 
 
 async def _main(run_id: str) -> None:
-    from client.connect import connect, store_for
-    from client.settings import Settings
-    from storage import keys
+    from laminar.client.connect import connect, store_for
+    from laminar.client.settings import Settings
+    from laminar.storage import keys
 
     settings = Settings.from_env()
     client = await connect(settings)

@@ -25,9 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import psutil
-from rich.console import Console
-
-from chaos.checker import (
+from laminar.chaos.checker import (
     Verdict,
     format_verdict,
     judge,
@@ -35,8 +33,8 @@ from chaos.checker import (
     read_workflow_resets,
     verify_checkpoints,
 )
-from chaos.nemesis import FaultRecord, Nemesis, alive, partition_tool, read_table, same_start
-from chaos.schedule import (
+from laminar.chaos.nemesis import FaultRecord, Nemesis, alive, partition_tool, read_table, same_start
+from laminar.chaos.schedule import (
     KINDS,
     Schedule,
     format_schedule,
@@ -45,15 +43,17 @@ from chaos.schedule import (
     schedule_to_json,
     targets_for,
 )
-from client.connect import connect, store_for
-from client.exit import stop_like_ctrl_c
-from client.run_control import end_runs_now, new_run_id
-from client.settings import Settings, process_table_path
-from client.watch import RunProgress, progress_of
-from devstack.stack import DevStack
+from laminar.client.connect import connect, store_for
+from laminar.client.exit import stop_like_ctrl_c
+from laminar.client.run_control import end_runs_now, new_run_id
+from laminar.client.settings import Settings, process_table_path
+from laminar.client.watch import RunProgress, progress_of
+from laminar.devstack.stack import DevStack
+from laminar.reporting.tool_calls import count_tool_calls
+from rich.console import Console
+
 from laminar.contract import RunStatus, workflow_id_for
 from laminar.errors import ConfigError, LaminarError
-from reporting.tool_calls import count_tool_calls
 
 console = Console()
 STEPS_UNBOUNDED = 1_000_000  # chaos stops the run itself at --duration
@@ -88,7 +88,7 @@ def run_chaos(config: Path, overrides: list[str], duration_s: float | None, seed
     out = out or home / "chaos" / run_id
     out.mkdir(parents=True, exist_ok=True)
     table_path = process_table_path(home, run_id)
-    argv = [sys.executable, "-m", "cli.main", "run", str(config), "--run-id", run_id, "--log-format", "json",
+    argv = [sys.executable, "-m", "laminar.cli.main", "run", str(config), "--run-id", run_id, "--log-format", "json",
             "--summary", str(out / "summary.json"), f"--run.steps={STEPS_UNBOUNDED}", *overrides]
     say(f"chaos run_id={run_id} out={out}", highlight=False)
     stop_like_ctrl_c()  # SIGTERM too: the child and the run are ended on the way out
@@ -277,7 +277,7 @@ def strays(home: Path, known: set[tuple[int, float | None]]) -> list[int]:
     out = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info.get("cmdline") or []
-        if "cli.main" not in cmd or "worker" not in cmd:
+        if "laminar.cli.main" not in cmd or "worker" not in cmd:
             continue
         try:
             if any(same_start(p, created) for created in starts.get(p.info["pid"], [])):

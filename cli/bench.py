@@ -18,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import typer
+from laminar.cli.options import DURATION_HELP, EXTRA_ARGS, config_and_overrides, duration, old_seconds_option
 from pydantic import ByteSize, TypeAdapter, ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from cli.options import DURATION_HELP, EXTRA_ARGS, config_and_overrides, duration, old_seconds_option
 from laminar.errors import ConfigError, LaminarError
 
 bench_app = typer.Typer(help="Systems benchmarks: relay broadcast, heartbeat cost, orchestration overhead, "
@@ -71,7 +71,7 @@ def relay_bench(
     plot_path: Path | None = typer.Option(Path("relay-bench.png"), "--plot", help="Write a PNG plot here."),
 ) -> None:
     """Trainer stall, time to all relays, one hop, each-in-turn, object store and the chain model."""
-    from bench.relay import BenchConfig, done_when, plot, run_bench
+    from laminar.bench.relay import BenchConfig, done_when, plot, run_bench
 
     cfg = BenchConfig(size=parse_size(size), relays=parse_counts(relays), rate_mbit=rate,
                       chunk_bytes=parse_size(chunk) if chunk else None, reps=reps, storage=storage,
@@ -135,8 +135,8 @@ def heartbeats_bench(
     """What second-scale failure detection costs the Temporal server: heartbeat RPCs/s and server CPU."""
     import asyncio
 
-    from bench.heartbeats import measure
-    from client.exit import stop_like_ctrl_c
+    from laminar.bench.heartbeats import measure
+    from laminar.client.exit import stop_like_ctrl_c
 
     try:
         seconds = duration(window, "--window", window_s, "--window-s", default="30s")
@@ -164,14 +164,15 @@ def overhead_bench(
 ) -> None:
     """The single-process loop, then `laminar run`, on the same config: wall time, tokens/s, time to reward,
     reward rise, ratios, and laminar's time breakdown. Extra `--section.key=value` arguments override both."""
-    from bench.overhead import ratios, run_laminar, run_loop
-    from client.exit import stop_like_ctrl_c
+    from laminar.bench.overhead import ratios, run_laminar, run_loop
+    from laminar.client.exit import stop_like_ctrl_c
 
     stop_like_ctrl_c()  # SIGTERM too: its `laminar run` child and that run end with it
-    from client.settings import Settings
+    from laminar.client.settings import Settings
+    from laminar.reporting.summary import format_profile
+    from laminar.rl.factory import check_engines
+
     from laminar.config import RunConfig
-    from reporting.summary import format_profile
-    from rl.factory import check_engines
 
     config, overrides = config_and_overrides(config, ctx.args)
     overrides += [f"--run.steps={steps}"] if steps is not None else []
@@ -210,7 +211,7 @@ def throughput_bench(
     workload: str = typer.Option("both", help="Workload of the modelled engine: long_tail, uniform, tools "
                                  "(multi-turn tool calling), both (long_tail,uniform: an honest benchmark shows the "
                                  "advantage shrink without a tail) or all three."),
-    iterations: int | None = typer.Option(None, min=2, help="Global batches per run (default 8: bench.throughput."
+    iterations: int | None = typer.Option(None, min=2, help="Global batches per run (default 8: laminar.bench.throughput."
                                           "DEFAULT_ITERATIONS); the first fifth (at least one) is a warm-up."),
     config: Path | None = typer.Option(None, help="Base run config (TOML); default: the built-in defaults."),
     json_path: Path | None = typer.Option(None, "--json", help="Write {\"results\": [...], \"config\": {...}} here."),
@@ -222,9 +223,7 @@ def throughput_bench(
     """Every mode on the same workload and seed on the real stack: tokens/s (paper definition, modelled time),
     KV use, trainer idle, weight-sync stall, staleness, trajectory latency, control-plane share. Extra
     `--section.key=value` arguments override every run's config."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from bench.throughput import (
+    from laminar.bench.throughput import (
         DEFAULT_ITERATIONS,
         MODES,
         WORKLOAD_SETS,
@@ -234,6 +233,8 @@ def throughput_bench(
         plot,
         run_bench,
     )
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     from laminar.config import Engine
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
@@ -276,7 +277,7 @@ def throughput_bench(
             elif note:
                 bar.update(tasks[label], info=note)
 
-        from client.exit import stop_like_ctrl_c
+        from laminar.client.exit import stop_like_ctrl_c
 
         stop_like_ctrl_c()  # SIGTERM too: its runs are ended, its workers stopped (bench/throughput.py)
         try:
@@ -294,8 +295,8 @@ def throughput_bench(
 
 
 def launch_bench_workers(cfg, settings, log_dir: Path) -> Callable[[], None]:
-    """Starts one throughput run's worker processes (bench.throughput.LaunchWorkers); returns what stops them."""
-    from workers.launcher import LocalLauncher, plan_processes
+    """Starts one throughput run's worker processes (laminar.bench.throughput.LaunchWorkers); returns what stops them."""
+    from laminar.workers.launcher import LocalLauncher, plan_processes
 
     launcher = LocalLauncher(plan_processes(cfg, settings, log_dir, spare_slots=1))
     launcher.start_all()
@@ -304,7 +305,7 @@ def launch_bench_workers(cfg, settings, log_dir: Path) -> Callable[[], None]:
 
 
 def render_throughput_table(report: dict) -> Table:
-    from bench.throughput import COLUMNS, table_rows
+    from laminar.bench.throughput import COLUMNS, table_rows
 
     c = report["config"]
     unit = "modelled s" if c["time_scale"] != 1.0 else "wall s"
@@ -359,12 +360,12 @@ def control_bench(
     consumed twice (docs/benchmarks/control.md)."""
     import asyncio
 
-    from bench.control import BenchOptions, run_bench
-    from bench.control_plan import Cell, cell_from_sim, done_when, heaviest
-    from cli.options import parse_duration
-    from client.exit import stop_like_ctrl_c
-    from client.settings import Settings
-    from devstack.stack import DevStack
+    from laminar.bench.control import BenchOptions, run_bench
+    from laminar.bench.control_plan import Cell, cell_from_sim, done_when, heaviest
+    from laminar.cli.options import parse_duration
+    from laminar.client.exit import stop_like_ctrl_c
+    from laminar.client.settings import Settings
+    from laminar.devstack.stack import DevStack
 
     try:
         opts = BenchOptions(duration_s=parse_duration(duration_opt, "--duration"),
@@ -376,7 +377,7 @@ def control_bench(
                             else parse_duration(heartbeat_timeout, "--heartbeat-timeout"))
         step_s = parse_duration(step, "--step", allow_zero=True)
         if sim:
-            from sim.params import WORKLOADS
+            from laminar.sim.params import WORKLOADS
             cells = []
             for path in sim:
                 report = json.loads(path.read_text())
@@ -400,13 +401,13 @@ def control_bench(
         err.print(f"[red]error:[/red] --dynamic-config {bad[0]!r}: give KEY=VALUE, e.g. history.maxInFlightUpdates=100")
         raise typer.Exit(2)
     stop_like_ctrl_c()  # SIGTERM too: its control worker and runs end with it
-    from chaos.checker import check_accounting
+    from laminar.chaos.checker import check_accounting
 
     home = Settings.from_env().home
     stack, started, own = DevStack(home), False, None
     try:
         if dynamic_config:
-            from bench.control import start_own_server, wait_for_server
+            from laminar.bench.control import start_own_server, wait_for_server
             own, address = start_own_server(home, dynamic_config)
             asyncio.run(wait_for_server(address))
             settings, pid = Settings.from_env({**os.environ, "LAMINAR_TEMPORAL_ADDRESS": address}), own.pid
@@ -425,7 +426,7 @@ def control_bench(
         if started:
             stack.down()
         if own is not None:
-            from bench.control import stop_process
+            from laminar.bench.control import stop_process
             stop_process(own)
     Console(width=max(console.width, 200)).print(render_control_table(report))  # 19 columns: never squeezed
     for r in report["results"]:

@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from laminar.chaos.schedule import KINDS, parse_kinds
+from laminar.cli.options import CONFIG_HELP, DURATION_HELP, config_and_overrides, exit_codes, parse_duration
 from rich.console import Console
-
-from chaos.schedule import KINDS, parse_kinds
-from cli.options import CONFIG_HELP, DURATION_HELP, config_and_overrides, exit_codes, parse_duration
 
 console = Console()
 
@@ -32,8 +31,8 @@ def chaos_command(
     """Run CONFIG under a seeded schedule of overlapping faults that all heal; check its records at the end.
 
     Extra `--section.key=value` arguments override config values."""
-    from chaos.checker import format_verdict
-    from chaos.command import rejudge, run_chaos
+    from laminar.chaos.checker import format_verdict
+    from laminar.chaos.command import rejudge, run_chaos
 
     with exit_codes():
         if judge is not None:

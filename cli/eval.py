@@ -10,10 +10,9 @@ import json
 from pathlib import Path
 
 import typer
+from laminar.cli.options import exit_codes
 from rich.console import Console
 from rich.table import Table
-
-from cli.options import exit_codes
 
 console = Console()
 
@@ -29,12 +28,13 @@ def eval_command(
 ) -> None:
     """Evaluate a policy on held-out prompts with the training reward; the record goes to the run's evals/.
     Extra `--section.key=value` arguments override config values (e.g. --eval.samples=4)."""
-    from client.connect import store_for
-    from client.settings import Settings
+    from laminar.client.connect import store_for
+    from laminar.client.settings import Settings
+    from laminar.rl.factory import check_engines
+    from laminar.services.evaluate import evaluate
+
     from laminar.config import RunConfig
     from laminar.logs import configure_logging
-    from rl.factory import check_engines
-    from services.evaluate import evaluate
 
     configure_logging("console", level="warning")  # logs on stderr: stdout is the result (--json parses)
     with exit_codes():

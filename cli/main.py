@@ -23,15 +23,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import typer
-from rich.console import Console
-
-from cli.bench import bench_app
-from cli.chaos import chaos_command
-from cli.dev import dev_app
-from cli.eval import eval_command
-from cli.init import init_command
-from cli.model import model_app
-from cli.options import (
+from laminar.cli.bench import bench_app
+from laminar.cli.chaos import chaos_command
+from laminar.cli.dev import dev_app
+from laminar.cli.eval import eval_command
+from laminar.cli.init import init_command
+from laminar.cli.model import model_app
+from laminar.cli.options import (
     CONFIG_HELP,
     DURATION_HELP,
     EXTRA_ARGS,
@@ -40,14 +38,16 @@ from cli.options import (
     exit_codes,
     old_seconds_option,
 )
-from cli.sim import plan_command, simulate_command
-from client.settings import Settings
+from laminar.cli.sim import plan_command, simulate_command
+from laminar.client.settings import Settings
+from laminar.rl.factory import check_engines
+from laminar.workers.rollout_slots import SPARE_WAIT_S
+from rich.console import Console
+
 from laminar import contract
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 from laminar.logs import configure_logging
-from rl.factory import check_engines
-from workers.rollout_slots import SPARE_WAIT_S
 
 app = typer.Typer(
     help="Laminar on Temporal: fault-tolerant asynchronous RL post-training.",
@@ -97,7 +97,7 @@ def run(
 
     Extra `--section.key=value` arguments override config values.
     """
-    from cli.run import check_launcher, check_run, ensure_model, run_local
+    from laminar.cli.run import check_launcher, check_run, ensure_model, run_local
 
     with exit_codes():
         _accept_insecure(insecure)
@@ -107,7 +107,7 @@ def run(
         check_run(cfg, Settings.from_env())  # model path, task, listener binds: before anything starts
         configure_logging(log_format)
         if report is not None:
-            from reporting.report import check_matplotlib
+            from laminar.reporting.report import check_matplotlib
 
             check_matplotlib()  # fail before the run, not after it
         code = run_local(cfg, summary_path=summary, console=console, report_dir=report, launcher_kind=launcher,
@@ -130,9 +130,9 @@ def fork(
     run has a new id, records its parent (run.parent, run.parent_step, runs/<id>/run.json) and writes nothing of
     the parent's. Extra `--section.key=value` arguments override the parent's config; the result is checked as
     `laminar run` checks a config (model path, task, listener binds)."""
-    from cli.run import check_binds, check_run, run_local
-    from client.connect import store_for
-    from client.fork import fork_config
+    from laminar.cli.run import check_binds, check_run, run_local
+    from laminar.client.connect import store_for
+    from laminar.client.fork import fork_config
 
     with exit_codes():
         _accept_insecure(insecure)
@@ -159,8 +159,8 @@ def start(
     checks it (model path, task, listener binds) before the run starts.
 
     Extra `--section.key=value` arguments override config values."""
-    from cli.run import check_run
-    from client.run_control import start_run
+    from laminar.cli.run import check_run
+    from laminar.client.run_control import start_run
 
     with exit_codes():
         _accept_insecure(insecure)
@@ -174,7 +174,7 @@ def start(
 @app.command()
 def status(run_id: str, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Show a run's status (the workflow's `status` query)."""
-    from client.run_control import query_status, render_status
+    from laminar.client.run_control import query_status, render_status
 
     with exit_codes():
         st = asyncio.run(query_status(Settings.from_env(), run_id))
@@ -192,7 +192,7 @@ def report(
     out: Path | None = typer.Option(None, "--out", help="Directory for the PNGs and report.html (default reports/<run>)."),
 ) -> None:
     """Plots and one self-contained HTML page of a run, from its records in the object store."""
-    from cli.report import report as write
+    from laminar.cli.report import report as write
 
     with exit_codes():
         write(run_id, out, console)
@@ -204,7 +204,7 @@ def list_runs(
     limit: int = typer.Option(20, help="Show at most this many runs, newest first."),
 ) -> None:
     """List runs (TrainingRunWorkflow executions) with their mode, phase, step, policy version and reward."""
-    from cli.report import list_command
+    from laminar.cli.report import list_command
 
     with exit_codes():
         list_command(query, limit, console)
@@ -218,7 +218,7 @@ def stop(
     ),
 ) -> None:
     """Ask a run to stop: replicas finish, the trainer stops, the workflow completes."""
-    from client.run_control import stop_run, terminate_run
+    from laminar.client.run_control import stop_run, terminate_run
 
     with exit_codes():
         if force:
@@ -241,7 +241,7 @@ def scale(
     host); removed ones stop admitting, hand their unfinished groups to a replica of the same version (or back to
     the pool with their prefixes) and return. A new host's relay joins the chain once its relay worker runs
     (`laminar run` starts it); a removed relay leaves the chain at once."""
-    from client.run_control import scale_run
+    from laminar.client.run_control import scale_run
 
     with exit_codes():
         res = asyncio.run(scale_run(Settings.from_env(), run_id, replicas, relays))
@@ -260,7 +260,7 @@ def drain(
 ) -> None:
     """Give a worker the notice, as a preemption warning would: it takes no new work, its activities leave cleanly
     (replicas hand their groups to others, the trainer checkpoints, a relay leaves the chain) and it exits 0."""
-    from workers.drain import drain as drain_worker
+    from laminar.workers.drain import drain as drain_worker
 
     with exit_codes():
         settings = Settings.from_env()
@@ -277,7 +277,7 @@ def drain(
 def pool(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Show the slot pool of the shared worker set: its rollout slots, and each `laminar start` run's ask, quota,
     grant and why it got less."""
-    from client.run_control import query_pool, render_pool
+    from laminar.client.run_control import query_pool, render_pool
 
     with exit_codes():
         p = asyncio.run(query_pool(Settings.from_env()))
@@ -290,7 +290,7 @@ def pool(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> N
 @app.command()
 def pause(run_id: str) -> None:
     """Pause a run: no new prompts are leased and the trainer waits."""
-    from client.run_control import send_control
+    from laminar.client.run_control import send_control
 
     with exit_codes():
         phase = asyncio.run(send_control(Settings.from_env(), run_id, contract.PAUSE))
@@ -300,7 +300,7 @@ def pause(run_id: str) -> None:
 @app.command()
 def resume(run_id: str) -> None:
     """Resume a paused run."""
-    from client.run_control import send_control
+    from laminar.client.run_control import send_control
 
     with exit_codes():
         phase = asyncio.run(send_control(Settings.from_env(), run_id, contract.RESUME))
@@ -326,7 +326,8 @@ def drill(
                                "fault goes to its source replica's process)."),
 ) -> None:
     """Inject a failure into a live run, watch it recover, report (also stored under runs/<id>/drills/)."""
-    from cli.drill import render_report, run_drill
+    from laminar.cli.drill import render_report, run_drill
+
     from laminar.contract import DrillInput
 
     with exit_codes():
@@ -352,7 +353,7 @@ def workers(
     insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
 ) -> None:
     """Start every worker process a config needs and keep them until Ctrl-C (start runs with `laminar start`)."""
-    from cli.run import check_binds, serve_workers
+    from laminar.cli.run import check_binds, serve_workers
 
     with exit_codes():
         _accept_insecure(insecure)
@@ -385,7 +386,7 @@ def worker(
     # Without it, a notice while the worker imports or connects killed it (exit -15), unlike any other notice.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _leave_before_serving)
-    from workers import processes
+    from laminar.workers import processes
 
     with exit_codes():
         _accept_insecure(insecure)
@@ -429,7 +430,7 @@ app.command("plan")(plan_command)
 def main() -> None:
     """Run the CLI, then leave without interpreter finalisation (client.exit.run_then_exit: the Temporal
     client's native runtime can abort a finalising interpreter, turning a finished command's status into a crash)."""
-    from client.exit import run_then_exit
+    from laminar.client.exit import run_then_exit
 
     run_then_exit(app)
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from laminar.cli.options import exit_codes
+from laminar.client.settings import Settings
 from rich.console import Console
 
-from cli.options import exit_codes
-from client.settings import Settings
 from laminar.errors import ConfigError
 
 model_app = typer.Typer(help="Pretrained models: import a GGUF file as a model directory; export a checkpoint as one.",
@@ -35,7 +35,7 @@ def import_gguf_command(
                                      "SmolLM2-135M-Instruct.Q4_1.gguf)."),
 ) -> None:
     """Write SmolLM2-135M-Instruct (GGUF, dequantized) as a safetensors model directory, once."""
-    from rl.gguf_import import default_dir, import_gguf
+    from laminar.rl.gguf_import import default_dir, import_gguf
 
     try:
         target = out or default_dir(Settings.from_env().home)
@@ -53,8 +53,8 @@ def export_command(
                                "base weights (a plain model directory) instead of a peft adapter directory."),
 ) -> None:
     """Export a checkpoint as a Hugging Face model directory (a LoRA run's: a peft adapter, or merged with --merge)."""
-    from client.connect import store_for
-    from services.export import export_checkpoint
+    from laminar.client.connect import store_for
+    from laminar.services.export import export_checkpoint
 
     with exit_codes():
         kind = export_checkpoint(store_for(Settings.from_env()), checkpoint, out, merge=merge)

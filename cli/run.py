@@ -15,33 +15,33 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from temporalio.client import WorkflowFailureError, WorkflowHandle
-
-from client.connect import connect, store_for
-from client.exit import stop_like_ctrl_c
-from client.run_control import lost_error, new_run_id, report_slots, scale_targets, start_or_attach
-from client.settings import Settings, process_table_path
-from client.watch import RunProgress, watch_run
-from devstack.stack import DevStack
-from laminar.config import RunConfig
-from laminar.contract import PAYLOAD_WARNED_BYTES, RunStatus, SlotReport, retained_batches_bytes
-from laminar.errors import ConfigError, LaminarError, RunLostError, StoreError
-from laminar.logs import get_logger
-from reporting.summary import build_profile, build_summary, format_profile, reward_rise
-from storage import keys
-from storage.objects import ObjectStore
-from workers.launcher import (
+from laminar.client.connect import connect, store_for
+from laminar.client.exit import stop_like_ctrl_c
+from laminar.client.run_control import lost_error, new_run_id, report_slots, scale_targets, start_or_attach
+from laminar.client.settings import Settings, process_table_path
+from laminar.client.watch import RunProgress, watch_run
+from laminar.devstack.stack import DevStack
+from laminar.reporting.summary import build_profile, build_summary, format_profile, reward_rise
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore
+from laminar.workers.launcher import (
     LocalLauncher,
     metrics_url,
     plan_processes,
     process_cpu_s,
     rollout_slots,
 )
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from temporalio.client import WorkflowFailureError, WorkflowHandle
+
+from laminar.config import RunConfig
+from laminar.contract import PAYLOAD_WARNED_BYTES, RunStatus, SlotReport, retained_batches_bytes
+from laminar.errors import ConfigError, LaminarError, RunLostError, StoreError
+from laminar.logs import get_logger
 
 if TYPE_CHECKING:
-    from workers.launcher_ray import RayLauncher
+    from laminar.workers.launcher_ray import RayLauncher
 
 log = get_logger(__name__)
 
@@ -53,7 +53,7 @@ def check_launcher(kind: str, ray_address: str | None) -> None:
     if kind == "local" and ray_address:
         raise ConfigError(f"--ray-address={ray_address!r} needs --launcher ray")
     if kind == "ray":
-        from workers.launcher_ray import import_ray
+        from laminar.workers.launcher_ray import import_ray
 
         import_ray()
 
@@ -61,9 +61,10 @@ def check_launcher(kind: str, ray_address: str | None) -> None:
 def check_binds(settings: Settings, relay_host: str | None) -> None:
     """Refuse up front, before any process starts, to run relays (at relay_host; None: they get a run token) or
     metrics endpoints off loopback without their secret (laminar/listeners.py)."""
+    from laminar.relay.auth import RELAY_RISK
+
     from laminar.listeners import check_bind
     from laminar.metrics import METRICS_RISK
-    from relay.auth import RELAY_RISK
 
     if relay_host is not None:
         check_bind("the weight relay", relay_host, secret=settings.relay_token, variable="LAMINAR_RELAY_TOKEN",
@@ -76,8 +77,8 @@ def check_run(cfg: RunConfig, settings: Settings) -> None:
     """What `laminar run` and `laminar start` both check before a run starts (ConfigError, exit 2): a model.path
     that is missing or unreadable, a task that cannot be named, read or built with its params, and metrics
     endpoints off loopback without their secret (a run's relays get a run token)."""
-    from envs.tasks.loader import check_task
-    from services.model_files import check_model_path
+    from laminar.envs.tasks.loader import check_task
+    from laminar.services.model_files import check_model_path
 
     check_model_path(cfg)
     check_task(cfg.task)
@@ -90,7 +91,7 @@ def ensure_model(cfg: RunConfig, console: Console) -> bool:
     what `laminar model import-gguf --out <model.path>` does), printing its progress. True when it imported."""
     if not cfg.model.gguf or not cfg.model.path:
         return False
-    from rl.gguf_import import SMOLLM2, import_gguf, is_complete
+    from laminar.rl.gguf_import import SMOLLM2, import_gguf, is_complete
 
     out = Path(cfg.model.path)
     if is_complete(out):
@@ -125,7 +126,7 @@ def make_launcher(kind: str, cfg: RunConfig, settings: Settings, tag: str, ray_a
                            allow_faults=allow_faults, metrics=True)
     if kind == "local":
         return LocalLauncher(procs)
-    from workers.launcher_ray import RayLauncher, plan_placements
+    from laminar.workers.launcher_ray import RayLauncher, plan_placements
 
     # On a cluster, relays listen on their node's IP unless LAMINAR_RELAY_BIND says otherwise.
     bind_node_ip = bool(ray_address) and not os.environ.get("LAMINAR_RELAY_BIND", "").strip()
@@ -135,7 +136,7 @@ def make_launcher(kind: str, cfg: RunConfig, settings: Settings, tag: str, ray_a
 def _spare_slots(cfg: RunConfig) -> int:
     """Spare replica slots per rollout worker: 1 (takes over a dead worker's replica), 0 for an engine a process
     holds one of (rl.factory.ENGINE_TRAITS)."""
-    from rl.factory import engine_traits
+    from laminar.rl.factory import engine_traits
 
     return engine_traits(cfg).spare_slots
 
@@ -165,7 +166,7 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, repor
     try:
         code = asyncio.run(_drive(cfg, settings, launcher, summary_path, console, temporal_pid))
         if code == 0 and report_dir is not None:
-            from cli.report import write_report
+            from laminar.cli.report import write_report
 
             write_report(store_for(settings), cfg.run.run_id, report_dir, console)
         return code
@@ -211,7 +212,7 @@ def serve_workers(cfg: RunConfig, console: Console, launcher_kind: str = "local"
 def worker_set_slots(cfg: RunConfig, home: Path) -> SlotReport:
     """What a `laminar workers` set gives its slot pool: its rollout slots (spares included: docs/decisions.md) and
     engines, under a name stable for this host and home, so a restarted set replaces its own report."""
-    from rl.factory import engines_served
+    from laminar.rl.factory import engines_served
 
     slots = sum(rollout_slots(cfg.rollout.replicas, cfg.relay.relays, _spare_slots(cfg)))
     return SlotReport(reporter=f"{socket.gethostname()}:{home}", slots=slots, engines=engines_served(cfg))

@@ -40,7 +40,7 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 
 
 def _check_modes(modes: tuple[str, ...]) -> tuple[str, ...]:
-    from sim.scenarios import MODES
+    from laminar.sim.scenarios import MODES
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise typer.BadParameter(f"--modes {','.join(modes)!r}: unknown {bad}; use a subset of {','.join(MODES)}")
@@ -48,14 +48,14 @@ def _check_modes(modes: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _check_model(model: str) -> str:
-    from sim.params import MODELS
+    from laminar.sim.params import MODELS
     if model not in MODELS:
         raise typer.BadParameter(f"--model {model!r} is not simulated; one of {', '.join(MODELS)}")
     return model
 
 
 def _check_workload(workload: str) -> str:
-    from sim.params import WORKLOADS
+    from laminar.sim.params import WORKLOADS
     if workload not in WORKLOADS:
         raise typer.BadParameter(f"--workload {workload!r} is not simulated; one of {', '.join(WORKLOADS)}")
     return workload
@@ -64,7 +64,8 @@ def _check_workload(workload: str) -> str:
 def parse_failure(text: str) -> tuple[str, float]:
     """'rollout@600' or 'rollout@10m' -> ('rollout', 600.0): a failure kind and the modelled time it strikes (a
     duration as every flag writes one: cli/options.py parse_duration)."""
-    from cli.options import parse_duration
+    from laminar.cli.options import parse_duration
+
     from laminar.errors import ConfigError
 
     kind, _, at = text.partition("@")
@@ -99,7 +100,7 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
 
 
 def fig11_table(summary: dict[str, dict[str, float]]) -> Table:
-    from sim.paper import FIG11_SPEEDUP
+    from laminar.sim.paper import FIG11_SPEEDUP
     t = Table(title="laminar's speedup: simulated vs the paper's Fig. 11 (math)")
     for col in ("baseline", "sim average", "paper average", "sim max", "paper max", "sim at largest scale"):
         t.add_column(col)
@@ -118,7 +119,7 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise typer.BadParameter("--plot needs matplotlib: pip install 'laminar[bench]'") from None
-    from sim.paper import FIG11_SPEEDUP
+    from laminar.sim.paper import FIG11_SPEEDUP
     rows = report["rows"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
@@ -178,8 +179,8 @@ def simulate_command(
                                   "bounds admission (modelled.kv_capacity_tokens lowered)."),
 ) -> None:
     """Simulate trainer, rollout replicas, relays and the control plane at GPU scale (modelled time)."""
-    from sim.scenarios import CONTROL_PLANES, RelayLink
-    from sim.sweep import SweepSpec, failure_runs, speedup_summary, sweep
+    from laminar.sim.scenarios import CONTROL_PLANES, RelayLink
+    from laminar.sim.sweep import SweepSpec, failure_runs, speedup_summary, sweep
 
     mode_list = _check_modes(_csv(modes))
     if control_plane not in CONTROL_PLANES:
@@ -237,7 +238,7 @@ def plan_command(
     modes: str = typer.Option("laminar,sync,one_step,stream,partial_rollout", help="Run modes, comma-separated."),
 ) -> None:
     """The best trainer/rollout placement per mode at one GPU budget, found by the simulator."""
-    from sim.sweep import plan
+    from laminar.sim.sweep import plan
 
     rows = plan(_check_model(model), gpus, _check_workload(workload), _check_modes(_csv(modes)))
     t = Table(title=f"best placement per mode: {model}, {gpus} GPUs, {workload}")
@@ -259,7 +260,7 @@ KV_BINDS_CAPACITY = 16640
 
 def replica_timing():
     """The real replica loop's intervals (services/rollout/timing.py), for the simulator's control plane."""
-    from sim.scenarios import control_timing
+    from laminar.sim.scenarios import control_timing
 
     return control_timing()
 
@@ -269,10 +270,10 @@ def simulate_like_bench(cfg, iterations: int, control_plane: str = "off") -> dic
     intervals and, unless control_plane is off, the workflow's measured costs (sim/scenarios.py control_plane_cost),
     both in the modelled engine's seconds (a wall second is modelled.speedup of them), and the replica loop's time
     outside the engine (sim/params.py REPLICA_LOOP_SHARE, measured on the real stack)."""
-    from bench.throughput import warmup_steps
-    from sim import params as P
-    from sim.core import simulate
-    from sim.scenarios import control_plane_cost, from_run_config, with_replica_loop
+    from laminar.bench.throughput import warmup_steps
+    from laminar.sim import params as P
+    from laminar.sim.core import simulate
+    from laminar.sim.scenarios import control_plane_cost, from_run_config, with_replica_loop
 
     speedup = cfg.modelled.speedup
     sim_cfg = from_run_config(cfg, iterations=iterations, warmup=warmup_steps(iterations))
@@ -299,10 +300,10 @@ def _progress_printer():
 def validate_command(modes: tuple[str, ...], workloads: tuple[str, ...], replicas: int, iterations: int,
                      kv_binds: bool, json_path: Path | None, control_plane: str = "off") -> None:
     """Simulator and real stack (bench/throughput.py run_bench, the modelled engine) on the same configs."""
-    from bench.throughput import WORKLOADS, BenchSpec, run_bench
-    from cli.bench import launch_bench_workers
-    from client.exit import stop_like_ctrl_c
-    from sim import params as P
+    from laminar.bench.throughput import WORKLOADS, BenchSpec, run_bench
+    from laminar.cli.bench import launch_bench_workers
+    from laminar.client.exit import stop_like_ctrl_c
+    from laminar.sim import params as P
 
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad or not workloads:

@@ -10,6 +10,12 @@ import socket
 import time
 from datetime import UTC, datetime, timedelta
 
+from laminar.client.connect import connect, store_for
+from laminar.client.fork import lost_error, taken_error
+from laminar.client.settings import Settings
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore
+from laminar.storage.runs import RunMarker, stored_run, write_marker
 from rich.table import Table
 from temporalio.client import (
     Client,
@@ -21,9 +27,6 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from client.connect import connect, store_for
-from client.fork import lost_error, taken_error
-from client.settings import Settings
 from laminar import contract, search, watchdog
 from laminar.config import RunConfig
 from laminar.contract import (
@@ -38,9 +41,6 @@ from laminar.contract import (
     workflow_id_for,
 )
 from laminar.errors import ConfigError, LaminarError, StoreError
-from storage import keys
-from storage.objects import ObjectStore
-from storage.runs import RunMarker, stored_run, write_marker
 
 
 def new_run_id() -> str:

@@ -28,8 +28,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psutil
+from laminar.devstack.record import RECORD_FILE, S3_BUCKET, S3_CREDENTIALS, DevStackInfo, read_record
 
-from devstack.record import RECORD_FILE, S3_BUCKET, S3_CREDENTIALS, DevStackInfo, read_record
 from laminar.errors import DevStackError
 from laminar.logs import get_logger
 from laminar.private import private_dir
@@ -202,7 +202,7 @@ class DevStack:
         port = port or free_port()
         endpoint = f"http://127.0.0.1:{port}"
         log_file = self.log_dir / "s3.log"
-        cmd = [sys.executable, "-m", "devstack.s3_server", "-H", "127.0.0.1", "-p", str(port),
+        cmd = [sys.executable, "-m", "laminar.devstack.s3_server", "-H", "127.0.0.1", "-p", str(port),
                "--snapshot", str(self.s3_snapshot)]  # fmt: skip
         proc = self._spawn(cmd, log_file)
         self._wait(proc, log_file, f"S3 server at {endpoint}", lambda: http_answers(endpoint))
@@ -334,7 +334,7 @@ def _find_binary(name: str, fix: str) -> str:
     return found
 
 
-_MARKERS = {"temporal": ("temporal", "start-dev"), "s3": ("devstack.s3_server",)}
+_MARKERS = {"temporal": ("temporal", "start-dev"), "s3": ("laminar.devstack.s3_server",)}
 
 
 def _is_ours(pid: int, name: str) -> bool:

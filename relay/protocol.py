@@ -85,9 +85,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import xxhash
+from laminar.relay import macs
 
 from laminar.errors import RelayError
-from relay import macs
 
 # 5: payload tags are keyed BLAKE3; 4: authenticated frames, HMAC-SHA256 payload tags; 3: XXH3-128 running digests
 PROTOCOL_VERSION = 5
@@ -230,7 +230,7 @@ _sessions: weakref.WeakKeyDictionary[socket.socket, Session] = weakref.WeakKeyDi
 
 
 def set_session(sock: socket.socket, session: Session) -> None:
-    """From now on every frame sent or read on `sock` is authenticated with `session` (relay.auth)."""
+    """From now on every frame sent or read on `sock` is authenticated with `session` (laminar.relay.auth)."""
     _sessions[sock] = session
 
 
@@ -408,7 +408,7 @@ class _Sinks:
 
 
 def tag_check(sock: socket.socket, **kwargs: Any) -> macs.TagCheck | None:
-    """A TagCheck under the connection's data key (relay.macs), or None on a connection without a Session."""
+    """A TagCheck under the connection's data key (laminar.relay.macs), or None on a connection without a Session."""
     session = session_of(sock)
     return None if session is None else macs.TagCheck(session.data_key, **kwargs)
 

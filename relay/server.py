@@ -23,13 +23,14 @@ import threading
 import time
 from typing import Any
 
+from laminar.relay import auth, protocol, segments
+from laminar.relay.forwarder import Forwarder
+from laminar.relay.versions import Version, VersionStore
+
 from laminar import metrics as prom
 from laminar.errors import RelayError
 from laminar.listeners import check_bind
 from laminar.logs import get_logger
-from relay import auth, protocol, segments
-from relay.forwarder import Forwarder
-from relay.versions import Version, VersionStore
 
 log = get_logger("relay")
 

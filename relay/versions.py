@@ -17,8 +17,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from laminar.relay.segments import Segment
+
 from laminar.errors import RelayError
-from relay.segments import Segment
 
 RECEIVING, COMPLETE, FAILED = "receiving", "complete", "failed"
 

@@ -20,7 +20,7 @@ import torch
 from laminar.errors import RelayError
 
 if TYPE_CHECKING:
-    from relay.client import LocalPull
+    from laminar.relay.client import LocalPull
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from laminar.storage import keys, records
+from laminar.storage.objects import ObjectStore
+
 from laminar.errors import ConfigError
-from storage import keys, records
-from storage.objects import ObjectStore
 
 PLOTS = ("reward", "staleness", "versions", "trainer", "eval", "drills")  # file stems, in page order
 
@@ -49,7 +50,7 @@ class ReportData:
     def from_records(cls, run_id: str, steps: list[dict[str, Any]], trajectories: list[records.TrajRow],
                      drills: list[dict[str, Any]], summary: dict[str, Any],
                      evals: list[dict[str, Any]] | None = None) -> ReportData:
-        """steps: the trainer's step records, any order; trajectories: storage.records.trajectory_rows'."""
+        """steps: the trainer's step records, any order; trajectories: laminar.storage.records.trajectory_rows'."""
         steps = sorted(steps, key=lambda r: r["step"])
         busy_abs = [(r["time"] - r.get("busy_s", 0.0), r.get("busy_s", 0.0)) for r in steps]
         wait_abs = [(b - r.get("wait_s", 0.0), r.get("wait_s", 0.0)) for r, (b, _) in zip(steps, busy_abs, strict=True)]

@@ -8,11 +8,11 @@ from dataclasses import asdict
 from typing import Any
 
 import numpy as np
+from laminar.storage import records
+from laminar.storage.objects import ObjectStore
 
 from laminar.contract import RunStatus
 from laminar.timing import merge
-from storage import records
-from storage.objects import ObjectStore
 
 
 def percentile(sorted_values: list[int], q: float) -> float:
@@ -136,7 +136,7 @@ def build_summary(status: RunStatus, store: ObjectStore, wall_s: float, started_
 
 
 def eval_lines(store: ObjectStore, run_id: str) -> list[dict[str, Any]]:
-    from reporting.report import eval_records
+    from laminar.reporting.report import eval_records
 
     return [{"policy_version": e["policy_version"], "accuracy": round(e["accuracy"], 4),
              "accuracy_stderr": round(e.get("accuracy_stderr", 0.0), 4), "prompts": e["prompts"],

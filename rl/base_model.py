@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from laminar.envs.tasks import build_task
+from laminar.rl.model import build_model, save_pretrained
 
-from envs.tasks import build_task
 from laminar.config import RunConfig
 from laminar.logs import get_logger
-from rl.model import build_model, save_pretrained
 
 log = get_logger(__name__)
 
@@ -70,7 +70,7 @@ def fingerprint(cfg: RunConfig) -> str:
         "recipe": [RECIPE_VERSION, DEMO_ACCURACY, PRETRAIN_BATCH, PRETRAIN_LR],
     }
     if cfg.task.name in ("math", "tools"):  # their warm-up leaves the held-out split out (envs/tasks/math.py)
-        from envs.tasks.math import HOLDOUT_BUCKETS
+        from laminar.envs.tasks.math import HOLDOUT_BUCKETS
 
         data["holdout_buckets"] = HOLDOUT_BUCKETS
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()

@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+from laminar.rl.engine_api import Finished, InFlight
+from laminar.rl.model import CausalLM, KVCache, load_model_state
 
 from laminar.errors import EngineError
-from rl.engine_api import Finished, InFlight
-from rl.model import CausalLM, KVCache, load_model_state
 
 __all__ = ["Finished", "TorchEngine", "check_resumable", "first_free_slot"]
 
@@ -144,7 +144,7 @@ class TorchEngine:
         self._on_close = on_close
         self._lora = None
         if base_fingerprint is not None:
-            from rl.lora import AdapterMerge
+            from laminar.rl.lora import AdapterMerge
 
             self._lora = AdapterMerge(self.model, base_fingerprint)
 
@@ -166,7 +166,7 @@ class TorchEngine:
                 f"policy_version={self.policy_version} are in flight; load a new policy version only "
                 "between batches"
             )
-        from rl.lora import version_is_adapter
+        from laminar.rl.lora import version_is_adapter
 
         with torch.no_grad():
             if version_is_adapter(state_dict, policy_version, lora_engine=self._lora is not None,

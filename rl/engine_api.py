@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
+    from laminar.rl.trainer import UpdateMetrics
+
     from laminar.records import Trajectory
-    from rl.trainer import UpdateMetrics
 
 
 @dataclass

@@ -15,7 +15,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from envs.tasks import Prompt, RewardFailure
+from laminar.envs.tasks import Prompt, RewardFailure
+
 from laminar.config import EvalSection, RunConfig
 from laminar.errors import ConfigError, EngineError
 from laminar.evalstats import EvalSummary, PromptResult
@@ -29,7 +30,7 @@ def eval_prompts(task: Any, section: EvalSection, prompts_file: str = "") -> lis
         raise ConfigError(f"task {type(task).__name__} renders no prompt rows, so it cannot be evaluated on held-out "
                           "prompts; evaluate a text task (math, file, a TextTask subclass)")
     if path:
-        from envs.tasks.prompt_file import FilePrompts
+        from laminar.envs.tasks.prompt_file import FilePrompts
 
         source = FilePrompts(path, shuffle=False)
         rows = [source.rows[i] for i in range(min(section.size, len(source)))]
@@ -78,7 +79,7 @@ class EvalBatch:
 
     def step(self) -> list[Any]:
         """Admit what fits, one engine step, score what finished; the keys completed by it."""
-        from envs.tasks.scoring import score
+        from laminar.envs.tasks.scoring import score
 
         touched = []
         while self.queue and self.engine.free_slots():

@@ -21,7 +21,7 @@ from laminar.errors import ConfigError
 from laminar.policy import Policy
 
 if TYPE_CHECKING:
-    from rl.engine_api import Engine, PolicyTrainer
+    from laminar.rl.engine_api import Engine, PolicyTrainer
 
 # (config.json as a dict, tokenizer, task) of the run, from its published model files (services/model_files.py)
 RunFiles = Callable[[], tuple[dict, Any, Any]]
@@ -171,7 +171,7 @@ def lora_merges(cfg: RunConfig) -> bool:
 
 
 def _modelled_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles):
-    from rl.modelled import ModelledEngine, ModelledTask
+    from laminar.rl.modelled import ModelledEngine, ModelledTask
 
     r = cfg.rollout  # lengths depend on run.seed alone (not the replica)
     return ModelledEngine(cfg, max_inflight_seqs=r.max_inflight_groups * r.group_size,
@@ -181,7 +181,7 @@ def _modelled_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFi
 def _vllm_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles, run_base: RunBase | None = None):
     """With run_base (a LoRA run) vLLM holds the base weights and applies each version as a LoRA request or merged
     into them (lora_merges)."""
-    from rl.vllm_engine import VllmEngine
+    from laminar.rl.vllm_engine import VllmEngine
 
     r = cfg.rollout  # vLLM builds the architecture from config.json; nothing else imports vllm
     hf, _, task = run_files()
@@ -196,9 +196,8 @@ def _torch_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles
     """One GPU per replica where the process has them (rl.model.ROLLOUT_DEVICES; given back at close). With
     run_base (a LoRA run) the model holds the base weights and each version's adapter is merged into them."""
     import torch
-
-    from rl.engine import TorchEngine
-    from rl.model import ROLLOUT_DEVICES, build_model, placement
+    from laminar.rl.engine import TorchEngine
+    from laminar.rl.model import ROLLOUT_DEVICES, build_model, placement
 
     r = cfg.rollout
     hf, tokenizer, task = run_files()
@@ -209,7 +208,7 @@ def _torch_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles
         device, on_close = torch.device("cuda", index), lambda: ROLLOUT_DEVICES.release(index)
     model, fingerprint = build_model(hf, seed=0).to(device, dtype), None
     if run_base is not None:
-        from rl.lora import load_base
+        from laminar.rl.lora import load_base
 
         fingerprint = load_base(model, run_base())
     return TorchEngine(model, tokenizer,
@@ -224,7 +223,7 @@ _ENGINES = {"torch": _torch_engine, "vllm": _vllm_engine, "modelled": _modelled_
 def build_local_engine(model: Any, tokenizer: Any, **kw: Any) -> Engine:
     """An engine over a model this process holds already (`laminar eval`: a checkpoint's weights, whatever engine
     the run rolled out with): the torch engine. kw: TorchEngine's (max_inflight_seqs, max_new_tokens, ...)."""
-    from rl.engine import TorchEngine
+    from laminar.rl.engine import TorchEngine
 
     return TorchEngine(model, tokenizer, **kw)
 
@@ -234,10 +233,10 @@ def build_trainer(cfg: RunConfig, *, policy: Policy, max_staleness: int, model_d
     """The run's trainer; model_dir: the model directory, resolved (and its files published) only by a trainer
     that has real weights. max_staleness: the bound the run applies (laminar.policy.staleness_bound)."""
     if cfg.trainer.engine == "modelled":
-        from rl.modelled import ModelledTrainer
+        from laminar.rl.modelled import ModelledTrainer
 
         return ModelledTrainer(cfg, max_staleness=max_staleness)
-    from rl.model import load_pretrained, placement
+    from laminar.rl.model import load_pretrained, placement
 
     path = model_dir()
     model, tokenizer, _ = load_pretrained(path)
@@ -248,14 +247,14 @@ def build_trainer(cfg: RunConfig, *, policy: Policy, max_staleness: int, model_d
     common = {"group_size": cfg.rollout.group_size, "temperature": cfg.rollout.temperature,
               "pad_id": 0 if pad is None else pad}
     if cfg.trainer.backend == "fsdp":  # this process is rank 0 (rl/fsdp.py)
-        from rl.fsdp import FsdpTrainer
+        from laminar.rl.fsdp import FsdpTrainer
 
         return FsdpTrainer(path, section, **common)
-    from rl.trainer import Trainer
+    from laminar.rl.trainer import Trainer
 
     device, dtype = placement("trainer", cfg.trainer.device, cfg.trainer.dtype)
     if cfg.trainer.lora is not None:  # adapters only (rl/lora.py)
-        from rl.lora import LoraTrainer
+        from laminar.rl.lora import LoraTrainer
 
         return LoraTrainer(model.to(device), section, compute_dtype=dtype, **common)
     return Trainer(model.to(device), section, compute_dtype=dtype, **common)

@@ -32,12 +32,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from laminar.rl.model import load_pretrained, placement
+from laminar.rl.trainer import Trainer, UpdateMetrics
 
 from laminar.config import TrainerSection
 from laminar.errors import ConfigError
 from laminar.records import Trajectory
-from rl.model import load_pretrained, placement
-from rl.trainer import Trainer, UpdateMetrics
 
 BUCKET_BYTES = 256 << 20  # full weights gathered for publishing at most this many bytes at a time
 START_TIMEOUT_S = 300.0
@@ -139,7 +139,7 @@ def _run(trainer: Trainer, command: dict):
 
 
 class FsdpTrainer:
-    """Rank 0 of an FSDP2 trainer: the interface of rl.trainer.Trainer, every call run on all ranks."""
+    """Rank 0 of an FSDP2 trainer: the interface of laminar.rl.trainer.Trainer, every call run on all ranks."""
 
     def __init__(self, model_dir: str | Path, section: TrainerSection, *, group_size: int, temperature: float = 1.0,
                  pad_id: int = 0, procs: int | None = None):
@@ -156,7 +156,7 @@ class FsdpTrainer:
                            "temperature": temperature, "pad_id": pad_id})
         env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "LAMINAR_FSDP_PARENT": str(os.getpid())}
-        self._procs = [subprocess.Popen([sys.executable, "-m", "rl.fsdp", spec],
+        self._procs = [subprocess.Popen([sys.executable, "-m", "laminar.rl.fsdp", spec],
                                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
                        for r in range(1, world)]
         backend = "cpu:gloo,cuda:nccl" if section.device == "cuda" else "gloo"
@@ -229,7 +229,7 @@ def main() -> None:
         try:
             dist.broadcast_object_list(box, src=0, group=commands)
         except RuntimeError as e:  # rank 0 is gone (its process stopped or was killed): so is this run
-            print(f"rl.fsdp rank {rank}: rank 0 closed the group ({str(e)[:120]}); exiting", file=sys.stderr)
+            print(f"laminar.rl.fsdp rank {rank}: rank 0 closed the group ({str(e)[:120]}); exiting", file=sys.stderr)
             os._exit(0)
         command = box[0]
         assert isinstance(command, dict)

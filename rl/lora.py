@@ -49,10 +49,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from laminar.rl.trainer import Trainer
 from torch import nn
 
 from laminar.errors import ConfigError, EngineError
-from rl.trainer import Trainer
 
 if TYPE_CHECKING:
     from laminar.config import LoraSection, TrainerSection
@@ -148,7 +148,7 @@ def attach(model: nn.Module, spec: LoraSection) -> str:
     peft = _peft()
     LoraConfig, inject_adapter_in_model = peft.LoraConfig, peft.inject_adapter_in_model
 
-    from rl.model import model_state_dict
+    from laminar.rl.model import model_state_dict
 
     check_targets(model, spec)
     fp = base_fingerprint(model_state_dict(model))
@@ -172,7 +172,7 @@ def adapter_payload(model: nn.Module, fingerprint: str, scaling: float) -> dict[
 
 
 class LoraTrainer(Trainer):
-    """rl.trainer.Trainer over a model with peft adapters: only they train, only they are published and saved."""
+    """laminar.rl.trainer.Trainer over a model with peft adapters: only they train, only they are published and saved."""
 
     def __init__(self, model: nn.Module, cfg: TrainerSection, **kwargs: Any):
         assert cfg.lora is not None
@@ -295,7 +295,7 @@ def write_peft_adapter(out: Path, payload: Any, base_model: str = "") -> Path:
 def load_base(model: nn.Module, base: dict[str, torch.Tensor]) -> str:
     """Copy a run's base weights (as its model directory's safetensors hold them) into `model`; returns their
     fingerprint, over the tensors the model has, at the file's precision (as the trainer computed it)."""
-    from rl.model import load_model_state
+    from laminar.rl.model import load_model_state
 
     with torch.no_grad():
         load_model_state(model, base)  # the file's tensors are the model's (bar the two below): else a ConfigError

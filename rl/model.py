@@ -242,7 +242,7 @@ def build_model(hf_config: dict[str, Any], seed: int | None = None) -> CausalLM:
     """A freshly initialised model (normal(0, 0.02) linear/embedding weights, as Hugging Face does). An
     architecture other than Llama/Qwen2 is built by transformers (rl/hf_model.py)."""
     if not is_builtin(hf_config):
-        from rl.hf_model import build_hf_model
+        from laminar.rl.hf_model import build_hf_model
 
         return build_hf_model(hf_config, seed)  # type: ignore[return-value]
     cfg = ModelConfig.from_hf(hf_config)
@@ -327,7 +327,7 @@ def load_pretrained(model_dir: str | Path, dtype: torch.dtype | None = torch.flo
         raise ConfigError(f"model directory {d} has no config.json; pass a Hugging Face model directory")
     hf = json.loads((d / "config.json").read_text())
     if not is_builtin(hf):  # any other Hugging Face causal LM: through transformers (rl/hf_model.py)
-        from rl.hf_model import load_hf_pretrained
+        from laminar.rl.hf_model import load_hf_pretrained
 
         hf_model = load_hf_pretrained(d, hf, dtype)
         if not (d / "tokenizer.json").exists():

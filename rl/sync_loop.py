@@ -8,13 +8,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from envs.tasks import build_task
+from laminar.envs.tasks import build_task
+from laminar.rl.engine import TorchEngine
+from laminar.rl.model import load_pretrained
+from laminar.rl.trainer import Trainer, UpdateMetrics
+
 from laminar.config import RunConfig
 from laminar.logs import get_logger
 from laminar.records import Trajectory
-from rl.engine import TorchEngine
-from rl.model import load_pretrained
-from rl.trainer import Trainer, UpdateMetrics
 
 log = get_logger(__name__)
 
@@ -68,8 +69,8 @@ def run_sync_loop(cfg: RunConfig, model_dir, steps: int | None = None) -> SyncLo
     r = cfg.rollout
     trainer_class, fingerprint = Trainer, None
     if cfg.trainer.lora is not None:  # versions are adapters, merged into the base the engine holds (rl/lora.py)
-        from rl.lora import LoraTrainer, base_fingerprint
-        from rl.model import model_state_dict
+        from laminar.rl.lora import LoraTrainer, base_fingerprint
+        from laminar.rl.model import model_state_dict
 
         trainer_class, fingerprint = LoraTrainer, base_fingerprint(model_state_dict(rollout_model))
     engine = TorchEngine(

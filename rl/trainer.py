@@ -14,11 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-from laminar.config import TrainerSection
-from laminar.errors import ConfigError, UntrainableRowError
-from laminar.records import Trajectory, untrainable
-from rl.grpo import (
+from laminar.rl.grpo import (
     behaviour_drift,
     clipped_token_loss,
     group_advantages,
@@ -26,7 +22,11 @@ from rl.grpo import (
     split_stale,
     token_entropy,
 )
-from rl.model import CausalLM, load_model_state, model_state_dict
+from laminar.rl.model import CausalLM, load_model_state, model_state_dict
+
+from laminar.config import TrainerSection
+from laminar.errors import ConfigError, UntrainableRowError
+from laminar.records import Trajectory, untrainable
 
 
 @dataclass

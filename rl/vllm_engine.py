@@ -48,10 +48,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from laminar.rl.engine import abort_slots, check_admission, check_resumable, first_free_slot, inflight_state
+from laminar.rl.engine_api import Finished, InFlight
 
 from laminar.errors import ConfigError, EngineError
-from rl.engine import abort_slots, check_admission, check_resumable, first_free_slot, inflight_state
-from rl.engine_api import Finished, InFlight
 
 _LOCK = threading.Lock()
 _POOL: dict[str, Any] = {}  # key -> vllm.LLM kept for the next incarnation in this process
@@ -168,7 +168,7 @@ class VllmEngine:
         self._adapter: Any = None  # the LoRARequest every request carries (LoRA engines, after the first version)
         self._base = dict(base) if base is not None and lora_merge else None  # what each merge starts from
         if base is not None:
-            from rl.lora import files_fingerprint
+            from laminar.rl.lora import files_fingerprint
 
             try:
                 for old in self._engine.list_loras() if self._base is None else ():  # a pooled engine's last adapter
@@ -194,7 +194,7 @@ class VllmEngine:
 
     def _load(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
         """Full weights in place, or (a LoRA engine) the version's adapter; refused when they do not match."""
-        from rl.lora import version_is_adapter
+        from laminar.rl.lora import version_is_adapter
 
         if version_is_adapter(state_dict, policy_version, lora_engine=self.fingerprint is not None,
                               build_fix="base and lora_rank"):
@@ -203,14 +203,13 @@ class VllmEngine:
             self._reload(state_dict)
 
     def _load_adapter(self, payload: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        from laminar.rl.lora import check_base, write_peft_adapter
         from vllm.lora.request import LoRARequest
-
-        from rl.lora import check_base, write_peft_adapter
 
         assert self.fingerprint is not None
         check_base(payload, self.fingerprint)
         if self._base is not None:  # merged: the whole model reloaded in place, always from the base
-            from rl.lora import merged_state_dict
+            from laminar.rl.lora import merged_state_dict
 
             self._reload(merged_state_dict(self._base, payload))
             return

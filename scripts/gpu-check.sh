@@ -51,12 +51,12 @@ tail -3 "$OUT/contract.txt"
 # 3 and 4
 timeout $((470 - ($(date +%s) - start))) python3 scripts/gpu_check.py "$OUT" "$contract_rc"
 # 6. the pretrained example on the GPU (the real stack: dev Temporal server, worker processes, the math task)
-if [[ "${SMOLLM2:-1}" != "0" ]] && python3 -c "import temporalio, gguf, accelerate, reasoning_gym, cli.main" \
-        >/dev/null 2>&1 && python3 -c "from rl.gguf_import import find_gguf; find_gguf()" >/dev/null 2>&1; then
+if [[ "${SMOLLM2:-1}" != "0" ]] && python3 -c "import temporalio, gguf, accelerate, reasoning_gym, laminar.cli.main" \
+        >/dev/null 2>&1 && python3 -c "from laminar.rl.gguf_import import find_gguf; find_gguf()" >/dev/null 2>&1; then
     set +e
     {
-        timeout 150 python3 -m cli.main model import-gguf --out /tmp/smollm2-135m-instruct \
-        && LAMINAR_HOME=/tmp/smollm2-home timeout 420 python3 -m cli.main run examples/smollm2.toml --steps 2 \
+        timeout 150 python3 -m laminar.cli.main model import-gguf --out /tmp/smollm2-135m-instruct \
+        && LAMINAR_HOME=/tmp/smollm2-home timeout 420 python3 -m laminar.cli.main run examples/smollm2.toml --steps 2 \
             --model.path=/tmp/smollm2-135m-instruct --rollout.device=cuda --rollout.dtype=bfloat16 \
             --trainer.device=cuda --trainer.dtype=bfloat16 --summary "$OUT/smollm2-summary.json"
     } > "$OUT/smollm2.txt" 2>&1

@@ -34,9 +34,8 @@ def main() -> None:
 
     save()
     import transformers
-
-    from rl.engine import TorchEngine
-    from rl.model import build_model, model_state_dict
+    from laminar.rl.engine import TorchEngine
+    from laminar.rl.model import build_model, model_state_dict
 
     result["transformers"] = transformers.__version__
     dev = torch.device("cuda")
@@ -95,12 +94,13 @@ def main() -> None:
         save()
 
     # 4. one FSDP2 step on the GPU (one rank: this host has one GPU) beside the single-process trainer
-    from envs.tasks.tokenizer import build_word_tokenizer
+    from laminar.envs.tasks.tokenizer import build_word_tokenizer
+    from laminar.rl.fsdp import FsdpTrainer
+    from laminar.rl.model import save_pretrained
+    from laminar.rl.trainer import Trainer
+
     from laminar.config import TrainerSection
     from laminar.records import Trajectory
-    from rl.fsdp import FsdpTrainer
-    from rl.model import save_pretrained
-    from rl.trainer import Trainer
 
     theirs = None  # its GPU memory goes back
     torch.cuda.empty_cache()

@@ -86,15 +86,15 @@ def main(argv: list[str]) -> int:
     print(f"gpu: {name}; out: {out}", flush=True)
     left = lambda: BUDGET_S - (time.monotonic() - start)  # noqa: E731
     py = sys.executable
-    rc = run([py, "-m", "cli.main", "model", "import-gguf", "--out", str(model)], out / "import.txt", 120, env)
+    rc = run([py, "-m", "laminar.cli.main", "model", "import-gguf", "--out", str(model)], out / "import.txt", 120, env)
     if rc:
         return rc
-    run([py, "-m", "bench.step_bounds", EXAMPLE, f"--model.path={model}", "--device=cuda",
+    run([py, "-m", "laminar.bench.step_bounds", EXAMPLE, f"--model.path={model}", "--device=cuda",
          "--json", str(out / "step-bounds.json")], out / "step-bounds.txt", min(90, left() - 300), env)
     codes = {}
     for variant, flags in VARIANTS.items():
         budget = (left() - 10) / (len(VARIANTS) - len(codes))
-        codes[variant] = run([py, "-m", "cli.main", "run", EXAMPLE, "--steps", steps, f"--model.path={model}",
+        codes[variant] = run([py, "-m", "laminar.cli.main", "run", EXAMPLE, "--steps", steps, f"--model.path={model}",
                               "--run-id", f"gpu-smollm2-{variant}", "--summary", str(out / f"{variant}-summary.json"),
                               *CUDA, *flags], out / f"{variant}.txt", budget, env)
     print(f"gpu_smollm2: {time.monotonic() - start:.0f} s; " + ", ".join(f"{k} rc={v}" for k, v in codes.items()))

@@ -34,9 +34,10 @@ MAX_NEW, MAX_PROMPT, TEMPERATURE, SEED = 64, 32, 1.0, 0
 
 
 def _lora_trainer(model_dir: Path, r: int):
+    from laminar.rl.lora import LoraTrainer
+    from laminar.rl.model import load_pretrained
+
     from laminar.config import TrainerSection
-    from rl.lora import LoraTrainer
-    from rl.model import load_pretrained
 
     model, _, _ = load_pretrained(model_dir)
     spec = {"r": r, "alpha": 2.0 * r, "target_modules": ["all-linear"]}
@@ -79,12 +80,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
 
+    from laminar.rl.model import state_dict_to_bytes
+    from laminar.rl.trainer import Trainer
+    from laminar.rl.vllm_engine import VllmEngine
     from safetensors.torch import load_file
 
     from laminar.config import TrainerSection
-    from rl.model import state_dict_to_bytes
-    from rl.trainer import Trainer
-    from rl.vllm_engine import VllmEngine
 
     hf = json.loads((a.model_dir / "config.json").read_text())
     base = load_file(str(a.model_dir / "model.safetensors"))
@@ -103,9 +104,9 @@ def main(argv: list[str] | None = None) -> dict:
     full_trainer = Trainer(_plain(a.model_dir, merged), TrainerSection(), group_size=2, temperature=TEMPERATURE)
 
     def torch_engine():
-        from rl.engine import TorchEngine
-        from rl.lora import load_base
-        from rl.model import build_model
+        from laminar.rl.engine import TorchEngine
+        from laminar.rl.lora import load_base
+        from laminar.rl.model import build_model
 
         model = build_model(hf, seed=0)
         fp = load_base(model, base)
@@ -155,15 +156,15 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _merged(trainer) -> dict[str, torch.Tensor]:
     """The full weights a LoRA trainer's version stands for: its base with every adapter merged (rl/lora.py)."""
-    from rl.lora import merged_state_dict
-    from rl.model import model_state_dict
+    from laminar.rl.lora import merged_state_dict
+    from laminar.rl.model import model_state_dict
 
     base = {k.replace("base_layer.", ""): v for k, v in model_state_dict(trainer.model).items() if ".lora_" not in k}
     return merged_state_dict(base, trainer.policy_state_dict())
 
 
 def _plain(model_dir: Path, weights: dict[str, torch.Tensor]):
-    from rl.model import load_model_state, load_pretrained
+    from laminar.rl.model import load_model_state, load_pretrained
 
     model, _, _ = load_pretrained(model_dir)
     load_model_state(model, weights)

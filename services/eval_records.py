@@ -8,12 +8,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from laminar.rl.evaluation import eval_record
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore
+
 from laminar.config import RunConfig
 from laminar.evalstats import EvalSummary, PromptResult, summarise
 from laminar.logs import get_logger
-from rl.evaluation import eval_record
-from storage import keys
-from storage.objects import ObjectStore
 
 log = get_logger(__name__)
 

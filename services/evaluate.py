@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from laminar.rl.evaluation import eval_prompts, generate_and_score
+from laminar.services.eval_records import EvalTarget, store_record
+from laminar.storage.checkpoints import CheckpointStore, LoadedCheckpoint
+from laminar.storage.objects import ObjectStore
 
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, CorruptDataError
 from laminar.evalstats import EvalSummary
 from laminar.logs import get_logger
-from rl.evaluation import eval_prompts, generate_and_score
-from services.eval_records import EvalTarget, store_record
-from storage.checkpoints import CheckpointStore, LoadedCheckpoint
-from storage.objects import ObjectStore
 
 log = get_logger(__name__)
 
@@ -62,13 +62,13 @@ def load_checkpoint(store: ObjectStore, checkpoint: str) -> tuple[str, LoadedChe
 
 def load_policy(store: ObjectStore, cfg: RunConfig, checkpoint: str) -> tuple[Any, Any, Any, EvalTarget]:
     """(model, tokenizer, task, target) of a checkpoint reference or a model directory."""
-    from envs.tasks import build_task
-    from rl.model import build_model, load_pretrained
+    from laminar.envs.tasks import build_task
+    from laminar.rl.model import build_model, load_pretrained
 
     path = Path(checkpoint)
     if path.is_dir():
-        from envs.tasks.tokenizer import with_model_specials
-        from services.model_files import tokenizer_config
+        from laminar.envs.tasks.tokenizer import with_model_specials
+        from laminar.services.model_files import tokenizer_config
 
         model, tokenizer, _ = load_pretrained(path)
         tok_cfg = tokenizer_config(path)  # a pretrained model's specials and chat template, as a run publishes them
@@ -79,7 +79,7 @@ def load_policy(store: ObjectStore, cfg: RunConfig, checkpoint: str) -> tuple[An
         return model, tokenizer, task, EvalTarget(run_id, 0, str(path.resolve()))
     run_id, loaded = load_checkpoint(store, checkpoint)
     ref = loaded.ref
-    from services.model_files import load_run_files
+    from laminar.services.model_files import load_run_files
 
     hf, tokenizer, task = load_run_files(store, run_id, cfg)
     model = build_model(hf, seed=0).to(torch.float32)
@@ -91,21 +91,21 @@ def load_policy(store: ObjectStore, cfg: RunConfig, checkpoint: str) -> tuple[An
 def load_checkpoint_weights(store: ObjectStore, run_id: str, model: Any, weights: dict) -> None:
     """Copy a checkpoint's model part into `model`: as saved, or, for a LoRA run's (rl/lora.py), the base weights
     its trainer published with the adapter merged in, as a rollout engine applies it (refused on another base)."""
-    from rl.lora import AdapterMerge, is_adapter, load_base
-    from rl.model import load_model_state
+    from laminar.rl.lora import AdapterMerge, is_adapter, load_base
+    from laminar.rl.model import load_model_state
 
     if not is_adapter(weights):
         load_model_state(model, weights)
         return
-    from services.model_files import load_run_base
+    from laminar.services.model_files import load_run_base
 
     AdapterMerge(model, load_base(model, load_run_base(store, run_id))).apply(weights)
 
 
 def evaluate(store: ObjectStore, cfg: RunConfig, checkpoint: str, prompts_file: str = "") -> EvalOutcome:
     """Evaluate and store the record; the record of a version evaluated again is replaced (the newest wins)."""
-    from rl.factory import build_local_engine
-    from rl.model import model_state_dict
+    from laminar.rl.factory import build_local_engine
+    from laminar.rl.model import model_state_dict
 
     started = time.perf_counter()
     model, tokenizer, task, target = load_policy(store, cfg, checkpoint)

@@ -9,18 +9,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from laminar.services.evaluate import load_checkpoint, load_checkpoint_weights
+from laminar.services.model_files import MODEL_FILES, TOKENIZER_CONFIG
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore
 from safetensors.torch import save_file
-
-from services.evaluate import load_checkpoint, load_checkpoint_weights
-from services.model_files import MODEL_FILES, TOKENIZER_CONFIG
-from storage import keys
-from storage.objects import ObjectStore
 
 
 def export_checkpoint(store: ObjectStore, checkpoint: str, out: Path, merge: bool = False) -> str:
     """Write the checkpoint RUN_ID[@STEP] to `out`; returns what was written: 'model', 'adapter' or 'merged'."""
-    from rl.lora import is_adapter, write_peft_adapter
-    from rl.model import build_model, model_state_dict
+    from laminar.rl.lora import is_adapter, write_peft_adapter
+    from laminar.rl.model import build_model, model_state_dict
 
     run_id, loaded = load_checkpoint(store, checkpoint)
     weights = loaded.parts["model"]

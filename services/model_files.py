@@ -11,15 +11,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from laminar.envs.tasks import build_task
+from laminar.envs.tasks.tokenizer import with_model_specials
+from laminar.rl.base_model import build_base_model, fingerprint
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore
 from tokenizers import Tokenizer
 
-from envs.tasks import build_task
-from envs.tasks.tokenizer import with_model_specials
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
-from rl.base_model import build_base_model, fingerprint
-from storage import keys
-from storage.objects import ObjectStore
 
 MODEL_FILES = ("config.json", "tokenizer.json")
 # published beside them: a pretrained model's special tokens and chat template ({} for the tiny base model)
@@ -97,7 +97,7 @@ def weight_files(model_dir: Path) -> list[str]:
 def publish_base_weights(store: ObjectStore, run_id: str, model_dir: Path) -> None:
     """With trainer.lora, versions are adapters: rollout replicas read the base weights from the store once
     (load_run_base). Written once per run (a restore finds the same checksums and writes nothing), index last."""
-    from storage.objects import sha256_hex
+    from laminar.storage.objects import sha256_hex
 
     data = {name: (model_dir / name).read_bytes() for name in weight_files(model_dir)}
     index = json.dumps({"files": {name: sha256_hex(b) for name, b in data.items()}}, sort_keys=True).encode()
@@ -111,10 +111,10 @@ def publish_base_weights(store: ObjectStore, run_id: str, model_dir: Path) -> No
 
 def load_run_base(store: ObjectStore, run_id: str) -> dict:
     """The run's base weights {name: tensor} as its trainer published them, each file checked against its sha256."""
+    from laminar.storage.objects import sha256_hex
     from safetensors.torch import load
 
     from laminar.errors import CorruptDataError
-    from storage.objects import sha256_hex
 
     index_key = keys.model_file(run_id, BASE_INDEX)
     if not store.exists(index_key):

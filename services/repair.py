@@ -28,6 +28,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+from laminar.services import repair_verdict
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import EventType, ResetReapplyExcludeType, WorkflowTaskFailedCause
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
@@ -38,9 +41,6 @@ from temporalio.worker import Replayer
 from laminar import contract
 from laminar.contract import WorkflowReset
 from laminar.logs import get_logger
-from services import repair_verdict
-from storage import keys
-from storage.objects import ObjectStore
 
 log = get_logger(__name__)
 
@@ -56,7 +56,7 @@ _RESET_CAUSE = WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_RESET_WORKFLOW
 
 
 def task_events(history: WorkflowHistory) -> list[repair_verdict.TaskEvent]:
-    """The history as services.repair_verdict reads it."""
+    """The history as laminar.services.repair_verdict reads it."""
     out = []
     for e in history.events:
         kind = _KIND.get(e.event_type, repair_verdict.OTHER)

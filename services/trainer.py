@@ -34,7 +34,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from envs.tools import turn_counts
+from laminar.envs.tools import turn_counts
+from laminar.relay import client as relay_client
+from laminar.relay.breaker import BREAKERS
+from laminar.rl.factory import build_trainer
+from laminar.rl.model import state_dict_to_bytes
+
 from laminar import metrics as prom
 from laminar.config import RunConfig
 from laminar.contract import (
@@ -59,21 +64,18 @@ from laminar.notice import NOTICE, Notice
 from laminar.records import Trajectory
 from laminar.refs import CheckpointRef
 from laminar.timing import TimeBreakdown
-from relay import client as relay_client
-from relay.breaker import BREAKERS
-from rl.factory import build_trainer
-from rl.model import state_dict_to_bytes
 
 if TYPE_CHECKING:
-    from rl.engine_api import PolicyTrainer
+    from laminar.rl.engine_api import PolicyTrainer
+from laminar.services.model_files import publish_base_weights, publish_model_files, resolve_model_dir
+from laminar.services.tracking import Trackers, step_scalars
+from laminar.services.turns import Turns
+from laminar.storage import keys
+from laminar.storage.checkpoints import CheckpointStore, LoadedCheckpoint
+from laminar.storage.objects import ObjectStore
+from laminar.storage.trajectories import TrajectoryStore
+
 from laminar.policy import policy_for, publishes, staleness_bound, version_of
-from services.model_files import publish_base_weights, publish_model_files, resolve_model_dir
-from services.tracking import Trackers, step_scalars
-from services.turns import Turns
-from storage import keys
-from storage.checkpoints import CheckpointStore, LoadedCheckpoint
-from storage.objects import ObjectStore
-from storage.trajectories import TrajectoryStore
 
 log = get_logger(__name__)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rl.costs import CostModel
+from laminar.rl.costs import CostModel
 
 # -- the GPU and the cluster (paper section 8.1: 128 machines x 8 H800-80GB) -------------------------------
 

@@ -7,11 +7,12 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from laminar.rl.costs import CostModel, chain_broadcast_s
+from laminar.sim import params as P
+from laminar.sim.control import ControlPlaneCost
+from laminar.sim.core import ControlTiming, Lengths, SimConfig
+
 from laminar.config import RunConfig
-from rl.costs import CostModel, chain_broadcast_s
-from sim import params as P
-from sim.control import ControlPlaneCost
-from sim.core import ControlTiming, Lengths, SimConfig
 
 MODES = ("laminar", "sync", "one_step", "stream", "partial_rollout")
 DISAGGREGATED = ("laminar", "one_step", "stream", "partial_rollout")  # sync is colocated (verl)
@@ -106,7 +107,7 @@ def control_plane_cost(control_plane: str) -> ControlPlaneCost | None:
 
 def control_timing() -> ControlTiming:
     """The real replica loop's intervals (services/rollout/timing.py ReplicaTiming), in seconds."""
-    from services.rollout.timing import TIMING as t
+    from laminar.services.rollout.timing import TIMING as t
 
     return ControlTiming(t.version_poll_s, t.version_wait_poll_s, t.claim_poll_s, t.idle_claim_max_s,
                          t.claim_min_groups, t.report_min_groups, t.report_max_wait_s, t.contact_s)
@@ -179,7 +180,7 @@ def from_run_config(cfg: RunConfig, *, iterations: int, warmup: int) -> SimConfi
     [modelled] section's costs (CostModel.from_modelled, the engine's own), its response lengths (rl/modelled.py
     response_length, the same function of seed, prompt and sample), the rollout and trainer sections' sizes.
     Weight loads as the modelled engine charges them; relays deliver at once (the real relays' milliseconds)."""
-    from rl.modelled import response_length
+    from laminar.rl.modelled import response_length
 
     m = cfg.modelled
     costs = CostModel.from_modelled(m)

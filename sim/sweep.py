@@ -20,10 +20,10 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sim import params as P
-from sim.core import REAL_POLICY, PolicyFns, SimResult, simulate
-from sim.paper import table2
-from sim.scenarios import MODES, Placement, RelayLink, placements, sim_config
+from laminar.sim import params as P
+from laminar.sim.core import REAL_POLICY, PolicyFns, SimResult, simulate
+from laminar.sim.paper import table2
+from laminar.sim.scenarios import MODES, Placement, RelayLink, placements, sim_config
 
 INVPHI = (math.sqrt(5) - 1) / 2
 

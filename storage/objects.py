@@ -47,14 +47,14 @@ def _check_key(key: str) -> str:
     if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/"):
         raise ValueError(f"object key must be a non-empty relative path not ending in '/', got {key!r}")
     if any(part in ("", ".", "..") for part in key.split("/")):
-        raise ValueError(f"object key {key!r} has an empty, '.' or '..' segment; build keys with storage.keys")
+        raise ValueError(f"object key {key!r} has an empty, '.' or '..' segment; build keys with laminar.storage.keys")
     if any(part.startswith(_TMP_PREFIX) for part in key.split("/")):
         raise ValueError(f"object key {key!r} has a segment starting with {_TMP_PREFIX!r}, which is reserved")
     return key
 
 
 class ObjectStore(abc.ABC):
-    """A flat key -> bytes store. Keys are '/'-separated relative paths built by storage.keys."""
+    """A flat key -> bytes store. Keys are '/'-separated relative paths built by laminar.storage.keys."""
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes) -> None:

@@ -15,9 +15,10 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore
+
 from laminar.errors import ObjectNotFoundError
-from storage import keys
-from storage.objects import ObjectStore
 
 T = TypeVar("T")
 

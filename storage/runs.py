@@ -13,10 +13,11 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 
+from laminar.storage import keys
+from laminar.storage.checkpoints import CheckpointStore
+from laminar.storage.objects import ObjectStore
+
 from laminar.errors import CorruptDataError, ObjectNotFoundError
-from storage import keys
-from storage.checkpoints import CheckpointStore
-from storage.objects import ObjectStore
 
 _METRICS_FILE = re.compile(r"step-(\d{8})\.json$")
 

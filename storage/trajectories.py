@@ -16,12 +16,12 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore, sha256_hex
 
 from laminar.errors import CorruptDataError, ObjectNotFoundError
 from laminar.records import Trajectory
 from laminar.refs import SegmentRef
-from storage import keys
-from storage.objects import ObjectStore, sha256_hex
 
 TRAJECTORY_SCHEMA = pa.schema([
     pa.field("run_id", pa.string(), nullable=False),
@@ -81,7 +81,7 @@ def check_schema(schema: pa.Schema, where: str) -> None:
             f"unexpected columns {extra}" if extra else "",
         ]))
         raise CorruptDataError(f"{where} does not match the trajectory schema: {details}; it was written by "
-                               f"another version or another tool; rewrite it with storage.trajectories")
+                               f"another version or another tool; rewrite it with laminar.storage.trajectories")
 
 
 def _to_parquet(trajectories: list[Trajectory]) -> bytes:

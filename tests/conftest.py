@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 def _fresh_relay_breakers():
     """Each test starts with no relay verdicts: the breaker registry is process-wide (relay/breaker.py), and a port
     a stopped relay leaves behind may be reused by the next test's relay."""
-    from relay.breaker import BREAKERS
+    from laminar.relay.breaker import BREAKERS
 
     BREAKERS.clear()
     yield

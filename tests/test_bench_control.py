@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from bench.control_plan import (
+from laminar.bench.control_plan import (
     Cell,
     cell_from_sim,
     done_when,
@@ -26,9 +25,10 @@ from bench.control_plan import (
     run_overrides,
     workflow_task_latencies,
 )
+from laminar.rl.factory import check_engines
+from laminar.services.rollout.timing import TIMING
+
 from laminar.config import RunConfig
-from rl.factory import check_engines
-from services.rollout.timing import TIMING
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -155,7 +155,7 @@ def test_bench_control_runs_the_real_workflow(tmp_path):
     out = tmp_path / "control.json"
     with own_dev_stack(tmp_path / "home") as dev:
         proc = subprocess.run(
-            [sys.executable, "-m", "cli.main", "bench", "control", "--replicas", "3", "--groups-per-s", "6",
+            [sys.executable, "-m", "laminar.cli.main", "bench", "control", "--replicas", "3", "--groups-per-s", "6",
              "--slots", "3", "--groups-per-step", "4", "--step", "0.2s", "--duration", "8s", "--warmup", "1s",
              "--updates-per-segment", "30", "--json", str(out)],
             env={**dev.env, "PYTHONPATH": str(ROOT)}, cwd=ROOT, capture_output=True, text=True, timeout=240)

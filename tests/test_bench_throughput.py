@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from bench.throughput import (
+from laminar.bench.throughput import (
     WORKLOAD_SETS,
     BenchSpec,
     KvPoll,
@@ -41,11 +40,12 @@ from bench.throughput import (
     weight_sync_stall_s,
     window,
 )
+from laminar.storage import keys
+from laminar.storage.objects import LocalObjectStore
+from laminar.storage.records import step_records
+
 from laminar.config import MODES, RunConfig
 from laminar.contract import ReplicaReport, RunStatus
-from storage import keys
-from storage.objects import LocalObjectStore
-from storage.records import step_records
 
 RUN = "run-bench"
 
@@ -374,7 +374,7 @@ def test_end_to_end_two_modes_two_replicas_three_iterations(tmp_path: Path) -> N
         env.pop(k, None)
     out = tmp_path / "out.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "cli.main", "bench", "throughput", "--modes", "laminar,sync", "--replicas", "2",
+        [sys.executable, "-m", "laminar.cli.main", "bench", "throughput", "--modes", "laminar,sync", "--replicas", "2",
          "--iterations", "3", "--workload", "long_tail", "--json", str(out), "--plot", str(tmp_path / "out.png"),
          "--modelled.response_p50_tokens=64", "--modelled.max_response_tokens=512", "--modelled.speedup=100"],
         env=env, capture_output=True, text=True, timeout=230)

@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from chaos.nemesis import partition_tool
-from chaos.schedule import KINDS, schedule_from_json
+from laminar.chaos.nemesis import partition_tool
+from laminar.chaos.schedule import KINDS, schedule_from_json
 
 ROOT = Path(__file__).resolve().parents[1]
 # 4 replicas on the example's 2 hosts (each rollout worker 2 + 1 spare slots), as the drills run them
@@ -23,7 +22,7 @@ OVERRIDES = ["--rollout.replicas=4"]
 def _chaos(home: Path, out: Path, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "LAMINAR_HOME": str(home), "PYTHONPATH": str(ROOT)}
     env.pop("LAMINAR_TEMPORAL_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "cli.main", "chaos", "examples/tiny.toml", "--out", str(out),
+    return subprocess.run([sys.executable, "-m", "laminar.cli.main", "chaos", "examples/tiny.toml", "--out", str(out),
                            *args, *OVERRIDES], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 

@@ -9,8 +9,7 @@ import json
 from dataclasses import replace
 
 import pytest
-
-from chaos.checker import (
+from laminar.chaos.checker import (
     check_accounting,
     check_checkpoints,
     check_faults,
@@ -24,8 +23,9 @@ from chaos.checker import (
     kind_summary,
     throughput_restored,
 )
+from laminar.reporting.tool_calls import count_tool_calls
+
 from laminar.contract import RunStatus
-from reporting.tool_calls import count_tool_calls
 
 T0 = 1_000.0
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from chaos.nemesis import (
+from laminar.chaos.nemesis import (
     NO_PACKET_FILTER,
     Nemesis,
     _partition_commands,
@@ -24,12 +23,13 @@ from chaos.nemesis import (
     read_table,
     sweep_stale_rules,
 )
-from chaos.schedule import Fault, Schedule
-from devstack.stack import DevStack, free_port
+from laminar.chaos.schedule import Fault, Schedule
+from laminar.devstack.stack import DevStack, free_port
+from laminar.storage.objects import open_store
+from laminar.workers.launcher import LocalLauncher, ManagedProcess
+
 from laminar.errors import StoreError
-from storage.objects import open_store
 from tests.fixtures.waiting import wait_until
-from workers.launcher import LocalLauncher, ManagedProcess
 
 LISTENER = ("import os, socket, time\n"
             "a = socket.socket(); a.bind(('127.0.0.1', int(os.environ['LAMINAR_METRICS_PORT']))); a.listen()\n"

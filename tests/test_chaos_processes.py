@@ -11,19 +11,18 @@ import sys
 
 import psutil
 import pytest
-
-from chaos.checker import check_processes
-from chaos.command import incarnations, strays
-from chaos.nemesis import alive
-from workers.launcher import LocalLauncher, ManagedProcess, process_table
+from laminar.chaos.checker import check_processes
+from laminar.chaos.command import incarnations, strays
+from laminar.chaos.nemesis import alive
+from laminar.workers.launcher import LocalLauncher, ManagedProcess, process_table
 
 SLEEPER = "import time; time.sleep(60)"
 
 
 @pytest.fixture
 def sleeper(tmp_path):
-    """A real process whose command line looks like a worker's (`cli.main worker`) of the LAMINAR_HOME tmp_path."""
-    proc = subprocess.Popen([sys.executable, "-c", SLEEPER, "cli.main", "worker"],
+    """A real process whose command line looks like a worker's (`laminar.cli.main worker`) of the LAMINAR_HOME tmp_path."""
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPER, "laminar.cli.main", "worker"],
                             env={**os.environ, "LAMINAR_HOME": str(tmp_path)})
     yield proc
     proc.kill()

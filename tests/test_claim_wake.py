@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from services.rollout.control import Contacts
-from services.rollout.timing import TIMING
-from sim.core import ControlTiming, Simulator
+from laminar.services.rollout.control import Contacts
+from laminar.services.rollout.timing import TIMING
+from laminar.sim.core import ControlTiming, Simulator
+
 from tests.test_sim import small
 
 

@@ -14,7 +14,7 @@ from laminar.contract import RunStatus, workflow_id_for
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import wait_until
 
-LAMINAR = [sys.executable, "-m", "cli.main"]
+LAMINAR = [sys.executable, "-m", "laminar.cli.main"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -93,7 +93,7 @@ def test_laminar_run_end_to_end(tmp_path):
 # A command run in a subprocess goes through cli.main.main (run_then_exit), never a Typer app called directly: the
 # Temporal client's native threads can crash a finalising interpreter after the command finished (a `dev up` of
 # tests/test_devstack.py exited -11 in CI when it called `dev_app()` directly).
-_APP_CALLED = re.compile(r"\bfrom cli\.[\w.]+ import [^;\n]*;[^\n]*\b(?!main\()\w+\(\)")
+_APP_CALLED = re.compile(r"\bfrom laminar\.cli\.[\w.]+ import [^;\n]*;[^\n]*\b(?!main\()\w+\(\)")
 
 
 def apps_called_directly(source: str) -> list[int]:
@@ -104,12 +104,12 @@ def apps_called_directly(source: str) -> list[int]:
 
 
 def test_subprocesses_run_commands_through_the_entry_point():
-    bad = "from cli.dev import dev_app; " + "dev_app()"  # in two literals, so this file passes its own scan
+    bad = "from laminar.cli.dev import dev_app; " + "dev_app()"  # in two literals, so this file passes its own scan
     assert apps_called_directly(f'ENTRY = "{bad}"\n') == [1]
-    assert apps_called_directly('ENTRY = "from cli.main import main; main()"\n') == []
+    assert apps_called_directly('ENTRY = "from laminar.cli.main import main; main()"\n') == []
     found = [f"{p.relative_to(ROOT)}:{line}" for p in sorted((ROOT / "tests").rglob("*.py"))
              for line in apps_called_directly(p.read_text())]
-    assert found == [], f"run commands as `python -m cli.main ...` (cli.main.main): {found}"
+    assert found == [], f"run commands as `python -m laminar.cli.main ...` (laminar.cli.main.main): {found}"
 
 
 def test_worker_rejects_a_spare_that_leaves_no_slot(tmp_path):

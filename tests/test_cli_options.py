@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import typer
+from laminar.cli.init import starter_prompts, write_starter
+from laminar.cli.main import app
+from laminar.cli.options import default_config, duration, parse_duration
+from laminar.cli.sim import parse_failure
 from typer.testing import CliRunner
 
-from cli.init import starter_prompts, write_starter
-from cli.main import app
-from cli.options import default_config, duration, parse_duration
-from cli.sim import parse_failure
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 
@@ -166,7 +166,7 @@ def test_the_packaged_default_config_is_examples_tiny():
 
 
 def test_init_writes_a_config_that_loads_and_a_prompts_file_it_names(tmp_path, monkeypatch):
-    from envs.tasks.loader import build_task, check_task
+    from laminar.envs.tasks.loader import build_task, check_task
 
     monkeypatch.chdir(tmp_path)  # the config names the prompts by absolute path: any directory works
     code, out, _ = _invoke(["init", "starter"], tmp_path / "home")

@@ -16,11 +16,11 @@ from pathlib import Path
 import boto3
 import psutil
 import pytest
+from laminar.client.settings import Settings
+from laminar.devstack.stack import S3_CREDENTIALS, DevStack
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client, WorkflowExecutionStatus
 
-from client.settings import Settings
-from devstack.stack import S3_CREDENTIALS, DevStack
 from laminar.errors import DevStackError
 from tests.fixtures.s3 import free_port
 from tests.fixtures.waiting import wait_until
@@ -28,7 +28,7 @@ from tests.fixtures.waiting import wait_until
 ROOT = Path(__file__).resolve().parents[1]
 # what a user runs: the console script's entry (cli.main.main leaves without interpreter finalisation, which the
 # Temporal client's native threads can crash: `dev_app()` called directly exited -11 after a finished `dev up` in CI)
-LAMINAR = [sys.executable, "-m", "cli.main"]
+LAMINAR = [sys.executable, "-m", "laminar.cli.main"]
 
 
 def pid_gone(pid: int) -> bool:

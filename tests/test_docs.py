@@ -135,9 +135,9 @@ def test_paths_written_in_the_docs_exist():
 
 def test_a_stale_path_is_caught():
     top = {"envs", "laminar", "docs"}
-    text = ("`envs/tasks/loader.py` `laminar/names.py` `envs.tasks.loader.check_task` `envs.tasks.loader.gone` "
+    text = ("`envs/tasks/loader.py` `laminar/names.py` `laminar.envs.tasks.loader.check_task` `laminar.envs.tasks.loader.gone` "
             "`runs/<id>/run.json` `relay.heartbeat_timeout_s` `.laminar/` `train/reward_mean` `docs/`")
     found = written_paths(text, top)
-    assert found == ["envs/tasks/loader.py", "laminar/names.py", "envs.tasks.loader.check_task",
-                     "envs.tasks.loader.gone", "docs/"]
-    assert [t for t in found if missing_paths(t)] == ["laminar/names.py", "envs.tasks.loader.gone"]
+    assert found == ["envs/tasks/loader.py", "laminar/names.py", "laminar.envs.tasks.loader.check_task",
+                     "laminar.envs.tasks.loader.gone", "docs/"]
+    assert [t for t in found if missing_paths(t)] == ["laminar/names.py", "laminar.envs.tasks.loader.gone"]

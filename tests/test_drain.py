@@ -4,11 +4,11 @@ real rollout worker mid-run is in tests/test_scale_integration.py."""
 from __future__ import annotations
 
 import pytest
+from laminar.workers.drain import drain, worker_name
 
 from laminar.errors import ConfigError
-from workers.drain import drain, worker_name
 
-PY = ["/usr/bin/python3", "-m", "cli.main", "worker"]
+PY = ["/usr/bin/python3", "-m", "laminar.cli.main", "worker"]
 
 
 @pytest.mark.parametrize(("argv", "env", "name"), [
@@ -17,7 +17,7 @@ PY = ["/usr/bin/python3", "-m", "cli.main", "worker"]
     ([*PY, "relay"], {"LAMINAR_HOST_ID": "host-3"}, "relay-host-3"),
     ([*PY, "--allow-faults", "rollout", "--slots", "3"], {"LAMINAR_HOST_ID": "gpu-7"}, "rollout-gpu-7"),
     ([*PY, "rollout"], {}, "rollout-host-0"),  # LAMINAR_HOST_ID's default
-    (["/usr/bin/python3", "-m", "cli.main", "run", "examples/tiny.toml"], {}, None),  # not a worker
+    (["/usr/bin/python3", "-m", "laminar.cli.main", "run", "examples/tiny.toml"], {}, None),  # not a worker
     (["nginx", "-g", "daemon off;"], {}, None),
 ])
 def test_worker_names_follow_the_launchers(argv, env, name):

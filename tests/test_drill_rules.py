@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from laminar.services import drill as rules
 
 from laminar.contract import RelayInfo, ReplicaReport, RunStatus
 from laminar.errors import ConfigError
-from services import drill as rules
 
 
 def status(**kw) -> RunStatus:
@@ -122,9 +122,9 @@ def test_one_relay_recovers_only_once_it_is_back_in_the_chain():
 def test_control_recovery_counts_only_steps_the_workflow_scheduled_after_the_fault(tmp_path):
     import json
 
-    from activities.drill import StepClock
-    from storage import keys
-    from storage.objects import open_store
+    from laminar.activities.drill import StepClock
+    from laminar.storage import keys
+    from laminar.storage.objects import open_store
 
     store = open_store((tmp_path / "store").as_uri())
     # step 11 was scheduled at 99 (before the control worker died at 100) and completes at 100.07 without it;
@@ -255,8 +255,9 @@ def test_tokens_lost_come_from_the_runs_counter_before_and_after():
 def test_laminar_drill_rejects_a_bad_preempt_target_before_starting_anything(tmp_path):
     import asyncio
 
-    from cli.drill import run_drill
-    from client.settings import Settings
+    from laminar.cli.drill import run_drill
+    from laminar.client.settings import Settings
+
     from laminar.contract import DrillInput
 
     settings = Settings.from_env({"LAMINAR_HOME": str(tmp_path)})  # nothing listens there: no connection is made
@@ -268,9 +269,9 @@ def test_laminar_drill_rejects_a_bad_preempt_target_before_starting_anything(tmp
 def test_the_step_clock_reads_the_minute_before_the_fault_a_few_records_a_round(tmp_path):
     import json
 
-    from activities.drill import StepClock
-    from storage import keys
-    from storage.objects import open_store
+    from laminar.activities.drill import StepClock
+    from laminar.storage import keys
+    from laminar.storage.objects import open_store
 
     store = open_store((tmp_path / "store").as_uri())
     # steps 1..30 completed every 4 s (4, 8, ..., 120), 50 tokens each; the drill planned at step 30 and the

@@ -27,15 +27,15 @@ from multiprocessing import shared_memory
 
 import pytest
 import torch
+from laminar.relay.weights import state_dict_from_buffer
+from laminar.rl.engine import TorchEngine
+from laminar.rl.engine_api import Engine, Finished
+from laminar.rl.model import build_model, model_state_dict, state_dict_to_bytes
+from laminar.rl.trainer import Trainer
 
 from laminar.config import RunConfig
 from laminar.errors import EngineError
 from laminar.records import Trajectory
-from relay.weights import state_dict_from_buffer
-from rl.engine import TorchEngine
-from rl.engine_api import Engine, Finished
-from rl.model import build_model, model_state_dict, state_dict_to_bytes
-from rl.trainer import Trainer
 
 VOCAB, EOS = 32, 2
 INIT_STD = 0.25
@@ -97,12 +97,12 @@ class Subject:
             return TorchEngine(model, None, max_inflight_seqs=SLOTS, max_new_tokens=MAX_NEW, temperature=TEMPERATURE,
                                seed=0, eos_id=EOS, max_prompt_len=MAX_PROMPT)
         if self.kind.startswith("vllm"):
-            from rl.vllm_engine import VllmEngine
+            from laminar.rl.vllm_engine import VllmEngine
 
             return VllmEngine(HF, max_inflight_seqs=SLOTS, max_new_tokens=MAX_NEW, temperature=TEMPERATURE, seed=0,
                               eos_id=EOS, max_prompt_len=MAX_PROMPT, device=self.device,
                               dtype="bfloat16" if self.dtype == torch.bfloat16 else "float32")
-        from rl.modelled import ModelledEngine
+        from laminar.rl.modelled import ModelledEngine
 
         # one token a step (speedup 1: 0.05 wall s per step fit one 0.05 s decode step), lengths around 8
         cfg = RunConfig.load(None, ["rollout.engine=modelled", "trainer.engine=modelled", "modelled.speedup=1",
@@ -331,8 +331,9 @@ def test_interrupt_continues_in_flight_sequences_under_the_new_version(e: Subjec
 
 
 def test_engine_and_backend_choices_are_validated_with_the_fix_named() -> None:
+    from laminar.rl.factory import check_engines
+
     from laminar.errors import ConfigError
-    from rl.factory import check_engines
 
     cfg = check_engines(RunConfig.load(None, ["rollout.engine=vllm"]))  # vLLM generates, the torch trainer learns
     assert (cfg.rollout.engine, cfg.trainer.engine, cfg.rollout.device, cfg.rollout.dtype) == ("vllm", "torch", "cpu",
@@ -347,8 +348,9 @@ def test_engine_and_backend_choices_are_validated_with_the_fix_named() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a host without CUDA")
 def test_cuda_on_a_host_without_a_gpu_is_a_config_error_naming_the_field() -> None:
+    from laminar.rl.model import placement
+
     from laminar.errors import ConfigError
-    from rl.model import placement
 
     assert placement("rollout", "cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ConfigError, match=r"trainer.device='cuda' but .* no CUDA device .* set trainer.device='cpu'"):

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from laminar.rl.engine import TorchEngine
+from laminar.rl.lora import LoraTrainer, load_base
+from laminar.rl.model import build_model
+from laminar.rl.trainer import Trainer
 
 from laminar.config import TrainerSection
 from laminar.errors import EngineError
-from rl.engine import TorchEngine
-from rl.lora import LoraTrainer, load_base
-from rl.model import build_model
-from rl.trainer import Trainer
 from tests.test_engine_contract import (
     EOS,
     HAS_VLLM,
@@ -85,7 +85,7 @@ class LoraSubject:
                                       temperature=TEMPERATURE, seed=0, eos_id=EOS, max_prompt_len=MAX_PROMPT,
                                       base_fingerprint=load_base(model, A))
         else:
-            from rl.vllm_engine import VllmEngine
+            from laminar.rl.vllm_engine import VllmEngine
 
             self.engine = VllmEngine(HF, max_inflight_seqs=SLOTS, max_new_tokens=MAX_NEW, temperature=TEMPERATURE,
                                      seed=0, eos_id=EOS, max_prompt_len=MAX_PROMPT, device=self.device,
@@ -181,9 +181,10 @@ def test_interrupted_sequences_continue_under_the_new_adapter(e: LoraSubject) ->
 
 
 def test_the_factory_builds_every_lora_engine_and_refuses_a_rank_vllm_cannot_serve() -> None:
+    from laminar.rl.factory import ENGINE_TRAITS, check_engines
+
     from laminar.config import RunConfig
     from laminar.errors import ConfigError
-    from rl.factory import ENGINE_TRAITS, check_engines
 
     lora = ['trainer.lora={"r": 8, "alpha": 16, "target_modules": ["q_proj"]}']
     assert sorted(n for n, t in ENGINE_TRAITS.items() if t.lora) == ["torch", "vllm"]
@@ -192,7 +193,7 @@ def test_the_factory_builds_every_lora_engine_and_refuses_a_rank_vllm_cannot_ser
     with pytest.raises(ConfigError, match="trainer.lora with rollout.engine='modelled'"):
         check_engines(RunConfig.load(None, ["rollout.engine=modelled", "trainer.engine=modelled", *lora]))
     # rollout.lora_apply: auto merges on CPU (vLLM's CPU LoRA kernels decode 3.7x slower), serves adapters on CUDA
-    from rl.factory import lora_merges
+    from laminar.rl.factory import lora_merges
 
     for apply, device, merges in [("auto", "cpu", True), ("auto", "cuda", False), ("adapter", "cpu", False),
                                   ("merge", "cuda", True)]:
@@ -206,7 +207,7 @@ def test_the_factory_builds_every_lora_engine_and_refuses_a_rank_vllm_cannot_ser
     check_engines(RunConfig.load(None, ["rollout.lora_apply=merge", *lora]))  # what the torch engine does anyway
     if not HAS_VLLM:  # the rank check lives in the vLLM engine (tests/test_vllm_engine.py runs this in .venv-vllm)
         return
-    from rl.vllm_engine import VllmEngine
+    from laminar.rl.vllm_engine import VllmEngine
 
     with pytest.raises(ConfigError, match=r"trainer.lora.r=600 .* at most 512"):
         VllmEngine(HF, max_inflight_seqs=2, max_new_tokens=4, temperature=1.0, seed=0, eos_id=EOS, base=A,

@@ -27,13 +27,13 @@ import typing
 from pathlib import Path
 
 import pytest
+from laminar.rl.engine_api import Engine, PolicyTrainer
+from laminar.rl.factory import BACKEND_TRAITS, ENGINE_TRAITS, build_engine, build_trainer
+from laminar.services.model_files import load_run_files, publish_model_files, resolve_model_dir
+from laminar.storage.objects import open_store
 
 from laminar.config import RolloutEngine, RunConfig, TrainerSection
 from laminar.policy import policy_for
-from rl.engine_api import Engine, PolicyTrainer
-from rl.factory import BACKEND_TRAITS, ENGINE_TRAITS, build_engine, build_trainer
-from services.model_files import load_run_files, publish_model_files, resolve_model_dir
-from storage.objects import open_store
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = set(typing.get_args(RolloutEngine))  # torch, modelled, vllm (trainer engines are a subset)
@@ -132,7 +132,7 @@ def test_no_module_outside_rl_special_cases_an_engine_or_trainer():
     assert len(modules) > 50  # the walk found the project (services/, workers/, workflows/, ...)
     breaks = [f"{p.relative_to(ROOT)}:{line}: {why}" for p in modules
               for line, why in _seam_breaks(ast.parse(p.read_text(), str(p)))]
-    assert breaks == [], "ask rl.factory (build_engine, build_trainer, engine_traits) instead:\n" + "\n".join(breaks)
+    assert breaks == [], "ask laminar.rl.factory (build_engine, build_trainer, engine_traits) instead:\n" + "\n".join(breaks)
 
 
 def test_the_seam_check_catches_each_kind_of_special_case():
@@ -145,11 +145,11 @@ def test_the_seam_check_catches_each_kind_of_special_case():
             'gpus = cfg.trainer.fsdp_procs if cfg.trainer.backend == "fsdp" else 1\n'  # 6 (twice: name, compare)
             'TIME_MODELLED = ("modelled",)\n'  # 7
             'PAIRS = {"torch": ("torch",), "vllm": ("torch",)}\n'  # 8 (dict, tuples)
-            'from rl.vllm_engine import VllmEngine\n'  # 9
+            'from laminar.rl.vllm_engine import VllmEngine\n'  # 9
             'def start_vllm_worker(): pass\n'  # 10
             'served = sorted({"modelled", "torch", cfg.rollout.engine})\n'  # 11
-            'from rl.trainer import Trainer\n'  # 12
-            'from workflows.trainer import Trainer\n'  # the workflow's own Trainer: allowed
+            'from laminar.rl.trainer import Trainer\n'  # 12
+            'from laminar.workflows.trainer import Trainer\n'  # the workflow's own Trainer: allowed
             'if cfg.rollout.device == "cuda": pass\n'  # not an engine name: allowed
             'engine: Literal["torch", "modelled", "vllm"] = Field("torch")\n'  # the vocabulary, a choice: allowed
             'class TrainerSection:\n    fsdp_procs: int = 2\n'  # a config field's declaration: allowed
@@ -242,7 +242,7 @@ def test_every_trainer_the_factory_builds_implements_the_trainer_protocol(engine
 
 def test_the_fsdp_trainer_class_implements_the_trainer_protocol():
     # building one starts trainer.fsdp_procs rank processes (tests/test_fsdp.py does); the class suffices here
-    from rl.fsdp import FsdpTrainer
+    from laminar.rl.fsdp import FsdpTrainer
 
     for name, sig in _members(PolicyTrainer).items():
         assert callable(getattr(FsdpTrainer, name, None)), f"FsdpTrainer lacks PolicyTrainer.{name}"

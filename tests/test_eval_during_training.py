@@ -5,12 +5,12 @@ one record per due version in the store, every prompt scored once, and the train
 from __future__ import annotations
 
 import pytest
+from laminar.client.run_control import start_workflow
+from laminar.services.eval_records import read_evals
 
-from client.run_control import start_workflow
 from laminar.config import RunConfig
 from laminar.contract import RunStatus
 from laminar.evalstats import due_versions
-from services.eval_records import read_evals
 from tests.fixtures.stack import small_config
 
 EVAL = ["task.name=math", "rollout.max_new_tokens=8", "eval.size=12", "eval.samples=2", "eval.temperature=1.0",
@@ -20,8 +20,8 @@ EVAL = ["task.name=math", "rollout.max_new_tokens=8", "eval.size=12", "eval.samp
 
 def eval_set_ids(cfg: RunConfig) -> list[str]:
     """The ids of the eval set, as a replica renders it."""
-    from envs.tasks import build_task
-    from rl.evaluation import eval_prompts
+    from laminar.envs.tasks import build_task
+    from laminar.rl.evaluation import eval_prompts
 
     task = build_task(cfg.task, seed=cfg.run.seed)
     return [p.source_id or str(p.prompt_id) for p in eval_prompts(task, cfg.eval)]

@@ -8,9 +8,9 @@ import os
 import time
 
 import pytest
+from laminar.services.tracking import EVAL_MLFLOW_TAG, EvalTrackers, eval_scalars
 
 from laminar.config import RunConfig
-from services.tracking import EVAL_MLFLOW_TAG, EvalTrackers, eval_scalars
 
 
 @pytest.mark.slow  # ~20 s on a loaded machine, most of it importing MLflow
@@ -80,7 +80,7 @@ def test_two_control_workers_recording_at_once_share_one_mlflow_eval_run(tmp_pat
     at once: every caller gets the same run, and one run stays."""
     import threading
 
-    from services.tracking import mlflow_eval_run
+    from laminar.services.tracking import mlflow_eval_run
 
     MlflowClient, uri = _mlflow_client(tmp_path)
 

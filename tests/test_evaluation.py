@@ -9,13 +9,13 @@ import subprocess
 import sys
 
 import pytest
+from laminar.envs.tasks import get_task
+from laminar.envs.tasks.math import WARMUP_IDS, is_held_out, problem_key
+from laminar.rl.evaluation import eval_prompts
 
-from envs.tasks import get_task
-from envs.tasks.math import WARMUP_IDS, is_held_out, problem_key
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 from laminar.evalstats import PromptResult, summarise
-from rl.evaluation import eval_prompts
 
 LEVELS = [{"max_terms": 2, "max_digits": 1}, {"max_terms": 3, "max_digits": 2}]
 
@@ -64,7 +64,7 @@ def test_eval_prompts_from_a_file_in_file_order(tmp_path):
 
 
 def _row(path, i):
-    from envs.tasks.prompt_file import FilePrompts
+    from laminar.envs.tasks.prompt_file import FilePrompts
 
     return FilePrompts(path, shuffle=False).rows[i]
 
@@ -77,9 +77,8 @@ def test_a_task_without_a_split_needs_a_file():
 
 def test_greedy_decoding_ignores_the_sampling_seed():
     import torch
-
-    from rl.engine import TorchEngine
-    from rl.model import build_model
+    from laminar.rl.engine import TorchEngine
+    from laminar.rl.model import build_model
 
     task = get_task("math", seed=0, levels=LEVELS[:1])
     hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": task.tokenizer.get_vocab_size(),
@@ -103,10 +102,10 @@ def test_greedy_decoding_ignores_the_sampling_seed():
 
 
 def test_evaluate_a_model_directory_stores_the_record(tmp_path):
-    from rl.base_model import build_base_model
-    from services.eval_records import read_evals
-    from services.evaluate import evaluate
-    from storage.objects import open_store
+    from laminar.rl.base_model import build_base_model
+    from laminar.services.eval_records import read_evals
+    from laminar.services.evaluate import evaluate
+    from laminar.storage.objects import open_store
 
     cfg = RunConfig.load(None, ["task.name=math", "model.pretrain_steps=0", "rollout.max_new_tokens=6",
                                 "eval.size=5", "eval.samples=3", "eval.temperature=1.0", "run.run_id=r-eval"])
@@ -125,8 +124,9 @@ def test_evaluate_a_model_directory_stores_the_record(tmp_path):
 async def test_laminar_eval_of_a_checkpoint_of_an_ended_run(stack, tmp_path):
     """A short run ends; `laminar eval` (the real CLI, a child process) evaluates its last committed checkpoint from
     the store with the math task's held-out split, and stores the record under the run."""
-    from client.run_control import start_workflow
-    from storage import keys
+    from laminar.client.run_control import start_workflow
+    from laminar.storage import keys
+
     from tests.fixtures.stack import small_config
 
     overrides = ["task.name=math", "rollout.max_new_tokens=8", "eval.size=12", "eval.samples=2",
@@ -139,7 +139,7 @@ async def test_laminar_eval_of_a_checkpoint_of_an_ended_run(stack, tmp_path):
     config.write_text('[task]\nname = "math"\n[rollout]\nmax_new_tokens = 8\n'
                       '[eval]\nsize = 12\nsamples = 2\ntemperature = 1.0\n')
     env = {**os.environ, "LAMINAR_HOME": str(stack.home), "LAMINAR_STORE": stack.settings.store_url}
-    out = subprocess.run([sys.executable, "-m", "cli.main", "eval", str(config), "--checkpoint",
+    out = subprocess.run([sys.executable, "-m", "laminar.cli.main", "eval", str(config), "--checkpoint",
                           f"{cfg.run.run_id}@{cfg.run.steps}", "--json"], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -148,6 +148,6 @@ async def test_laminar_eval_of_a_checkpoint_of_an_ended_run(stack, tmp_path):
     record = json.loads(stack.store.get(keys.eval_result(cfg.run.run_id, cfg.run.steps)))
     assert len(record["per_prompt"]) == 12 and all(len(p["rewards"]) == 2 for p in record["per_prompt"])
     assert record["accuracy"] == pytest.approx(shown["accuracy"]) and 0.0 <= record["accuracy"] <= 1.0
-    missing = subprocess.run([sys.executable, "-m", "cli.main", "eval", str(config), "--checkpoint",
+    missing = subprocess.run([sys.executable, "-m", "laminar.cli.main", "eval", str(config), "--checkpoint",
                               f"{cfg.run.run_id}@999"], capture_output=True, text=True, env=env, timeout=300)
     assert missing.returncode == 1 and "no committed checkpoint at step 999" in missing.stderr

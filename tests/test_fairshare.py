@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from workflows.fairshare import Ask, allocate
+from laminar.workflows.fairshare import Ask, allocate
 
 
 def _granted(slots: int, asks: list[Ask], engines=None) -> dict[str, int]:
@@ -137,7 +136,8 @@ def test_the_watchdog_names_the_grant_of_a_stalled_run():
 def test_status_shows_asked_granted_running_and_why():
     from dataclasses import replace
 
-    from client.run_control import _grant_rows
+    from laminar.client.run_control import _grant_rows
+
     from laminar.contract import RunStatus
 
     base = RunStatus(run_id="r", phase="running", step=0, total_steps=3, policy_version=0, ready_groups=0,

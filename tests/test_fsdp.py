@@ -13,13 +13,13 @@ import random
 
 import pytest
 import torch
+from laminar.envs.tasks.tokenizer import build_word_tokenizer
+from laminar.rl.fsdp import FsdpTrainer
+from laminar.rl.model import build_model, load_pretrained, save_pretrained
+from laminar.rl.trainer import Trainer
 
-from envs.tasks.tokenizer import build_word_tokenizer
 from laminar.config import RunConfig
 from laminar.records import Trajectory
-from rl.fsdp import FsdpTrainer
-from rl.model import build_model, load_pretrained, save_pretrained
-from rl.trainer import Trainer
 
 HF = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 24, "hidden_size": 32,

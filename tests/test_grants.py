@@ -8,15 +8,15 @@ import asyncio
 import random
 
 import pytest
+from laminar.workflows import timeouts
+from laminar.workflows.grants import SlotGrants
+from laminar.workflows.state import RunState
 from temporalio.exceptions import FailureError
 
 from laminar import contract
 from laminar.config import RunConfig
 from laminar.contract import PoolAsk, ReplicaGrant, ScaleResult
 from tests.fixtures.fake_runtime import FakeRuntime
-from workflows import timeouts
-from workflows.grants import SlotGrants
-from workflows.state import RunState
 
 POOL = "pool/shared"
 

@@ -18,19 +18,19 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from laminar.client.connect import connect
+from laminar.client.run_control import start_workflow
+from laminar.client.settings import Settings
+from laminar.devstack.stack import DevStack
 from temporalio.client import Client, WorkflowExecutionStatus
 
-from client.connect import connect
-from client.run_control import start_workflow
-from client.settings import Settings
-from devstack.stack import DevStack
 from laminar import contract
 from laminar.config import RunConfig
 from laminar.contract import RunStatus, workflow_id_for
 from tests.fixtures.s3 import free_port
 from tests.fixtures.waiting import async_wait_until
 
-LAMINAR = [sys.executable, "-m", "cli.main"]
+LAMINAR = [sys.executable, "-m", "laminar.cli.main"]
 FAST = ["--modelled.response_p50_tokens=64", "--modelled.max_response_tokens=512"]
 COMMANDS = {
     "bench throughput": ["bench", "throughput", "--modes", "laminar,sync", "--replicas", "2", "--iterations", "20",
@@ -132,7 +132,7 @@ async def test_list_marks_a_run_whose_owning_command_is_gone_as_orphaned(env, cl
 
 
 def test_owner_line_marks_only_a_running_run_of_a_gone_process_on_this_host_as_orphaned():
-    from cli.report import owner_line
+    from laminar.cli.report import owner_line
 
     gone = subprocess.Popen(["true"])
     gone.wait()

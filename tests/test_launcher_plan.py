@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from laminar.client.settings import Settings
+from laminar.workers.launcher import ManagedProcess, plan_processes
 
-from client.settings import Settings
 from laminar.config import RunConfig
-from workers.launcher import ManagedProcess, plan_processes
 
-BASE = [sys.executable, "-m", "cli.main", "worker"]
+BASE = [sys.executable, "-m", "laminar.cli.main", "worker"]
 
 
 def _plan(tmp_path: Path, relays: int, replicas: int, spare_slots: int = 0) -> list[ManagedProcess]:

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from laminar.workers.launcher import LocalLauncher, ManagedProcess
 
 from tests.fixtures.waiting import wait_until
-from workers.launcher import LocalLauncher, ManagedProcess
 
 # A worker stand-in: says which host it serves, and on SIGTERM (the notice) says so and exits 0.
 WORKER = ("import os, signal, sys, time\n"

@@ -12,8 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+from laminar.workers.launcher import MAX_BACKOFF_S, LocalLauncher, ManagedProcess
+
 from tests.fixtures.waiting import wait_until
-from workers.launcher import MAX_BACKOFF_S, LocalLauncher, ManagedProcess
 
 HEALTHY_S = 3.0
 
@@ -48,7 +49,7 @@ def test_backoff_starts_over_after_a_healthy_run(tmp_path):
 LAUNCH_AND_WAIT = """
 import os, sys, time
 from pathlib import Path
-from workers.launcher import LocalLauncher, ManagedProcess
+from laminar.workers.launcher import LocalLauncher, ManagedProcess
 child = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(300)"], dict(os.environ),
                        Path(sys.argv[1]))
 launcher = LocalLauncher([child])

@@ -15,7 +15,9 @@ so imports inside functions, under `if TYPE_CHECKING:` and `importlib.import_mod
 - Nothing imports the top, `cli/` (every command) and `workers/` (launchers, worker processes), except that `cli/`
   imports `workers/`; `bench/` gets the launcher passed in.
 
-Third-party imports are not checked; first-party packages are the repository's top-level folders.
+Third-party imports are not checked; first-party packages are the repository's top-level folders. Each is
+imported as a subpackage of the one installed name (`laminar.workflows`, never `workflows`), and the rules below
+name them by folder.
 """
 
 from __future__ import annotations
@@ -81,12 +83,27 @@ def imported(module: str, source: str, is_package: bool = False) -> list[tuple[i
     return found
 
 
+SUBPACKAGES = {"cli", "client", "chaos", "devstack", "workflows", "activities", "workers", "storage", "rl", "envs",
+               "relay", "services", "bench", "reporting", "sim"}
+
+
+def folder_name(name: str) -> str:
+    """`laminar.workflows.ledger` -> `workflows.ledger` (the folder the rules name); `laminar.config` is unchanged."""
+    parts = name.split(".")
+    return ".".join(parts[1:]) if len(parts) > 1 and parts[0] == "laminar" and parts[1] in SUBPACKAGES else name
+
+
 def violations(module: str, source: str, packages: set[str], is_package: bool = False) -> list[str]:
     """Each upward import of the module, as 'module:line imports name: rule and fix'."""
+    module = folder_name(module)
     own = module.split(".")[0]
     rule = max((k for k in ONLY if module == k or module.startswith(k + ".")), key=len, default=None)
     out = []
-    for line, name in imported(module, source, is_package):
+    for line, name in imported("laminar." + module if own in SUBPACKAGES else module, source, is_package):
+        if name.split(".")[0] in SUBPACKAGES:
+            out.append(f"{module}:{line} imports {name}: import it as laminar.{name} (the one installed name)")
+            continue
+        name = folder_name(name)
         target = name.split(".")[0]
         if target not in packages:  # the standard library or a third-party package
             continue
@@ -133,37 +150,39 @@ import torch
 from laminar.config import RunConfig
 from . import sibling
 if TYPE_CHECKING:
-    from workers.settings import Settings
+    from laminar.workers.settings import Settings
 def f():
-    import rl.engine
-    importlib.import_module("storage.keys")
+    import laminar.rl.engine
+    importlib.import_module("laminar.storage.keys")
 """
     # laminar: typing and torch are not first-party, laminar.config and `.sibling` are itself; 7, 9, 10 go upward
     found = violations("laminar.fake", text, packages)
     assert sorted(int(v.split(":")[1].split(" ")[0]) for v in found) == [7, 9, 10]
     assert any("imports workers.settings: nothing may import workers/" in v for v in found)
     # storage may import laminar, not rl
-    assert violations("storage.fake", "from laminar.refs import Ref\nfrom storage import keys\n", packages) == []
-    assert "storage may import only itself and laminar/" in violations("storage.fake", "import rl.engine", packages)[0]
+    assert violations("storage.fake", "from laminar.refs import Ref\nfrom laminar.storage import keys\n", packages) == []
+    # a subpackage is imported under the installed name, never bare
+    assert "import it as laminar.storage" in violations("rl.fake", "from storage import keys\n", packages)[0]
+    assert "storage may import only itself and laminar/" in violations("storage.fake", "import laminar.rl.engine", packages)[0]
     # workflows may ask rl.factory and nothing else of rl
-    assert violations("workflows.fake", "from rl.factory import time_scale\n", packages) == []
-    assert violations("workflows.fake", "from rl.engine import TorchEngine\n", packages)
+    assert violations("workflows.fake", "from laminar.rl.factory import time_scale\n", packages) == []
+    assert violations("workflows.fake", "from laminar.rl.engine import TorchEngine\n", packages)
     # rl may import the environments; the environments import no engine
-    assert violations("rl.fake", "from envs.tasks import Prompt\n", packages | {"envs"}) == []
-    assert "envs may import only itself and laminar/" in violations("envs.tasks.fake", "from rl.engine import E",
+    assert violations("rl.fake", "from laminar.envs.tasks import Prompt\n", packages | {"envs"}) == []
+    assert "envs may import only itself and laminar/" in violations("laminar.envs.tasks.fake", "from laminar.rl.engine import E",
                                                                     packages | {"envs"})[0]
     # bench may import the launcher from nowhere, even lazily; workers may import workers; cli may import workers,
     # but not the other way round, and nothing else imports cli
-    assert violations("bench.fake", "def g():\n    from workers.launcher import LocalLauncher\n", packages)
-    assert violations("workers.launcher_ray", "from workers.launcher import LocalLauncher\n", packages) == []
-    assert violations("cli.main", "from workers.launcher import LocalLauncher\n", packages) == []
-    assert violations("cli.main", "from cli.run import run_local\n", packages) == []
-    assert "nothing may import cli/" in violations("chaos.command", "from cli.run import x\n", packages)[0]
-    assert "nothing may import cli/" in violations("bench.fake", "import cli.main\n", packages)[0]
+    assert violations("bench.fake", "def g():\n    from laminar.workers.launcher import LocalLauncher\n", packages)
+    assert violations("laminar.workers.launcher_ray", "from laminar.workers.launcher import LocalLauncher\n", packages) == []
+    assert violations("laminar.cli.main", "from laminar.workers.launcher import LocalLauncher\n", packages) == []
+    assert violations("laminar.cli.main", "from laminar.cli.run import run_local\n", packages) == []
+    assert "nothing may import cli/" in violations("laminar.chaos.command", "from laminar.cli.run import x\n", packages)[0]
+    assert "nothing may import cli/" in violations("bench.fake", "import laminar.cli.main\n", packages)[0]
     # the watching helper: laminar only, not even the rest of client/
     assert violations("client.watch", "from laminar.contract import RunStatus\nimport temporalio\n", packages) == []
-    assert violations("client.watch", "from client.settings import Settings\n", packages)
-    assert violations("client.run_control", "from client.settings import Settings\n", packages) == []
+    assert violations("client.watch", "from laminar.client.settings import Settings\n", packages)
+    assert violations("laminar.client.run_control", "from laminar.client.settings import Settings\n", packages) == []
     # a relative import resolves against the module: `from .. import x` in storage.a.b is storage
     assert violations("storage.a.b", "from .. import keys\nfrom ..c import d\n", packages) == []
 
@@ -172,21 +191,21 @@ def test_the_contract_and_chaos_rules() -> None:
     packages = {"laminar", "storage", "workers", "client", "devstack", "workflows", "reporting", "services", "chaos",
                 "cli"}
     # client/ starts and queries runs through laminar/contract.py, never through workflows/
-    assert violations("client.run_control", "from laminar.contract import TrainingRunInput\n", packages) == []
-    found = violations("client.run_control", "from workflows.state import TrainingRunInput\n", packages)
+    assert violations("laminar.client.run_control", "from laminar.contract import TrainingRunInput\n", packages) == []
+    found = violations("laminar.client.run_control", "from laminar.workflows.state import TrainingRunInput\n", packages)
     assert found and "client may import only itself and devstack/ and laminar/ and storage/" in found[0]
     # chaos/: the schedule is pure, the nemesis carries out a schedule, the command ties the room together
-    assert violations("chaos.schedule", "from chaos.nemesis import Nemesis\n", packages)
-    assert violations("chaos.nemesis", "from chaos.schedule import Fault\nfrom laminar.logs import get_logger\n",
+    assert violations("chaos.schedule", "from laminar.chaos.nemesis import Nemesis\n", packages)
+    assert violations("chaos.nemesis", "from laminar.chaos.schedule import Fault\nfrom laminar.logs import get_logger\n",
                       packages) == []
-    assert "chaos/schedule.py" in violations("chaos.nemesis", "from client.settings import Settings\n", packages)[0]
-    assert violations("chaos.checker", "from reporting.summary import reward_rise\n", packages) == []
-    assert violations("chaos.command", "from chaos.checker import judge\nfrom client.exit import stop_like_ctrl_c\n"
-                      "from devstack.stack import DevStack\n", packages) == []
-    assert violations("chaos.command", "from workflows.pool import PoolInput\n", packages)
-    assert violations("chaos.command", "from workers.launcher import process_table_path\n", packages)
+    assert "chaos/schedule.py" in violations("chaos.nemesis", "from laminar.client.settings import Settings\n", packages)[0]
+    assert violations("chaos.checker", "from laminar.reporting.summary import reward_rise\n", packages) == []
+    assert violations("laminar.chaos.command", "from laminar.chaos.checker import judge\nfrom laminar.client.exit import stop_like_ctrl_c\n"
+                      "from laminar.devstack.stack import DevStack\n", packages) == []
+    assert violations("laminar.chaos.command", "from laminar.workflows.pool import PoolInput\n", packages)
+    assert violations("laminar.chaos.command", "from laminar.workers.launcher import process_table_path\n", packages)
     # only the command line imports chaos/
-    assert violations("cli.chaos", "from chaos.command import run_chaos\n", packages) == []
-    assert violations("workers.launcher", "from chaos.command import run_chaos\n", packages)
-    assert "only the CLI imports chaos/" in violations("services.fake", "from chaos.nemesis import Nemesis\n",
+    assert violations("laminar.cli.chaos", "from laminar.chaos.command import run_chaos\n", packages) == []
+    assert violations("laminar.workers.launcher", "from laminar.chaos.command import run_chaos\n", packages)
+    assert "only the CLI imports chaos/" in violations("services.fake", "from laminar.chaos.nemesis import Nemesis\n",
                                                         packages)[0]

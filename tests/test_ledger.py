@@ -7,6 +7,10 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from laminar.storage import keys
+from laminar.storage.objects import sha256_hex
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.state import RECENT_REWARDS, RunState
 
 from laminar.config import RunConfig
 from laminar.contract import (
@@ -19,10 +23,6 @@ from laminar.contract import (
     retained_batches_bytes,
 )
 from laminar.refs import CheckpointRef, SegmentRef
-from storage import keys
-from storage.objects import sha256_hex
-from workflows.ledger import Ledger
-from workflows.state import RECENT_REWARDS, RunState
 
 RUN = "run-ledger"
 
@@ -263,7 +263,8 @@ def test_stream_minibatches_already_complete_go_to_the_trainer_together_up_to_th
     assert second.config == first.config and second.fallbacks == first.fallbacks
     assert first == ledger.next_train_input(cfg, ["relay-0"])  # nothing was consumed by asking
     # what travels: the first input whole and the later batches alone; the trainer rebuilds the same inputs
-    from client.converter import DATA_CONVERTER  # what every laminar client and worker decodes with
+    from laminar.client.converter import DATA_CONVERTER  # what every laminar client and worker decodes with
+
     from laminar.contract import TrainStepsInput
 
     msg = TrainStepsInput(first=first, then=[second.batch])

@@ -4,13 +4,14 @@ input that hands both to the trainer, and a recorded fallback past a corrupt che
 
 from __future__ import annotations
 
+from laminar.storage import keys
+from laminar.storage.objects import sha256_hex
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.state import RunState
+
 from laminar.config import RunConfig
 from laminar.contract import BatchPart, StepMetrics, TrainStepResult
 from laminar.refs import CheckpointRef, SegmentRef
-from storage import keys
-from storage.objects import sha256_hex
-from workflows.ledger import Ledger
-from workflows.state import RunState
 
 RUN = "run-ckpt"
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.state import RunState
+
 from laminar.refs import SegmentRef
-from workflows.ledger import Ledger
-from workflows.state import RunState
 
 
 def test_a_burst_of_routine_events_never_pushes_out_a_fault():

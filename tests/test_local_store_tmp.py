@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 
 import psutil
+from laminar.storage.objects import _HOST, STALE_TMP_S, LocalObjectStore, _remove_if_stale
 
-from storage.objects import _HOST, STALE_TMP_S, LocalObjectStore, _remove_if_stale
 from tests.fixtures.waiting import wait_until
 
 WRITER = """
 import os, sys, time
-from storage.objects import LocalObjectStore
+from laminar.storage.objects import LocalObjectStore
 os.fsync = lambda fd: time.sleep(3600)  # the bytes are written; the write waits here, before its rename
 LocalObjectStore(sys.argv[1]).put("runs/r1/big.bin", b"x" * 1_000_000)
 """

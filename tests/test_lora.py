@@ -9,11 +9,8 @@ import re
 
 import pytest
 import torch
-
-from laminar.config import RunConfig, TrainerSection
-from laminar.errors import ConfigError, EngineError
-from rl.engine import TorchEngine
-from rl.lora import (
+from laminar.rl.engine import TorchEngine
+from laminar.rl.lora import (
     FINGERPRINT_KEY,
     LoraTrainer,
     base_fingerprint,
@@ -23,7 +20,10 @@ from rl.lora import (
     merged_state_dict,
     write_peft_adapter,
 )
-from rl.model import build_model, bytes_to_state_dict, model_state_dict, state_dict_to_bytes
+from laminar.rl.model import build_model, bytes_to_state_dict, model_state_dict, state_dict_to_bytes
+
+from laminar.config import RunConfig, TrainerSection
+from laminar.errors import ConfigError, EngineError
 from tests.test_rl_trainer import HF, on_policy_batch
 
 pytest.importorskip("peft")
@@ -54,7 +54,7 @@ def test_config_is_off_by_default_and_errors_name_field_value_and_fix() -> None:
     with pytest.raises(ConfigError, match=re.escape("trainer.lora.r=0: Input should be greater than or equal to 1 "
                                                     "(LoRA rank")):
         RunConfig.load(None, ["--trainer.lora.r=0"])
-    from rl.factory import check_engines  # the engine rules (names and traits live there)
+    from laminar.rl.factory import check_engines  # the engine rules (names and traits live there)
 
     check_engines(RunConfig.load(None, ["--trainer.lora.r=4", "--rollout.engine=vllm"]))  # LoRA requests
     with pytest.raises(ConfigError, match="trainer.backend='fsdp'"):
@@ -174,10 +174,10 @@ def test_checkpoint_round_trip_continues_with_the_same_adapter() -> None:
 
 
 def test_base_weights_travel_through_the_store_checked(tmp_path) -> None:
-    from rl.model import save_pretrained
-    from services.model_files import load_run_base, publish_base_weights
-    from storage import keys
-    from storage.objects import LocalObjectStore
+    from laminar.rl.model import save_pretrained
+    from laminar.services.model_files import load_run_base, publish_base_weights
+    from laminar.storage import keys
+    from laminar.storage.objects import LocalObjectStore
 
     class _Tok:
         def save(self, path: str) -> None:
@@ -249,7 +249,7 @@ def test_laminar_run_with_lora_then_eval_and_export(tmp_path) -> None:
     store = home / "store" if (home / "store").is_dir() else None
     assert store is None or (store / "runs" / "t-lora-e2e" / "model" / "base.json").exists()
     # laminar eval on the adapter checkpoint (merged into the run's published base); it needs only the store
-    cmd = [sys.executable, "-m", "cli.main"]
+    cmd = [sys.executable, "-m", "laminar.cli.main"]
     config = tmp_path / "math.toml"
     config.write_text('[task]\nname = "math"\n[rollout]\nmax_new_tokens = 8\n[eval]\nsize = 4\n')
     ev = subprocess.run([*cmd, "eval", str(config), "--checkpoint", "t-lora-e2e@6", "--json"],
@@ -263,7 +263,7 @@ def test_laminar_run_with_lora_then_eval_and_export(tmp_path) -> None:
         assert ex.returncode == 0, ex.stdout[-2000:] + ex.stderr[-2000:]
         assert ex.stdout.strip().endswith("merged" if merge else "adapter")
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
-    from rl.model import load_pretrained
+    from laminar.rl.model import load_pretrained
 
     model, _, _ = load_pretrained(tmp_path / "merged")  # a plain Hugging Face directory
     assert model is not None
@@ -273,7 +273,7 @@ def test_the_transformers_path_trains_and_applies_adapters_too() -> None:
     """rl/hf_model.py (an architecture the built-in model does not cover): peft injects into the transformers model;
     the version's module names are the checkpoint's own, and the engine merges them into the same names."""
     pytest.importorskip("transformers")
-    from rl.hf_model import build_hf_model
+    from laminar.rl.hf_model import build_hf_model
 
     hf = {**HF, "architectures": ["LlamaForCausalLM"], "head_dim": 8, "pad_token_id": 0}
     trainer = LoraTrainer(build_hf_model(hf, seed=0), section(), group_size=3)
@@ -296,8 +296,8 @@ def test_the_transformers_path_trains_and_applies_adapters_too() -> None:
 def test_the_single_process_loop_trains_adapters_with_lora_on(tmp_path) -> None:
     """rl/sync_loop.py (`laminar bench overhead`): with trainer.lora its trainer trains adapters and its engine merges
     each version into the base it holds."""
-    from rl.base_model import build_base_model
-    from rl.sync_loop import run_sync_loop
+    from laminar.rl.base_model import build_base_model
+    from laminar.rl.sync_loop import run_sync_loop
 
     cfg = RunConfig.load(None, ["--model.pretrain_steps=5", "--task.max_count=8", "--rollout.max_new_tokens=8",
                                 "--rollout.group_size=4", "--trainer.groups_per_step=2", '--trainer.lora={"r": 2}'])
@@ -306,7 +306,7 @@ def test_the_single_process_loop_trains_adapters_with_lora_on(tmp_path) -> None:
 
 
 def test_a_full_trainer_refuses_an_adapter_checkpoint() -> None:
-    from rl.trainer import Trainer
+    from laminar.rl.trainer import Trainer
 
     parts = lora_trainer().state_parts()
     with pytest.raises(ConfigError, match="holds a LoRA adapter, not full weights"):
@@ -317,9 +317,8 @@ def test_the_exported_adapter_loads_in_peft_with_the_trainer_s_logits(tmp_path) 
     """`laminar model export` of an adapter checkpoint: peft's own PeftModel.from_pretrained on the base (a
     transformers Llama holding the same weights) computes what the trainer's model computes."""
     pytest.importorskip("transformers")
+    from laminar.rl.hf_model import build_hf_model
     from peft import PeftModel
-
-    from rl.hf_model import build_hf_model
 
     trainer = lora_trainer()
     for version in range(2):

@@ -19,17 +19,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from laminar.services.drill import groups_lost
+from laminar.storage.objects import LocalObjectStore
+from laminar.storage.runs import read_marker
 from temporalio.client import Client
 
 from laminar.contract import RunStatus, workflow_id_for
-from services.drill import groups_lost
-from storage.objects import LocalObjectStore
-from storage.runs import read_marker
 from tests.fixtures.devhome import Dev, own_dev_stack
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until
 
-LAMINAR = [sys.executable, "-m", "cli.main"]
+LAMINAR = [sys.executable, "-m", "laminar.cli.main"]
 OVERRIDES = [f"--{o}" for o in TEST_OVERRIDES if not o.startswith("run.steps")]  # checkpoint_every=3
 RUN = "t-lost"
 
@@ -158,11 +158,12 @@ async def _stepped(client: Client, run_id: str, n: int) -> bool:
 
 def test_a_fork_config_needs_a_committed_checkpoint_and_records_its_parent(tmp_path):
     """fork_config on a real local store: the parent's config, its newest verified checkpoint, a free id."""
-    from client.fork import fork_config
+    from laminar.client.fork import fork_config
+    from laminar.storage import keys
+    from laminar.storage.checkpoints import CheckpointStore
+
     from laminar.config import RunConfig
     from laminar.errors import LaminarError
-    from storage import keys
-    from storage.checkpoints import CheckpointStore
 
     torch = pytest.importorskip("torch")
     store = LocalObjectStore(tmp_path / "store")
@@ -188,9 +189,9 @@ def test_a_fork_config_needs_a_committed_checkpoint_and_records_its_parent(tmp_p
 
 def test_stored_run_says_what_the_store_holds_and_the_ways_on(tmp_path):
     """What a refusal and a lost-run error quote: objects, the last metrics step, committed checkpoints."""
-    from client.fork import ways_on
-    from storage import keys
-    from storage.runs import RunMarker, stored_run, write_marker
+    from laminar.client.fork import ways_on
+    from laminar.storage import keys
+    from laminar.storage.runs import RunMarker, stored_run, write_marker
 
     store = LocalObjectStore(tmp_path / "store")
     assert stored_run(store, "r") is None  # nothing under runs/r/: the id is free
@@ -215,16 +216,17 @@ def test_laminar_fork_checks_the_forked_config_as_laminar_run_does(tmp_path):
     import subprocess
     import sys
 
+    from laminar.storage import keys
+    from laminar.storage.checkpoints import CheckpointStore
+
     from laminar.config import RunConfig
-    from storage import keys
-    from storage.checkpoints import CheckpointStore
 
     torch = pytest.importorskip("torch")
     home = tmp_path / "home"
     store = LocalObjectStore(home / "store")
     store.put(keys.config("p"), RunConfig.load(None, ["run.steps=50"]).with_run_id("p").model_dump_json().encode())
     CheckpointStore(store).save("p", 10, {"model": {"w": torch.zeros(2)}}, {"step": 10}, policy_version=10)
-    out = subprocess.run([sys.executable, "-m", "cli.main", "fork", "p", f"--model.path={tmp_path / 'nowhere'}"],
+    out = subprocess.run([sys.executable, "-m", "laminar.cli.main", "fork", "p", f"--model.path={tmp_path / 'nowhere'}"],
                          env={**os.environ, "LAMINAR_HOME": str(home)}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "model.path=" in out.stderr and "is not a directory" in out.stderr, out.stderr

@@ -7,17 +7,17 @@ import json
 import random
 
 import pytest
-
-from envs.tasks import build_task, get_task, known_tasks
-from envs.tasks.answers import (
+from laminar.envs.tasks import build_task, get_task, known_tasks
+from laminar.envs.tasks.answers import (
     arithmetic_answer,
     exact_match,
     extract_answer,
     freeform_answer,
     math_verify_match,
 )
-from envs.tasks.gsm8k import Gsm8kPrompts, gsm8k_answer
-from envs.tasks.math import WARMUP_IDS, countdown_reward, curriculum_level, spaced
+from laminar.envs.tasks.gsm8k import Gsm8kPrompts, gsm8k_answer
+from laminar.envs.tasks.math import WARMUP_IDS, countdown_reward, curriculum_level, spaced
+
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 
@@ -151,7 +151,7 @@ def test_chain_sum_reward_is_exact_match_on_the_tag():
 def test_last_number_answers_credit_the_last_number_when_there_is_no_tag():
     """task.params.answer = "last_number" (chain_sum): a model that never writes the tag (SmolLM2-135M-Instruct,
     docs/guides/pretrained.md) is scored on the last number it writes; a tag, when there is one, still decides."""
-    from envs.tasks.answers import last_number
+    from laminar.envs.tasks.answers import last_number
 
     assert last_number("46 + 60 = 106.") == "106" and last_number("4 - 6 = -2") == "-2"
     assert last_number("The answer is 2.5, not 3") == "3" and last_number("no idea") is None

@@ -15,8 +15,7 @@ import sys
 import time
 
 import pytest
-
-from reporting.summary import reward_rise
+from laminar.reporting.summary import reward_rise
 
 
 @pytest.mark.slow
@@ -25,7 +24,7 @@ def test_laminar_run_math_example_learns(tmp_path):
     summary_path = tmp_path / "summary.json"
     t0 = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "cli.main", "run", "examples/math.toml", "--summary", str(summary_path)],
+        [sys.executable, "-m", "laminar.cli.main", "run", "examples/math.toml", "--summary", str(summary_path)],
         env={**os.environ, "LAMINAR_HOME": str(tmp_path / "home")}, capture_output=True, text=True, timeout=1100)
     wall = time.monotonic() - t0
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -12,18 +12,13 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from envs.tasks import get_task
-from laminar.config import RunConfig
-from laminar.contract import BatchPart, TrainStepInput
-from laminar.errors import ConfigError, EngineError
-from laminar.records import Trajectory
-from relay import client as relay_client
-from relay.server import RelayServer
-from rl.costs import tool_latency_s
-from rl.engine import TorchEngine
-from rl.model import build_model, bytes_to_state_dict, model_state_dict
-from rl.modelled import (
+from laminar.envs.tasks import get_task
+from laminar.relay import client as relay_client
+from laminar.relay.server import RelayServer
+from laminar.rl.costs import tool_latency_s
+from laminar.rl.engine import TorchEngine
+from laminar.rl.model import build_model, bytes_to_state_dict, model_state_dict
+from laminar.rl.modelled import (
     EOS_ID,
     RESPONSE_TOKEN_ID,
     ModelledEngine,
@@ -33,10 +28,15 @@ from rl.modelled import (
     response_length,
     tool_plan,
 )
-from services.trainer import TrainerService
-from storage import keys
-from storage.objects import LocalObjectStore
-from storage.trajectories import TrajectoryStore
+from laminar.services.trainer import TrainerService
+from laminar.storage import keys
+from laminar.storage.objects import LocalObjectStore
+from laminar.storage.trajectories import TrajectoryStore
+
+from laminar.config import RunConfig
+from laminar.contract import BatchPart, TrainStepInput
+from laminar.errors import ConfigError, EngineError
+from laminar.records import Trajectory
 
 
 def cfg(*overrides: str) -> RunConfig:

@@ -31,18 +31,18 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from laminar.client.connect import connect
+from laminar.client.settings import Settings
+from laminar.devstack.stack import DevStack, free_port, port_free
+from laminar.storage.objects import open_store
+from laminar.workers.launcher import LocalLauncher, plan_processes
 
-from client.connect import connect
-from client.settings import Settings
-from devstack.stack import DevStack, free_port, port_free
 from laminar.contract import CONTROL_QUEUE, RunStatus, workflow_id_for
 from laminar.errors import ConfigError, LaminarError
-from storage.objects import open_store
 from tests.fixtures.s3 import create_bucket, stop_process
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import history_chain, temporal_binary
 from tests.fixtures.waiting import wait_until
-from workers.launcher import LocalLauncher, plan_processes
 
 SERVER_NAME = "temporal.laminar.test"  # on the server certificate (with 127.0.0.1); the clients verify this name
 # Distinctive secrets: a leak of any of them into a log, a history or an object is found by a plain search.
@@ -309,7 +309,7 @@ async def test_client_and_worker_without_a_client_certificate_are_refused(mtls):
     assert "without TLS" in str(e.value) and "set LAMINAR_TEMPORAL_TLS=true" in str(e.value)
     # A worker process without a certificate exits 1 with the same one-line message, instead of serving.
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "cli.main", "worker", "control"],
+    out = subprocess.run([sys.executable, "-m", "laminar.cli.main", "worker", "control"],
                          env=_worker_env(mtls.without_certificate()), capture_output=True, text=True, timeout=60)
     took = time.monotonic() - t0
     said = " ".join(out.stderr.split())  # the console wraps long lines

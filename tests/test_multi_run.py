@@ -22,20 +22,20 @@ import uuid
 from datetime import timedelta
 
 import pytest
+from laminar.client.converter import DATA_CONVERTER
+from laminar.storage import keys
+from laminar.storage.objects import S3ObjectStore
 from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
 from temporalio.client import Client
 
-from client.converter import DATA_CONVERTER
 from laminar import contract
 from laminar.contract import PoolStatus, RunStatus, pool_workflow_id, workflow_id_for
-from storage import keys
-from storage.objects import S3ObjectStore
 from tests.fixtures.s3 import create_bucket, stop_process
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.temporal import temporal_address
 from tests.fixtures.waiting import async_wait_until
 
-LAMINAR = [sys.executable, "-m", "cli.main"]
+LAMINAR = [sys.executable, "-m", "laminar.cli.main"]
 RUNS = 3
 # The first run ends first, so its slots go to the two still going. It must still be live when the third is
 # started: each `laminar start` is a new process (seconds of imports), and with 3 steps the first run had finished
@@ -258,12 +258,13 @@ def test_trainer_republishes_a_run_it_has_moved_away_from(tmp_path):
     # relay (a new one here): the republish pushes the version the trainer kept for "r" (it used to skip, -1).
     from dataclasses import replace
 
+    from laminar.relay import client as relay_client
+    from laminar.relay.server import RelayServer
+    from laminar.services.trainer import TrainerService
+    from laminar.storage.objects import LocalObjectStore
+    from laminar.storage.trajectories import TrajectoryStore
+
     from laminar.contract import RepublishInput
-    from relay import client as relay_client
-    from relay.server import RelayServer
-    from services.trainer import TrainerService
-    from storage.objects import LocalObjectStore
-    from storage.trajectories import TrajectoryStore
     from tests.test_modelled import _batch, _input
 
     store = LocalObjectStore(tmp_path / "store")
@@ -291,14 +292,15 @@ def test_trainer_republishes_a_run_it_has_moved_away_from(tmp_path):
 def test_replica_reports_its_version_missing_only_when_no_relay_holds_one(tmp_path):
     # A replica that needs weights (none loaded) and whose poll reaches a relay holding nothing of its run reports
     # version_missing; once a relay holds a version of its run (another run's do not count), it does not.
+    from laminar.relay import client as relay_client
+    from laminar.relay.server import RelayServer
+    from laminar.rl.modelled import ModelledEngine
+    from laminar.services.rollout.batch import Counters
+    from laminar.services.rollout.weights import Weights
+
     from laminar import metrics as prom
     from laminar.contract import RelayInfo
     from laminar.policy import policy_for
-    from relay import client as relay_client
-    from relay.server import RelayServer
-    from rl.modelled import ModelledEngine
-    from services.rollout.batch import Counters
-    from services.rollout.weights import Weights
     from tests.test_modelled import SERVICE_CFG
 
     (tmp_path / "shm").mkdir()

@@ -9,13 +9,12 @@ import importlib
 import inspect
 import pkgutil
 
+from laminar.workflows.pool import SlotPoolWorkflow
+from laminar.workflows.recovery_drill import RecoveryDrillWorkflow
+from laminar.workflows.training_run import TrainingRunWorkflow
 from temporalio import activity, workflow
 
-import activities
-from laminar import contract
-from workflows.pool import SlotPoolWorkflow
-from workflows.recovery_drill import RecoveryDrillWorkflow
-from workflows.training_run import TrainingRunWorkflow
+from laminar import activities, contract
 
 WORKFLOWS = (TrainingRunWorkflow, RecoveryDrillWorkflow, SlotPoolWorkflow)
 

@@ -21,7 +21,7 @@ def test_a_notice_while_the_worker_connects_exits_0(tmp_path, sig):
         hole.listen()
         env = {**os.environ, "LAMINAR_HOME": str(tmp_path), "LAMINAR_LOG_FORMAT": "json",
                "LAMINAR_TEMPORAL_ADDRESS": f"127.0.0.1:{hole.getsockname()[1]}"}
-        proc = subprocess.Popen([sys.executable, "-m", "cli.main", "worker", "control"], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "laminar.cli.main", "worker", "control"], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             hole.settimeout(120)

@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from laminar.client.run_control import CONTROL_ANSWER_S
+from laminar.services.drill import groups_lost
 from temporalio.client import Client, WorkflowExecutionStatus
 
-from client.run_control import CONTROL_ANSWER_S
 from laminar.contract import RunStatus, workflow_id_for
-from services.drill import groups_lost
 from tests.fixtures.devhome import Dev, own_dev_stack
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until
 
-LAMINAR = [sys.executable, "-m", "cli.main"]
+LAMINAR = [sys.executable, "-m", "laminar.cli.main"]
 OVERRIDES = [f"--{o}" for o in TEST_OVERRIDES if not o.startswith("run.steps")]
 # Longer than the SDK's retry window for one client call (RetryConfig: 10 s in all), after which the old
 # `laminar run` died with an RPCError. Worker polls retry without limit in temporalio 1.35; the test shows it.

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
-from client.run_control import start_workflow
+from laminar.client.run_control import start_workflow
+from laminar.reporting.summary import build_profile
+from laminar.services.rollout import HEARTBEAT_EVERY_S
+
 from laminar import contract
 from laminar.contract import RunStatus
-from reporting.summary import build_profile
-from services.rollout import HEARTBEAT_EVERY_S
 from tests.fixtures.stack import small_config
 
 RESULT_TIMEOUT_S = 240

@@ -7,6 +7,8 @@ import random
 from dataclasses import replace
 
 import pytest
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.state import RunState
 
 from laminar.config import RunConfig
 from laminar.policy import (
@@ -21,8 +23,6 @@ from laminar.policy import (
 )
 from laminar.refs import SegmentRef
 from tests.test_ledger import _input, _result
-from workflows.ledger import Ledger
-from workflows.state import RunState
 
 
 def _cfg(mode: str, *extra: str) -> RunConfig:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import stat
 
-from client.settings import Settings
-from devstack.stack import DevStack
-from storage.objects import LocalObjectStore
+from laminar.client.settings import Settings
+from laminar.devstack.stack import DevStack
+from laminar.storage.objects import LocalObjectStore
 
 
 def _mode(path) -> int:

@@ -21,22 +21,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from laminar.cli.drill import run_drill
+from laminar.cli.run import check_launcher
+from laminar.client.connect import connect
+from laminar.client.run_control import stop_run
+from laminar.client.settings import Settings
+from laminar.devstack.stack import DevStack
+from laminar.workers.launcher import plan_processes
+from laminar.workers.launcher_ray import NAMESPACE, ROLE_CPUS, host_groups, plan_placements
 from temporalio.client import WorkflowHandle
 
-from cli.drill import run_drill
-from cli.run import check_launcher
-from client.connect import connect
-from client.run_control import stop_run
-from client.settings import Settings
-from devstack.stack import DevStack
 from laminar.config import RunConfig
 from laminar.contract import DrillInput, DrillReport, RunStatus, workflow_id_for
 from laminar.errors import ConfigError, LaminarError
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until, wait_until
-from workers.launcher import plan_processes
-from workers.launcher_ray import NAMESPACE, ROLE_CPUS, host_groups, plan_placements
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_CPUS = 2  # per Ray node: one host's relay + rollout (1 + 1), or control + trainer
@@ -88,7 +88,7 @@ def test_launcher_option_errors_name_the_fix():
 
 
 def test_default_path_never_imports_ray():
-    code = ("import sys, cli.main, cli.run, workers.launcher, workers.processes; "
+    code = ("import sys, laminar.cli.main, laminar.cli.run, laminar.workers.launcher, laminar.workers.processes; "
             "sys.exit(1 if 'ray' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
@@ -98,9 +98,8 @@ def test_ray_cluster_config_passes_rays_schema():
     it sets every LAMINAR_* variable but the three the launcher sets per worker."""
     import yaml
     from jsonschema import ValidationError
+    from laminar.client.settings import _Variables
     from ray.autoscaler._private.util import prepare_config, validate_config
-
-    from client.settings import _Variables
 
     path = REPO / "infra/ray/cluster.yaml"
     config = yaml.safe_load(path.read_text())
@@ -178,7 +177,7 @@ async def test_run_and_drills_on_a_ray_cluster(ray_cluster, tmp_path):
     overrides = [f"--{o}" for o in [*TEST_OVERRIDES, "run.steps=1000", "rollout.replicas=4",
                                      "trainer.heartbeat_timeout_s=5", "trainer.checkpoint_every=4"]]
     summary = tmp_path / "summary.json"
-    argv = [sys.executable, "-m", "cli.main", "run", str(REPO / "examples/tiny.toml"), "--launcher", "ray",
+    argv = [sys.executable, "-m", "laminar.cli.main", "run", str(REPO / "examples/tiny.toml"), "--launcher", "ray",
             "--ray-address", address, "--run-id", run_id, "--summary", str(summary), *overrides]
     out = open(tmp_path / "run.out", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "LAMINAR_HOME": str(home)},

@@ -30,18 +30,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from laminar.cli.run import _spare_slots, make_launcher
+from laminar.client.connect import connect
+from laminar.client.run_control import scale_run, start_run, stop_run
+from laminar.client.settings import Settings
+from laminar.devstack.stack import DevStack
+from laminar.workers.launcher_ray import NAMESPACE, RayLauncher
 
-from cli.run import _spare_slots, make_launcher
-from client.connect import connect
-from client.run_control import scale_run, start_run, stop_run
-from client.settings import Settings
-from devstack.stack import DevStack
 from laminar.config import RunConfig
 from laminar.contract import RunStatus, workflow_id_for
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until
-from workers.launcher_ray import NAMESPACE, RayLauncher
 
 pytestmark = pytest.mark.slow  # up to 5 Ray nodes and a run through three node losses: minutes on 2 cores
 

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+from laminar.cli.bench import bench_app, parse_size
 from typer.testing import CliRunner
-
-from cli.bench import bench_app, parse_size
 
 
 def test_bench_relay_smoke_over_loopback_writes_the_json_report(tmp_path):
@@ -60,7 +59,7 @@ def test_sigterm_stops_every_node_process_it_started(tmp_path):
     """`timeout` or a CI runner ends a benchmark with SIGTERM: the relays, agents and the object store it started
     (real processes) must go with it, as with Ctrl-C, instead of outliving it."""
     repo = Path(__file__).resolve().parents[1]
-    bench = subprocess.Popen([sys.executable, "-m", "cli.main", "bench", "relay", "--size", "2MiB", "--relays", "1,2",
+    bench = subprocess.Popen([sys.executable, "-m", "laminar.cli.main", "bench", "relay", "--size", "2MiB", "--relays", "1,2",
                               "--reps", "100000", "--plot", str(tmp_path / "p.png")],
                              cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     nodes: list[psutil.Process] = []

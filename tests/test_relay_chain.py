@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from laminar.relay import client, protocol
+from laminar.relay.server import RelayServer
 from prometheus_client import REGISTRY
 
 from laminar.errors import RelayError
-from relay import client, protocol
-from relay.server import RelayServer
 
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ def _start_subprocess_relay(relay_id: str, stderr_path: Path, **kwargs) -> tuple
     code = (
         "import threading\n"
         "from laminar.logs import configure_logging\n"
-        "from relay.server import RelayServer\n"
+        "from laminar.relay.server import RelayServer\n"
         "configure_logging()\n"
         f"addr = RelayServer({relay_id!r}, **{kwargs!r}).start()\n"
         "print(addr, flush=True)\n"

@@ -9,14 +9,14 @@ import asyncio
 import random
 
 import pytest
+from laminar.workflows import timeouts
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.relay_chain import RelayChain
+from laminar.workflows.state import RunState
 
 from laminar.config import RunConfig
 from laminar.contract import RelayInfo, TrainStepResult
 from tests.fixtures.fake_runtime import FakeRuntime, activity_error
-from workflows import timeouts
-from workflows.ledger import Ledger
-from workflows.relay_chain import RelayChain
-from workflows.state import RunState
 
 
 def _chain(relays: int = 3, trainer_ready: bool = True, run_relay=None, closing=lambda: False):

@@ -8,9 +8,9 @@ import socket
 import threading
 
 import pytest
+from laminar.relay import auth, client, protocol, segments
 
 from laminar.errors import RelayError
-from relay import auth, client, protocol, segments
 from tests.test_relay_chain import relays, versions_of, wait_until, weights
 
 __all__ = ["relays"]  # the fixture, imported for this module's tests
@@ -65,7 +65,7 @@ def test_a_reader_given_the_name_of_a_reused_segment_is_told_to_ask_again(relays
     reply, _ = client.request(master, {"op": "local", "run": "", "policy_version": None})
     client.push(master, 2, weights(2), chain=[])
     client.push(master, 3, weights(3), chain=[])  # version 1's segment now holds version 3, under 3's name
-    from relay import segments
+    from laminar.relay import segments
 
     with pytest.raises(RelayError, match="is gone"):
         segments.open_readonly(reply["path"], reply["size"])

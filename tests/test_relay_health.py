@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workflows.relay_health import RelayHealth
+from laminar.workflows.relay_health import RelayHealth
 
 A, B, C = "10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000"
 

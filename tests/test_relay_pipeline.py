@@ -1,4 +1,4 @@
-"""Payload tags hashed beside the socket: relay.pipeline's pure decisions, and relay.macs's threads on real bytes.
+"""Payload tags hashed beside the socket: relay.pipeline's pure decisions, and laminar.relay.macs's threads on real bytes.
 
 The wire-level checks (a frame-rewriting proxy, a put to a real relay) are tests/test_relay_mac.py's; here the
 parts: which block each byte falls in, what a sender hashes ahead, that blocks are handed on in order and only
@@ -12,10 +12,10 @@ import hmac
 import os
 
 import pytest
+from laminar.relay import macs, protocol
+from laminar.relay.pipeline import Blocks, InOrder, may_feed, window
 
 from laminar.errors import RelayError
-from relay import macs, protocol
-from relay.pipeline import Blocks, InOrder, may_feed, window
 
 KEY = b"k" * 32
 

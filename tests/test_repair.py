@@ -14,17 +14,17 @@ import uuid
 from pathlib import Path
 
 import pytest
+from laminar.client.converter import DATA_CONVERTER
+from laminar.services import repair_verdict
+from laminar.services.repair import Repairer, prefix_through, task_events
+from laminar.services.repair_verdict import COMPLETED, FAILED, OTHER, SCHEDULED, STARTED, TIMED_OUT
+from laminar.workflows.training_run import TrainingRunWorkflow
 from temporalio.client import WorkflowExecutionStatus, WorkflowHistory
 from temporalio.worker import Replayer
 
-from client.converter import DATA_CONVERTER
-from services import repair_verdict
-from services.repair import Repairer, prefix_through, task_events
-from services.repair_verdict import COMPLETED, FAILED, OTHER, SCHEDULED, STARTED, TIMED_OUT
 from tests import wedge
 from tests.fixtures.temporal import temporal_address
 from tests.fixtures.waiting import async_wait_until
-from workflows.training_run import TrainingRunWorkflow
 
 HISTORY = Path(__file__).parent / "fixtures" / "chaos_nondeterminism_history.json.gz"
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,7 +186,7 @@ async def _attempts(handle) -> int:
 
 
 async def _failed_times(handle, times: int) -> bool:
-    """The run's workflow tasks failed at least `times` times in a row (services.repair_verdict.failures)."""
+    """The run's workflow tasks failed at least `times` times in a row (laminar.services.repair_verdict.failures)."""
     return repair_verdict.failures(task_events(await handle.fetch_history()), await _attempts(handle)) >= times
 
 

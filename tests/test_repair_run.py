@@ -18,19 +18,19 @@ import time
 from pathlib import Path
 
 import pytest
+from laminar.client.run_control import query_status, start_workflow
+from laminar.client.settings import Settings
+from laminar.services.drill import groups_lost
+from laminar.storage import keys
+from laminar.storage.objects import open_store
+from laminar.workers.launcher import LocalLauncher, plan_processes
 
-from client.run_control import query_status, start_workflow
-from client.settings import Settings
 from laminar.contract import RunStatus
 from laminar.errors import LaminarError
-from services.drill import groups_lost
-from storage import keys
-from storage.objects import open_store
 from tests import wedge
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import temporal_address
 from tests.fixtures.waiting import async_wait_until
-from workers.launcher import LocalLauncher, plan_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 600

@@ -15,14 +15,14 @@ import ast
 from pathlib import Path
 
 import pytest
+from laminar.client.converter import DATA_CONVERTER
+from laminar.workflows.pool import SlotPoolWorkflow
+from laminar.workflows.recovery_drill import RecoveryDrillWorkflow
+from laminar.workflows.training_run import TrainingRunWorkflow
 from temporalio.worker import Replayer
 
-from client.converter import DATA_CONVERTER
 from laminar import contract
 from tests.histories import MAX_FILE_BYTES, count, history_files, load, patch_ids, workflow_type
-from workflows.pool import SlotPoolWorkflow
-from workflows.recovery_drill import RecoveryDrillWorkflow
-from workflows.training_run import TrainingRunWorkflow
 
 WORKFLOWS_DIR = Path(__file__).parents[1] / "workflows"
 FILES = history_files()

@@ -9,14 +9,14 @@ import asyncio
 import random
 
 import pytest
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.migrations import Migrations
+from laminar.workflows.replica_set import ReplicaSet
+from laminar.workflows.state import RunState
 from temporalio.exceptions import ActivityError, ApplicationError, RetryState
 
 from laminar.config import RunConfig
 from tests.fixtures.fake_runtime import FakeRuntime
-from workflows.ledger import Ledger
-from workflows.migrations import Migrations
-from workflows.replica_set import ReplicaSet
-from workflows.state import RunState
 
 
 class Harness:

@@ -6,10 +6,8 @@ import json
 
 import pytest
 import torch
-
-from envs.tasks.tokenizer import build_word_tokenizer
-from laminar.errors import ConfigError
-from rl.model import (
+from laminar.envs.tasks.tokenizer import build_word_tokenizer
+from laminar.rl.model import (
     KVCache,
     build_model,
     bytes_to_state_dict,
@@ -18,6 +16,8 @@ from rl.model import (
     save_pretrained,
     state_dict_to_bytes,
 )
+
+from laminar.errors import ConfigError
 
 WORDS = ["a", "b", "c", ":", "1", "2", "3"]
 

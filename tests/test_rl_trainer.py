@@ -9,11 +9,7 @@ import re
 
 import pytest
 import torch
-
-from laminar.config import RunConfig, TrainerSection
-from laminar.errors import ConfigError
-from laminar.records import Trajectory
-from rl.grpo import (
+from laminar.rl.grpo import (
     behaviour_drift,
     clipped_token_loss,
     group_advantages,
@@ -21,8 +17,12 @@ from rl.grpo import (
     split_stale,
     token_entropy,
 )
-from rl.model import build_model, bytes_to_state_dict, model_state_dict, state_dict_to_bytes
-from rl.trainer import Trainer
+from laminar.rl.model import build_model, bytes_to_state_dict, model_state_dict, state_dict_to_bytes
+from laminar.rl.trainer import Trainer
+
+from laminar.config import RunConfig, TrainerSection
+from laminar.errors import ConfigError
+from laminar.records import Trajectory
 
 HF = {
     "model_type": "llama",
@@ -341,7 +341,7 @@ def test_micro_batches_give_the_same_update_as_the_whole_minibatch(minibatches: 
 
 
 def test_micro_batches_are_refused_with_fsdp_by_name() -> None:
-    from rl.factory import check_engines
+    from laminar.rl.factory import check_engines
 
     with pytest.raises(ConfigError, match=re.escape("trainer.micro_batch_samples=4 with trainer.backend='fsdp' is "
                                                     "not implemented")):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.rollout import (
+from laminar.services.rollout import (
     CLAIM_POLL_S,
     IDLE_CLAIM_MAX_S,
     PAUSED_CLAIM_MAX_S,

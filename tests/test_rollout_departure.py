@@ -6,6 +6,10 @@ plane is the replica's `ControlPort` seam, answered the way the workflow answers
 
 from __future__ import annotations
 
+from laminar.rl.model import model_state_dict
+from laminar.services.rollout import RolloutReplica
+from laminar.storage.trajectories import TrajectoryStore
+
 from laminar.contract import (
     AddExperienceInput,
     AddExperienceResult,
@@ -14,9 +18,6 @@ from laminar.contract import (
     Lease,
 )
 from laminar.notice import Notice
-from rl.model import model_state_dict
-from services.rollout import RolloutReplica
-from storage.trajectories import TrajectoryStore
 from tests.test_rollout_handover import CFG, GROUP_SIZE, GROUPS, RUN, Ticks, _store_with_model
 
 

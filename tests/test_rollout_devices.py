@@ -1,10 +1,9 @@
-"""One CUDA device per rollout replica of a process (rl.model.DeviceSlots; pure, no GPU needed)."""
+"""One CUDA device per rollout replica of a process (laminar.rl.model.DeviceSlots; pure, no GPU needed)."""
 
 import threading
 
 import pytest
-
-from rl.model import DeviceSlots
+from laminar.rl.model import DeviceSlots
 
 
 def test_each_replica_gets_its_own_device_while_there_are_enough() -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 
-from cli.run import STEP_RECORDS_PER_LOOK, _newer_steps, _progress_line
-from client.watch import RunProgress
-from storage import keys
-from storage.objects import LocalObjectStore
+from laminar.cli.run import STEP_RECORDS_PER_LOOK, _newer_steps, _progress_line
+from laminar.client.watch import RunProgress
+from laminar.storage import keys
+from laminar.storage.objects import LocalObjectStore
+
 from tests.fixtures.stack import small_config
 
 

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+from laminar.envs.tools.sandbox import PythonSandbox, SandboxLimits, SandboxUnavailable, run_python
 from structlog.testing import capture_logs
-
-from envs.tools.sandbox import PythonSandbox, SandboxLimits, SandboxUnavailable, run_python
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root (docs/guides/tools.md, 'The Python sandbox')")
 
@@ -258,7 +257,7 @@ def _python_task(hostile: str):
     spell a program, so the task's reading of a model turn (`turn_text`, the text the environment loop parses
     for a call) gives `<calc> 1 </calc>` as a `<python>` call of the hostile program and `<calc> 2 </calc>` as a
     call of `print('ok')`; any other turn is read as it is."""
-    from envs.tasks.tool_use import ToolsTask
+    from laminar.envs.tasks.tool_use import ToolsTask
 
     class PythonTask(ToolsTask):
         def __init__(self) -> None:
@@ -275,9 +274,10 @@ def _python_task(hostile: str):
 
 @pytest.mark.parametrize("kind", list(HOSTILE))
 def test_each_hostile_program_ends_as_a_failed_group_retried_then_dropped(kind):
+    from laminar.rl.engine_api import Finished
+    from laminar.services.rollout.batch import Batch
+
     from laminar.contract import Lease
-    from rl.engine_api import Finished
-    from services.rollout.batch import Batch
     from tests.test_tools import _engine
 
     task = _python_task(HOSTILE[kind])

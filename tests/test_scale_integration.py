@@ -14,17 +14,17 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest_asyncio
+from laminar.client.connect import connect, store_for
+from laminar.client.run_control import scale_run, scale_targets, start_workflow
+from laminar.client.settings import Settings
+from laminar.devstack.stack import DevStack
+from laminar.workers.launcher import LocalLauncher, plan_processes
 
-from client.connect import connect, store_for
-from client.run_control import scale_run, scale_targets, start_workflow
-from client.settings import Settings
-from devstack.stack import DevStack
 from laminar.contract import RunStatus
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import terminate_running
 from tests.fixtures.waiting import async_wait_until
-from workers.launcher import LocalLauncher, plan_processes
 
 # The workers are laid out for 4 replicas on 3 hosts plus 1 spare slot each: (2 + 1) + (1 + 1) + (1 + 1) = 7
 # rollout slots, so 4 replicas (and 2 removed ones still returning) always find a slot, and host-2 has a relay
@@ -134,7 +134,7 @@ async def test_scale_up_and_down_while_training(scale_stack):
 async def _laminar(home: Path, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
     """The `laminar` command line in a real process, against this module's stack."""
     env = {**os.environ, "LAMINAR_HOME": str(home), "PYTHONPATH": os.getcwd()}
-    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli.main", *args], env=env,
+    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "laminar.cli.main", *args], env=env,
                                    capture_output=True, text=True, timeout=timeout_s)
 
 

@@ -25,16 +25,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from laminar.devstack.stack import free_port
+from laminar.relay import client
+from laminar.relay.server import RelayServer
 from structlog.testing import capture_logs
 
-from devstack.stack import free_port
 from laminar.errors import ConfigError
 from laminar.listeners import check_bind, insecure_from_env, is_loopback
-from relay import client
-from relay.server import RelayServer
 
 ROOT = Path(__file__).resolve().parents[1]
-LAMINAR = [sys.executable, "-m", "cli.main"]
+LAMINAR = [sys.executable, "-m", "laminar.cli.main"]
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_relay_on_a_lan_address(lan_address: str):
 
 def test_s3_dev_server_on_a_lan_address(lan_address: str, tmp_path: Path):
     port = free_port(lan_address)
-    cmd = [sys.executable, "-m", "devstack.s3_server", "-H", lan_address, "-p", str(port), "--snapshot", str(tmp_path)]
+    cmd = [sys.executable, "-m", "laminar.devstack.s3_server", "-H", lan_address, "-p", str(port), "--snapshot", str(tmp_path)]
     refused = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2, refused.stderr
     assert "has no secret of its own" in refused.stderr and "--insecure" in refused.stderr, refused.stderr
@@ -145,7 +145,7 @@ _METRICS_SCRIPT = """
 import sys, time
 from laminar.logs import configure_logging
 from laminar.metrics import serve
-from client.settings import Settings
+from laminar.client.settings import Settings
 configure_logging("json", "info")
 s = Settings.from_env()
 print("URL", serve(s.metrics_port, s.metrics_bind, "control", "control", "host-0", token=s.metrics_token,

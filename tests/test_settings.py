@@ -7,9 +7,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from laminar.client.settings import Settings
+from laminar.devstack.record import DevStackInfo
 
-from client.settings import Settings
-from devstack.record import DevStackInfo
 from laminar.errors import ConfigError
 
 
@@ -188,7 +188,7 @@ def test_every_invalid_variable_is_reported_at_once(tmp_path):
 
 
 def test_relay_timeouts_default_to_about_a_second_and_bad_ones_name_the_fix(tmp_path):
-    from relay import client
+    from laminar.relay import client
 
     s = Settings.from_env({"LAMINAR_HOME": str(tmp_path)})
     assert (s.relay_connect_timeout_s, s.relay_io_timeout_s) == (1.0, 2.0)  # not the 30 s of a blocked push

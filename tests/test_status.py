@@ -7,20 +7,20 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from laminar.workflows.grants import SlotGrants
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.migrations import Migrations
+from laminar.workflows.relay_chain import RelayChain
+from laminar.workflows.replica_set import ReplicaSet
+from laminar.workflows.segment import Segment
+from laminar.workflows.state import RunState
+from laminar.workflows.status import SEARCH_ATTRIBUTES_EVERY_S, StatusBoard
+from laminar.workflows.trainer import Trainer
 
 from laminar.config import RunConfig
 from laminar.contract import RelayInfo, ReplicaGrant, ScaleResult
 from laminar.policy import policy_for
 from tests.fixtures.fake_runtime import FakeRuntime
-from workflows.grants import SlotGrants
-from workflows.ledger import Ledger
-from workflows.migrations import Migrations
-from workflows.relay_chain import RelayChain
-from workflows.replica_set import ReplicaSet
-from workflows.segment import Segment
-from workflows.state import RunState
-from workflows.status import SEARCH_ATTRIBUTES_EVERY_S, StatusBoard
-from workflows.trainer import Trainer
 
 
 class Run:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 
+from laminar.storage import keys, records
+from laminar.storage.trajectories import TrajectoryStore
+
 from laminar.records import Trajectory
-from storage import keys, records
-from storage.trajectories import TrajectoryStore
 
 RUN = "run-records"
 

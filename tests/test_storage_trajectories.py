@@ -15,13 +15,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from laminar.storage import keys
+from laminar.storage.objects import LocalObjectStore, sha256_hex
+from laminar.storage.trajectories import TRAJECTORY_SCHEMA, TrajectoryStore
 
 from laminar.errors import CorruptDataError
 from laminar.records import Trajectory
 from laminar.refs import SegmentRef
-from storage import keys
-from storage.objects import LocalObjectStore, sha256_hex
-from storage.trajectories import TRAJECTORY_SCHEMA, TrajectoryStore
 
 RUN = "run-1"
 REPLICA = "rollout-0"
@@ -231,8 +231,8 @@ def test_ids_with_slashes_are_rejected(object_store):
 _FLUSHER = """
 import sys
 from laminar.records import Trajectory
-from storage.objects import LocalObjectStore
-from storage.trajectories import TrajectoryStore
+from laminar.storage.objects import LocalObjectStore
+from laminar.storage.trajectories import TrajectoryStore
 
 store = TrajectoryStore(LocalObjectStore(sys.argv[1]))
 n = 0

@@ -12,22 +12,22 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from laminar.envs.tasks import RewardFailure, build_task, get_task
+from laminar.envs.tasks.prompt_file import FilePrompts
+from laminar.envs.tasks.repeat import RepeatTask
+from laminar.envs.tasks.scoring import score
+from laminar.envs.tasks.text import FileTask, render
+from laminar.rl.engine import TorchEngine
+from laminar.rl.model import build_model
+from laminar.services.rollout.batch import Batch, Counters
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.state import RunState
 from prometheus_client import REGISTRY
 
-from envs.tasks import RewardFailure, build_task, get_task
-from envs.tasks.prompt_file import FilePrompts
-from envs.tasks.repeat import RepeatTask
-from envs.tasks.scoring import score
-from envs.tasks.text import FileTask, render
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 from laminar.refs import SegmentRef
-from rl.engine import TorchEngine
-from rl.model import build_model
-from services.rollout.batch import Batch, Counters
 from tests.fixtures.user_task import FAILS, PROMPTS, REASON, TASK_NAME, CopyTask
-from workflows.ledger import Ledger
-from workflows.state import RunState
 
 
 def _cfg(*overrides: str) -> RunConfig:
@@ -62,7 +62,7 @@ def test_an_entry_point_names_a_task(tmp_path, monkeypatch):
 @pytest.mark.parametrize(("overrides", "message"), [
     (["task.name=sorting"], "'sorting' is not a known task"),
     (["task.name=no_such_pkg.mod:Task"], "module 'no_such_pkg.mod' cannot be imported"),
-    (["task.name=envs.tasks.repeat:NoSuchTask"], "has no 'NoSuchTask'"),
+    (["task.name=laminar.envs.tasks.repeat:NoSuchTask"], "has no 'NoSuchTask'"),
     ([f"task.prompts={PROMPTS}"], "task 'repeat' reads no prompt file"),
     (["task.params={\"colour\": 1}"], "task.params has colour, which task 'repeat' does not take"),
     (["task.name=file"], "could not be built"),  # the file task without task.prompts
@@ -79,16 +79,15 @@ def test_bad_task_config_is_a_config_error_naming_the_field(overrides, message):
     ([f"task.name={TASK_NAME}", "task.prompts=/no/such/prompts.jsonl"], "is not a file on this host"),
 ])
 def test_laminar_run_checks_the_task_before_anything_starts(overrides, message):
+    from laminar.cli.main import app
     from typer.testing import CliRunner
-
-    from cli.main import app
 
     res = CliRunner().invoke(app, ["run", "examples/tiny.toml", *[f"--{o}" for o in overrides]])
     assert res.exit_code != 0 and message in " ".join(res.output.split()), res.output
 
 
 def test_check_task_builds_nothing_and_passes_a_good_task():
-    from envs.tasks.loader import check_task
+    from laminar.envs.tasks.loader import check_task
 
     check_task(_cfg(f"task.name={TASK_NAME}", f"task.prompts={PROMPTS}", "task.params={\"hang_s\": 2}").task)
     check_task(_cfg().task)
@@ -346,7 +345,7 @@ def test_a_batch_without_failures_is_never_settled_early():
 
 def test_the_tiny_models_fingerprint_follows_the_prompt_files_content(tmp_path):
     # the tiny tokenizer's vocabulary comes from the file: an edited file at the same path builds a new model
-    from rl.base_model import fingerprint
+    from laminar.rl.base_model import fingerprint
 
     path = tmp_path / "p.jsonl"
     path.write_text(PROMPTS.read_text())
@@ -373,3 +372,11 @@ def test_a_prompt_the_engine_cannot_admit_fails_its_group_not_the_replica(tmp_pa
     while batch.engine.in_flight():
         batch.record(batch.engine.step())
     assert [g.lease.group_id for g in batch.completed] == [short.group_id]
+
+
+def test_a_task_path_stored_before_the_installed_namespace_still_loads():
+    """Configs written before every package moved under `laminar.` name built-ins as `envs.tasks.math:MathTask`."""
+    from laminar.envs.tasks.loader import resolve_task_class
+    from laminar.envs.tasks.math import MathTask
+
+    assert resolve_task_class("envs.tasks.math:MathTask") is MathTask

@@ -6,13 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from reporting.tool_calls import ToolCallCount, count_tool_calls
+from laminar.reporting.tool_calls import ToolCallCount, count_tool_calls
 
 _WRITER = """
 import sys
 from laminar.logs import configure_logging, get_logger
 configure_logging(sys.argv[1], "info", open(sys.argv[2], "w"))
-log = get_logger("services.rollout.batch")
+log = get_logger("laminar.services.rollout.batch")
 for group, sample, turn, sha in {events!r}:
     if group == "RETRY":
         log.warning("group_retried", group_id=sample, reason="sandbox", attempt=1)

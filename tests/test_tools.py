@@ -6,22 +6,27 @@ from __future__ import annotations
 
 import pytest
 import torch
+from laminar.activities.errors import permanent_errors
+from laminar.envs.tasks.tool_use import ToolsTask
+from laminar.envs.tools import Episode, ToolResult, call, parse_call
+from laminar.envs.tools.calculator import Calculator, evaluate
+from laminar.rl.engine import TorchEngine
+from laminar.rl.engine_api import Finished
+from laminar.rl.model import build_model, model_state_dict
+from laminar.rl.trainer import collate
+from laminar.services.rollout.batch import Batch
+from laminar.storage.objects import LocalObjectStore
+from laminar.storage.trajectories import (
+    TrajectoryStore,
+    check_schema,
+    table_to_trajectories,
+    trajectories_to_table,
+)
 from temporalio.exceptions import ApplicationError
 
-from activities.errors import permanent_errors
-from envs.tasks.tool_use import ToolsTask
-from envs.tools import Episode, ToolResult, call, parse_call
-from envs.tools.calculator import Calculator, evaluate
 from laminar.contract import Lease
 from laminar.errors import CorruptDataError, UntrainableRowError
 from laminar.records import untrainable
-from rl.engine import TorchEngine
-from rl.engine_api import Finished
-from rl.model import build_model, model_state_dict
-from rl.trainer import collate
-from services.rollout.batch import Batch
-from storage.objects import LocalObjectStore
-from storage.trajectories import TrajectoryStore, check_schema, table_to_trajectories, trajectories_to_table
 
 TASK = ToolsTask(seed=0)
 HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": TASK.tokenizer.get_vocab_size(),
@@ -172,7 +177,7 @@ def test_the_trainer_masks_tool_output_out_of_the_loss():
 def _stale_episode(a: Batch, index: int, mask_len: int) -> None:
     """Sample `index` of g0 carries turns of an older try: a tool mask longer than its new response (the chaos
     run's "8 response tokens but a tool_mask of 12")."""
-    from envs.tools import ToolCall
+    from laminar.envs.tools import ToolCall
 
     ep = Episode(mask=[1] * (mask_len - 2) + [0, 0])
     ep.calls.append(ToolCall(0, "calculator", 0.0))
@@ -249,7 +254,7 @@ def test_old_segments_without_the_mask_column_still_read():
 
 def test_episode_round_trips_through_a_row():
     ep = Episode(mask=[1, 1, 0, 0])
-    from envs.tools import ToolCall
+    from laminar.envs.tools import ToolCall
 
     ep.calls.append(ToolCall(0, "calculator", 0.25))
     back = Episode.from_row(ep.full_mask(7), ep.extra())
@@ -290,9 +295,10 @@ def test_a_group_restarted_from_its_prompt_gets_the_recorded_answer_of_a_complet
 # -- at most once: the write-ahead record of an engine step's calls -----------------------------------------------
 
 def _pool(batch: Batch, store: TrajectoryStore, attempt: int):
+    from laminar.services.rollout.batch import Counters
+    from laminar.services.rollout.pool import PartialPool
+
     from laminar.timing import TimeBreakdown
-    from services.rollout.batch import Counters
-    from services.rollout.pool import PartialPool
     # the pool's writes and reads need no weights (only resume's version check does, done by hand here)
     return PartialPool(store, "run-t", "rollout-0", (0, attempt), batch, None, Counters(), TimeBreakdown())
 
@@ -330,9 +336,8 @@ def test_a_crash_between_the_intent_write_and_the_output_write_never_runs_the_ca
     outputs. The next incarnation resumes from the pool: the calls whose intents are recorded without output
     are not run again (counted by `tool_executed` events across both incarnations); the samples read
     INTERRUPTED as those calls' output (mask 0) and finish."""
+    from laminar.services.rollout.batch import INTERRUPTED
     from structlog.testing import capture_logs
-
-    from services.rollout.batch import INTERRUPTED
     store = TrajectoryStore(LocalObjectStore(str(tmp_path)))
     engine = _engine()
     a = _batch(engine)
@@ -374,9 +379,8 @@ def test_a_regenerated_group_keeps_its_recorded_answers_across_another_crash(tmp
     PartialPool._restart_fresh) and dies before the regenerated turns reach their calls; incarnation c resumes
     b's pool. The answers b kept in memory travel in b's pool rows (extra `recorded_calls`), so c answers the
     same calls from the record: each call ran once over the three incarnations. Before, c ran them again."""
+    from laminar.services.rollout.batch import RECORDED
     from structlog.testing import capture_logs
-
-    from services.rollout.batch import RECORDED
     store = TrajectoryStore(LocalObjectStore(str(tmp_path)))
     engine = _engine()
     a = _batch(engine)
@@ -415,10 +419,11 @@ def test_a_group_handed_off_and_back_from_its_prompt_carries_no_stale_turns(tmp_
     under a version it no longer holds, so it is generated again from its prompt (Repack.take_leases ->
     restart_fresh). The replica's episodes of the first try must not survive: a stale one gave the new, shorter
     response the old tool mask (12 entries for 8 tokens), which the trainer refused at every retry of its step."""
+    from laminar.services.rollout.batch import Counters
+    from laminar.services.rollout.migration import Repack
+
     from laminar.contract import MigrationOrder
     from laminar.timing import TimeBreakdown
-    from services.rollout.batch import Counters
-    from services.rollout.migration import Repack
 
     store = TrajectoryStore(LocalObjectStore(str(tmp_path)))
     engine = _engine()
@@ -447,10 +452,11 @@ def test_a_source_that_dies_before_its_hand_off_is_recorded_keeps_the_groups_in_
     leases were still its own. Its pool, written after the hand-off, no longer held the groups: the retry's first
     claim did not resume them, they went back from their prompts and their calls ran again. The pool now keeps
     the handed-off rows until that claim is answered."""
+    from laminar.services.rollout.batch import Counters
+    from laminar.services.rollout.migration import Repack
+
     from laminar.contract import MigrationOrder
     from laminar.timing import TimeBreakdown
-    from services.rollout.batch import Counters
-    from services.rollout.migration import Repack
 
     store = TrajectoryStore(LocalObjectStore(str(tmp_path)))
     engine = _engine()

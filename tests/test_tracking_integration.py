@@ -12,18 +12,18 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from laminar.cli.drill import run_drill
+from laminar.client.connect import connect, store_for
+from laminar.client.run_control import start_workflow
+from laminar.client.settings import Settings
+from laminar.devstack.stack import DevStack
+from laminar.storage import keys
+from laminar.workers.launcher import LocalLauncher, plan_processes
 
-from cli.drill import run_drill
-from client.connect import connect, store_for
-from client.run_control import start_workflow
-from client.settings import Settings
-from devstack.stack import DevStack
 from laminar.contract import DrillInput, RunStatus
-from storage import keys
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import terminate_running
-from workers.launcher import LocalLauncher, plan_processes
 
 OVERRIDES = ["run.steps=1000", "trainer.heartbeat_timeout_s=5", "trainer.checkpoint_every=4"]
 

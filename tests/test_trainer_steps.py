@@ -10,6 +10,11 @@ import dataclasses
 import random
 
 import pytest
+from laminar.workflows import timeouts
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.relay_chain import RelayChain
+from laminar.workflows.state import RunState
+from laminar.workflows.trainer import HANDOVER_STALLS_KEPT, Trainer
 from temporalio.exceptions import ActivityError, ApplicationError, RetryState
 
 from laminar.config import RunConfig
@@ -24,11 +29,6 @@ from laminar.contract import (
 from laminar.policy import policy_for
 from laminar.refs import SegmentRef
 from tests.fixtures.fake_runtime import FakeRuntime
-from workflows import timeouts
-from workflows.ledger import Ledger
-from workflows.relay_chain import RelayChain
-from workflows.state import RunState
-from workflows.trainer import HANDOVER_STALLS_KEPT, Trainer
 
 RUN = "run-trainer"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from services.turns import Turns
+from laminar.services.turns import Turns
 
 
 def _waiter(turns: Turns, step, order: list, hold_s: float = 0.0) -> threading.Thread:

@@ -63,7 +63,7 @@ def test_vllm_on_cpu_passes_every_contract_test_and_the_lora_contract() -> None:
 
 def test_the_torch_path_never_imports_vllm() -> None:
     """In the venv where vllm is installed, importing the workers, the rollout and the trainer loads no vllm."""
-    code = ("import sys, cli.main, services.rollout, services.trainer, rl.engine, rl.trainer; "
+    code = ("import sys, laminar.cli.main, laminar.services.rollout, laminar.services.trainer, laminar.rl.engine, laminar.rl.trainer; "
             "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
             "assert not bad, bad[:5]; import vllm; print('vllm', vllm.__version__)")
     r = subprocess.run([str(VLLM_PYTHON), "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -3,7 +3,7 @@ back is not asked once a second) and return to the poll interval on the first an
 
 from __future__ import annotations
 
-from client.watch import BACKOFF_MAX_S, POLL_S, next_poll_s
+from laminar.client.watch import BACKOFF_MAX_S, POLL_S, next_poll_s
 
 
 def test_describes_double_their_wait_while_they_fail_and_come_back_at_once():

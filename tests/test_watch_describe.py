@@ -10,6 +10,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
+from laminar.client.watch import RunProgress, watch_run
 from temporalio import workflow
 from temporalio.client import (
     Client,
@@ -21,7 +22,6 @@ from temporalio.client import (
 )
 from temporalio.worker import Worker
 
-from client.watch import RunProgress, watch_run
 from laminar import search
 
 

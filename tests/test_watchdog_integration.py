@@ -14,10 +14,11 @@ import subprocess
 import sys
 import time
 
-from client.run_control import query_status, start_workflow
+from laminar.client.run_control import query_status, start_workflow
+from laminar.services.drill import groups_lost
+
 from laminar.contract import RunStatus
 from laminar.watchdog import stall_line
-from services.drill import groups_lost
 from tests.fixtures.stack import small_config
 from tests.fixtures.waiting import async_wait_until
 
@@ -74,7 +75,7 @@ async def test_a_starved_run_shows_what_it_waits_for_and_clears_when_fed(stack):
         # the real command prints it too (the table wraps long cells, so compare without whitespace)
         env = {**os.environ, "LAMINAR_HOME": str(stack.home), "LAMINAR_TEMPORAL_ADDRESS": stack.settings.temporal_address,
                "LAMINAR_STORE": stack.settings.store_url, "PYTHONPATH": os.getcwd(), "COLUMNS": "300"}
-        out = subprocess.run([sys.executable, "-m", "cli.main", "status", run_id], env=env, capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "laminar.cli.main", "status", run_id], env=env, capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         printed = "".join(out.stdout.split())

@@ -26,10 +26,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from laminar.devstack.stack import DevStack, free_port
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
-from devstack.stack import DevStack, free_port
 from laminar import contract
 from tests import wedge
 
@@ -183,7 +183,7 @@ async def test_the_repairer_resets_a_reproduced_wedge(own_server):
     """A reproduced wedge seen as the chaos run saw it: the cached worker dies, a fresh one replays the run and every
     workflow task fails; the repairer (services/repair.py) resets it to the last task completed before the bad one,
     and the run goes on: claims answered, the signal applied exactly once (0 lost, 0 twice), the history replays."""
-    from services.repair import Repairer
+    from laminar.services.repair import Repairer
 
     stack, address = own_server
     client = await Client.connect(address)

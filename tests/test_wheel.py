@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIP = {".git", ".venv", ".venv-vllm", ".laminar", "build", "dist", "site", "tests", "docs", "__pycache__",
         ".pytest_cache", ".ruff_cache", "node_modules"}
 # what must be in the wheel besides the modules: the data `laminar` reads at run time
-DATA = ["laminar/defaults/tiny.toml", "laminar/defaults/starter.toml", "cli/main.py"]
+DATA = ["laminar/defaults/tiny.toml", "laminar/defaults/starter.toml", "laminar/cli/main.py"]
 BINARIES = ["temporal"]  # programs of dependencies that laminar runs
 
 pytestmark = pytest.mark.slow  # a wheel build, a venv and two short runs: about two minutes on 2 shared cores
@@ -87,8 +87,8 @@ def test_the_wheel_runs_laminar_from_any_directory(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",) and not k.startswith("LAMINAR_")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     # every first-party module comes from the wheel, not from the checkout
-    where = _run([str(bin_dir / "python"), "-c", "import cli.main, laminar, workers.launcher; "
-                  "print(cli.main.__file__); print(laminar.__file__)"], work, env, 120).stdout
+    where = _run([str(bin_dir / "python"), "-c", "import laminar.cli.main, laminar, laminar.workers.launcher; "
+                  "print(laminar.cli.main.__file__); print(laminar.__file__)"], work, env, 120).stdout
     assert str(ROOT) not in where and str(tmp_path / "venv") in where, where
     _run([laminar, "dev", "up", "--port", str(_free_port()), "--no-ui"], work, env, 120)
     try:

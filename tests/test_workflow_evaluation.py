@@ -4,12 +4,13 @@ its leases, each closed round is recorded once, and the training ledger is never
 
 from __future__ import annotations
 
+from laminar.workflows.evaluation import Evaluation
+from laminar.workflows.state import RunState
+
 from laminar.config import RunConfig
 from laminar.contract import ClaimPromptsInput, EvalLease, EvalReport, RecordEvalInput, ReplicaReport
 from laminar.evalstats import PromptResult
 from tests.fixtures.fake_runtime import FakeRuntime
-from workflows.evaluation import Evaluation
-from workflows.state import RunState
 
 N = 5
 

@@ -148,7 +148,7 @@ async def _serve(address: str, queue: str) -> None:
     client = await Client.connect(address, runtime=runtime) if runtime else await Client.connect(address)
     # unsandboxed: the aligned mode's os.kill; the cache is the SDK's default (what the control worker uses)
     # debug_mode: no deadlock detector, so a stalled activation stays stalled instead of failing its task
-    from workers.processes import worker_interceptors
+    from laminar.workers.processes import worker_interceptors
 
     async with Worker(client, task_queue=queue, workflows=[WedgeRepro], workflow_runner=UnsandboxedWorkflowRunner(),
                       debug_mode=True, interceptors=worker_interceptors()):

@@ -31,7 +31,7 @@ class Drained:
 
 def worker_name(cmdline: list[str], environ: dict[str, str]) -> str | None:
     """The launcher's name of a worker process, from its command line and environment (None: not a worker)."""
-    if "cli.main" not in cmdline or "worker" not in cmdline:
+    if "laminar.cli.main" not in cmdline or "worker" not in cmdline:
         return None
     rest = cmdline[cmdline.index("worker") + 1:]
     role = next((a for a in rest if not a.startswith("-") and not a.isdigit()), None)

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from laminar.client.settings import Settings
+from laminar.devstack.stack import free_port
 
-from client.settings import Settings
-from devstack.stack import free_port
 from laminar.config import RunConfig
 from laminar.logs import get_logger
 
@@ -61,7 +61,7 @@ def plan_processes(cfg: RunConfig, settings: Settings, log_dir: Path, spare_slot
     replica whose worker died is retried at once on a surviving worker. allow_faults: every process
     accepts recovery-drill faults on its own fault queue. metrics: each process serves Prometheus metrics
     on a free port of its own (LAMINAR_METRICS_PORT; a restarted process keeps its port)."""
-    base = [sys.executable, "-m", "cli.main", "worker", *(["--allow-faults"] if allow_faults else [])]
+    base = [sys.executable, "-m", "laminar.cli.main", "worker", *(["--allow-faults"] if allow_faults else [])]
     env = {**os.environ, **settings.to_env()}
     procs = [
         ManagedProcess("control", [*base, "control"], env, log_dir / "control.log"),

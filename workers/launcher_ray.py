@@ -38,11 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from laminar.rl.factory import trainer_gpus
+from laminar.workers.launcher import ManagedProcess, process_cpu_s, rollout_args, slots_to_add
+
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, LaminarError
 from laminar.logs import get_logger
-from rl.factory import trainer_gpus
-from workers.launcher import ManagedProcess, process_cpu_s, rollout_args, slots_to_add
 
 log = get_logger(__name__)
 
@@ -147,8 +148,7 @@ class _WorkerActor:
 
     def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: str, bind_node_ip: bool) -> None:
         import ray
-
-        from workers.launcher import _die_with_parent
+        from laminar.workers.launcher import _die_with_parent
 
         ctx = ray.get_runtime_context()
         self.name = name
@@ -174,7 +174,7 @@ class _WorkerActor:
             # forked dies, so the child dies with this actor's process, never before.
             try:
                 with open(log_path, "ab") as out:
-                    self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "worker", *args],
+                    self.proc = subprocess.Popen([sys.executable, "-m", "laminar.cli.main", "worker", *args],
                                                  env=child_env, stdout=out, stderr=subprocess.STDOUT,
                                                  stdin=subprocess.DEVNULL, start_new_session=True,
                                                  preexec_fn=_die_with_parent)

@@ -19,14 +19,17 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from datetime import timedelta
 
+from laminar.activities.evaluation import EvalActivities
+from laminar.activities.faults import FaultActivities
+from laminar.activities.heartbeat import HEARTBEAT_THROTTLE
+from laminar.activities.relay import RelayActivities
+from laminar.client.connect import connect, store_for
+from laminar.client.settings import Settings
+from laminar.workflows.pool import SlotPoolWorkflow
+from laminar.workflows.recovery_drill import RecoveryDrillWorkflow
+from laminar.workflows.training_run import TrainingRunWorkflow
 from temporalio.worker import Worker
 
-from activities.evaluation import EvalActivities
-from activities.faults import FaultActivities
-from activities.heartbeat import HEARTBEAT_THROTTLE
-from activities.relay import RelayActivities
-from client.connect import connect, store_for
-from client.settings import Settings
 from laminar import contract
 from laminar.contract import (
     CONTROL_QUEUE,
@@ -40,16 +43,13 @@ from laminar.contract import (
 )
 from laminar.logs import get_logger
 from laminar.notice import NOTICE
-from workflows.pool import SlotPoolWorkflow
-from workflows.recovery_drill import RecoveryDrillWorkflow
-from workflows.training_run import TrainingRunWorkflow
 
 log = get_logger(__name__)
 
 
 def _relay_timeouts(settings: Settings) -> None:
-    """This process's relay connect and idle timeouts (relay.client.TIMEOUTS), from the settings."""
-    from relay import client as relay_client
+    """This process's relay connect and idle timeouts (laminar.relay.client.TIMEOUTS), from the settings."""
+    from laminar.relay import client as relay_client
 
     relay_client.configure(settings.relay_connect_timeout_s, settings.relay_io_timeout_s)
 
@@ -108,8 +108,9 @@ def worker_interceptors(env: dict[str, str] | None = None) -> list:
 
 
 async def control(settings: Settings, allow_faults: bool = False) -> None:
+    from laminar.services.repair import Repairer
+
     from laminar.metrics import CONTROL_WORKFLOW_RESETS
-    from services.repair import Repairer
 
     client = await connect(settings)
     interceptors = worker_interceptors()
@@ -134,9 +135,10 @@ async def control(settings: Settings, allow_faults: bool = False) -> None:
 
 
 def _repair_sweep_s() -> float:
-    """`LAMINAR_REPAIR_SWEEP_S`: seconds between the repairer's sweeps (default services.repair.SWEEP_S)."""
+    """`LAMINAR_REPAIR_SWEEP_S`: seconds between the repairer's sweeps (default laminar.services.repair.SWEEP_S)."""
+    from laminar.services.repair import SWEEP_S
+
     from laminar.errors import ConfigError
-    from services.repair import SWEEP_S
 
     text = os.environ.get("LAMINAR_REPAIR_SWEEP_S", "").strip()
     if not text:
@@ -156,9 +158,8 @@ TRAINER_SLOTS = 3  # the running step and the two scheduled behind it (workflows
 
 async def trainer(settings: Settings, allow_faults: bool = False) -> None:
     import torch  # only the roles that compute import torch (a control or relay process starts in ~1 s)
-
-    from activities.trainer import TrainerActivities
-    from services.trainer import TrainerService
+    from laminar.activities.trainer import TrainerActivities
+    from laminar.services.trainer import TrainerService
 
     torch.set_num_threads(1)
     _relay_timeouts(settings)
@@ -200,10 +201,9 @@ async def _leave_trainer(client, service) -> None:
 
 async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1, spare: int = 0) -> None:
     import torch
-
-    from activities.rollout import RolloutActivities
-    from services.rollout.attach import PARKING
-    from workers.rollout_slots import OwnQueueSlots, SharedQueueSlots, Slots, tuner
+    from laminar.activities.rollout import RolloutActivities
+    from laminar.services.rollout.attach import PARKING
+    from laminar.workers.rollout_slots import OwnQueueSlots, SharedQueueSlots, Slots, tuner
 
     torch.set_num_threads(1)
     _relay_timeouts(settings)
@@ -228,7 +228,7 @@ async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1
 
 
 async def relay(settings: Settings, allow_faults: bool = False) -> None:
-    from relay.server import RETAIN_S, RelayServer
+    from laminar.relay.server import RETAIN_S, RelayServer
 
     _relay_timeouts(settings)
     server = RelayServer(settings.host_id, bind_host=settings.relay_bind, token=settings.relay_token,

@@ -16,6 +16,7 @@ from collections.abc import Callable, Coroutine
 from datetime import timedelta
 from typing import Any
 
+from laminar.workflows import timeouts
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutType
 from temporalio.exceptions import TimeoutError as ActivityTimeoutError
@@ -40,7 +41,6 @@ from laminar.contract import (
 )
 from laminar.errors import REPLICA_NOT_PARKED
 from laminar.refs import CheckpointRef
-from workflows import timeouts
 
 
 class Runtime:

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.repack import Move, ReplicaLoad, plan_repack
+
 from laminar.contract import Departure, Handoff, Incoming, MigrationOrder, ReplicaReport, Taken
-from workflows.ledger import Ledger
-from workflows.repack import Move, ReplicaLoad, plan_repack
 
 
 class Migrations:

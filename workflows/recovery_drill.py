@@ -18,6 +18,7 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from laminar.workflows import timeouts
     from temporalio.converter import value_to_type
 
     from laminar import contract
@@ -33,7 +34,6 @@ with workflow.unsafe.imports_passed_through():
         fault_queue,
     )
     from laminar.errors import ConfigError
-    from workflows import timeouts
 
 
 @workflow.defn(name=contract.RECOVERY_DRILL_WORKFLOW)

@@ -14,17 +14,18 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from laminar.workflows.commands import Runtime
+from laminar.workflows.grants import SlotGrants
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.relay_chain import RelayChain
+from laminar.workflows.replica_set import ReplicaSet
+from laminar.workflows.segment import Segment
+from laminar.workflows.state import RunState
+from laminar.workflows.trainer import Trainer
+
 from laminar import search, watchdog
 from laminar.config import RunConfig
 from laminar.contract import RunStatus
-from workflows.commands import Runtime
-from workflows.grants import SlotGrants
-from workflows.ledger import Ledger
-from workflows.relay_chain import RelayChain
-from workflows.replica_set import ReplicaSet
-from workflows.segment import Segment
-from workflows.state import RunState
-from workflows.trainer import Trainer
 
 SEARCH_ATTRIBUTES_EVERY_S = 5.0  # step, version and reward are upserted at most this often (a phase change: at once)
 

@@ -101,21 +101,21 @@ class Task(Protocol):
 
 
 def known_tasks() -> list[str]:
-    from envs.tasks.loader import BUILTIN
+    from laminar.envs.tasks.loader import BUILTIN
 
     return sorted(BUILTIN)
 
 
 def get_task(name: str, **params):
     """Build task `name` (built-in, "package.module:Class" or entry point) with these constructor arguments."""
-    from envs.tasks.loader import resolve_task_class
+    from laminar.envs.tasks.loader import resolve_task_class
 
     return resolve_task_class(name)(**params)
 
 
 def build_task(section, *, seed: int, tokenizer=None, chat_template: str | None = None):
     """The task of a run's `task` section (envs/tasks/loader.py)."""
-    from envs.tasks.loader import build_task as build
+    from laminar.envs.tasks.loader import build_task as build
 
     return build(section, seed=seed, tokenizer=tokenizer, chat_template=chat_template)
 

@@ -12,7 +12,8 @@ import json
 import random
 from pathlib import Path
 
-from envs.tasks import PromptRow
+from laminar.envs.tasks import PromptRow
+
 from laminar.errors import ConfigError
 
 

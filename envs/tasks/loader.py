@@ -8,15 +8,16 @@ import inspect
 from importlib.metadata import entry_points
 from typing import Any
 
+from laminar import SUBPACKAGES
 from laminar.errors import ConfigError
 
 ENTRY_POINT_GROUP = "laminar.tasks"
 # built-in task name -> "module:Class" (imported only when chosen)
 BUILTIN: dict[str, str] = {
-    "repeat": "envs.tasks.repeat:RepeatTask",
-    "file": "envs.tasks.text:FileTask",  # task.prompts, exact-match reward
-    "math": "envs.tasks.math:MathTask",  # task.params.generator: chain_sum | countdown | gsm8k
-    "tools": "envs.tasks.tool_use:ToolsTask",  # chain_sum with a <calc> tool over several turns
+    "repeat": "laminar.envs.tasks.repeat:RepeatTask",
+    "file": "laminar.envs.tasks.text:FileTask",  # task.prompts, exact-match reward
+    "math": "laminar.envs.tasks.math:MathTask",  # task.params.generator: chain_sum | countdown | gsm8k
+    "tools": "laminar.envs.tasks.tool_use:ToolsTask",  # chain_sum with a <calc> tool over several turns
 }
 
 
@@ -29,6 +30,9 @@ def _import(name: str, spec: str) -> type:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"task.name={name!r} is not \"package.module:Class\"; {_fix()}")
+    if module_name.split(".")[0] in SUBPACKAGES:
+        # a config stored before the one installed name (`envs.tasks.math`) still loads: laminar.envs.tasks.math
+        module_name = "laminar." + module_name
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -63,7 +67,7 @@ def resolve_task_class(name: str) -> type:
 def build_task(section: Any, *, seed: int, tokenizer: Any = None, chat_template: str | None = None) -> Any:
     """The task of a run's `task` section (laminar.config.TaskSection): its class called with the keyword
     arguments it accepts of seed, tokenizer, chat_template, max_count, prompts, and every task.params key."""
-    from envs.tasks.prompt_file import FilePrompts
+    from laminar.envs.tasks.prompt_file import FilePrompts
 
     cls = resolve_task_class(section.name)
     prompts = FilePrompts(section.prompts, seed=seed) if section.prompts else None
@@ -81,7 +85,7 @@ def build_task(section: Any, *, seed: int, tokenizer: Any = None, chat_template:
 def check_task(section: Any) -> None:
     """Fail fast where a run starts, building nothing: task.name resolves, task.prompts reads, and task.params
     and the prompt file fit the class's constructor (ConfigError naming the field otherwise)."""
-    from envs.tasks.prompt_file import FilePrompts
+    from laminar.envs.tasks.prompt_file import FilePrompts
 
     cls = resolve_task_class(section.name)
     prompts = FilePrompts(section.prompts) if section.prompts else None

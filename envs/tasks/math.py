@@ -39,9 +39,16 @@ import hashlib
 import random
 from typing import Any
 
-from envs.tasks import Prompt, PromptRow
-from envs.tasks.answers import arithmetic_answer, exact_match, extract_answer, last_number, math_verify_match
-from envs.tasks.text import TextTask
+from laminar.envs.tasks import Prompt, PromptRow
+from laminar.envs.tasks.answers import (
+    arithmetic_answer,
+    exact_match,
+    extract_answer,
+    last_number,
+    math_verify_match,
+)
+from laminar.envs.tasks.text import TextTask
+
 from laminar.errors import ConfigError
 
 GENERATORS = ("chain_sum", "countdown", "gsm8k")
@@ -221,7 +228,7 @@ class MathTask(TextTask):
         self.generator, self.answer_format = generator, answer
         self.compact = _is_word_level(tokenizer)
         if generator == "gsm8k":
-            from envs.tasks.gsm8k import Gsm8kPrompts
+            from laminar.envs.tasks.gsm8k import Gsm8kPrompts
 
             if not path:
                 raise ConfigError("task.params.generator='gsm8k' needs task.params.path: a local GSM8K-format "

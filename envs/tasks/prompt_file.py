@@ -16,7 +16,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from envs.tasks import PromptRow
+from laminar.envs.tasks import PromptRow
+
 from laminar.errors import ConfigError
 
 COLUMNS = ("id", "prompt", "messages", "answer", "metadata")

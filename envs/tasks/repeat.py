@@ -20,8 +20,8 @@ import random
 from bisect import bisect_left
 from itertools import accumulate
 
-from envs.tasks import Prompt
-from envs.tasks.tokenizer import build_word_tokenizer, special_ids
+from laminar.envs.tasks import Prompt
+from laminar.envs.tasks.tokenizer import build_word_tokenizer, special_ids
 
 SYMBOLS = ("a", "b", "c", "d", "e", "f", "g", "h")
 SEPARATOR = ":"

@@ -18,7 +18,7 @@ import queue
 import threading
 from typing import Any
 
-from envs.tasks import Prompt, RewardFailure
+from laminar.envs.tasks import Prompt, RewardFailure
 
 REASONS = ("raised", "timeout", "nan", "wrong_type", "sandbox", "generation", "malformed")
 

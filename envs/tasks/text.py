@@ -14,8 +14,8 @@ import random
 from collections.abc import Awaitable
 from typing import Any
 
-from envs.tasks import Prompt, PromptRow, PromptSource
-from envs.tasks.tokenizer import build_word_tokenizer, special_ids
+from laminar.envs.tasks import Prompt, PromptRow, PromptSource
+from laminar.envs.tasks.tokenizer import build_word_tokenizer, special_ids
 
 
 def render(row: PromptRow, chat_template: str | None, bos_token: str = "") -> str:

@@ -25,9 +25,10 @@ import random
 from dataclasses import replace
 from typing import Any
 
-from envs.tasks import Prompt
-from envs.tasks.math import CLOSE, OPEN, WARMUP_IDS, MathTask, _near_miss, spaced
-from envs.tools.calculator import Calculator
+from laminar.envs.tasks import Prompt
+from laminar.envs.tasks.math import CLOSE, OPEN, WARMUP_IDS, MathTask, _near_miss, spaced
+from laminar.envs.tools.calculator import Calculator
+
 from laminar.errors import ConfigError
 
 TOOL_LEVELS = [{"max_terms": 2, "min_digits": 3, "max_digits": 3}]

@@ -44,9 +44,9 @@ path `Batch.resume` already uses), so the pool, the hand-over and repack keep tr
 sample with a prefix. The pool is written right after a turn that ran a tool (`PartialPool.flush_if_due`).
 """
 
-from services.rollout.control import ControlPort
-from services.rollout.replica import RolloutReplica, tokens_lost_with
-from services.rollout.timing import TIMING, ReplicaTiming
+from laminar.services.rollout.control import ControlPort
+from laminar.services.rollout.replica import RolloutReplica, tokens_lost_with
+from laminar.services.rollout.timing import TIMING, ReplicaTiming
 
 # the defaults under the names callers and tests import
 CLAIM_POLL_S, CONTACT_S, HEARTBEAT_EVERY_S = TIMING.claim_poll_s, TIMING.contact_s, TIMING.heartbeat_every_s

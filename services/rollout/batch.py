@@ -32,14 +32,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.tasks import Prompt, RewardFailure
-from envs.tasks.scoring import RewardRunner
-from envs.tools import Episode, Tool, ToolCall, call, parse_call, recorded_calls
+from laminar.envs.tasks import Prompt, RewardFailure
+from laminar.envs.tasks.scoring import RewardRunner
+from laminar.envs.tools import Episode, Tool, ToolCall, call, parse_call, recorded_calls
+from laminar.rl.engine_api import Engine, Finished, InFlight
+
 from laminar import metrics as prom
 from laminar.contract import FailedGroup, Lease
 from laminar.logs import get_logger
 from laminar.records import Trajectory, untrainable
-from rl.engine_api import Engine, Finished, InFlight
 
 log = get_logger(__name__)
 

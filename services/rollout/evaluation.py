@@ -18,13 +18,14 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from laminar.rl.evaluation import EvalBatch, eval_prompts
+
 from laminar import metrics as prom
 from laminar.config import RunConfig
 from laminar.contract import EvalLease, EvalReport
 from laminar.errors import EngineError
 from laminar.evalstats import due_versions
 from laminar.logs import get_logger
-from rl.evaluation import EvalBatch, eval_prompts
 
 log = get_logger(__name__)
 
@@ -110,7 +111,7 @@ class EvalWork:
 
     def _load(self, version: int) -> bool:
         """The eval engine holds `version`: the training engine's weights, or the version fetched from a relay."""
-        from rl.model import bytes_to_state_dict, model_state_dict
+        from laminar.rl.model import bytes_to_state_dict, model_state_dict
 
         engine = self._engine()
         if engine.policy_version == version:
@@ -130,7 +131,7 @@ class EvalWork:
 
     def _engine(self) -> Any:
         if self.batch is None:
-            from rl.factory import build_local_engine
+            from laminar.rl.factory import build_local_engine
 
             r, e = self.cfg.rollout, self.cfg.eval
             width = max(len(p.token_ids) for p in self.prompts)

@@ -27,14 +27,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from laminar.cli.drill import run_drill
+from laminar.client.connect import connect, store_for
+from laminar.client.converter import DATA_CONVERTER
+from laminar.client.run_control import ensure_pool, start_workflow
+from laminar.client.settings import Settings
+from laminar.devstack.stack import DevStack, free_port
+from laminar.workers.launcher import LocalLauncher, plan_processes
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
 
-from cli.drill import run_drill
-from client.connect import connect, store_for
-from client.converter import DATA_CONVERTER
-from client.run_control import ensure_pool, start_workflow
-from client.settings import Settings
-from devstack.stack import DevStack, free_port
 from laminar import contract
 from laminar.config import RunConfig
 from laminar.contract import (
@@ -58,7 +59,6 @@ from tests.histories import (
     patch_ids,
     update_names,
 )
-from workers.launcher import LocalLauncher, plan_processes
 
 RUN_TIMEOUT_S = 300.0
 
