@@ -9,9 +9,6 @@ import json
 import time
 from dataclasses import asdict
 
-from laminar.services import drill as rules
-from laminar.storage import keys
-from laminar.storage.objects import ObjectStore
 from temporalio import activity
 from temporalio.client import Client
 
@@ -26,6 +23,9 @@ from laminar.contract import (
     workflow_id_for,
 )
 from laminar.errors import StoreError
+from laminar.services import drill as rules
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore
 
 POLL_S = 0.5
 SETTLE_STEPS = 1  # steps to watch after recovery so that the accounting has settled

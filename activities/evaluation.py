@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from laminar.storage.objects import ObjectStore
 from temporalio import activity
 
 from laminar import contract, metrics
 from laminar.config import RunConfig
 from laminar.contract import RecordEvalInput
+from laminar.storage.objects import ObjectStore
 
 
 class EvalActivities:

@@ -19,19 +19,14 @@ import dataclasses
 import random
 import time
 
-from laminar.activities.errors import permanent_errors
-from laminar.activities.heartbeat import background_heartbeat
-from laminar.rl.factory import engine_traits
-from laminar.services.rollout import RolloutReplica
-from laminar.services.rollout.attach import PARKING
-from laminar.services.rollout.timing import TIMING
-from laminar.storage.objects import ObjectStore
 from temporalio import activity
 from temporalio.client import Client, RPCTimeoutOrCancelledError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from laminar import contract
+from laminar.activities.errors import permanent_errors
+from laminar.activities.heartbeat import background_heartbeat
 from laminar.config import RunConfig
 from laminar.contract import (
     ROLLOUT_QUEUE,
@@ -46,6 +41,11 @@ from laminar.errors import REPLICA_NOT_PARKED
 from laminar.logs import get_logger
 from laminar.metrics import CONTROL_UPDATE_RETRIES
 from laminar.notice import NOTICE
+from laminar.rl.factory import engine_traits
+from laminar.services.rollout import RolloutReplica
+from laminar.services.rollout.attach import PARKING
+from laminar.services.rollout.timing import TIMING
+from laminar.storage.objects import ObjectStore
 
 log = get_logger(__name__)
 

@@ -8,12 +8,11 @@ checkpoint that verifies, an inconsistent replay) fail the activity for good (ac
 
 from __future__ import annotations
 
-from laminar.activities.errors import permanent_errors
-from laminar.activities.heartbeat import background_heartbeat
-from laminar.services.trainer import TrainerService
 from temporalio import activity
 
 from laminar import contract
+from laminar.activities.errors import permanent_errors
+from laminar.activities.heartbeat import background_heartbeat
 from laminar.contract import (
     RepublishInput,
     TrainerInitInput,
@@ -23,6 +22,7 @@ from laminar.contract import (
     TrainStepsInput,
 )
 from laminar.errors import CorruptDataError
+from laminar.services.trainer import TrainerService
 
 
 class TrainerActivities:

@@ -42,6 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from temporalio import activity
+from temporalio.client import Client
+from temporalio.service import RPCError
+from temporalio.worker import Worker
+
+from laminar import contract
 from laminar.activities.heartbeat import HEARTBEAT_THROTTLE
 from laminar.activities.relay import RelayActivities
 from laminar.activities.rollout import _TemporalControl
@@ -57,17 +63,6 @@ from laminar.bench.control_plan import (
     workflow_task_latencies,
 )
 from laminar.client.settings import Settings
-from laminar.services.drill import groups_lost
-from laminar.services.rollout.attach import Parking
-from laminar.services.rollout.control import Contacts
-from laminar.services.rollout.timing import TIMING, ReplicaTiming
-from laminar.workflows.scale import relay_ids
-from temporalio import activity
-from temporalio.client import Client
-from temporalio.service import RPCError
-from temporalio.worker import Worker
-
-from laminar import contract
 from laminar.config import RunConfig
 from laminar.contract import (
     ROLLOUT_QUEUE,
@@ -91,6 +86,11 @@ from laminar.contract import (
 )
 from laminar.errors import LaminarError
 from laminar.refs import CheckpointRef, SegmentRef
+from laminar.services.drill import groups_lost
+from laminar.services.rollout.attach import Parking
+from laminar.services.rollout.control import Contacts
+from laminar.services.rollout.timing import TIMING, ReplicaTiming
+from laminar.workflows.scale import relay_ids
 
 RELAY_ID = relay_ids(1)[0]
 PROGRESS_EVERY_S = 5.0

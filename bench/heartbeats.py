@@ -18,11 +18,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import psutil
-from laminar.activities.heartbeat import HEARTBEAT_THROTTLE
-from laminar.devstack.stack import free_port
 from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+
+from laminar.activities.heartbeat import HEARTBEAT_THROTTLE
+from laminar.devstack.stack import free_port
 
 SETTLE_S = 10.0  # every activity started and heartbeating before the window opens
 

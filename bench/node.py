@@ -21,9 +21,9 @@ import time
 from typing import Any
 
 import typer
-from laminar.relay import client, protocol
 
 from laminar.logs import configure_logging
+from laminar.relay import client, protocol
 
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
 
@@ -167,6 +167,7 @@ class Agent:
 
     def store_setup_cmd(self, endpoint: str, bucket: str, create: bool) -> dict:
         import boto3
+
         from laminar.storage.objects import S3ObjectStore
 
         deadline = time.monotonic() + 60

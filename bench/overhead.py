@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from laminar.config import RunConfig
 from laminar.reporting.report import moving_mean
 from laminar.reporting.summary import reward_rise
-
-from laminar.config import RunConfig
 
 WINDOW = 30  # steps in the reward moving average
 THRESHOLDS = (0.6, 0.8)

@@ -57,11 +57,11 @@ from pathlib import Path
 from typing import IO, Any
 
 import psutil
+
 from laminar.bench.netns import Netns
 from laminar.devstack.stack import free_port
-from laminar.relay import protocol
-
 from laminar.errors import LaminarError
+from laminar.relay import protocol
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STORE_PORT = 9077

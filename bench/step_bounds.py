@@ -103,12 +103,11 @@ def matmul_params(model: torch.nn.Module) -> int:
 
 def profile_step(cfg: Any, threads: int = 1, device: str = "cpu") -> dict[str, Any]:
     from laminar.envs.tasks.scoring import RewardRunner
+    from laminar.policy import policy_for, staleness_bound
+    from laminar.records import Trajectory
     from laminar.rl.factory import build_local_engine, build_trainer
     from laminar.rl.model import state_dict_to_bytes
     from laminar.services.evaluate import load_policy
-
-    from laminar.policy import policy_for, staleness_bound
-    from laminar.records import Trajectory
 
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.run.seed)

@@ -64,7 +64,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, get_args
 
+from laminar import contract
 from laminar.client.settings import Settings
+from laminar.config import MODES, Engine, RunConfig
+from laminar.contract import RunStatus
+from laminar.errors import LaminarError
+from laminar.logs import get_logger
 from laminar.reporting.report import (
     version_intervals,  # per-replica timeline, in modelled s with scale=time_scale
 )
@@ -73,12 +78,6 @@ from laminar.rl.factory import check_engines, time_modelled
 from laminar.rl.factory import time_scale as engine_time_scale
 from laminar.storage.objects import ObjectStore
 from laminar.storage.records import TrajRow, step_records, trajectory_rows
-
-from laminar import contract
-from laminar.config import MODES, Engine, RunConfig
-from laminar.contract import RunStatus
-from laminar.errors import LaminarError
-from laminar.logs import get_logger
 
 WORKLOADS = ("long_tail", "uniform", "tools")
 WORKLOAD_SETS = {"both": ("long_tail", "uniform"), "all": WORKLOADS}  # --workload names for several workloads
@@ -479,9 +478,10 @@ async def _run_one(client, store: ObjectStore, settings: Settings, cfg: RunConfi
                    spec: BenchSpec, launch: LaunchWorkers, started: list[str]) -> RunData:
     """One run on its own workers. Whatever ends it early (a timeout, a failure, an interrupt) terminates its
     workflow before its workers stop: a run left Running would be served by the next run's workers."""
+    from temporalio.client import WorkflowFailureError
+
     from laminar.client.run_control import start_stored_run
     from laminar.client.watch import watch_run
-    from temporalio.client import WorkflowFailureError
 
     polls: list[KvPoll] = []
     statuses: list[RunStatus] = []  # for the repack events (bounded windows: polled often enough not to miss one)

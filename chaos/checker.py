@@ -30,14 +30,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from laminar.contract import RunStatus
+from laminar.errors import StoreError
 from laminar.reporting.summary import reward_rise
 from laminar.reporting.tool_calls import ToolCallCount
 from laminar.storage import keys
 from laminar.storage.checkpoints import CheckpointStore
 from laminar.storage.objects import ObjectStore
-
-from laminar.contract import RunStatus
-from laminar.errors import StoreError
 
 THROUGHPUT_WINDOW_S = 10.0  # trailing window the restored throughput is measured over
 BASELINE_S = 30.0  # the throughput before a fault is measured over this long before it

@@ -25,6 +25,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import psutil
+from rich.console import Console
+
 from laminar.chaos.checker import (
     Verdict,
     format_verdict,
@@ -48,12 +50,10 @@ from laminar.client.exit import stop_like_ctrl_c
 from laminar.client.run_control import end_runs_now, new_run_id
 from laminar.client.settings import Settings, process_table_path
 from laminar.client.watch import RunProgress, progress_of
-from laminar.devstack.stack import DevStack
-from laminar.reporting.tool_calls import count_tool_calls
-from rich.console import Console
-
 from laminar.contract import RunStatus, workflow_id_for
+from laminar.devstack.stack import DevStack
 from laminar.errors import ConfigError, LaminarError
+from laminar.reporting.tool_calls import count_tool_calls
 
 console = Console()
 STEPS_UNBOUNDED = 1_000_000  # chaos stops the run itself at --duration

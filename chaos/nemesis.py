@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-from laminar.chaos.schedule import Fault, Schedule
 
+from laminar.chaos.schedule import Fault, Schedule
 from laminar.logs import get_logger
 
 log = get_logger(__name__)

@@ -18,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import typer
-from laminar.cli.options import DURATION_HELP, EXTRA_ARGS, config_and_overrides, duration, old_seconds_option
 from pydantic import ByteSize, TypeAdapter, ValidationError
 from rich.console import Console
 from rich.table import Table
 
+from laminar.cli.options import DURATION_HELP, EXTRA_ARGS, config_and_overrides, duration, old_seconds_option
 from laminar.errors import ConfigError, LaminarError
 
 bench_app = typer.Typer(help="Systems benchmarks: relay broadcast, heartbeat cost, orchestration overhead, "
@@ -169,10 +169,9 @@ def overhead_bench(
 
     stop_like_ctrl_c()  # SIGTERM too: its `laminar run` child and that run end with it
     from laminar.client.settings import Settings
+    from laminar.config import RunConfig
     from laminar.reporting.summary import format_profile
     from laminar.rl.factory import check_engines
-
-    from laminar.config import RunConfig
 
     config, overrides = config_and_overrides(config, ctx.args)
     overrides += [f"--run.steps={steps}"] if steps is not None else []
@@ -223,6 +222,8 @@ def throughput_bench(
     """Every mode on the same workload and seed on the real stack: tokens/s (paper definition, modelled time),
     KV use, trainer idle, weight-sync stall, staleness, trajectory latency, control-plane share. Extra
     `--section.key=value` arguments override every run's config."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     from laminar.bench.throughput import (
         DEFAULT_ITERATIONS,
         MODES,
@@ -233,8 +234,6 @@ def throughput_bench(
         plot,
         run_bench,
     )
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from laminar.config import Engine
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.console import Console
+
 from laminar.chaos.schedule import KINDS, parse_kinds
 from laminar.cli.options import CONFIG_HELP, DURATION_HELP, config_and_overrides, exit_codes, parse_duration
-from rich.console import Console
 
 console = Console()
 

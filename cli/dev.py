@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import typer
-from laminar.cli.options import exit_codes
-from laminar.client.settings import Settings
-from laminar.devstack.stack import DevStack, DevStackInfo
 from rich.console import Console
 from rich.table import Table
 
+from laminar.cli.options import exit_codes
+from laminar.client.settings import Settings
+from laminar.devstack.stack import DevStack, DevStackInfo
 from laminar.logs import configure_logging
 
 dev_app = typer.Typer(help="Run a local dev stack: Temporal dev server (SQLite) and optionally an S3 server.",

@@ -13,18 +13,18 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-from laminar.activities.drill import DrillActivities
-from laminar.client.connect import connect, store_for
-from laminar.client.settings import Settings
-from laminar.devstack.stack import DevStack
-from laminar.reporting.tool_calls import count_tool_calls
-from laminar.services.drill import parse_preempt_target
 from rich.table import Table
 from temporalio.worker import Worker
 
 from laminar import contract
+from laminar.activities.drill import DrillActivities
+from laminar.client.connect import connect, store_for
+from laminar.client.settings import Settings
 from laminar.contract import CONTROL_UNCACHED_QUEUE, FAULTS, DrillInput, DrillReport
+from laminar.devstack.stack import DevStack
 from laminar.errors import ConfigError
+from laminar.reporting.tool_calls import count_tool_calls
+from laminar.services.drill import parse_preempt_target
 
 
 async def run_drill(settings: Settings, inp: DrillInput, report_path: Path | None = None) -> DrillReport:

@@ -10,9 +10,10 @@ import json
 from pathlib import Path
 
 import typer
-from laminar.cli.options import exit_codes
 from rich.console import Console
 from rich.table import Table
+
+from laminar.cli.options import exit_codes
 
 console = Console()
 
@@ -30,11 +31,10 @@ def eval_command(
     Extra `--section.key=value` arguments override config values (e.g. --eval.samples=4)."""
     from laminar.client.connect import store_for
     from laminar.client.settings import Settings
-    from laminar.rl.factory import check_engines
-    from laminar.services.evaluate import evaluate
-
     from laminar.config import RunConfig
     from laminar.logs import configure_logging
+    from laminar.rl.factory import check_engines
+    from laminar.services.evaluate import evaluate
 
     configure_logging("console", level="warning")  # logs on stderr: stdout is the result (--json parses)
     with exit_codes():

@@ -23,6 +23,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import typer
+from rich.console import Console
+
+from laminar import contract
 from laminar.cli.bench import bench_app
 from laminar.cli.chaos import chaos_command
 from laminar.cli.dev import dev_app
@@ -40,14 +43,11 @@ from laminar.cli.options import (
 )
 from laminar.cli.sim import plan_command, simulate_command
 from laminar.client.settings import Settings
-from laminar.rl.factory import check_engines
-from laminar.workers.rollout_slots import SPARE_WAIT_S
-from rich.console import Console
-
-from laminar import contract
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 from laminar.logs import configure_logging
+from laminar.rl.factory import check_engines
+from laminar.workers.rollout_slots import SPARE_WAIT_S
 
 app = typer.Typer(
     help="Laminar on Temporal: fault-tolerant asynchronous RL post-training.",
@@ -327,7 +327,6 @@ def drill(
 ) -> None:
     """Inject a failure into a live run, watch it recover, report (also stored under runs/<id>/drills/)."""
     from laminar.cli.drill import render_report, run_drill
-
     from laminar.contract import DrillInput
 
     with exit_codes():

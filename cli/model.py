@@ -14,10 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from laminar.cli.options import exit_codes
-from laminar.client.settings import Settings
 from rich.console import Console
 
+from laminar.cli.options import exit_codes
+from laminar.client.settings import Settings
 from laminar.errors import ConfigError
 
 model_app = typer.Typer(help="Pretrained models: import a GGUF file as a model directory; export a checkpoint as one.",

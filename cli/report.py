@@ -14,17 +14,17 @@ import socket
 from pathlib import Path
 
 import psutil
+from rich.console import Console
+from rich.table import Table
+
+from laminar import contract
 from laminar.client.connect import connect, store_for
 from laminar.client.run_control import OWNER_MEMO
 from laminar.client.settings import Settings
 from laminar.reporting import report as run_report
 from laminar.reporting.report import check_matplotlib
-from laminar.storage.objects import ObjectStore
-from rich.console import Console
-from rich.table import Table
-
-from laminar import contract
 from laminar.search import SEARCH_ATTRIBUTES
+from laminar.storage.objects import ObjectStore
 
 
 def write_report(store: ObjectStore, run_id: str, out_dir: Path, console: Console) -> Path:

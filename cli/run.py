@@ -15,12 +15,20 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from temporalio.client import WorkflowFailureError, WorkflowHandle
+
 from laminar.client.connect import connect, store_for
 from laminar.client.exit import stop_like_ctrl_c
 from laminar.client.run_control import lost_error, new_run_id, report_slots, scale_targets, start_or_attach
 from laminar.client.settings import Settings, process_table_path
 from laminar.client.watch import RunProgress, watch_run
+from laminar.config import RunConfig
+from laminar.contract import PAYLOAD_WARNED_BYTES, RunStatus, SlotReport, retained_batches_bytes
 from laminar.devstack.stack import DevStack
+from laminar.errors import ConfigError, LaminarError, RunLostError, StoreError
+from laminar.logs import get_logger
 from laminar.reporting.summary import build_profile, build_summary, format_profile, reward_rise
 from laminar.storage import keys
 from laminar.storage.objects import ObjectStore
@@ -31,14 +39,6 @@ from laminar.workers.launcher import (
     process_cpu_s,
     rollout_slots,
 )
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from temporalio.client import WorkflowFailureError, WorkflowHandle
-
-from laminar.config import RunConfig
-from laminar.contract import PAYLOAD_WARNED_BYTES, RunStatus, SlotReport, retained_batches_bytes
-from laminar.errors import ConfigError, LaminarError, RunLostError, StoreError
-from laminar.logs import get_logger
 
 if TYPE_CHECKING:
     from laminar.workers.launcher_ray import RayLauncher
@@ -61,10 +61,9 @@ def check_launcher(kind: str, ray_address: str | None) -> None:
 def check_binds(settings: Settings, relay_host: str | None) -> None:
     """Refuse up front, before any process starts, to run relays (at relay_host; None: they get a run token) or
     metrics endpoints off loopback without their secret (laminar/listeners.py)."""
-    from laminar.relay.auth import RELAY_RISK
-
     from laminar.listeners import check_bind
     from laminar.metrics import METRICS_RISK
+    from laminar.relay.auth import RELAY_RISK
 
     if relay_host is not None:
         check_bind("the weight relay", relay_host, secret=settings.relay_token, variable="LAMINAR_RELAY_TOKEN",

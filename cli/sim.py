@@ -65,7 +65,6 @@ def parse_failure(text: str) -> tuple[str, float]:
     """'rollout@600' or 'rollout@10m' -> ('rollout', 600.0): a failure kind and the modelled time it strikes (a
     duration as every flag writes one: cli/options.py parse_duration)."""
     from laminar.cli.options import parse_duration
-
     from laminar.errors import ConfigError
 
     kind, _, at = text.partition("@")

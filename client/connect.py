@@ -5,15 +5,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from laminar.client.converter import DATA_CONVERTER
-from laminar.client.settings import Settings
-from laminar.devstack.record import S3_CREDENTIALS, read_record
-from laminar.storage.objects import ObjectStore, open_store
 from temporalio.client import Client
 from temporalio.runtime import Runtime, TelemetryConfig
 from temporalio.service import TLSConfig
 
+from laminar.client.converter import DATA_CONVERTER
+from laminar.client.settings import Settings
+from laminar.devstack.record import S3_CREDENTIALS, read_record
 from laminar.errors import LaminarError
+from laminar.storage.objects import ObjectStore, open_store
 
 
 async def connect(settings: Settings, core_logs: bool = True) -> Client:

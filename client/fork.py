@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import json
 
-from laminar.client.settings import Settings
-from laminar.storage import keys
-from laminar.storage.objects import ObjectStore
-from laminar.storage.runs import StoredRun, newest_checkpoint, stored_run
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
+from laminar.client.settings import Settings
 from laminar.config import RunConfig, apply_overrides
 from laminar.contract import workflow_id_for
 from laminar.errors import (
@@ -29,6 +26,9 @@ from laminar.errors import (
     RunLostError,
     StoreError,
 )
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore
+from laminar.storage.runs import StoredRun, newest_checkpoint, stored_run
 
 FORK_IDS_TRIED = 100  # <parent>-fork-s<step>, then -2, -3, ...: the first id the store holds nothing of
 

@@ -10,12 +10,6 @@ import socket
 import time
 from datetime import UTC, datetime, timedelta
 
-from laminar.client.connect import connect, store_for
-from laminar.client.fork import lost_error, taken_error
-from laminar.client.settings import Settings
-from laminar.storage import keys
-from laminar.storage.objects import ObjectStore
-from laminar.storage.runs import RunMarker, stored_run, write_marker
 from rich.table import Table
 from temporalio.client import (
     Client,
@@ -28,6 +22,9 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from laminar import contract, search, watchdog
+from laminar.client.connect import connect, store_for
+from laminar.client.fork import lost_error, taken_error
+from laminar.client.settings import Settings
 from laminar.config import RunConfig
 from laminar.contract import (
     CONTROL_QUEUE,
@@ -41,6 +38,9 @@ from laminar.contract import (
     workflow_id_for,
 )
 from laminar.errors import ConfigError, LaminarError, StoreError
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore
+from laminar.storage.runs import RunMarker, stored_run, write_marker
 
 
 def new_run_id() -> str:

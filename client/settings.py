@@ -45,10 +45,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Literal
 
-from laminar.devstack.record import DevStackInfo, read_record
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from laminar.devstack.record import DevStackInfo, read_record
 from laminar.errors import ConfigError, DevStackError
 from laminar.private import private_dir
 

@@ -28,8 +28,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psutil
-from laminar.devstack.record import RECORD_FILE, S3_BUCKET, S3_CREDENTIALS, DevStackInfo, read_record
 
+from laminar.devstack.record import RECORD_FILE, S3_BUCKET, S3_CREDENTIALS, DevStackInfo, read_record
 from laminar.errors import DevStackError
 from laminar.logs import get_logger
 from laminar.private import private_dir

@@ -12,14 +12,14 @@ import asyncio
 from pathlib import Path
 
 import typer
+
 from laminar.client.connect import connect
 from laminar.client.exit import run_then_exit
 from laminar.client.run_control import new_run_id, start_workflow
 from laminar.client.settings import Settings
 from laminar.client.watch import RunProgress, watch_run
-from laminar.rl.factory import check_engines
-
 from laminar.config import RunConfig
+from laminar.rl.factory import check_engines
 
 
 def main(

@@ -30,9 +30,8 @@ import hmac
 import os
 import socket
 
-from laminar.relay import protocol
-
 from laminar.errors import RelayError
+from laminar.relay import protocol
 
 NONCE_BYTES = 16
 TOKEN_HINT = "check that LAMINAR_RELAY_TOKEN is the same run token on the trainer, relays and rollouts"

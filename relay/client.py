@@ -21,9 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from laminar.relay import auth, macs, protocol, segments
-
 from laminar.errors import RelayError
+from laminar.relay import auth, macs, protocol, segments
 
 DEFAULT_CONNECT_TIMEOUT_S = 1.0  # a LAN connect takes well under 1 ms; 1 s leaves room for a loaded host
 DEFAULT_IO_TIMEOUT_S = 2.0  # idle: a peer that neither reads nor writes for this long is gone or wedged

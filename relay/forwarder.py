@@ -22,13 +22,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from laminar.relay import client, protocol
-from laminar.relay.breaker import BREAKERS
-from laminar.relay.versions import UpstreamFailedError, Version
-
 from laminar import metrics as prom
 from laminar.errors import RelayError
 from laminar.logs import get_logger
+from laminar.relay import client, protocol
+from laminar.relay.breaker import BREAKERS
+from laminar.relay.versions import UpstreamFailedError, Version
 
 log = get_logger("relay")
 

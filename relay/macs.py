@@ -28,9 +28,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import blake3
-from laminar.relay.pipeline import Blocks, InOrder, may_feed, window
 
 from laminar.errors import RelayError
+from laminar.relay.pipeline import Blocks, InOrder, may_feed, window
 
 # Hashing threads per sender or receiver: half the cores, at most 4 (one is plenty on 2 cores: the socket's thread
 # and one hashing thread each have a core; more only take turns).

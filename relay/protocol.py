@@ -85,9 +85,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import xxhash
-from laminar.relay import macs
 
 from laminar.errors import RelayError
+from laminar.relay import macs
 
 # 5: payload tags are keyed BLAKE3; 4: authenticated frames, HMAC-SHA256 payload tags; 3: XXH3-128 running digests
 PROTOCOL_VERSION = 5

@@ -23,14 +23,13 @@ import threading
 import time
 from typing import Any
 
-from laminar.relay import auth, protocol, segments
-from laminar.relay.forwarder import Forwarder
-from laminar.relay.versions import Version, VersionStore
-
 from laminar import metrics as prom
 from laminar.errors import RelayError
 from laminar.listeners import check_bind
 from laminar.logs import get_logger
+from laminar.relay import auth, protocol, segments
+from laminar.relay.forwarder import Forwarder
+from laminar.relay.versions import Version, VersionStore
 
 log = get_logger("relay")
 

@@ -17,9 +17,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from laminar.relay.segments import Segment
-
 from laminar.errors import RelayError
+from laminar.relay.segments import Segment
 
 RECEIVING, COMPLETE, FAILED = "receiving", "complete", "failed"
 

@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from laminar.errors import ConfigError
 from laminar.storage import keys, records
 from laminar.storage.objects import ObjectStore
-
-from laminar.errors import ConfigError
 
 PLOTS = ("reward", "staleness", "versions", "trainer", "eval", "drills")  # file stems, in page order
 

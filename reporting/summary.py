@@ -8,10 +8,10 @@ from dataclasses import asdict
 from typing import Any
 
 import numpy as np
-from laminar.storage import records
-from laminar.storage.objects import ObjectStore
 
 from laminar.contract import RunStatus
+from laminar.storage import records
+from laminar.storage.objects import ObjectStore
 from laminar.timing import merge
 
 

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from laminar.envs.tasks import build_task
-from laminar.rl.model import build_model, save_pretrained
 
 from laminar.config import RunConfig
+from laminar.envs.tasks import build_task
 from laminar.logs import get_logger
+from laminar.rl.model import build_model, save_pretrained
 
 log = get_logger(__name__)
 

@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
-from laminar.rl.engine_api import Finished, InFlight
-from laminar.rl.model import CausalLM, KVCache, load_model_state
 
 from laminar.errors import EngineError
+from laminar.rl.engine_api import Finished, InFlight
+from laminar.rl.model import CausalLM, KVCache, load_model_state
 
 __all__ = ["Finished", "TorchEngine", "check_resumable", "first_free_slot"]
 

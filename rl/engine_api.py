@@ -34,9 +34,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from laminar.rl.trainer import UpdateMetrics
-
     from laminar.records import Trajectory
+    from laminar.rl.trainer import UpdateMetrics
 
 
 @dataclass

@@ -15,9 +15,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from laminar.envs.tasks import Prompt, RewardFailure
-
 from laminar.config import EvalSection, RunConfig
+from laminar.envs.tasks import Prompt, RewardFailure
 from laminar.errors import ConfigError, EngineError
 from laminar.evalstats import EvalSummary, PromptResult
 

@@ -196,6 +196,7 @@ def _torch_engine(cfg: RunConfig, policy: Policy, seed: int, run_files: RunFiles
     """One GPU per replica where the process has them (rl.model.ROLLOUT_DEVICES; given back at close). With
     run_base (a LoRA run) the model holds the base weights and each version's adapter is merged into them."""
     import torch
+
     from laminar.rl.engine import TorchEngine
     from laminar.rl.model import ROLLOUT_DEVICES, build_model, placement
 

@@ -32,12 +32,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from laminar.rl.model import load_pretrained, placement
-from laminar.rl.trainer import Trainer, UpdateMetrics
 
 from laminar.config import TrainerSection
 from laminar.errors import ConfigError
 from laminar.records import Trajectory
+from laminar.rl.model import load_pretrained, placement
+from laminar.rl.trainer import Trainer, UpdateMetrics
 
 BUCKET_BYTES = 256 << 20  # full weights gathered for publishing at most this many bytes at a time
 START_TIMEOUT_S = 300.0

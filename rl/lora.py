@@ -49,10 +49,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from laminar.rl.trainer import Trainer
 from torch import nn
 
 from laminar.errors import ConfigError, EngineError
+from laminar.rl.trainer import Trainer
 
 if TYPE_CHECKING:
     from laminar.config import LoraSection, TrainerSection

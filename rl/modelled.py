@@ -30,15 +30,15 @@ from hashlib import blake2b
 
 import numpy as np
 import torch
+
+from laminar.config import ModelledSection, RunConfig
 from laminar.envs.tasks import Prompt
+from laminar.errors import EngineError
+from laminar.records import Trajectory
 from laminar.rl.costs import TOOL_OUTPUT_TOKENS, CostModel, tool_latency_s
 from laminar.rl.engine import Finished, abort_slots, check_resumable, first_free_slot, inflight_state
 from laminar.rl.grpo import split_stale
 from laminar.rl.trainer import UpdateMetrics
-
-from laminar.config import ModelledSection, RunConfig
-from laminar.errors import EngineError
-from laminar.records import Trajectory
 
 EOS_ID = 2  # the fake <eos> that ends a "stop" response
 PROMPT_TOKEN_ID = 5  # every fake prompt token

@@ -8,14 +8,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from laminar.config import RunConfig
 from laminar.envs.tasks import build_task
+from laminar.logs import get_logger
+from laminar.records import Trajectory
 from laminar.rl.engine import TorchEngine
 from laminar.rl.model import load_pretrained
 from laminar.rl.trainer import Trainer, UpdateMetrics
-
-from laminar.config import RunConfig
-from laminar.logs import get_logger
-from laminar.records import Trajectory
 
 log = get_logger(__name__)
 

@@ -14,6 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from laminar.config import TrainerSection
+from laminar.errors import ConfigError, UntrainableRowError
+from laminar.records import Trajectory, untrainable
 from laminar.rl.grpo import (
     behaviour_drift,
     clipped_token_loss,
@@ -23,10 +27,6 @@ from laminar.rl.grpo import (
     token_entropy,
 )
 from laminar.rl.model import CausalLM, load_model_state, model_state_dict
-
-from laminar.config import TrainerSection
-from laminar.errors import ConfigError, UntrainableRowError
-from laminar.records import Trajectory, untrainable
 
 
 @dataclass

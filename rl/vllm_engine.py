@@ -48,10 +48,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from laminar.rl.engine import abort_slots, check_admission, check_resumable, first_free_slot, inflight_state
-from laminar.rl.engine_api import Finished, InFlight
 
 from laminar.errors import ConfigError, EngineError
+from laminar.rl.engine import abort_slots, check_admission, check_resumable, first_free_slot, inflight_state
+from laminar.rl.engine_api import Finished, InFlight
 
 _LOCK = threading.Lock()
 _POOL: dict[str, Any] = {}  # key -> vllm.LLM kept for the next incarnation in this process
@@ -203,8 +203,9 @@ class VllmEngine:
             self._reload(state_dict)
 
     def _load_adapter(self, payload: Mapping[str, torch.Tensor], policy_version: int) -> None:
-        from laminar.rl.lora import check_base, write_peft_adapter
         from vllm.lora.request import LoRARequest
+
+        from laminar.rl.lora import check_base, write_peft_adapter
 
         assert self.fingerprint is not None
         check_base(payload, self.fingerprint)

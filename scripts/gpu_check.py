@@ -34,6 +34,7 @@ def main() -> None:
 
     save()
     import transformers
+
     from laminar.rl.engine import TorchEngine
     from laminar.rl.model import build_model, model_state_dict
 
@@ -94,13 +95,12 @@ def main() -> None:
         save()
 
     # 4. one FSDP2 step on the GPU (one rank: this host has one GPU) beside the single-process trainer
+    from laminar.config import TrainerSection
     from laminar.envs.tasks.tokenizer import build_word_tokenizer
+    from laminar.records import Trajectory
     from laminar.rl.fsdp import FsdpTrainer
     from laminar.rl.model import save_pretrained
     from laminar.rl.trainer import Trainer
-
-    from laminar.config import TrainerSection
-    from laminar.records import Trajectory
 
     theirs = None  # its GPU memory goes back
     torch.cuda.empty_cache()

@@ -34,10 +34,9 @@ MAX_NEW, MAX_PROMPT, TEMPERATURE, SEED = 64, 32, 1.0, 0
 
 
 def _lora_trainer(model_dir: Path, r: int):
+    from laminar.config import TrainerSection
     from laminar.rl.lora import LoraTrainer
     from laminar.rl.model import load_pretrained
-
-    from laminar.config import TrainerSection
 
     model, _, _ = load_pretrained(model_dir)
     spec = {"r": r, "alpha": 2.0 * r, "target_modules": ["all-linear"]}
@@ -80,12 +79,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
 
-    from laminar.rl.model import state_dict_to_bytes
-    from laminar.rl.trainer import Trainer
-    from laminar.rl.vllm_engine import VllmEngine
     from safetensors.torch import load_file
 
     from laminar.config import TrainerSection
+    from laminar.rl.model import state_dict_to_bytes
+    from laminar.rl.trainer import Trainer
+    from laminar.rl.vllm_engine import VllmEngine
 
     hf = json.loads((a.model_dir / "config.json").read_text())
     base = load_file(str(a.model_dir / "model.safetensors"))

@@ -8,13 +8,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from laminar.rl.evaluation import eval_record
-from laminar.storage import keys
-from laminar.storage.objects import ObjectStore
-
 from laminar.config import RunConfig
 from laminar.evalstats import EvalSummary, PromptResult, summarise
 from laminar.logs import get_logger
+from laminar.rl.evaluation import eval_record
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore
 
 log = get_logger(__name__)
 

@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from laminar.rl.evaluation import eval_prompts, generate_and_score
-from laminar.services.eval_records import EvalTarget, store_record
-from laminar.storage.checkpoints import CheckpointStore, LoadedCheckpoint
-from laminar.storage.objects import ObjectStore
 
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, CorruptDataError
 from laminar.evalstats import EvalSummary
 from laminar.logs import get_logger
+from laminar.rl.evaluation import eval_prompts, generate_and_score
+from laminar.services.eval_records import EvalTarget, store_record
+from laminar.storage.checkpoints import CheckpointStore, LoadedCheckpoint
+from laminar.storage.objects import ObjectStore
 
 log = get_logger(__name__)
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from safetensors.torch import save_file
+
 from laminar.services.evaluate import load_checkpoint, load_checkpoint_weights
 from laminar.services.model_files import MODEL_FILES, TOKENIZER_CONFIG
 from laminar.storage import keys
 from laminar.storage.objects import ObjectStore
-from safetensors.torch import save_file
 
 
 def export_checkpoint(store: ObjectStore, checkpoint: str, out: Path, merge: bool = False) -> str:

@@ -11,15 +11,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from laminar.envs.tasks import build_task
-from laminar.envs.tasks.tokenizer import with_model_specials
-from laminar.rl.base_model import build_base_model, fingerprint
-from laminar.storage import keys
-from laminar.storage.objects import ObjectStore
 from tokenizers import Tokenizer
 
 from laminar.config import RunConfig
+from laminar.envs.tasks import build_task
+from laminar.envs.tasks.tokenizer import with_model_specials
 from laminar.errors import ConfigError
+from laminar.rl.base_model import build_base_model, fingerprint
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore
 
 MODEL_FILES = ("config.json", "tokenizer.json")
 # published beside them: a pretrained model's special tokens and chat template ({} for the tiny base model)
@@ -111,10 +111,10 @@ def publish_base_weights(store: ObjectStore, run_id: str, model_dir: Path) -> No
 
 def load_run_base(store: ObjectStore, run_id: str) -> dict:
     """The run's base weights {name: tensor} as its trainer published them, each file checked against its sha256."""
-    from laminar.storage.objects import sha256_hex
     from safetensors.torch import load
 
     from laminar.errors import CorruptDataError
+    from laminar.storage.objects import sha256_hex
 
     index_key = keys.model_file(run_id, BASE_INDEX)
     if not store.exists(index_key):

@@ -28,9 +28,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from laminar.services import repair_verdict
-from laminar.storage import keys
-from laminar.storage.objects import ObjectStore
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import EventType, ResetReapplyExcludeType, WorkflowTaskFailedCause
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
@@ -41,6 +38,9 @@ from temporalio.worker import Replayer
 from laminar import contract
 from laminar.contract import WorkflowReset
 from laminar.logs import get_logger
+from laminar.services import repair_verdict
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore
 
 log = get_logger(__name__)
 

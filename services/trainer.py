@@ -34,12 +34,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from laminar.envs.tools import turn_counts
-from laminar.relay import client as relay_client
-from laminar.relay.breaker import BREAKERS
-from laminar.rl.factory import build_trainer
-from laminar.rl.model import state_dict_to_bytes
-
 from laminar import metrics as prom
 from laminar.config import RunConfig
 from laminar.contract import (
@@ -51,6 +45,7 @@ from laminar.contract import (
     TrainStepInput,
     TrainStepResult,
 )
+from laminar.envs.tools import turn_counts
 from laminar.errors import (
     CorruptDataError,
     InconsistentStateError,
@@ -63,10 +58,15 @@ from laminar.logs import get_logger
 from laminar.notice import NOTICE, Notice
 from laminar.records import Trajectory
 from laminar.refs import CheckpointRef
+from laminar.relay import client as relay_client
+from laminar.relay.breaker import BREAKERS
+from laminar.rl.factory import build_trainer
+from laminar.rl.model import state_dict_to_bytes
 from laminar.timing import TimeBreakdown
 
 if TYPE_CHECKING:
     from laminar.rl.engine_api import PolicyTrainer
+from laminar.policy import policy_for, publishes, staleness_bound, version_of
 from laminar.services.model_files import publish_base_weights, publish_model_files, resolve_model_dir
 from laminar.services.tracking import Trackers, step_scalars
 from laminar.services.turns import Turns
@@ -74,8 +74,6 @@ from laminar.storage import keys
 from laminar.storage.checkpoints import CheckpointStore, LoadedCheckpoint
 from laminar.storage.objects import ObjectStore
 from laminar.storage.trajectories import TrajectoryStore
-
-from laminar.policy import policy_for, publishes, staleness_bound, version_of
 
 log = get_logger(__name__)
 

@@ -38,17 +38,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from laminar.rl.costs import CostModel
-from laminar.sim.control import ControlPlaneCost, ControlServer
-from laminar.workflows import repack as repack_mod
-from laminar.workflows.ledger import Ledger
-from laminar.workflows.state import RunState
 
 from laminar import policy as policy_mod
 from laminar.config import RunConfig
 from laminar.contract import BatchPart, StepMetrics, TrainStepInput, TrainStepResult
 from laminar.policy import Policy, policy_for, staleness_bound
 from laminar.refs import SegmentRef
+from laminar.rl.costs import CostModel
+from laminar.sim.control import ControlPlaneCost, ControlServer
+from laminar.workflows import repack as repack_mod
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.state import RunState
 
 LONG_TAIL_SIGMA = math.log(10) / 2.326  # rl/modelled.py's: lognormal sigma with p99 / p50 = 10
 PREEMPT_FREE = 0.05  # a full KV cache preempts the newest sequences until this fraction is free (no thrashing)

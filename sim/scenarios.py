@@ -7,12 +7,11 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from laminar.config import RunConfig
 from laminar.rl.costs import CostModel, chain_broadcast_s
 from laminar.sim import params as P
 from laminar.sim.control import ControlPlaneCost
 from laminar.sim.core import ControlTiming, Lengths, SimConfig
-
-from laminar.config import RunConfig
 
 MODES = ("laminar", "sync", "one_step", "stream", "partial_rollout")
 DISAGGREGATED = ("laminar", "one_step", "stream", "partial_rollout")  # sync is colocated (verl)

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
-from laminar.storage import keys
-from laminar.storage.objects import ObjectStore, sha256_hex
 
 from laminar.errors import CorruptDataError, ObjectNotFoundError
 from laminar.refs import CheckpointRef
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore, sha256_hex
 
 if TYPE_CHECKING:
     import torch

@@ -15,10 +15,9 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from laminar.errors import ObjectNotFoundError
 from laminar.storage import keys
 from laminar.storage.objects import ObjectStore
-
-from laminar.errors import ObjectNotFoundError
 
 T = TypeVar("T")
 

@@ -13,11 +13,10 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 
+from laminar.errors import CorruptDataError, ObjectNotFoundError
 from laminar.storage import keys
 from laminar.storage.checkpoints import CheckpointStore
 from laminar.storage.objects import ObjectStore
-
-from laminar.errors import CorruptDataError, ObjectNotFoundError
 
 _METRICS_FILE = re.compile(r"step-(\d{8})\.json$")
 

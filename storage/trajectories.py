@@ -16,12 +16,12 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from laminar.storage import keys
-from laminar.storage.objects import ObjectStore, sha256_hex
 
 from laminar.errors import CorruptDataError, ObjectNotFoundError
 from laminar.records import Trajectory
 from laminar.refs import SegmentRef
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore, sha256_hex
 
 TRAJECTORY_SCHEMA = pa.schema([
     pa.field("run_id", pa.string(), nullable=False),

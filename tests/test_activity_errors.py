@@ -7,15 +7,15 @@ from __future__ import annotations
 import time
 
 import pytest
-from laminar.activities.heartbeat import background_heartbeat
-from laminar.activities.trainer import TrainerActivities
-from laminar.services.trainer import TrainerService
-from laminar.storage.objects import LocalObjectStore
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
+from laminar.activities.heartbeat import background_heartbeat
+from laminar.activities.trainer import TrainerActivities
 from laminar.config import RunConfig
 from laminar.contract import TrainerInitInput
+from laminar.services.trainer import TrainerService
+from laminar.storage.objects import LocalObjectStore
 
 
 def test_a_bad_model_path_fails_init_trainer_for_good(tmp_path):

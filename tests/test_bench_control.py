@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from laminar.bench.control_plan import (
     Cell,
     cell_from_sim,
@@ -25,10 +26,9 @@ from laminar.bench.control_plan import (
     run_overrides,
     workflow_task_latencies,
 )
+from laminar.config import RunConfig
 from laminar.rl.factory import check_engines
 from laminar.services.rollout.timing import TIMING
-
-from laminar.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from laminar.bench.throughput import (
     WORKLOAD_SETS,
     BenchSpec,
@@ -40,12 +41,11 @@ from laminar.bench.throughput import (
     weight_sync_stall_s,
     window,
 )
+from laminar.config import MODES, RunConfig
+from laminar.contract import ReplicaReport, RunStatus
 from laminar.storage import keys
 from laminar.storage.objects import LocalObjectStore
 from laminar.storage.records import step_records
-
-from laminar.config import MODES, RunConfig
-from laminar.contract import ReplicaReport, RunStatus
 
 RUN = "run-bench"
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from laminar.chaos.nemesis import partition_tool
 from laminar.chaos.schedule import KINDS, schedule_from_json
 

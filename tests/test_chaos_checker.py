@@ -9,6 +9,7 @@ import json
 from dataclasses import replace
 
 import pytest
+
 from laminar.chaos.checker import (
     check_accounting,
     check_checkpoints,
@@ -23,9 +24,8 @@ from laminar.chaos.checker import (
     kind_summary,
     throughput_restored,
 )
-from laminar.reporting.tool_calls import count_tool_calls
-
 from laminar.contract import RunStatus
+from laminar.reporting.tool_calls import count_tool_calls
 
 T0 = 1_000.0
 

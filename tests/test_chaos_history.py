@@ -11,10 +11,11 @@ import gzip
 from pathlib import Path
 
 import pytest
-from laminar.client.converter import DATA_CONVERTER
-from laminar.workflows.training_run import TrainingRunWorkflow
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
+
+from laminar.client.converter import DATA_CONVERTER
+from laminar.workflows.training_run import TrainingRunWorkflow
 
 HISTORY = Path(__file__).parent / "fixtures" / "chaos_nondeterminism_history.json.gz"
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from laminar.chaos.nemesis import (
     NO_PACKET_FILTER,
     Nemesis,
@@ -25,10 +26,9 @@ from laminar.chaos.nemesis import (
 )
 from laminar.chaos.schedule import Fault, Schedule
 from laminar.devstack.stack import DevStack, free_port
+from laminar.errors import StoreError
 from laminar.storage.objects import open_store
 from laminar.workers.launcher import LocalLauncher, ManagedProcess
-
-from laminar.errors import StoreError
 from tests.fixtures.waiting import wait_until
 
 LISTENER = ("import os, socket, time\n"

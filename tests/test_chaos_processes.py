@@ -11,6 +11,7 @@ import sys
 
 import psutil
 import pytest
+
 from laminar.chaos.checker import check_processes
 from laminar.chaos.command import incarnations, strays
 from laminar.chaos.nemesis import alive

@@ -4,6 +4,7 @@ fault heals inside the run; a saved schedule replays exactly."""
 from __future__ import annotations
 
 import pytest
+
 from laminar.chaos.schedule import (
     HOLD_S,
     KINDS,
@@ -15,7 +16,6 @@ from laminar.chaos.schedule import (
     schedule_to_json,
     targets_for,
 )
-
 from laminar.errors import ConfigError
 
 PROCESSES = ["control", "trainer", "relay-host-0", "rollout-host-0", "relay-host-1", "rollout-host-1"]

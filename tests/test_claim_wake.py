@@ -8,7 +8,6 @@ from dataclasses import replace
 from laminar.services.rollout.control import Contacts
 from laminar.services.rollout.timing import TIMING
 from laminar.sim.core import ControlTiming, Simulator
-
 from tests.test_sim import small
 
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import typer
+from typer.testing import CliRunner
+
 from laminar.cli.init import starter_prompts, write_starter
 from laminar.cli.main import app
 from laminar.cli.options import default_config, duration, parse_duration
 from laminar.cli.sim import parse_failure
-from typer.testing import CliRunner
-
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 

@@ -207,9 +207,8 @@ def test_eval_during_training_is_accepted_and_bad_values_are_named():
     """eval.every_steps/at_start/at_end run eval rounds on the replicas (workflows/evaluation.py); a value out of
     range, a round too large for the workflow's state, or an engine without an eval engine is refused with the
     field, the value and the fix."""
-    from laminar.rl.factory import check_engines
-
     from laminar.errors import ConfigError
+    from laminar.rl.factory import check_engines
 
     for override in ("eval.every_steps=10", "eval.at_start=true", "eval.at_end=true"):
         assert check_engines(RunConfig.load(None, [override, "rollout.engine=torch"]))
@@ -236,8 +235,9 @@ def test_a_checkpoint_interval_whose_batches_cannot_cross_temporal_is_refused_wi
 
 
 def test_laminar_run_warns_when_a_step_input_may_pass_the_servers_warning_size() -> None:
-    from laminar.cli.run import warn_large_payloads
     from structlog.testing import capture_logs
+
+    from laminar.cli.run import warn_large_payloads
 
     with capture_logs() as logs:
         assert warn_large_payloads(RunConfig.load(None, [])) < 256 * 1024  # the defaults stay small

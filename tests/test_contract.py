@@ -10,12 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from laminar.client.converter import DATA_CONVERTER
-from laminar.workflows.state import RunState
 from pydantic import TypeAdapter
 from temporalio.converter import value_to_type
 
+from laminar.client.converter import DATA_CONVERTER
 from laminar.contract import PoolAsk, PoolInput, PoolState, ReplicaGrant, SlotReport, TrainingRunInput
+from laminar.workflows.state import RunState
 
 ROOT = Path(__file__).resolve().parents[1]
 

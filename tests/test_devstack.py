@@ -16,11 +16,11 @@ from pathlib import Path
 import boto3
 import psutil
 import pytest
-from laminar.client.settings import Settings
-from laminar.devstack.stack import S3_CREDENTIALS, DevStack
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client, WorkflowExecutionStatus
 
+from laminar.client.settings import Settings
+from laminar.devstack.stack import S3_CREDENTIALS, DevStack
 from laminar.errors import DevStackError
 from tests.fixtures.s3 import free_port
 from tests.fixtures.waiting import wait_until

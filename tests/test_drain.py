@@ -4,9 +4,9 @@ real rollout worker mid-run is in tests/test_scale_integration.py."""
 from __future__ import annotations
 
 import pytest
-from laminar.workers.drain import drain, worker_name
 
 from laminar.errors import ConfigError
+from laminar.workers.drain import drain, worker_name
 
 PY = ["/usr/bin/python3", "-m", "laminar.cli.main", "worker"]
 

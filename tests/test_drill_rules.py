@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from laminar.services import drill as rules
 
 from laminar.contract import RelayInfo, ReplicaReport, RunStatus
 from laminar.errors import ConfigError
+from laminar.services import drill as rules
 
 
 def status(**kw) -> RunStatus:
@@ -257,7 +257,6 @@ def test_laminar_drill_rejects_a_bad_preempt_target_before_starting_anything(tmp
 
     from laminar.cli.drill import run_drill
     from laminar.client.settings import Settings
-
     from laminar.contract import DrillInput
 
     settings = Settings.from_env({"LAMINAR_HOME": str(tmp_path)})  # nothing listens there: no connection is made

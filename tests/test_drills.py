@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
+
 from laminar.cli.drill import run_drill
 from laminar.client.connect import connect, store_for
 from laminar.client.run_control import start_workflow
 from laminar.client.settings import Settings
+from laminar.contract import PREEMPT_ROLES, DrillInput, DrillReport, RunStatus
 from laminar.devstack.stack import DevStack
 from laminar.services.drill import THROUGHPUT_BASELINE_MIN_S
 from laminar.workers.launcher import LocalLauncher, plan_processes
-from temporalio.client import Client
-from temporalio.service import RPCError, RPCStatusCode
-
-from laminar.contract import PREEMPT_ROLES, DrillInput, DrillReport, RunStatus
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import assert_all_payloads_small, terminate_running
@@ -131,7 +131,6 @@ async def test_rollout_drill_during_eval_rounds_scores_every_eval_prompt_once(dr
     round's record holds every prompt of the set once, the same set as a run without the drill
     (tests/test_eval_during_training.py), and the training accounting is untouched."""
     from laminar.services.eval_records import read_evals
-
     from tests.test_eval_during_training import check_rounds
 
     extra = ["task.name=math", "rollout.max_new_tokens=8", "eval.size=36", "eval.samples=4", "eval.temperature=1.0",

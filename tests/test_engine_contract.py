@@ -27,15 +27,15 @@ from multiprocessing import shared_memory
 
 import pytest
 import torch
+
+from laminar.config import RunConfig
+from laminar.errors import EngineError
+from laminar.records import Trajectory
 from laminar.relay.weights import state_dict_from_buffer
 from laminar.rl.engine import TorchEngine
 from laminar.rl.engine_api import Engine, Finished
 from laminar.rl.model import build_model, model_state_dict, state_dict_to_bytes
 from laminar.rl.trainer import Trainer
-
-from laminar.config import RunConfig
-from laminar.errors import EngineError
-from laminar.records import Trajectory
 
 VOCAB, EOS = 32, 2
 INIT_STD = 0.25
@@ -331,9 +331,8 @@ def test_interrupt_continues_in_flight_sequences_under_the_new_version(e: Subjec
 
 
 def test_engine_and_backend_choices_are_validated_with_the_fix_named() -> None:
-    from laminar.rl.factory import check_engines
-
     from laminar.errors import ConfigError
+    from laminar.rl.factory import check_engines
 
     cfg = check_engines(RunConfig.load(None, ["rollout.engine=vllm"]))  # vLLM generates, the torch trainer learns
     assert (cfg.rollout.engine, cfg.trainer.engine, cfg.rollout.device, cfg.rollout.dtype) == ("vllm", "torch", "cpu",
@@ -348,9 +347,8 @@ def test_engine_and_backend_choices_are_validated_with_the_fix_named() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a host without CUDA")
 def test_cuda_on_a_host_without_a_gpu_is_a_config_error_naming_the_field() -> None:
-    from laminar.rl.model import placement
-
     from laminar.errors import ConfigError
+    from laminar.rl.model import placement
 
     assert placement("rollout", "cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ConfigError, match=r"trainer.device='cuda' but .* no CUDA device .* set trainer.device='cpu'"):

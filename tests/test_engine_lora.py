@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from laminar.config import TrainerSection
+from laminar.errors import EngineError
 from laminar.rl.engine import TorchEngine
 from laminar.rl.lora import LoraTrainer, load_base
 from laminar.rl.model import build_model
 from laminar.rl.trainer import Trainer
-
-from laminar.config import TrainerSection
-from laminar.errors import EngineError
 from tests.test_engine_contract import (
     EOS,
     HAS_VLLM,
@@ -181,10 +181,9 @@ def test_interrupted_sequences_continue_under_the_new_adapter(e: LoraSubject) ->
 
 
 def test_the_factory_builds_every_lora_engine_and_refuses_a_rank_vllm_cannot_serve() -> None:
-    from laminar.rl.factory import ENGINE_TRAITS, check_engines
-
     from laminar.config import RunConfig
     from laminar.errors import ConfigError
+    from laminar.rl.factory import ENGINE_TRAITS, check_engines
 
     lora = ['trainer.lora={"r": 8, "alpha": 16, "target_modules": ["q_proj"]}']
     assert sorted(n for n, t in ENGINE_TRAITS.items() if t.lora) == ["torch", "vllm"]

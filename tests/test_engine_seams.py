@@ -27,13 +27,13 @@ import typing
 from pathlib import Path
 
 import pytest
+
+from laminar.config import RolloutEngine, RunConfig, TrainerSection
+from laminar.policy import policy_for
 from laminar.rl.engine_api import Engine, PolicyTrainer
 from laminar.rl.factory import BACKEND_TRAITS, ENGINE_TRAITS, build_engine, build_trainer
 from laminar.services.model_files import load_run_files, publish_model_files, resolve_model_dir
 from laminar.storage.objects import open_store
-
-from laminar.config import RolloutEngine, RunConfig, TrainerSection
-from laminar.policy import policy_for
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = set(typing.get_args(RolloutEngine))  # torch, modelled, vllm (trainer engines are a subset)

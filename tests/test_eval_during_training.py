@@ -5,12 +5,12 @@ one record per due version in the store, every prompt scored once, and the train
 from __future__ import annotations
 
 import pytest
-from laminar.client.run_control import start_workflow
-from laminar.services.eval_records import read_evals
 
+from laminar.client.run_control import start_workflow
 from laminar.config import RunConfig
 from laminar.contract import RunStatus
 from laminar.evalstats import due_versions
+from laminar.services.eval_records import read_evals
 from tests.fixtures.stack import small_config
 
 EVAL = ["task.name=math", "rollout.max_new_tokens=8", "eval.size=12", "eval.samples=2", "eval.temperature=1.0",

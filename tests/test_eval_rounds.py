@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from laminar.workflows.eval_rounds import EvalRounds, due_versions
 
 from laminar.evalstats import PromptResult
+from laminar.workflows.eval_rounds import EvalRounds, due_versions
 
 
 def _result(p: int) -> PromptResult:

@@ -8,9 +8,9 @@ import os
 import time
 
 import pytest
-from laminar.services.tracking import EVAL_MLFLOW_TAG, EvalTrackers, eval_scalars
 
 from laminar.config import RunConfig
+from laminar.services.tracking import EVAL_MLFLOW_TAG, EvalTrackers, eval_scalars
 
 
 @pytest.mark.slow  # ~20 s on a loaded machine, most of it importing MLflow

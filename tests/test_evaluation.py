@@ -9,13 +9,13 @@ import subprocess
 import sys
 
 import pytest
-from laminar.envs.tasks import get_task
-from laminar.envs.tasks.math import WARMUP_IDS, is_held_out, problem_key
-from laminar.rl.evaluation import eval_prompts
 
 from laminar.config import RunConfig
+from laminar.envs.tasks import get_task
+from laminar.envs.tasks.math import WARMUP_IDS, is_held_out, problem_key
 from laminar.errors import ConfigError
 from laminar.evalstats import PromptResult, summarise
+from laminar.rl.evaluation import eval_prompts
 
 LEVELS = [{"max_terms": 2, "max_digits": 1}, {"max_terms": 3, "max_digits": 2}]
 
@@ -77,6 +77,7 @@ def test_a_task_without_a_split_needs_a_file():
 
 def test_greedy_decoding_ignores_the_sampling_seed():
     import torch
+
     from laminar.rl.engine import TorchEngine
     from laminar.rl.model import build_model
 
@@ -126,7 +127,6 @@ async def test_laminar_eval_of_a_checkpoint_of_an_ended_run(stack, tmp_path):
     the store with the math task's held-out split, and stores the record under the run."""
     from laminar.client.run_control import start_workflow
     from laminar.storage import keys
-
     from tests.fixtures.stack import small_config
 
     overrides = ["task.name=math", "rollout.max_new_tokens=8", "eval.size=12", "eval.samples=2",

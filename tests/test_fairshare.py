@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from laminar.workflows.fairshare import Ask, allocate
 
 
@@ -137,7 +138,6 @@ def test_status_shows_asked_granted_running_and_why():
     from dataclasses import replace
 
     from laminar.client.run_control import _grant_rows
-
     from laminar.contract import RunStatus
 
     base = RunStatus(run_id="r", phase="running", step=0, total_steps=3, policy_version=0, ready_groups=0,

@@ -13,13 +13,13 @@ import random
 
 import pytest
 import torch
+
+from laminar.config import RunConfig
 from laminar.envs.tasks.tokenizer import build_word_tokenizer
+from laminar.records import Trajectory
 from laminar.rl.fsdp import FsdpTrainer
 from laminar.rl.model import build_model, load_pretrained, save_pretrained
 from laminar.rl.trainer import Trainer
-
-from laminar.config import RunConfig
-from laminar.records import Trajectory
 
 HF = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 24, "hidden_size": 32,

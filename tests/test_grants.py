@@ -8,14 +8,14 @@ import asyncio
 import random
 
 import pytest
-from laminar.workflows import timeouts
-from laminar.workflows.grants import SlotGrants
-from laminar.workflows.state import RunState
 from temporalio.exceptions import FailureError
 
 from laminar import contract
 from laminar.config import RunConfig
 from laminar.contract import PoolAsk, ReplicaGrant, ScaleResult
+from laminar.workflows import timeouts
+from laminar.workflows.grants import SlotGrants
+from laminar.workflows.state import RunState
 from tests.fixtures.fake_runtime import FakeRuntime
 
 POOL = "pool/shared"

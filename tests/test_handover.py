@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from laminar.client.run_control import start_workflow
 
+from laminar.client.run_control import start_workflow
 from laminar.contract import RunStatus
 from tests.fixtures.stack import quiet_status, small_config
 from tests.fixtures.temporal import history_chain

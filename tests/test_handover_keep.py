@@ -10,17 +10,17 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from laminar.client.converter import DATA_CONVERTER
+from laminar.config import RunConfig
+from laminar.contract import Lease, ReplicaReport
+from laminar.refs import SegmentRef
 from laminar.services.rollout.attach import Parking
 from laminar.services.rollout.timing import TIMING
 from laminar.workflows.carry import COMPACT, encode_state
 from laminar.workflows.ledger import Ledger
 from laminar.workflows.segment import parse_input
 from laminar.workflows.state import LastClaim, OpenLease, ReadyGroup, RunState
-
-from laminar.config import RunConfig
-from laminar.contract import Lease, ReplicaReport
-from laminar.refs import SegmentRef
 
 CFG = RunConfig.load(None, [])
 REPLICAS = ["replica-0", "replica-1", "replica-2"]

@@ -17,16 +17,16 @@ import time
 from pathlib import Path
 
 import pytest
-from laminar.client.converter import DATA_CONVERTER
-from laminar.client.run_control import start_workflow
-from laminar.workers.rollout_slots import SharedQueueSlots, Slots
-from laminar.workflows.replica_set import ReplicaSet
-from laminar.workflows.state import RunState
 from temporalio.api.enums.v1 import TimeoutType
 from temporalio.worker import SlotReleaseContext
 
 from laminar import contract
+from laminar.client.converter import DATA_CONVERTER
+from laminar.client.run_control import start_workflow
 from laminar.contract import ROLLOUT_QUEUE, ClaimPromptsInput, RolloutReplicaResult, RunStatus
+from laminar.workers.rollout_slots import SharedQueueSlots, Slots
+from laminar.workflows.replica_set import ReplicaSet
+from laminar.workflows.state import RunState
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import history_chain
 from tests.fixtures.waiting import wait_until

@@ -15,9 +15,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from transformers import AutoModelForCausalLM  # noqa: E402
+
 from laminar.envs.tasks.tokenizer import build_word_tokenizer  # noqa: E402
 from laminar.rl.model import build_model, load_pretrained, save_pretrained  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 BASE = {"vocab_size": 40, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-6,
@@ -69,13 +70,12 @@ MISTRAL = {**BASE, "architectures": ["MistralForCausalLM"], "model_type": "mistr
 
 
 def test_an_architecture_the_builtin_model_does_not_cover_trains_and_generates_through_transformers(tmp_path) -> None:
+    from laminar.config import RunConfig
+    from laminar.records import Trajectory
     from laminar.rl.engine import TorchEngine
     from laminar.rl.hf_model import HfCausalLM
     from laminar.rl.model import bytes_to_state_dict, model_state_dict, state_dict_to_bytes
     from laminar.rl.trainer import Trainer
-
-    from laminar.config import RunConfig
-    from laminar.records import Trajectory
 
     built = build_model(MISTRAL, seed=0)
     assert isinstance(built, HfCausalLM)

@@ -22,6 +22,7 @@ import dockerfile
 import kubernetes_validate
 import pytest
 import yaml
+
 from laminar.client.settings import _Variables
 
 ROOT = Path(__file__).resolve().parent.parent

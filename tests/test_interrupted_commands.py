@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from laminar.client.connect import connect
-from laminar.client.run_control import start_workflow
-from laminar.client.settings import Settings
-from laminar.devstack.stack import DevStack
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from laminar import contract
+from laminar.client.connect import connect
+from laminar.client.run_control import start_workflow
+from laminar.client.settings import Settings
 from laminar.config import RunConfig
 from laminar.contract import RunStatus, workflow_id_for
+from laminar.devstack.stack import DevStack
 from tests.fixtures.s3 import free_port
 from tests.fixtures.waiting import async_wait_until
 

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from laminar.client.settings import Settings
-from laminar.workers.launcher import ManagedProcess, plan_processes
 
+from laminar.client.settings import Settings
 from laminar.config import RunConfig
+from laminar.workers.launcher import ManagedProcess, plan_processes
 
 BASE = [sys.executable, "-m", "laminar.cli.main", "worker"]
 

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from laminar.workers.launcher import LocalLauncher, ManagedProcess
 
+from laminar.workers.launcher import LocalLauncher, ManagedProcess
 from tests.fixtures.waiting import wait_until
 
 # A worker stand-in: says which host it serves, and on SIGTERM (the notice) says so and exits 0.

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 from laminar.workers.launcher import MAX_BACKOFF_S, LocalLauncher, ManagedProcess
-
 from tests.fixtures.waiting import wait_until
 
 HEALTHY_S = 3.0

@@ -7,10 +7,6 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from laminar.storage import keys
-from laminar.storage.objects import sha256_hex
-from laminar.workflows.ledger import Ledger
-from laminar.workflows.state import RECENT_REWARDS, RunState
 
 from laminar.config import RunConfig
 from laminar.contract import (
@@ -23,6 +19,10 @@ from laminar.contract import (
     retained_batches_bytes,
 )
 from laminar.refs import CheckpointRef, SegmentRef
+from laminar.storage import keys
+from laminar.storage.objects import sha256_hex
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.state import RECENT_REWARDS, RunState
 
 RUN = "run-ledger"
 
@@ -264,7 +264,6 @@ def test_stream_minibatches_already_complete_go_to_the_trainer_together_up_to_th
     assert first == ledger.next_train_input(cfg, ["relay-0"])  # nothing was consumed by asking
     # what travels: the first input whole and the later batches alone; the trainer rebuilds the same inputs
     from laminar.client.converter import DATA_CONVERTER  # what every laminar client and worker decodes with
-
     from laminar.contract import TrainStepsInput
 
     msg = TrainStepsInput(first=first, then=[second.batch])

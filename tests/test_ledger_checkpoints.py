@@ -4,14 +4,13 @@ input that hands both to the trainer, and a recorded fallback past a corrupt che
 
 from __future__ import annotations
 
+from laminar.config import RunConfig
+from laminar.contract import BatchPart, StepMetrics, TrainStepResult
+from laminar.refs import CheckpointRef, SegmentRef
 from laminar.storage import keys
 from laminar.storage.objects import sha256_hex
 from laminar.workflows.ledger import Ledger
 from laminar.workflows.state import RunState
-
-from laminar.config import RunConfig
-from laminar.contract import BatchPart, StepMetrics, TrainStepResult
-from laminar.refs import CheckpointRef, SegmentRef
 
 RUN = "run-ckpt"
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from laminar.refs import SegmentRef
 from laminar.workflows.ledger import Ledger
 from laminar.workflows.state import RunState
-
-from laminar.refs import SegmentRef
 
 
 def test_a_burst_of_routine_events_never_pushes_out_a_fault():

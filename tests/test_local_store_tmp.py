@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import psutil
-from laminar.storage.objects import _HOST, STALE_TMP_S, LocalObjectStore, _remove_if_stale
 
+from laminar.storage.objects import _HOST, STALE_TMP_S, LocalObjectStore, _remove_if_stale
 from tests.fixtures.waiting import wait_until
 
 WRITER = """

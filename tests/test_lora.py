@@ -9,6 +9,9 @@ import re
 
 import pytest
 import torch
+
+from laminar.config import RunConfig, TrainerSection
+from laminar.errors import ConfigError, EngineError
 from laminar.rl.engine import TorchEngine
 from laminar.rl.lora import (
     FINGERPRINT_KEY,
@@ -21,9 +24,6 @@ from laminar.rl.lora import (
     write_peft_adapter,
 )
 from laminar.rl.model import build_model, bytes_to_state_dict, model_state_dict, state_dict_to_bytes
-
-from laminar.config import RunConfig, TrainerSection
-from laminar.errors import ConfigError, EngineError
 from tests.test_rl_trainer import HF, on_policy_batch
 
 pytest.importorskip("peft")
@@ -317,8 +317,9 @@ def test_the_exported_adapter_loads_in_peft_with_the_trainer_s_logits(tmp_path) 
     """`laminar model export` of an adapter checkpoint: peft's own PeftModel.from_pretrained on the base (a
     transformers Llama holding the same weights) computes what the trainer's model computes."""
     pytest.importorskip("transformers")
-    from laminar.rl.hf_model import build_hf_model
     from peft import PeftModel
+
+    from laminar.rl.hf_model import build_hf_model
 
     trainer = lora_trainer()
     for version in range(2):

@@ -19,12 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from laminar.services.drill import groups_lost
-from laminar.storage.objects import LocalObjectStore
-from laminar.storage.runs import read_marker
 from temporalio.client import Client
 
 from laminar.contract import RunStatus, workflow_id_for
+from laminar.services.drill import groups_lost
+from laminar.storage.objects import LocalObjectStore
+from laminar.storage.runs import read_marker
 from tests.fixtures.devhome import Dev, own_dev_stack
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until
@@ -159,11 +159,10 @@ async def _stepped(client: Client, run_id: str, n: int) -> bool:
 def test_a_fork_config_needs_a_committed_checkpoint_and_records_its_parent(tmp_path):
     """fork_config on a real local store: the parent's config, its newest verified checkpoint, a free id."""
     from laminar.client.fork import fork_config
-    from laminar.storage import keys
-    from laminar.storage.checkpoints import CheckpointStore
-
     from laminar.config import RunConfig
     from laminar.errors import LaminarError
+    from laminar.storage import keys
+    from laminar.storage.checkpoints import CheckpointStore
 
     torch = pytest.importorskip("torch")
     store = LocalObjectStore(tmp_path / "store")
@@ -216,10 +215,9 @@ def test_laminar_fork_checks_the_forked_config_as_laminar_run_does(tmp_path):
     import subprocess
     import sys
 
+    from laminar.config import RunConfig
     from laminar.storage import keys
     from laminar.storage.checkpoints import CheckpointStore
-
-    from laminar.config import RunConfig
 
     torch = pytest.importorskip("torch")
     home = tmp_path / "home"

@@ -7,6 +7,8 @@ import json
 import random
 
 import pytest
+
+from laminar.config import RunConfig
 from laminar.envs.tasks import build_task, get_task, known_tasks
 from laminar.envs.tasks.answers import (
     arithmetic_answer,
@@ -17,8 +19,6 @@ from laminar.envs.tasks.answers import (
 )
 from laminar.envs.tasks.gsm8k import Gsm8kPrompts, gsm8k_answer
 from laminar.envs.tasks.math import WARMUP_IDS, countdown_reward, curriculum_level, spaced
-
-from laminar.config import RunConfig
 from laminar.errors import ConfigError
 
 

@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+
 from laminar.reporting.summary import reward_rise
 
 

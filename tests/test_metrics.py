@@ -12,14 +12,14 @@ import asyncio
 import socket
 import urllib.request
 
-from laminar.client.run_control import start_workflow
-from laminar.storage.records import step_records
-from laminar.workers.launcher import metrics_url
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from laminar import metrics, search
+from laminar.client.run_control import start_workflow
 from laminar.contract import RunStatus
+from laminar.storage.records import step_records
+from laminar.workers.launcher import metrics_url
 from tests.fixtures.stack import small_config
 from tests.fixtures.waiting import async_wait_until
 

@@ -3,14 +3,13 @@ per group at every moment, retried messages change nothing, a restart voids what
 
 from __future__ import annotations
 
+from laminar.contract import Departure, Handoff, ReplicaReport, Taken
+from laminar.refs import SegmentRef
 from laminar.storage import keys
 from laminar.storage.objects import sha256_hex
 from laminar.workflows.ledger import Ledger
 from laminar.workflows.migrations import Migrations
 from laminar.workflows.state import RunState
-
-from laminar.contract import Departure, Handoff, ReplicaReport, Taken
-from laminar.refs import SegmentRef
 
 RUN = "run-migrations"
 CAP = 1000  # KV capacity of every replica (tokens)

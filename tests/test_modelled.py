@@ -12,7 +12,12 @@ import math
 import numpy as np
 import pytest
 import torch
+
+from laminar.config import RunConfig
+from laminar.contract import BatchPart, TrainStepInput
 from laminar.envs.tasks import get_task
+from laminar.errors import ConfigError, EngineError
+from laminar.records import Trajectory
 from laminar.relay import client as relay_client
 from laminar.relay.server import RelayServer
 from laminar.rl.costs import tool_latency_s
@@ -32,11 +37,6 @@ from laminar.services.trainer import TrainerService
 from laminar.storage import keys
 from laminar.storage.objects import LocalObjectStore
 from laminar.storage.trajectories import TrajectoryStore
-
-from laminar.config import RunConfig
-from laminar.contract import BatchPart, TrainStepInput
-from laminar.errors import ConfigError, EngineError
-from laminar.records import Trajectory
 
 
 def cfg(*overrides: str) -> RunConfig:

@@ -31,14 +31,14 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
 from laminar.client.connect import connect
 from laminar.client.settings import Settings
+from laminar.contract import CONTROL_QUEUE, RunStatus, workflow_id_for
 from laminar.devstack.stack import DevStack, free_port, port_free
+from laminar.errors import ConfigError, LaminarError
 from laminar.storage.objects import open_store
 from laminar.workers.launcher import LocalLauncher, plan_processes
-
-from laminar.contract import CONTROL_QUEUE, RunStatus, workflow_id_for
-from laminar.errors import ConfigError, LaminarError
 from tests.fixtures.s3 import create_bucket, stop_process
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import history_chain, temporal_binary

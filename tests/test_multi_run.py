@@ -22,14 +22,14 @@ import uuid
 from datetime import timedelta
 
 import pytest
-from laminar.client.converter import DATA_CONVERTER
-from laminar.storage import keys
-from laminar.storage.objects import S3ObjectStore
 from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
 from temporalio.client import Client
 
 from laminar import contract
+from laminar.client.converter import DATA_CONVERTER
 from laminar.contract import PoolStatus, RunStatus, pool_workflow_id, workflow_id_for
+from laminar.storage import keys
+from laminar.storage.objects import S3ObjectStore
 from tests.fixtures.s3 import create_bucket, stop_process
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.temporal import temporal_address
@@ -258,13 +258,12 @@ def test_trainer_republishes_a_run_it_has_moved_away_from(tmp_path):
     # relay (a new one here): the republish pushes the version the trainer kept for "r" (it used to skip, -1).
     from dataclasses import replace
 
+    from laminar.contract import RepublishInput
     from laminar.relay import client as relay_client
     from laminar.relay.server import RelayServer
     from laminar.services.trainer import TrainerService
     from laminar.storage.objects import LocalObjectStore
     from laminar.storage.trajectories import TrajectoryStore
-
-    from laminar.contract import RepublishInput
     from tests.test_modelled import _batch, _input
 
     store = LocalObjectStore(tmp_path / "store")
@@ -292,15 +291,14 @@ def test_trainer_republishes_a_run_it_has_moved_away_from(tmp_path):
 def test_replica_reports_its_version_missing_only_when_no_relay_holds_one(tmp_path):
     # A replica that needs weights (none loaded) and whose poll reaches a relay holding nothing of its run reports
     # version_missing; once a relay holds a version of its run (another run's do not count), it does not.
+    from laminar import metrics as prom
+    from laminar.contract import RelayInfo
+    from laminar.policy import policy_for
     from laminar.relay import client as relay_client
     from laminar.relay.server import RelayServer
     from laminar.rl.modelled import ModelledEngine
     from laminar.services.rollout.batch import Counters
     from laminar.services.rollout.weights import Weights
-
-    from laminar import metrics as prom
-    from laminar.contract import RelayInfo
-    from laminar.policy import policy_for
     from tests.test_modelled import SERVICE_CFG
 
     (tmp_path / "shm").mkdir()

@@ -9,12 +9,12 @@ import importlib
 import inspect
 import pkgutil
 
-from laminar.workflows.pool import SlotPoolWorkflow
-from laminar.workflows.recovery_drill import RecoveryDrillWorkflow
-from laminar.workflows.training_run import TrainingRunWorkflow
 from temporalio import activity, workflow
 
 from laminar import activities, contract
+from laminar.workflows.pool import SlotPoolWorkflow
+from laminar.workflows.recovery_drill import RecoveryDrillWorkflow
+from laminar.workflows.training_run import TrainingRunWorkflow
 
 WORKFLOWS = (TrainingRunWorkflow, RecoveryDrillWorkflow, SlotPoolWorkflow)
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+from laminar import contract
 from laminar.client.run_control import start_workflow
+from laminar.contract import RunStatus
 from laminar.reporting.summary import build_profile
 from laminar.services.rollout import HEARTBEAT_EVERY_S
-
-from laminar import contract
-from laminar.contract import RunStatus
 from tests.fixtures.stack import small_config
 
 RESULT_TIMEOUT_S = 240

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from laminar.bench.overhead import cpu_total, ratios, side, time_to_reward
+from laminar.contract import RunStatus
 from laminar.reporting.summary import build_profile, build_summary, format_profile
 from laminar.storage import keys
 from laminar.storage.objects import LocalObjectStore
-
-from laminar.contract import RunStatus
 from laminar.timing import TimeBreakdown, merge
 
 

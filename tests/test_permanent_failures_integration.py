@@ -10,12 +10,12 @@ import signal
 import time
 
 import pytest
-from laminar.client.run_control import start_workflow
-from laminar.storage import keys
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
+from laminar.client.run_control import start_workflow
 from laminar.contract import RunStatus
+from laminar.storage import keys
 from tests.fixtures.stack import quiet_status, small_config
 from tests.fixtures.waiting import async_wait_until, wait_until
 

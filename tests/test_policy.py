@@ -7,8 +7,6 @@ import random
 from dataclasses import replace
 
 import pytest
-from laminar.workflows.ledger import Ledger
-from laminar.workflows.state import RunState
 
 from laminar.config import RunConfig
 from laminar.policy import (
@@ -22,6 +20,8 @@ from laminar.policy import (
     version_of,
 )
 from laminar.refs import SegmentRef
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.state import RunState
 from tests.test_ledger import _input, _result
 
 

@@ -21,19 +21,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from temporalio.client import WorkflowHandle
+
 from laminar.cli.drill import run_drill
 from laminar.cli.run import check_launcher
 from laminar.client.connect import connect
 from laminar.client.run_control import stop_run
 from laminar.client.settings import Settings
-from laminar.devstack.stack import DevStack
-from laminar.workers.launcher import plan_processes
-from laminar.workers.launcher_ray import NAMESPACE, ROLE_CPUS, host_groups, plan_placements
-from temporalio.client import WorkflowHandle
-
 from laminar.config import RunConfig
 from laminar.contract import DrillInput, DrillReport, RunStatus, workflow_id_for
+from laminar.devstack.stack import DevStack
 from laminar.errors import ConfigError, LaminarError
+from laminar.workers.launcher import plan_processes
+from laminar.workers.launcher_ray import NAMESPACE, ROLE_CPUS, host_groups, plan_placements
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until, wait_until
@@ -98,8 +98,9 @@ def test_ray_cluster_config_passes_rays_schema():
     it sets every LAMINAR_* variable but the three the launcher sets per worker."""
     import yaml
     from jsonschema import ValidationError
-    from laminar.client.settings import _Variables
     from ray.autoscaler._private.util import prepare_config, validate_config
+
+    from laminar.client.settings import _Variables
 
     path = REPO / "infra/ray/cluster.yaml"
     config = yaml.safe_load(path.read_text())

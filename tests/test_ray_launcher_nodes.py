@@ -30,15 +30,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from laminar.cli.run import _spare_slots, make_launcher
 from laminar.client.connect import connect
 from laminar.client.run_control import scale_run, start_run, stop_run
 from laminar.client.settings import Settings
-from laminar.devstack.stack import DevStack
-from laminar.workers.launcher_ray import NAMESPACE, RayLauncher
-
 from laminar.config import RunConfig
 from laminar.contract import RunStatus, workflow_id_for
+from laminar.devstack.stack import DevStack
+from laminar.workers.launcher_ray import NAMESPACE, RayLauncher
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from laminar.cli.bench import bench_app, parse_size
 from typer.testing import CliRunner
+
+from laminar.cli.bench import bench_app, parse_size
 
 
 def test_bench_relay_smoke_over_loopback_writes_the_json_report(tmp_path):

@@ -4,6 +4,7 @@ no threads: the registry's probe runs inline through an injected start_thread)."
 from __future__ import annotations
 
 import pytest
+
 from laminar.relay.breaker import CLOSED, HALF_OPEN, OPEN, Breaker, Breakers
 
 

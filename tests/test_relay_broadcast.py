@@ -10,11 +10,11 @@ import threading
 
 import pytest
 import torch
-from laminar.relay import client, protocol
-from laminar.relay.weights import load_into, state_dict_from_buffer
 from safetensors.torch import save
 
 from laminar.errors import RelayError
+from laminar.relay import client, protocol
+from laminar.relay.weights import load_into, state_dict_from_buffer
 from tests.test_relay_chain import _start_subprocess_relay, relays, versions_of, wait_until, weights
 
 __all__ = ["relays"]  # the fixture, imported for this module's tests

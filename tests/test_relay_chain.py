@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from laminar.relay import client, protocol
-from laminar.relay.server import RelayServer
 from prometheus_client import REGISTRY
 
 from laminar.errors import RelayError
+from laminar.relay import client, protocol
+from laminar.relay.server import RelayServer
 
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -9,13 +9,13 @@ import asyncio
 import random
 
 import pytest
+
+from laminar.config import RunConfig
+from laminar.contract import RelayInfo, TrainStepResult
 from laminar.workflows import timeouts
 from laminar.workflows.ledger import Ledger
 from laminar.workflows.relay_chain import RelayChain
 from laminar.workflows.state import RunState
-
-from laminar.config import RunConfig
-from laminar.contract import RelayInfo, TrainStepResult
 from tests.fixtures.fake_runtime import FakeRuntime, activity_error
 
 

@@ -8,9 +8,9 @@ import socket
 import threading
 
 import pytest
-from laminar.relay import auth, client, protocol, segments
 
 from laminar.errors import RelayError
+from laminar.relay import auth, client, protocol, segments
 from tests.test_relay_chain import relays, versions_of, wait_until, weights
 
 __all__ = ["relays"]  # the fixture, imported for this module's tests

@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
-from laminar.relay import client, protocol
-from laminar.relay.server import RelayServer
 
 from laminar.errors import RelayError
+from laminar.relay import client, protocol
+from laminar.relay.server import RelayServer
 
 CHUNK = 1 << 20  # protocol.MIN_CHUNK_BYTES: a 3 MiB version is chunks of 1, 1 and 1 MiB
 Frame = tuple[dict, bytearray]

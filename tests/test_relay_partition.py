@@ -25,6 +25,10 @@ SIZE = 4 << 20  # a 4 MiB version: a push takes milliseconds on loopback, so the
 
 
 def scenario() -> dict[str, float | int | None | list | str]:
+    from laminar.config import RunConfig
+    from laminar.contract import RelayInfo, TrainStepInput
+    from laminar.metrics import ReplicaMetrics
+    from laminar.policy import policy_for
     from laminar.relay import client
     from laminar.relay.breaker import BREAKERS
     from laminar.relay.server import RelayServer
@@ -32,11 +36,6 @@ def scenario() -> dict[str, float | int | None | list | str]:
     from laminar.services.rollout.weights import Weights
     from laminar.services.trainer import TrainerService
     from laminar.storage.objects import LocalObjectStore
-
-    from laminar.config import RunConfig
-    from laminar.contract import RelayInfo, TrainStepInput
-    from laminar.metrics import ReplicaMetrics
-    from laminar.policy import policy_for
 
     out: dict[str, float | int | None | list | str] = {"connect_timeout_s": client.TIMEOUTS.connect_s}
     home = Path(tempfile.mkdtemp())

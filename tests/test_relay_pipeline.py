@@ -12,10 +12,10 @@ import hmac
 import os
 
 import pytest
-from laminar.relay import macs, protocol
-from laminar.relay.pipeline import Blocks, InOrder, may_feed, window
 
 from laminar.errors import RelayError
+from laminar.relay import macs, protocol
+from laminar.relay.pipeline import Blocks, InOrder, may_feed, window
 
 KEY = b"k" * 32
 

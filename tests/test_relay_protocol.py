@@ -7,9 +7,9 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from laminar.relay import protocol
 
 from laminar.errors import RelayError
+from laminar.relay import protocol
 
 
 @pytest.fixture

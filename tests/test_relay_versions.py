@@ -4,12 +4,12 @@ idle eviction of finished runs. Real segments in a temporary directory; a hand-d
 from __future__ import annotations
 
 import pytest
+
+from laminar.errors import RelayError
 from laminar.relay import client
 from laminar.relay.segments import Segment
 from laminar.relay.server import RelayServer
 from laminar.relay.versions import Version, VersionStore
-
-from laminar.errors import RelayError
 
 
 class Clock:

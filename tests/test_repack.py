@@ -9,6 +9,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from laminar.workflows.repack import C_MAX, Move, ReplicaLoad, is_candidate, plan_repack, released
 
 CAP = 1000  # KV capacity (tokens) in the worked examples: C_max = 0.9 x 1000 = 900 tokens

@@ -14,14 +14,14 @@ import uuid
 from pathlib import Path
 
 import pytest
+from temporalio.client import WorkflowExecutionStatus, WorkflowHistory
+from temporalio.worker import Replayer
+
 from laminar.client.converter import DATA_CONVERTER
 from laminar.services import repair_verdict
 from laminar.services.repair import Repairer, prefix_through, task_events
 from laminar.services.repair_verdict import COMPLETED, FAILED, OTHER, SCHEDULED, STARTED, TIMED_OUT
 from laminar.workflows.training_run import TrainingRunWorkflow
-from temporalio.client import WorkflowExecutionStatus, WorkflowHistory
-from temporalio.worker import Replayer
-
 from tests import wedge
 from tests.fixtures.temporal import temporal_address
 from tests.fixtures.waiting import async_wait_until

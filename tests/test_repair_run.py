@@ -18,15 +18,15 @@ import time
 from pathlib import Path
 
 import pytest
+
 from laminar.client.run_control import query_status, start_workflow
 from laminar.client.settings import Settings
+from laminar.contract import RunStatus
+from laminar.errors import LaminarError
 from laminar.services.drill import groups_lost
 from laminar.storage import keys
 from laminar.storage.objects import open_store
 from laminar.workers.launcher import LocalLauncher, plan_processes
-
-from laminar.contract import RunStatus
-from laminar.errors import LaminarError
 from tests import wedge
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import temporal_address

@@ -15,13 +15,13 @@ import ast
 from pathlib import Path
 
 import pytest
+from temporalio.worker import Replayer
+
+from laminar import contract
 from laminar.client.converter import DATA_CONVERTER
 from laminar.workflows.pool import SlotPoolWorkflow
 from laminar.workflows.recovery_drill import RecoveryDrillWorkflow
 from laminar.workflows.training_run import TrainingRunWorkflow
-from temporalio.worker import Replayer
-
-from laminar import contract
 from tests.histories import MAX_FILE_BYTES, count, history_files, load, patch_ids, workflow_type
 
 WORKFLOWS_DIR = Path(__file__).parents[1] / "workflows"

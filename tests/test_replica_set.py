@@ -9,13 +9,13 @@ import asyncio
 import random
 
 import pytest
+from temporalio.exceptions import ActivityError, ApplicationError, RetryState
+
+from laminar.config import RunConfig
 from laminar.workflows.ledger import Ledger
 from laminar.workflows.migrations import Migrations
 from laminar.workflows.replica_set import ReplicaSet
 from laminar.workflows.state import RunState
-from temporalio.exceptions import ActivityError, ApplicationError, RetryState
-
-from laminar.config import RunConfig
 from tests.fixtures.fake_runtime import FakeRuntime
 
 

@@ -12,14 +12,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from laminar.errors import ConfigError
+from laminar.records import Trajectory
 from laminar.reporting.report import PLOTS, ReportData, eval_wall_s, read, write
 from laminar.storage import keys
 from laminar.storage.objects import open_store
 from laminar.storage.records import TrajRow
 from laminar.storage.trajectories import TrajectoryStore
-
-from laminar.errors import ConfigError
-from laminar.records import Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 

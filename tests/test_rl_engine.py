@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from laminar.envs.tasks import get_task
+from laminar.errors import EngineError
 from laminar.rl.engine import TorchEngine
 from laminar.rl.model import build_model, model_state_dict
-
-from laminar.errors import EngineError
 
 TASK = get_task("repeat", seed=0, max_count=16)
 HF = {

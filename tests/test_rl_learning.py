@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from laminar.rl.base_model import build_base_model
-from laminar.rl.sync_loop import run_sync_loop
 
 from laminar.config import RunConfig
+from laminar.rl.base_model import build_base_model
+from laminar.rl.sync_loop import run_sync_loop
 
 STEPS = 400
 LR = 2e-3  # recommended default (laminar.config has 1e-3, which learns too, with less margin)

@@ -6,7 +6,9 @@ import json
 
 import pytest
 import torch
+
 from laminar.envs.tasks.tokenizer import build_word_tokenizer
+from laminar.errors import ConfigError
 from laminar.rl.model import (
     KVCache,
     build_model,
@@ -16,8 +18,6 @@ from laminar.rl.model import (
     save_pretrained,
     state_dict_to_bytes,
 )
-
-from laminar.errors import ConfigError
 
 WORDS = ["a", "b", "c", ":", "1", "2", "3"]
 

@@ -7,9 +7,9 @@ import random
 
 import numpy as np
 import pytest
+
 from laminar.envs.tasks import get_task, known_tasks
 from laminar.envs.tasks.tokenizer import build_word_tokenizer, special_ids
-
 from laminar.errors import ConfigError
 
 

@@ -9,6 +9,10 @@ import re
 
 import pytest
 import torch
+
+from laminar.config import RunConfig, TrainerSection
+from laminar.errors import ConfigError
+from laminar.records import Trajectory
 from laminar.rl.grpo import (
     behaviour_drift,
     clipped_token_loss,
@@ -19,10 +23,6 @@ from laminar.rl.grpo import (
 )
 from laminar.rl.model import build_model, bytes_to_state_dict, model_state_dict, state_dict_to_bytes
 from laminar.rl.trainer import Trainer
-
-from laminar.config import RunConfig, TrainerSection
-from laminar.errors import ConfigError
-from laminar.records import Trajectory
 
 HF = {
     "model_type": "llama",

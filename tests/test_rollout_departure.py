@@ -6,10 +6,6 @@ plane is the replica's `ControlPort` seam, answered the way the workflow answers
 
 from __future__ import annotations
 
-from laminar.rl.model import model_state_dict
-from laminar.services.rollout import RolloutReplica
-from laminar.storage.trajectories import TrajectoryStore
-
 from laminar.contract import (
     AddExperienceInput,
     AddExperienceResult,
@@ -18,6 +14,9 @@ from laminar.contract import (
     Lease,
 )
 from laminar.notice import Notice
+from laminar.rl.model import model_state_dict
+from laminar.services.rollout import RolloutReplica
+from laminar.storage.trajectories import TrajectoryStore
 from tests.test_rollout_handover import CFG, GROUP_SIZE, GROUPS, RUN, Ticks, _store_with_model
 
 

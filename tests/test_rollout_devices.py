@@ -3,6 +3,7 @@
 import threading
 
 import pytest
+
 from laminar.rl.model import DeviceSlots
 
 

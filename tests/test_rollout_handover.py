@@ -7,13 +7,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from laminar.rl.model import model_state_dict
-from laminar.services.model_files import publish_model_files, resolve_model_dir
-from laminar.services.rollout import CONTACT_S, RolloutReplica
-from laminar.storage import keys
-from laminar.storage.objects import open_store
-from laminar.storage.trajectories import TrajectoryStore
-
 from laminar.config import RunConfig
 from laminar.contract import (
     AddExperienceInput,
@@ -23,6 +16,12 @@ from laminar.contract import (
     Lease,
 )
 from laminar.records import Trajectory
+from laminar.rl.model import model_state_dict
+from laminar.services.model_files import publish_model_files, resolve_model_dir
+from laminar.services.rollout import CONTACT_S, RolloutReplica
+from laminar.storage import keys
+from laminar.storage.objects import open_store
+from laminar.storage.trajectories import TrajectoryStore
 
 RUN = "handover-unit"
 GROUPS = 2  # = rollout.max_inflight_groups: once admitted, the replica has no free slot (it never claims work)
@@ -162,11 +161,10 @@ def test_an_empty_local_relay_falls_through_to_another_relay(tmp_path):
     # This host's relay restarted empty (a master-relay drill) while the other host's relay holds version 0.
     # The replica used to enter `with pull_local(...)` on the None it returns for "no version here" and die
     # with a TypeError on every retry; now it fetches the version over TCP from the other relay.
+    from laminar.contract import RelayInfo
     from laminar.relay import client as relay_client
     from laminar.relay.server import RelayServer
     from laminar.rl.model import state_dict_to_bytes
-
-    from laminar.contract import RelayInfo
 
     store = _store_with_model(tmp_path)
     (tmp_path / "shm").mkdir()

@@ -12,15 +12,15 @@ import json
 import subprocess
 
 import pytest
-from laminar.client.converter import DATA_CONVERTER
-from laminar.client.run_control import start_workflow
-from laminar.reporting.summary import build_summary
-from laminar.workers.processes import TRAINER_SLOTS
-from laminar.workflows.training_run import TrainingRunWorkflow
 from temporalio.client import WorkflowFailureError
 from temporalio.worker import Replayer
 
+from laminar.client.converter import DATA_CONVERTER
+from laminar.client.run_control import start_workflow
 from laminar.contract import CONTROL_QUEUE, RunStatus, workflow_id_for
+from laminar.reporting.summary import build_summary
+from laminar.workers.processes import TRAINER_SLOTS
+from laminar.workflows.training_run import TrainingRunWorkflow
 from tests.fixtures.stack import quiet_status, small_config
 from tests.fixtures.temporal import assert_payloads_small, history_chain, temporal_address, temporal_binary
 from tests.fixtures.waiting import async_wait_until

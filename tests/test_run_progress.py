@@ -9,7 +9,6 @@ from laminar.cli.run import STEP_RECORDS_PER_LOOK, _newer_steps, _progress_line
 from laminar.client.watch import RunProgress
 from laminar.storage import keys
 from laminar.storage.objects import LocalObjectStore
-
 from tests.fixtures.stack import small_config
 
 

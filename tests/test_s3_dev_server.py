@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from laminar.devstack.stack import DevStack, DevStackInfo, _s3_mode
-from laminar.storage.objects import MiB, ObjectStore, open_store
 
+from laminar.devstack.stack import DevStack, DevStackInfo, _s3_mode
 from laminar.errors import ObjectNotFoundError, StoreError, StoreUnavailableError
+from laminar.storage.objects import MiB, ObjectStore, open_store
 from tests.fixtures.s3 import free_port
 
 

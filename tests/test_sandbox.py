@@ -17,8 +17,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from laminar.envs.tools.sandbox import PythonSandbox, SandboxLimits, SandboxUnavailable, run_python
 from structlog.testing import capture_logs
+
+from laminar.envs.tools.sandbox import PythonSandbox, SandboxLimits, SandboxUnavailable, run_python
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root (docs/guides/tools.md, 'The Python sandbox')")
 
@@ -274,10 +275,9 @@ def _python_task(hostile: str):
 
 @pytest.mark.parametrize("kind", list(HOSTILE))
 def test_each_hostile_program_ends_as_a_failed_group_retried_then_dropped(kind):
+    from laminar.contract import Lease
     from laminar.rl.engine_api import Finished
     from laminar.services.rollout.batch import Batch
-
-    from laminar.contract import Lease
     from tests.test_tools import _engine
 
     task = _python_task(HOSTILE[kind])

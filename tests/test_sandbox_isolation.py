@@ -24,9 +24,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 from laminar.devstack.stack import free_port
 from laminar.envs.tools.sandbox import SandboxLimits, limits_kind, run_python
-
 from tests.fixtures.temporal import temporal_address
 from tests.test_sandbox import no_leftovers  # noqa: F401 - the autouse fixture: no sandbox process left
 
@@ -200,8 +200,9 @@ for port in {ports!r}:
 
 
 async def test_the_temporal_relay_and_metrics_ports_are_unreachable(temporal_env):
-    from laminar.relay.server import RelayServer
     from prometheus_client import start_http_server
+
+    from laminar.relay.server import RelayServer
 
     temporal_port = int(temporal_address(temporal_env.client).rpartition(":")[2])
     relay = RelayServer("relay-sbx", token="sandbox-test-token-" + secrets.token_hex(8))

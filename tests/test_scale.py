@@ -2,11 +2,11 @@
 slots the local launcher adds for them (workers/launcher.py)."""
 
 import pytest
+
 from laminar.client.settings import Settings
+from laminar.config import RunConfig
 from laminar.workers.launcher import LocalLauncher, plan_processes, rollout_slots, slots_to_add
 from laminar.workflows.scale import check_target, plan_scale, replica_ids
-
-from laminar.config import RunConfig
 
 
 def test_grow_takes_the_lowest_free_ids():

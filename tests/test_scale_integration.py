@@ -14,13 +14,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest_asyncio
+
 from laminar.client.connect import connect, store_for
 from laminar.client.run_control import scale_run, scale_targets, start_workflow
 from laminar.client.settings import Settings
+from laminar.contract import RunStatus
 from laminar.devstack.stack import DevStack
 from laminar.workers.launcher import LocalLauncher, plan_processes
-
-from laminar.contract import RunStatus
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import terminate_running

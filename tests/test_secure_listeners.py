@@ -25,13 +25,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from laminar.devstack.stack import free_port
-from laminar.relay import client
-from laminar.relay.server import RelayServer
 from structlog.testing import capture_logs
 
+from laminar.devstack.stack import free_port
 from laminar.errors import ConfigError
 from laminar.listeners import check_bind, insecure_from_env, is_loopback
+from laminar.relay import client
+from laminar.relay.server import RelayServer
 
 ROOT = Path(__file__).resolve().parents[1]
 LAMINAR = [sys.executable, "-m", "laminar.cli.main"]

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from laminar.workflows.segment import Segment, parse_input, pool_of
-from laminar.workflows.state import RunState
 
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
+from laminar.workflows.segment import Segment, parse_input, pool_of
+from laminar.workflows.state import RunState
 
 
 @dataclass
@@ -103,9 +103,8 @@ def test_a_run_with_many_replicas_hands_over_before_it_can_reach_the_server_s_up
 
 
 def test_the_budget_leaves_every_sender_two_updates_below_the_server_s_limit_up_to_the_most_a_run_may_have():
-    from laminar.workflows.timeouts import HANDOVER_UPDATES_CAP, updates_budget
-
     from laminar.config import MAX_UPDATE_SENDERS, SERVER_MAX_TOTAL_UPDATES, UPDATES_RESERVE
+    from laminar.workflows.timeouts import HANDOVER_UPDATES_CAP, updates_budget
 
     for senders in range(1, MAX_UPDATE_SENDERS + 1):
         cap = min(HANDOVER_UPDATES_CAP, updates_budget(senders))

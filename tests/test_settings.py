@@ -7,9 +7,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+
 from laminar.client.settings import Settings
 from laminar.devstack.record import DevStackInfo
-
 from laminar.errors import ConfigError
 
 

@@ -7,14 +7,14 @@ import math
 from dataclasses import replace
 
 import pytest
+
+from laminar import policy as real_policy
+from laminar.config import RunConfig
 from laminar.rl.costs import CostModel, chain_broadcast_s
 from laminar.sim import params as P
 from laminar.sim.core import REAL_POLICY, Lengths, PolicyFns, SimConfig, Simulator, simulate
 from laminar.sim.scenarios import placements
 from laminar.sim.sweep import SweepSpec, golden_max, speedup_summary, sweep
-
-from laminar import policy as real_policy
-from laminar.config import RunConfig
 
 # A small cluster that runs in well under a second: 4 replicas, 2 groups of 4 per replica, 8 groups per step.
 SMALL_COSTS = CostModel(
@@ -223,8 +223,9 @@ def test_relay_link_from_the_relay_benchmark_report():
 def test_simulate_command_writes_table_json_and_rejects_bad_input(tmp_path):
     import json
 
-    from laminar.cli.main import app
     from typer.testing import CliRunner
+
+    from laminar.cli.main import app
     out = tmp_path / "sim.json"
     res = CliRunner().invoke(app, ["simulate", "--model", "7b", "--gpus", "16", "--modes", "laminar,sync",
                                    "--workload", "uniform", "--iterations", "3", "--warmup", "1", "--json", str(out)])

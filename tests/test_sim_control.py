@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+
 from laminar.sim.control import ControlPlaneCost, ControlServer
 from laminar.sim.core import Simulator, simulate
-
 from tests.test_sim import small
 
 FREE = ControlPlaneCost(task_s=0.0, rtt_s=0.0, dispatch_s=0.0, updates_per_segment=10**9, continue_as_new_s=0.0,
@@ -118,8 +118,9 @@ def test_the_sweep_s_run_takes_the_control_plane_it_is_given():
 
 
 def test_simulate_refuses_an_unknown_control_plane():
-    from laminar.cli.main import app
     from typer.testing import CliRunner
+
+    from laminar.cli.main import app
 
     bad = CliRunner().invoke(app, ["simulate", "--control-plane", "maybe"])
     assert bad.exit_code == 2 and "maybe" in bad.output and "no-handover" in bad.output

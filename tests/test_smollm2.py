@@ -109,9 +109,8 @@ def test_the_rollout_prompt_is_the_models_chat_template(imported, gguf_model):
 def test_laminar_eval_on_the_model_directory_renders_the_chat_template(imported):
     """`laminar eval CONFIG --checkpoint DIR` (services/evaluate.py load_policy): the task takes the directory's
     specials and chat template, as a run's replicas do (without them: "tokenizer has no <pad> token")."""
-    from laminar.services.evaluate import load_policy
-
     from laminar.config import RunConfig
+    from laminar.services.evaluate import load_policy
 
     cfg = RunConfig.load(EXAMPLE, [f"model.path={imported}"])
     _, tokenizer, task, target = load_policy(None, cfg, str(imported))
@@ -129,12 +128,11 @@ async def test_the_example_runs_two_steps_through_a_rollout_drill(tmp_path_facto
     from laminar.client.connect import connect
     from laminar.client.run_control import start_workflow
     from laminar.client.settings import Settings
+    from laminar.config import RunConfig
+    from laminar.contract import DrillInput, RunStatus
     from laminar.devstack.stack import DevStack
     from laminar.rl.gguf_import import default_dir
     from laminar.workers.launcher import LocalLauncher, plan_processes
-
-    from laminar.config import RunConfig
-    from laminar.contract import DrillInput, RunStatus
     from tests.fixtures.s3 import free_port
 
     model_dir = import_gguf(default_dir(ROOT / ".laminar")).path  # once per checkout

@@ -17,9 +17,9 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from laminar.cli.run import ensure_model
 from rich.console import Console
 
+from laminar.cli.run import ensure_model
 from laminar.config import RunConfig
 from laminar.errors import ConfigError
 
@@ -118,9 +118,8 @@ def test_every_gpu_script_variant_is_a_config_the_run_accepts():
     (the CUDA flags aside: on a host without CUDA they are a config error by design)."""
     import importlib.util
 
-    from laminar.rl.factory import check_engines
-
     from laminar.config import RunConfig
+    from laminar.rl.factory import check_engines
 
     spec = importlib.util.spec_from_file_location("gpu_smollm2", ROOT / "scripts" / "gpu_smollm2.py")
     script = importlib.util.module_from_spec(spec)

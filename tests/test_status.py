@@ -7,6 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
+from laminar.config import RunConfig
+from laminar.contract import RelayInfo, ReplicaGrant, ScaleResult
+from laminar.policy import policy_for
 from laminar.workflows.grants import SlotGrants
 from laminar.workflows.ledger import Ledger
 from laminar.workflows.migrations import Migrations
@@ -16,10 +20,6 @@ from laminar.workflows.segment import Segment
 from laminar.workflows.state import RunState
 from laminar.workflows.status import SEARCH_ATTRIBUTES_EVERY_S, StatusBoard
 from laminar.workflows.trainer import Trainer
-
-from laminar.config import RunConfig
-from laminar.contract import RelayInfo, ReplicaGrant, ScaleResult
-from laminar.policy import policy_for
 from tests.fixtures.fake_runtime import FakeRuntime
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from laminar.storage import keys
-from laminar.storage.checkpoints import CheckpointStore
 from structlog.testing import capture_logs
 
 from laminar.errors import CorruptDataError
+from laminar.storage import keys
+from laminar.storage.checkpoints import CheckpointStore
 
 RUN = "run-1"
 

@@ -8,10 +8,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import boto3
 import pytest
-from laminar.storage import keys
-from laminar.storage.objects import LocalObjectStore, MiB, S3ObjectStore, open_store
 
 from laminar.errors import BucketNotFoundError, ObjectNotFoundError, StoreError, StoreUnavailableError
+from laminar.storage import keys
+from laminar.storage.objects import LocalObjectStore, MiB, S3ObjectStore, open_store
 from tests.fixtures.s3 import free_port
 
 # -- the contract, both backends ---------------------------------------------------------------------

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 
+from laminar.records import Trajectory
 from laminar.storage import keys, records
 from laminar.storage.trajectories import TrajectoryStore
-
-from laminar.records import Trajectory
 
 RUN = "run-records"
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from laminar.storage import keys
-from laminar.storage.objects import LocalObjectStore, sha256_hex
-from laminar.storage.trajectories import TRAJECTORY_SCHEMA, TrajectoryStore
 
 from laminar.errors import CorruptDataError
 from laminar.records import Trajectory
 from laminar.refs import SegmentRef
+from laminar.storage import keys
+from laminar.storage.objects import LocalObjectStore, sha256_hex
+from laminar.storage.trajectories import TRAJECTORY_SCHEMA, TrajectoryStore
 
 RUN = "run-1"
 REPLICA = "rollout-0"

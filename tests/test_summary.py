@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+
+from laminar.contract import FailedGroup, RunStatus
+from laminar.refs import CheckpointRef
 from laminar.reporting.summary import build_summary, percentile, reward_rise
 from laminar.storage import keys
 from laminar.storage.objects import LocalObjectStore
 from laminar.storage.records import step_records
-
-from laminar.contract import FailedGroup, RunStatus
-from laminar.refs import CheckpointRef
 
 RUN = "run-summary"
 

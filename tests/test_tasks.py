@@ -12,21 +12,21 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from prometheus_client import REGISTRY
+
+from laminar.config import RunConfig
 from laminar.envs.tasks import RewardFailure, build_task, get_task
 from laminar.envs.tasks.prompt_file import FilePrompts
 from laminar.envs.tasks.repeat import RepeatTask
 from laminar.envs.tasks.scoring import score
 from laminar.envs.tasks.text import FileTask, render
+from laminar.errors import ConfigError
+from laminar.refs import SegmentRef
 from laminar.rl.engine import TorchEngine
 from laminar.rl.model import build_model
 from laminar.services.rollout.batch import Batch, Counters
 from laminar.workflows.ledger import Ledger
 from laminar.workflows.state import RunState
-from prometheus_client import REGISTRY
-
-from laminar.config import RunConfig
-from laminar.errors import ConfigError
-from laminar.refs import SegmentRef
 from tests.fixtures.user_task import FAILS, PROMPTS, REASON, TASK_NAME, CopyTask
 
 
@@ -79,8 +79,9 @@ def test_bad_task_config_is_a_config_error_naming_the_field(overrides, message):
     ([f"task.name={TASK_NAME}", "task.prompts=/no/such/prompts.jsonl"], "is not a file on this host"),
 ])
 def test_laminar_run_checks_the_task_before_anything_starts(overrides, message):
-    from laminar.cli.main import app
     from typer.testing import CliRunner
+
+    from laminar.cli.main import app
 
     res = CliRunner().invoke(app, ["run", "examples/tiny.toml", *[f"--{o}" for o in overrides]])
     assert res.exit_code != 0 and message in " ".join(res.output.split()), res.output

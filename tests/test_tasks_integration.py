@@ -10,12 +10,12 @@ import math
 import re
 
 import pytest
+
 from laminar.client.run_control import start_workflow
+from laminar.contract import RunStatus
 from laminar.envs.tasks.prompt_file import FilePrompts
 from laminar.storage import keys
 from laminar.storage.trajectories import _from_parquet
-
-from laminar.contract import RunStatus
 from tests.fixtures.stack import small_config
 from tests.fixtures.user_task import PROMPTS, REASON, TASK_NAME
 

@@ -15,10 +15,10 @@ import asyncio
 import json
 
 import pytest
-from laminar.client.run_control import start_workflow
-from laminar.reporting.tool_calls import count_tool_calls
 
+from laminar.client.run_control import start_workflow
 from laminar.contract import RunStatus
+from laminar.reporting.tool_calls import count_tool_calls
 from tests.fixtures.slow_tools import TASK_NAME
 from tests.fixtures.stack import small_config
 

@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from temporalio.exceptions import ApplicationError
+
 from laminar.activities.errors import permanent_errors
+from laminar.contract import Lease
 from laminar.envs.tasks.tool_use import ToolsTask
 from laminar.envs.tools import Episode, ToolResult, call, parse_call
 from laminar.envs.tools.calculator import Calculator, evaluate
+from laminar.errors import CorruptDataError, UntrainableRowError
+from laminar.records import untrainable
 from laminar.rl.engine import TorchEngine
 from laminar.rl.engine_api import Finished
 from laminar.rl.model import build_model, model_state_dict
@@ -22,11 +27,6 @@ from laminar.storage.trajectories import (
     table_to_trajectories,
     trajectories_to_table,
 )
-from temporalio.exceptions import ApplicationError
-
-from laminar.contract import Lease
-from laminar.errors import CorruptDataError, UntrainableRowError
-from laminar.records import untrainable
 
 TASK = ToolsTask(seed=0)
 HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": TASK.tokenizer.get_vocab_size(),
@@ -297,7 +297,6 @@ def test_a_group_restarted_from_its_prompt_gets_the_recorded_answer_of_a_complet
 def _pool(batch: Batch, store: TrajectoryStore, attempt: int):
     from laminar.services.rollout.batch import Counters
     from laminar.services.rollout.pool import PartialPool
-
     from laminar.timing import TimeBreakdown
     # the pool's writes and reads need no weights (only resume's version check does, done by hand here)
     return PartialPool(store, "run-t", "rollout-0", (0, attempt), batch, None, Counters(), TimeBreakdown())
@@ -336,8 +335,9 @@ def test_a_crash_between_the_intent_write_and_the_output_write_never_runs_the_ca
     outputs. The next incarnation resumes from the pool: the calls whose intents are recorded without output
     are not run again (counted by `tool_executed` events across both incarnations); the samples read
     INTERRUPTED as those calls' output (mask 0) and finish."""
-    from laminar.services.rollout.batch import INTERRUPTED
     from structlog.testing import capture_logs
+
+    from laminar.services.rollout.batch import INTERRUPTED
     store = TrajectoryStore(LocalObjectStore(str(tmp_path)))
     engine = _engine()
     a = _batch(engine)
@@ -379,8 +379,9 @@ def test_a_regenerated_group_keeps_its_recorded_answers_across_another_crash(tmp
     PartialPool._restart_fresh) and dies before the regenerated turns reach their calls; incarnation c resumes
     b's pool. The answers b kept in memory travel in b's pool rows (extra `recorded_calls`), so c answers the
     same calls from the record: each call ran once over the three incarnations. Before, c ran them again."""
-    from laminar.services.rollout.batch import RECORDED
     from structlog.testing import capture_logs
+
+    from laminar.services.rollout.batch import RECORDED
     store = TrajectoryStore(LocalObjectStore(str(tmp_path)))
     engine = _engine()
     a = _batch(engine)
@@ -419,10 +420,9 @@ def test_a_group_handed_off_and_back_from_its_prompt_carries_no_stale_turns(tmp_
     under a version it no longer holds, so it is generated again from its prompt (Repack.take_leases ->
     restart_fresh). The replica's episodes of the first try must not survive: a stale one gave the new, shorter
     response the old tool mask (12 entries for 8 tokens), which the trainer refused at every retry of its step."""
+    from laminar.contract import MigrationOrder
     from laminar.services.rollout.batch import Counters
     from laminar.services.rollout.migration import Repack
-
-    from laminar.contract import MigrationOrder
     from laminar.timing import TimeBreakdown
 
     store = TrajectoryStore(LocalObjectStore(str(tmp_path)))
@@ -452,10 +452,9 @@ def test_a_source_that_dies_before_its_hand_off_is_recorded_keeps_the_groups_in_
     leases were still its own. Its pool, written after the hand-off, no longer held the groups: the retry's first
     claim did not resume them, they went back from their prompts and their calls ran again. The pool now keeps
     the handed-off rows until that claim is answered."""
+    from laminar.contract import MigrationOrder
     from laminar.services.rollout.batch import Counters
     from laminar.services.rollout.migration import Repack
-
-    from laminar.contract import MigrationOrder
     from laminar.timing import TimeBreakdown
 
     store = TrajectoryStore(LocalObjectStore(str(tmp_path)))

@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 
 import pytest
-from laminar.services.tracking import Trackers, config_params, step_scalars
 
 from laminar.config import RunConfig
+from laminar.services.tracking import Trackers, config_params, step_scalars
 
 
 def _cfg(tmp_path: Path, *extra: str) -> RunConfig:

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+
 from laminar.cli.drill import run_drill
 from laminar.client.connect import connect, store_for
 from laminar.client.run_control import start_workflow
 from laminar.client.settings import Settings
+from laminar.contract import DrillInput, RunStatus
 from laminar.devstack.stack import DevStack
 from laminar.storage import keys
 from laminar.workers.launcher import LocalLauncher, plan_processes
-
-from laminar.contract import DrillInput, RunStatus
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config
 from tests.fixtures.temporal import terminate_running

@@ -9,7 +9,13 @@ import random
 
 import pytest
 import torch
+
+from laminar.config import RunConfig
+from laminar.contract import BatchPart, TrainStepInput, TrainStepResult
 from laminar.envs.tasks import get_task
+from laminar.errors import CorruptDataError, InconsistentStateError, StepOutOfTurnError, StoreError
+from laminar.records import Trajectory
+from laminar.refs import SegmentRef
 from laminar.services.trainer import TrainerService
 from laminar.storage import keys
 from laminar.storage.checkpoints import CheckpointStore
@@ -17,12 +23,6 @@ from laminar.storage.objects import LocalObjectStore
 from laminar.storage.trajectories import TrajectoryStore
 from laminar.workflows.ledger import Ledger
 from laminar.workflows.state import RunState
-
-from laminar.config import RunConfig
-from laminar.contract import BatchPart, TrainStepInput, TrainStepResult
-from laminar.errors import CorruptDataError, InconsistentStateError, StepOutOfTurnError, StoreError
-from laminar.records import Trajectory
-from laminar.refs import SegmentRef
 
 CFG = RunConfig.load(None, ["model.pretrain_steps=0", "task.max_count=8", "rollout.group_size=2",
                             "trainer.groups_per_step=2", "trainer.checkpoint_every=2", "run.steps=100"])
@@ -447,11 +447,11 @@ def test_a_deadline_checkpoint_the_store_refuses_is_skipped_and_the_trainer_stil
     """The 2-hour chaos run: a trainer on notice while the store was read-only raised from its deadline checkpoint
     after its worker stopped, and the process exited 1. On the real S3 dev server switched read-only, the deadline
     checkpoint is skipped (logged): the successor replays from the last committed checkpoint instead."""
-    from laminar.devstack.stack import DevStack, _s3_mode
-    from laminar.storage.objects import open_store
     from structlog.testing import capture_logs
 
+    from laminar.devstack.stack import DevStack, _s3_mode
     from laminar.notice import Notice
+    from laminar.storage.objects import open_store
     from tests.fixtures.s3 import free_port
 
     stack = DevStack(tmp_path / "dev")

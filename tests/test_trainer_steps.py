@@ -10,11 +10,6 @@ import dataclasses
 import random
 
 import pytest
-from laminar.workflows import timeouts
-from laminar.workflows.ledger import Ledger
-from laminar.workflows.relay_chain import RelayChain
-from laminar.workflows.state import RunState
-from laminar.workflows.trainer import HANDOVER_STALLS_KEPT, Trainer
 from temporalio.exceptions import ActivityError, ApplicationError, RetryState
 
 from laminar.config import RunConfig
@@ -28,6 +23,11 @@ from laminar.contract import (
 )
 from laminar.policy import policy_for
 from laminar.refs import SegmentRef
+from laminar.workflows import timeouts
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.relay_chain import RelayChain
+from laminar.workflows.state import RunState
+from laminar.workflows.trainer import HANDOVER_STALLS_KEPT, Trainer
 from tests.fixtures.fake_runtime import FakeRuntime
 
 RUN = "run-trainer"

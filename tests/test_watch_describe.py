@@ -10,7 +10,6 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from laminar.client.watch import RunProgress, watch_run
 from temporalio import workflow
 from temporalio.client import (
     Client,
@@ -23,6 +22,7 @@ from temporalio.client import (
 from temporalio.worker import Worker
 
 from laminar import search
+from laminar.client.watch import RunProgress, watch_run
 
 
 @workflow.defn(sandboxed=False)

@@ -4,13 +4,13 @@ of a real Ledger's state, and the config bound."""
 from __future__ import annotations
 
 import pytest
-from laminar.workflows.ledger import Ledger
-from laminar.workflows.state import RunState
 
 from laminar.config import RunConfig
 from laminar.contract import RelayInfo, ReplicaReport
 from laminar.errors import ConfigError
 from laminar.watchdog import Facts, diagnose, facts_of_status, stall_line
+from laminar.workflows.ledger import Ledger
+from laminar.workflows.state import RunState
 
 WARN = 60.0
 

@@ -26,11 +26,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from laminar.devstack.stack import DevStack, free_port
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from laminar import contract
+from laminar.devstack.stack import DevStack, free_port
 from tests import wedge
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,12 +4,11 @@ its leases, each closed round is recorded once, and the training ledger is never
 
 from __future__ import annotations
 
-from laminar.workflows.evaluation import Evaluation
-from laminar.workflows.state import RunState
-
 from laminar.config import RunConfig
 from laminar.contract import ClaimPromptsInput, EvalLease, EvalReport, RecordEvalInput, ReplicaReport
 from laminar.evalstats import PromptResult
+from laminar.workflows.evaluation import Evaluation
+from laminar.workflows.state import RunState
 from tests.fixtures.fake_runtime import FakeRuntime
 
 N = 5

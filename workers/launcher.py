@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from laminar.client.settings import Settings
-from laminar.devstack.stack import free_port
 
+from laminar.client.settings import Settings
 from laminar.config import RunConfig
+from laminar.devstack.stack import free_port
 from laminar.logs import get_logger
 
 log = get_logger(__name__)

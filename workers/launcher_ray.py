@@ -38,12 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from laminar.rl.factory import trainer_gpus
-from laminar.workers.launcher import ManagedProcess, process_cpu_s, rollout_args, slots_to_add
-
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, LaminarError
 from laminar.logs import get_logger
+from laminar.rl.factory import trainer_gpus
+from laminar.workers.launcher import ManagedProcess, process_cpu_s, rollout_args, slots_to_add
 
 log = get_logger(__name__)
 
@@ -148,6 +147,7 @@ class _WorkerActor:
 
     def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: str, bind_node_ip: bool) -> None:
         import ray
+
         from laminar.workers.launcher import _die_with_parent
 
         ctx = ray.get_runtime_context()

@@ -19,18 +19,15 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from datetime import timedelta
 
+from temporalio.worker import Worker
+
+from laminar import contract
 from laminar.activities.evaluation import EvalActivities
 from laminar.activities.faults import FaultActivities
 from laminar.activities.heartbeat import HEARTBEAT_THROTTLE
 from laminar.activities.relay import RelayActivities
 from laminar.client.connect import connect, store_for
 from laminar.client.settings import Settings
-from laminar.workflows.pool import SlotPoolWorkflow
-from laminar.workflows.recovery_drill import RecoveryDrillWorkflow
-from laminar.workflows.training_run import TrainingRunWorkflow
-from temporalio.worker import Worker
-
-from laminar import contract
 from laminar.contract import (
     CONTROL_QUEUE,
     CONTROL_UNCACHED_QUEUE,
@@ -43,6 +40,9 @@ from laminar.contract import (
 )
 from laminar.logs import get_logger
 from laminar.notice import NOTICE
+from laminar.workflows.pool import SlotPoolWorkflow
+from laminar.workflows.recovery_drill import RecoveryDrillWorkflow
+from laminar.workflows.training_run import TrainingRunWorkflow
 
 log = get_logger(__name__)
 
@@ -108,9 +108,8 @@ def worker_interceptors(env: dict[str, str] | None = None) -> list:
 
 
 async def control(settings: Settings, allow_faults: bool = False) -> None:
-    from laminar.services.repair import Repairer
-
     from laminar.metrics import CONTROL_WORKFLOW_RESETS
+    from laminar.services.repair import Repairer
 
     client = await connect(settings)
     interceptors = worker_interceptors()
@@ -136,9 +135,8 @@ async def control(settings: Settings, allow_faults: bool = False) -> None:
 
 def _repair_sweep_s() -> float:
     """`LAMINAR_REPAIR_SWEEP_S`: seconds between the repairer's sweeps (default laminar.services.repair.SWEEP_S)."""
-    from laminar.services.repair import SWEEP_S
-
     from laminar.errors import ConfigError
+    from laminar.services.repair import SWEEP_S
 
     text = os.environ.get("LAMINAR_REPAIR_SWEEP_S", "").strip()
     if not text:
@@ -158,6 +156,7 @@ TRAINER_SLOTS = 3  # the running step and the two scheduled behind it (workflows
 
 async def trainer(settings: Settings, allow_faults: bool = False) -> None:
     import torch  # only the roles that compute import torch (a control or relay process starts in ~1 s)
+
     from laminar.activities.trainer import TrainerActivities
     from laminar.services.trainer import TrainerService
 
@@ -201,6 +200,7 @@ async def _leave_trainer(client, service) -> None:
 
 async def rollout(settings: Settings, allow_faults: bool = False, slots: int = 1, spare: int = 0) -> None:
     import torch
+
     from laminar.activities.rollout import RolloutActivities
     from laminar.services.rollout.attach import PARKING
     from laminar.workers.rollout_slots import OwnQueueSlots, SharedQueueSlots, Slots, tuner

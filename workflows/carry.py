@@ -22,10 +22,9 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
-from laminar.workflows.state import LastClaim, OpenLease, RunState
-
 from laminar.contract import Lease
 from laminar.refs import SegmentRef
+from laminar.workflows.state import LastClaim, OpenLease, RunState
 
 COMPACT = "leases"  # the key of the compact columns in an encoded state (its absence: the old format)
 _BIG = ("open_leases", "returned", "last_claims")

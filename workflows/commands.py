@@ -16,7 +16,6 @@ from collections.abc import Callable, Coroutine
 from datetime import timedelta
 from typing import Any
 
-from laminar.workflows import timeouts
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutType
 from temporalio.exceptions import TimeoutError as ActivityTimeoutError
@@ -41,6 +40,7 @@ from laminar.contract import (
 )
 from laminar.errors import REPLICA_NOT_PARKED
 from laminar.refs import CheckpointRef
+from laminar.workflows import timeouts
 
 
 class Runtime:

@@ -25,13 +25,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from laminar.workflows.commands import Runtime
-from laminar.workflows.eval_rounds import EvalRounds, rounds_from_json
-from laminar.workflows.state import RunState
-
 from laminar.config import RunConfig
 from laminar.contract import ClaimPromptsInput, EvalLease, EvalRoundStatus, RecordEvalInput, RunStatus
 from laminar.evalstats import EvalSummary, due_versions
+from laminar.workflows.commands import Runtime
+from laminar.workflows.eval_rounds import EvalRounds, rounds_from_json
+from laminar.workflows.state import RunState
 
 RECENT_EVALS = 20  # closed rounds kept in the status
 EVAL_END_WAIT = timedelta(minutes=5)  # the most a finished run waits for its last eval rounds

@@ -18,14 +18,14 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from laminar.workflows import timeouts
-from laminar.workflows.commands import Runtime
-from laminar.workflows.state import RunState
 from temporalio.exceptions import FailureError
 
 from laminar import contract
 from laminar.config import RunConfig
 from laminar.contract import PoolAsk, ReplicaGrant, ScaleResult
+from laminar.workflows import timeouts
+from laminar.workflows.commands import Runtime
+from laminar.workflows.state import RunState
 
 
 class SlotGrants:

@@ -18,18 +18,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from laminar.workflows.state import (
-    EVENTS_PER_KEY,
-    RECENT_EVENTS,
-    RECENT_FAILURES,
-    RECENT_REWARDS,
-    RECENT_STEPS,
-    LastClaim,
-    OpenLease,
-    ReadyGroup,
-    RunState,
-)
-
 from laminar.config import RunConfig
 from laminar.contract import (
     BatchPart,
@@ -45,6 +33,17 @@ from laminar.contract import (
 )
 from laminar.policy import Policy, policy_for, trainer_batch, version_of
 from laminar.refs import CheckpointRef, SegmentRef
+from laminar.workflows.state import (
+    EVENTS_PER_KEY,
+    RECENT_EVENTS,
+    RECENT_FAILURES,
+    RECENT_REWARDS,
+    RECENT_STEPS,
+    LastClaim,
+    OpenLease,
+    ReadyGroup,
+    RunState,
+)
 
 
 class Ledger:

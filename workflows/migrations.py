@@ -30,10 +30,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from laminar.contract import Departure, Handoff, Incoming, MigrationOrder, ReplicaReport, Taken
 from laminar.workflows.ledger import Ledger
 from laminar.workflows.repack import Move, ReplicaLoad, plan_repack
-
-from laminar.contract import Departure, Handoff, Incoming, MigrationOrder, ReplicaReport, Taken
 
 
 class Migrations:

@@ -25,10 +25,9 @@ from temporalio import workflow
 from temporalio.exceptions import FailureError
 
 with workflow.unsafe.imports_passed_through():
-    from laminar.workflows.fairshare import MAX_SLOTS, Ask, allocate
-
     from laminar import contract
     from laminar.contract import PoolAsk, PoolInput, PoolRun, PoolState, PoolStatus, ReplicaGrant, SlotReport
+    from laminar.workflows.fairshare import MAX_SLOTS, Ask, allocate
 
 SWEEP_S = 30.0  # while a run is short of its ask: re-signal every run, so a closed one's slots are freed
 HISTORY_EVENTS_PER_SEGMENT = 2_000  # continue-as-new past this many events (each signal in or out is 1-3)

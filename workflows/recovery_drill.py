@@ -18,7 +18,6 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from laminar.workflows import timeouts
     from temporalio.converter import value_to_type
 
     from laminar import contract
@@ -34,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
         fault_queue,
     )
     from laminar.errors import ConfigError
+    from laminar.workflows import timeouts
 
 
 @workflow.defn(name=contract.RECOVERY_DRILL_WORKFLOW)

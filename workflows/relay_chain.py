@@ -25,16 +25,16 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
+from temporalio.exceptions import ActivityError
+
+from laminar.config import RunConfig
+from laminar.contract import RelayInfo, TrainStepResult
 from laminar.workflows import timeouts
 from laminar.workflows.commands import Runtime
 from laminar.workflows.ledger import Ledger
 from laminar.workflows.relay_health import RelayHealth
 from laminar.workflows.scale import plan_relays, relay_ids, replica_index
 from laminar.workflows.state import RunState
-from temporalio.exceptions import ActivityError
-
-from laminar.config import RunConfig
-from laminar.contract import RelayInfo, TrainStepResult
 
 
 class RelayChain:

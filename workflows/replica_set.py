@@ -17,15 +17,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from temporalio.exceptions import ActivityError, ApplicationError
+
+from laminar.config import RunConfig
+from laminar.contract import ScaleResult
 from laminar.workflows.commands import Runtime, fail_run_if_permanent
 from laminar.workflows.ledger import Ledger
 from laminar.workflows.migrations import Migrations
 from laminar.workflows.scale import plan_scale, replica_ids
 from laminar.workflows.state import RunState
-from temporalio.exceptions import ActivityError, ApplicationError
-
-from laminar.config import RunConfig
-from laminar.contract import ScaleResult
 
 
 class ReplicaSet:

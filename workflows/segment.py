@@ -11,13 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from laminar.config import RunConfig
+from laminar.errors import ConfigError
 from laminar.rl.factory import check_engines
 from laminar.workflows.carry import decode_state
 from laminar.workflows.state import RunState
 from laminar.workflows.timeouts import updates_budget
-
-from laminar.config import RunConfig
-from laminar.errors import ConfigError
 
 
 class HistoryInfo(Protocol):

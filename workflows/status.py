@@ -14,6 +14,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from laminar import search, watchdog
+from laminar.config import RunConfig
+from laminar.contract import RunStatus
 from laminar.workflows.commands import Runtime
 from laminar.workflows.grants import SlotGrants
 from laminar.workflows.ledger import Ledger
@@ -22,10 +25,6 @@ from laminar.workflows.replica_set import ReplicaSet
 from laminar.workflows.segment import Segment
 from laminar.workflows.state import RunState
 from laminar.workflows.trainer import Trainer
-
-from laminar import search, watchdog
-from laminar.config import RunConfig
-from laminar.contract import RunStatus
 
 SEARCH_ATTRIBUTES_EVERY_S = 5.0  # step, version and reward are upserted at most this often (a phase change: at once)
 

@@ -26,17 +26,17 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from temporalio.exceptions import ActivityError
+
+from laminar.config import RunConfig
+from laminar.contract import ReplicaReport, TrainStepInput, TrainStepResult
+from laminar.policy import Policy, steps_to_publish
 from laminar.workflows import commands as temporal_commands
 from laminar.workflows import timeouts
 from laminar.workflows.commands import Runtime, fail_run_if_permanent
 from laminar.workflows.ledger import Ledger
 from laminar.workflows.relay_chain import RelayChain
 from laminar.workflows.state import RunState
-from temporalio.exceptions import ActivityError
-
-from laminar.config import RunConfig
-from laminar.contract import ReplicaReport, TrainStepInput, TrainStepResult
-from laminar.policy import Policy, steps_to_publish
 
 HANDOVER_STALLS_KEPT = 64  # hand-over stalls kept for the summary's p50 (max and count cover the whole run)
 TRAIN_AHEAD = 2  # trainer activities scheduled behind the running one at most (patch train-ahead-2; the trainer's

@@ -32,22 +32,6 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from laminar.rl.factory import decode_batch_limit, time_scale  # the engines' traits (deterministic)
-    from laminar.workflows import commands, timeouts
-    from laminar.workflows.carry import encode_state
-    from laminar.workflows.commands import Runtime
-    from laminar.workflows.evaluation import Evaluation
-    from laminar.workflows.grants import SlotGrants
-    from laminar.workflows.ledger import Ledger
-    from laminar.workflows.migrations import Migrations
-    from laminar.workflows.relay_chain import RelayChain
-    from laminar.workflows.replica_set import ReplicaSet
-    from laminar.workflows.scale import check_target, plan_relays
-    from laminar.workflows.segment import Segment, parse_input, pool_of
-    from laminar.workflows.state import RunState
-    from laminar.workflows.status import StatusBoard
-    from laminar.workflows.trainer import Trainer
-
     from laminar import contract, search
     from laminar.config import RunConfig, check_update_senders
     from laminar.contract import (
@@ -66,6 +50,21 @@ with workflow.unsafe.imports_passed_through():
     from laminar.errors import ConfigError
     from laminar.policy import Policy, fresh_lease_room, policy_for
     from laminar.refs import CheckpointRef
+    from laminar.rl.factory import decode_batch_limit, time_scale  # the engines' traits (deterministic)
+    from laminar.workflows import commands, timeouts
+    from laminar.workflows.carry import encode_state
+    from laminar.workflows.commands import Runtime
+    from laminar.workflows.evaluation import Evaluation
+    from laminar.workflows.grants import SlotGrants
+    from laminar.workflows.ledger import Ledger
+    from laminar.workflows.migrations import Migrations
+    from laminar.workflows.relay_chain import RelayChain
+    from laminar.workflows.replica_set import ReplicaSet
+    from laminar.workflows.scale import check_target, plan_relays
+    from laminar.workflows.segment import Segment, parse_input, pool_of
+    from laminar.workflows.state import RunState
+    from laminar.workflows.status import StatusBoard
+    from laminar.workflows.trainer import Trainer
 
 __all__ = ["TrainingRunWorkflow", "CONTROL_QUEUE"]
 

@@ -13,7 +13,6 @@ import random
 from pathlib import Path
 
 from laminar.envs.tasks import PromptRow
-
 from laminar.errors import ConfigError
 
 

@@ -48,7 +48,6 @@ from laminar.envs.tasks.answers import (
     math_verify_match,
 )
 from laminar.envs.tasks.text import TextTask
-
 from laminar.errors import ConfigError
 
 GENERATORS = ("chain_sum", "countdown", "gsm8k")

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from laminar.envs.tasks import PromptRow
-
 from laminar.errors import ConfigError
 
 COLUMNS = ("id", "prompt", "messages", "answer", "metadata")

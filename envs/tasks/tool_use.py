@@ -28,7 +28,6 @@ from typing import Any
 from laminar.envs.tasks import Prompt
 from laminar.envs.tasks.math import CLOSE, OPEN, WARMUP_IDS, MathTask, _near_miss, spaced
 from laminar.envs.tools.calculator import Calculator
-
 from laminar.errors import ConfigError
 
 TOOL_LEVELS = [{"max_terms": 2, "min_digits": 3, "max_digits": 3}]

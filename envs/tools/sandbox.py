@@ -60,10 +60,10 @@ import time
 from dataclasses import dataclass
 
 import psutil
+
 from laminar.envs.tools import ToolResult
 from laminar.envs.tools.sandbox_cgroup import SandboxCgroup, cgroup_support
 from laminar.envs.tools.sandbox_root import RootPlan, RootPlanError, root_plan
-
 from laminar.logs import get_logger
 
 log = get_logger(__name__)

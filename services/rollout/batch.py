@@ -32,15 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from laminar import metrics as prom
+from laminar.contract import FailedGroup, Lease
 from laminar.envs.tasks import Prompt, RewardFailure
 from laminar.envs.tasks.scoring import RewardRunner
 from laminar.envs.tools import Episode, Tool, ToolCall, call, parse_call, recorded_calls
-from laminar.rl.engine_api import Engine, Finished, InFlight
-
-from laminar import metrics as prom
-from laminar.contract import FailedGroup, Lease
 from laminar.logs import get_logger
 from laminar.records import Trajectory, untrainable
+from laminar.rl.engine_api import Engine, Finished, InFlight
 
 log = get_logger(__name__)
 

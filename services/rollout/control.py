@@ -11,10 +11,9 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Protocol
 
-from laminar.services.rollout.timing import ReplicaTiming
-
 from laminar import metrics as prom
 from laminar.contract import AddExperienceInput, AddExperienceResult, ClaimPromptsInput, ClaimPromptsResult
+from laminar.services.rollout.timing import ReplicaTiming
 from laminar.timing import TimeBreakdown
 
 

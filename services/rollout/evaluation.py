@@ -18,14 +18,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from laminar.rl.evaluation import EvalBatch, eval_prompts
-
 from laminar import metrics as prom
 from laminar.config import RunConfig
 from laminar.contract import EvalLease, EvalReport
 from laminar.errors import EngineError
 from laminar.evalstats import due_versions
 from laminar.logs import get_logger
+from laminar.rl.evaluation import EvalBatch, eval_prompts
 
 log = get_logger(__name__)
 

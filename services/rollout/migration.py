@@ -7,13 +7,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from laminar.services.rollout.batch import Batch, Counters
-from laminar.storage.trajectories import TrajectoryStore
-
 from laminar.contract import Departure, Handoff, Incoming, Lease, MigrationOrder, Taken
 from laminar.errors import CorruptDataError
 from laminar.logs import get_logger
 from laminar.records import Trajectory
+from laminar.services.rollout.batch import Batch, Counters
+from laminar.storage.trajectories import TrajectoryStore
 from laminar.timing import TimeBreakdown
 
 log = get_logger(__name__)

@@ -7,13 +7,12 @@ incarnation (history segment, attempt) writes its own fenced pool, so a zombie c
 
 from __future__ import annotations
 
-from laminar.services.rollout.batch import Batch, Counters
-from laminar.services.rollout.weights import Weights
-from laminar.storage.trajectories import TrajectoryStore
-
 from laminar.errors import CorruptDataError
 from laminar.logs import get_logger
 from laminar.records import Trajectory
+from laminar.services.rollout.batch import Batch, Counters
+from laminar.services.rollout.weights import Weights
+from laminar.storage.trajectories import TrajectoryStore
 from laminar.timing import TimeBreakdown
 
 log = get_logger(__name__)

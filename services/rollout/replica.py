@@ -10,19 +10,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 
-from laminar.rl.factory import build_engine
-from laminar.services.model_files import load_run_base, load_run_files
-from laminar.services.rollout.batch import Batch, Counters, Group
-from laminar.services.rollout.control import Contacts, ControlCalls, ControlPort
-from laminar.services.rollout.evaluation import EvalWork
-from laminar.services.rollout.migration import Repack
-from laminar.services.rollout.pool import PartialPool
-from laminar.services.rollout.timing import TIMING, ReplicaTiming
-from laminar.services.rollout.weights import Weights
-from laminar.storage import keys
-from laminar.storage.objects import ObjectStore
-from laminar.storage.trajectories import TrajectoryStore
-
 from laminar import metrics as prom
 from laminar.config import RunConfig
 from laminar.contract import (
@@ -37,6 +24,18 @@ from laminar.logs import get_logger
 from laminar.notice import NOTICE, Notice
 from laminar.policy import may_start, min_version, policy_for
 from laminar.refs import SegmentRef
+from laminar.rl.factory import build_engine
+from laminar.services.model_files import load_run_base, load_run_files
+from laminar.services.rollout.batch import Batch, Counters, Group
+from laminar.services.rollout.control import Contacts, ControlCalls, ControlPort
+from laminar.services.rollout.evaluation import EvalWork
+from laminar.services.rollout.migration import Repack
+from laminar.services.rollout.pool import PartialPool
+from laminar.services.rollout.timing import TIMING, ReplicaTiming
+from laminar.services.rollout.weights import Weights
+from laminar.storage import keys
+from laminar.storage.objects import ObjectStore
+from laminar.storage.trajectories import TrajectoryStore
 from laminar.timing import TimeBreakdown
 
 log = get_logger(__name__)

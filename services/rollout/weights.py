@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import time
 
+from laminar import metrics as prom
+from laminar.contract import Lease, RelayInfo
+from laminar.errors import RelayError
+from laminar.logs import get_logger
+from laminar.policy import Policy, load_action, min_version
 from laminar.relay import client as relay_client
 from laminar.relay.breaker import BREAKERS
 from laminar.relay.weights import state_dict_from_buffer
@@ -17,12 +22,6 @@ from laminar.rl.engine_api import Engine
 from laminar.rl.model import bytes_to_state_dict
 from laminar.services.rollout.batch import Counters
 from laminar.services.rollout.timing import ReplicaTiming
-
-from laminar import metrics as prom
-from laminar.contract import Lease, RelayInfo
-from laminar.errors import RelayError
-from laminar.logs import get_logger
-from laminar.policy import Policy, load_action, min_version
 from laminar.timing import TimeBreakdown
 
 log = get_logger(__name__)

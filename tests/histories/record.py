@@ -27,16 +27,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
+
+from laminar import contract
 from laminar.cli.drill import run_drill
 from laminar.client.connect import connect, store_for
 from laminar.client.converter import DATA_CONVERTER
 from laminar.client.run_control import ensure_pool, start_workflow
 from laminar.client.settings import Settings
-from laminar.devstack.stack import DevStack, free_port
-from laminar.workers.launcher import LocalLauncher, plan_processes
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
-
-from laminar import contract
 from laminar.config import RunConfig
 from laminar.contract import (
     AddExperienceInput,
@@ -48,6 +46,8 @@ from laminar.contract import (
     ScaleResult,
     SlotReport,
 )
+from laminar.devstack.stack import DevStack, free_port
+from laminar.workers.launcher import LocalLauncher, plan_processes
 from tests.fixtures.stack import TEST_OVERRIDES, quiet_status
 from tests.fixtures.waiting import async_wait_until
 from tests.histories import (
