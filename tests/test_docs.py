@@ -113,6 +113,8 @@ def missing_paths(token: str) -> bool:
     if "/" in token or token.endswith(".py"):
         return not (ROOT / token).exists()
     parts = token.split(".")
+    if len(parts) > 2 and parts[0] == "laminar" and (ROOT / parts[1] / "__init__.py").exists():
+        parts = parts[1:]  # laminar.envs.tasks is the folder envs/tasks
     for k in range(len(parts) - 1, 0, -1):
         base = ROOT.joinpath(*parts[:k])
         module = base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__init__.py"

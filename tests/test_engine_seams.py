@@ -111,7 +111,7 @@ def _seam_breaks(tree: ast.AST) -> list[tuple[int, str]]:
                 isinstance(node, ast.Dict) and sum(k is not None and _is_name(k) for k in node.keys) >= 2):
             found.append((node.lineno, "a table of engine names (a trait: rl/factory.py)"))
         bad = [i for i in _identifiers(node) if i in CLASSES - GENERIC or _words(i) & WORDS]
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "rl":
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("laminar.rl."):
             bad += [a.name for a in node.names if a.name in CLASSES]
         if bad and id(node) not in vocabulary:
             found.append((getattr(node, "lineno", 0), f"names an engine, trainer or backend: {bad[0]}"))

@@ -209,3 +209,12 @@ def test_the_contract_and_chaos_rules() -> None:
     assert violations("laminar.workers.launcher", "from laminar.chaos.command import run_chaos\n", packages)
     assert "only the CLI imports chaos/" in violations("services.fake", "from laminar.chaos.nemesis import Nemesis\n",
                                                         packages)[0]
+
+
+def test_tests_import_the_installed_name_too() -> None:
+    """A test that imports `services.trainer` bare gets a second copy of the module beside `laminar.services.trainer`
+    (the checkout's root is on sys.path), so a monkeypatch on it changes nothing the product runs."""
+    found = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+             for path in sorted((ROOT / "tests").rglob("*.py"))
+             for line, name in imported("tests.x", path.read_text()) if name.split(".")[0] in SUBPACKAGES]
+    assert not found, "import these as laminar.<name>:\n" + "\n".join(found)

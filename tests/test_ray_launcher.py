@@ -246,7 +246,7 @@ def _all_info(run_id: str, processes) -> dict | None:
 def test_a_host_ray_cannot_place_fails_with_its_bundles(ray_cluster, tmp_path, monkeypatch):
     """rollout.device = cuda on this CPU-only cluster: host-0's group asks for a GPU no node has. start_all fails
     and names the host, the bundles and the cluster's resources (3 nodes x 2 CPUs = 6 CPUs, no GPU)."""
-    import workers.launcher_ray as launcher_ray
+    import laminar.workers.launcher_ray as launcher_ray
 
     address, home = ray_cluster
     monkeypatch.setattr(launcher_ray, "PLACEMENT_TIMEOUT_S", 3.0)

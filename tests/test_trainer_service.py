@@ -530,7 +530,7 @@ def test_a_restore_that_fails_leaves_nothing_loaded(setup, monkeypatch):
     """Step 979's retries failed inside the rewind (the read-only store refused the model files the restore
     publishes) after the old trainer was closed, and left it in place at its step: the next step trained on it. A
     restore that fails leaves nothing loaded, so the next step rewinds instead."""
-    import services.trainer as trainer_module
+    import laminar.services.trainer as trainer_module
 
     store, trajs, home = setup
     batches = [_batch(trajs, "r", 10 * i) for i in range(3)]
