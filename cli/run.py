@@ -209,7 +209,7 @@ def serve_workers(cfg: RunConfig, console: Console, launcher_kind: str = "local"
 
 
 def worker_set_slots(cfg: RunConfig, home: Path) -> SlotReport:
-    """What a `laminar workers` set gives its slot pool: its rollout slots (spares included: docs/decisions.md) and
+    """What a `laminar workers` set gives its slot pool: its rollout slots (spares included: docs/decisions/spare-slots.md) and
     engines, under a name stable for this host and home, so a restarted set replaces its own report."""
     from laminar.rl.factory import engines_served
 

@@ -79,7 +79,7 @@ QUERIES = (STATUS, POOL_STATUS)
 
 CONTROL_QUEUE = "laminar-control"
 # the slot pool and recovery drills: served with no workflow cache (every task replays its history), so a task that
-# timed out can never run on an instance that applied it in memory (workers/processes.py, docs/decisions.md)
+# timed out can never run on an instance that applied it in memory (workers/processes.py, docs/decisions/wedged-runs.md)
 CONTROL_UNCACHED_QUEUE = "laminar-control-uncached"
 TRAINER_QUEUE = "laminar-trainer"
 ROLLOUT_QUEUE = "laminar-rollout"
