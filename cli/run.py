@@ -158,7 +158,7 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, repor
                   highlight=False)
     stop_like_ctrl_c()
     launcher = make_launcher(launcher_kind, cfg, settings, cfg.run.run_id, ray_address, allow_faults=True)
-    if isinstance(launcher, LocalLauncher):  # the process table `laminar chaos` reads (docs/architecture.md)
+    if isinstance(launcher, LocalLauncher):  # the process table `laminar chaos` reads (docs/architecture/failures.md)
         launcher.table_path = process_table_path(home, cfg.run.run_id)
     for p in launcher.processes.values():
         console.print(f"metrics {p.name} {metrics_url(p)}", highlight=False, soft_wrap=True)

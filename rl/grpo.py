@@ -3,7 +3,7 @@
 Group-normalised advantages, ratio clipped to [1 - eps_low, 1 + eps_high], token-level loss aggregation
 (sum over every response token of the batch / number of those tokens), three off-policy corrections
 (`trainer.off_policy`: ppo, tis, decoupled) and what they see of the behaviour/trainer gap (importance
-weights, KL), staleness = trainer version - sample version. See docs/architecture.md.
+weights, KL), staleness = trainer version - sample version. See docs/architecture/engines.md.
 """
 
 from __future__ import annotations
