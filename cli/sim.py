@@ -1,4 +1,4 @@
-"""`laminar simulate` and `laminar plan`: the discrete-event simulator at GPU scale (sim/, docs/simulator.md).
+"""`laminar simulate` and `laminar plan`: the discrete-event simulator at GPU scale (sim/, docs/guides/simulate.md).
 
     laminar simulate --model 7b|32b|72b [--gpus 16,32,...] [--modes ...] [--workload math|uniform|tool]
         [--repack on|off] [--relay-bench docs/benchmarks/data/relay-bench.json] [--fail rollout@10m ...] [--json F] [--plot F]
