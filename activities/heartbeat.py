@@ -19,7 +19,7 @@ from temporalio import activity
 
 # Heartbeats reach the server at least this often (the SDK otherwise waits up to 80 % of the heartbeat
 # timeout), so a seconds-long heartbeat timeout detects a dead worker without false alarms. At 64 replicas
-# this is 64 heartbeat RPCs per second; heartbeats are not history events (docs/architecture.md).
+# this is 64 heartbeat RPCs per second; heartbeats are not history events (docs/architecture/temporal.md).
 HEARTBEAT_THROTTLE = timedelta(seconds=1)
 
 

@@ -368,7 +368,7 @@ def measure(data: RunData) -> dict[str, Any]:
 # -- driving the runs ----------------------------------------------------------------------------------
 
 Progress = Callable[[str, RunStatus | None, str], None]  # (label, latest status or None, note)
-# Starts a run's worker processes, returns what stops them; the CLI passes its launcher in (docs/decisions.md).
+# Starts a run's worker processes, returns what stops them; the CLI passes its launcher in (docs/decisions/layers.md).
 LaunchWorkers = Callable[[RunConfig, Settings, Path], Callable[[], None]]
 
 
@@ -488,7 +488,7 @@ async def _run_one(client, store: ObjectStore, settings: Settings, cfg: RunConfi
 
     async def sample(handle) -> None:
         """The benchmark's KV and slot occupancy and repack events: the status query every POLL_S. The one
-        periodic workflow query left (docs/decisions.md): only a status has these, and a bench run has its own dev
+        periodic workflow query left (docs/decisions/no-periodic-queries.md): only a status has these, and a bench run has its own dev
         stack with no Temporal restart, so no query waits for a control worker with no poll open."""
         while True:
             try:

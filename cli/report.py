@@ -60,7 +60,7 @@ async def list_runs(settings: Settings, query: str, limit: int) -> list[dict]:
 def owner_line(run_id: str, status: str, owner: dict | None) -> str:
     """Who owns a run, from its memo (client/run_control.py owner_memo). A running run whose owning command's
     process is gone from this host is orphaned: nothing ends it, and workers on its queues serve it; the line
-    names the command that ends it (docs/decisions.md, 'Runs a command starts end with it')."""
+    names the command that ends it (docs/decisions/runs-end-with-command.md, 'Runs a command starts end with it')."""
     if not isinstance(owner, dict) or not owner.get("command"):
         return "-"
     command, pid, host = str(owner["command"]), int(owner.get("pid") or 0), str(owner.get("host", ""))

@@ -158,7 +158,7 @@ def run_local(cfg: RunConfig, summary_path: Path | None, console: Console, repor
                   highlight=False)
     stop_like_ctrl_c()
     launcher = make_launcher(launcher_kind, cfg, settings, cfg.run.run_id, ray_address, allow_faults=True)
-    if isinstance(launcher, LocalLauncher):  # the process table `laminar chaos` reads (docs/architecture.md)
+    if isinstance(launcher, LocalLauncher):  # the process table `laminar chaos` reads (docs/architecture/failures.md)
         launcher.table_path = process_table_path(home, cfg.run.run_id)
     for p in launcher.processes.values():
         console.print(f"metrics {p.name} {metrics_url(p)}", highlight=False, soft_wrap=True)
@@ -209,7 +209,7 @@ def serve_workers(cfg: RunConfig, console: Console, launcher_kind: str = "local"
 
 
 def worker_set_slots(cfg: RunConfig, home: Path) -> SlotReport:
-    """What a `laminar workers` set gives its slot pool: its rollout slots (spares included: docs/decisions.md) and
+    """What a `laminar workers` set gives its slot pool: its rollout slots (spares included: docs/decisions/spare-slots.md) and
     engines, under a name stable for this host and home, so a restarted set replaces its own report."""
     from laminar.rl.factory import engines_served
 

@@ -1,7 +1,7 @@
-"""`laminar simulate` and `laminar plan`: the discrete-event simulator at GPU scale (sim/, docs/simulator.md).
+"""`laminar simulate` and `laminar plan`: the discrete-event simulator at GPU scale (sim/, docs/guides/simulate.md).
 
     laminar simulate --model 7b|32b|72b [--gpus 16,32,...] [--modes ...] [--workload math|uniform|tool]
-        [--repack on|off] [--relay-bench docs/relay-bench.json] [--fail rollout@10m ...] [--json F] [--plot F]
+        [--repack on|off] [--relay-bench docs/benchmarks/data/relay-bench.json] [--fail rollout@10m ...] [--json F] [--plot F]
     laminar simulate --validate [--modes ...] [--workloads long_tail,uniform] [--iterations N] [--kv-binds]
     laminar plan --model 7b --gpus 256 [--workload math]
 """
@@ -165,7 +165,7 @@ def simulate_command(
                                       "that answers at once (the default: the on case is slow to simulate at 7B "
                                       "scale). With --validate, the simulator's side of each row."),
     relay_bench: Path | None = typer.Option(None, "--relay-bench", help="Relay chain bandwidths from a `laminar "
-                                            "bench relay --json` report (e.g. docs/relay-bench.json)."),
+                                            "bench relay --json` report (e.g. docs/benchmarks/data/relay-bench.json)."),
     fail: list[str] = typer.Option([], "--fail", help="KIND@TIME (rollout, relay, trainer, preempt; TIME as 10m "
                                    "or plain seconds): predict the throughput a failure costs; repeatable."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the report as JSON here."),

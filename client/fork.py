@@ -1,5 +1,5 @@
 """Run ids the store holds, runs Temporal lost, and `laminar fork PARENT`: a new run from the newest committed
-checkpoint of another (docs/decisions.md, 'A run id is never reused'). The way on when Temporal lost a run's state:
+checkpoint of another (docs/decisions/run-ids.md, 'A run id is never reused'). The way on when Temporal lost a run's state:
 the store still holds the run's config and checkpoints, so training goes on under a new id, which records its
 parent; nothing of the parent is written.
 

@@ -13,7 +13,7 @@ here has a handler and every handler's name is here. Payloads are JSON without t
 converter, client/converter.py): a message's fields are its contract, its class and module name are not; a field
 is only ever added with a default.
 
-Nothing here carries tokens, tensors, weights or trajectories (docs/architecture.md, 'Only small things cross
+Nothing here carries tokens, tensors, weights or trajectories (docs/architecture/invariants.md, 'Only small things cross
 Temporal'). Deterministic and import-light: imported by workflow code through the sandbox pass-through.
 """
 
@@ -79,7 +79,7 @@ QUERIES = (STATUS, POOL_STATUS)
 
 CONTROL_QUEUE = "laminar-control"
 # the slot pool and recovery drills: served with no workflow cache (every task replays its history), so a task that
-# timed out can never run on an instance that applied it in memory (workers/processes.py, docs/decisions.md)
+# timed out can never run on an instance that applied it in memory (workers/processes.py, docs/decisions/wedged-runs.md)
 CONTROL_UNCACHED_QUEUE = "laminar-control-uncached"
 TRAINER_QUEUE = "laminar-trainer"
 ROLLOUT_QUEUE = "laminar-rollout"
@@ -423,7 +423,7 @@ class TrainStepsInput:
         return out
 
 
-# The server refuses a payload above 2 MB (its blob size limit) and warns above 256 KB (docs/architecture.md,
+# The server refuses a payload above 2 MB (its blob size limit) and warns above 256 KB (docs/architecture/temporal.md,
 # "Payloads stay small").
 PAYLOAD_REFUSED_BYTES = 2 * 1024 * 1024
 PAYLOAD_WARNED_BYTES = 256 * 1024

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Trajectory:
     """One generated response to one prompt; a row of an experience segment
-    (docs/architecture.md, 'Storage layout').
+    (docs/architecture/storage.md, 'Storage layout').
 
     Every trajectory is generated from start to end by exactly one policy version.
     `finish_reason` is "stop" (EOS), "length" (hit max_new_tokens) or "partial" (in-flight prefix

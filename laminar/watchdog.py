@@ -1,4 +1,4 @@
-"""The watchdog for silent waits: why a running run's trainer has taken no step (docs/architecture.md,
+"""The watchdog for silent waits: why a running run's trainer has taken no step (docs/architecture/failures.md,
 'The watchdog').
 
 Pure and clock-free: `diagnose` takes the run state's facts, with every age already worked out by the caller

@@ -3,7 +3,7 @@
 Group-normalised advantages, ratio clipped to [1 - eps_low, 1 + eps_high], token-level loss aggregation
 (sum over every response token of the batch / number of those tokens), three off-policy corrections
 (`trainer.off_policy`: ppo, tis, decoupled) and what they see of the behaviour/trainer gap (importance
-weights, KL), staleness = trainer version - sample version. See docs/architecture.md.
+weights, KL), staleness = trainer version - sample version. See docs/architecture/engines.md.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def clipped_token_loss(
     Entropy bonus: with entropy_coef > 0, entropy [B, T] (H(pi_theta) per position, carrying the gradient;
     `token_entropy`) is rewarded per response token, -entropy_coef * H, unweighted, in the same token mean:
     it keeps the policy from collapsing to one answer per prompt, where a group's samples agree, its advantages
-    are 0 and nothing corrects the policy any more (docs/decisions.md, 2026-12-02).
+    are 0 and nothing corrects the policy any more (docs/decisions/reward-collapse.md, 2026-12-02).
     """
     mask = mask.float()
     adv = advantages[:, None].expand_as(logp)

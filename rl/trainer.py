@@ -1,6 +1,6 @@
 """The GRPO trainer: one step per batch of trajectories (pure torch, no Temporal, no store).
 
-`Trainer.step` reads as the algorithm (see docs/architecture.md): drop-and-count stale samples,
+`Trainer.step` reads as the algorithm (see docs/architecture/engines.md): drop-and-count stale samples,
 group-normalised advantages, the proximal log-probs (the trainer's policy at the start of the step, one
 forward pass without gradient), then one AdamW update with gradient clipping per minibatch on the clipped
 token-level loss. Behaviour log-probs come from the trajectories (recorded by the engine).

@@ -1,6 +1,6 @@
 """The trainer process's domain service: one policy and optimizer kept in memory between steps.
 
-`train_step` is idempotent by construction (docs/architecture.md): the input names the step the policy
+`train_step` is idempotent by construction (docs/architecture/invariants.md): the input names the step the policy
 must be at; a trainer elsewhere (fresh process, zombie-completed step) restores the committed checkpoint
 and replays the batches consumed since, then steps. A committed checkpoint that fails verification is
 skipped for the newest older one the workflow retains, replaying from there. The consumed-group set is part of the checkpoint, so a

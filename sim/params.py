@@ -4,7 +4,7 @@ Fixed before the first sweep was looked at and not tuned to the paper's results 
 "datasheet" = NVIDIA H100/H800 SXM datasheet figures (the H800 has the H100's HBM3 and tensor cores);
 "Qwen2.5 config" = the model's published config.json (layers, KV heads, head size, parameters); "paper" = the
 Laminar paper (Sheng et al., EuroSys 2026) with its section; "measured" = this project's own measurement
-(docs/benchmarks/ tables, docs/relay-bench.json); "assumed" = our estimate, named as such.
+(docs/benchmarks/ tables, docs/benchmarks/data/relay-bench.json); "assumed" = our estimate, named as such.
 
 The cost functions that use these numbers are rl/costs.py's (`CostModel`), the same code the modelled engine
 runs on the real stack.

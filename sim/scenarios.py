@@ -46,7 +46,7 @@ class RelayLink:
 
     @classmethod
     def from_bench(cls, path: Path) -> RelayLink:
-        """The bandwidths `laminar bench relay` measured (its --json report, e.g. docs/relay-bench.json)."""
+        """The bandwidths `laminar bench relay` measured (its --json report, e.g. docs/benchmarks/data/relay-bench.json)."""
         try:
             data = json.loads(Path(path).read_text())
             link = data["link"]

@@ -1,4 +1,4 @@
-"""Checkpoints: safetensors parts, trainer.json, then manifest.json last (docs/architecture.md).
+"""Checkpoints: safetensors parts, trainer.json, then manifest.json last (docs/architecture/invariants.md).
 
 A checkpoint is committed once its manifest exists; readers trust only committed checkpoints whose every
 file matches the manifest's size and sha256. Never pickle: tensors go through safetensors, metadata JSON.

@@ -1,4 +1,4 @@
-"""Every object-store key layout of a run (docs/architecture.md, 'Storage layout'). Nothing else in the
+"""Every object-store key layout of a run (docs/architecture/storage.md, 'Storage layout'). Nothing else in the
 project spells keys.
 
     runs/<run_id>/run.json                        (the marker: who started the run, its parent)

@@ -1,5 +1,5 @@
 """A run's records, read from the store in one place for the run summary, `laminar report` and the benchmarks
-(docs/architecture.md, 'Storage layout'): step metrics, time breakdowns, drill reports, summary, trajectory rows.
+(docs/architecture/storage.md, 'Storage layout'): step metrics, time breakdowns, drill reports, summary, trajectory rows.
 
 One de-duplication rule (`first_per`): a record is identified by its natural key (a step record by its step, a
 trajectory row by (group_id, sample_index)) and, in key order, the first of each identity counts. So what a

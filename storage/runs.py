@@ -1,4 +1,4 @@
-"""What the store holds of a run, and its marker (docs/decisions.md, 'A run id is never reused').
+"""What the store holds of a run, and its marker (docs/decisions/run-ids.md, 'A run id is never reused').
 
 The marker, runs/<run_id>/run.json, is the first object a run gets: whoever starts a run writes it before the
 run's config (client/run_control.py), naming the command that started it, the Temporal server it ran on and, for

@@ -1,5 +1,5 @@
 """Experience segments and partial-response pools as Parquet, one row per trajectory
-(docs/architecture.md, 'Storage layout').
+(docs/architecture/storage.md, 'Storage layout').
 
 A segment is one atomic put: it is committed once it exists, and its SegmentRef (with sha256) is the
 commit record reported to the workflow. A replica's partial pool is rewritten each flush into the one of its

@@ -27,7 +27,7 @@ def test_defaults_load_without_a_file() -> None:
 def test_example_tiny_toml_loads() -> None:
     cfg = RunConfig.load(TINY)
     # tiny.toml spells out the defaults, and adds one thing: its learning-rate decay (the toy task's policy turns
-    # deterministic and then drifts at a constant rate over thousands of steps; docs/decisions.md). A decay is
+    # deterministic and then drifts at a constant rate over thousands of steps; docs/decisions/reward-collapse.md). A decay is
     # not a default for every run: the default is a constant rate.
     decay = {"lr_decay_steps": 1500, "lr_min_ratio": 0.1}
     assert {k: getattr(cfg.trainer, k) for k in decay} == decay

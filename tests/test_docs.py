@@ -126,10 +126,11 @@ def missing_paths(token: str) -> bool:
 
 def test_paths_written_in_the_docs_exist():
     """Every repository path or module the README and the site's pages name in backticks exists, so a move or a
-    rename fails here instead of leaving the docs pointing at nothing. docs/decisions.md is a log: its entries
-    name the paths of their day."""
+    rename fails here instead of leaving the docs pointing at nothing. The decision pages are a log: each names
+    the paths of its day."""
     top = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")}
-    pages = [ROOT / "README.md", *(p for p in sorted((ROOT / "docs").rglob("*.md")) if p.name != "decisions.md")]
+    decisions = ROOT / "docs" / "decisions"
+    pages = [ROOT / "README.md", *(p for p in sorted((ROOT / "docs").rglob("*.md")) if p.parent != decisions)]
     missing = [f"{page.relative_to(ROOT)}: `{token}`" for page in pages
                for token in written_paths(page.read_text(), top) if missing_paths(token)]
     assert not missing, "the docs name paths that do not exist:\n" + "\n".join(missing)
@@ -143,3 +144,44 @@ def test_a_stale_path_is_caught():
     assert found == ["envs/tasks/loader.py", "laminar/names.py", "laminar.envs.tasks.loader.check_task",
                      "laminar.envs.tasks.loader.gone", "docs/"]
     assert [t for t in found if missing_paths(t)] == ["laminar/names.py", "laminar.envs.tasks.loader.gone"]
+
+
+DECISIONS = ROOT / "docs" / "decisions"
+_STATUS = re.compile(r"Status: (current|superseded by \[[^\]]+\]\(([\w-]+\.md)\)) · Date: (\d{4}-\d{2}-\d{2})\b")
+
+
+def decision_problems(folder: Path) -> list[str]:
+    """What is wrong with a decisions folder: a page the index does not link, an index entry with no page, a page
+    that does not open with `# Title` and its status line, or a superseded page naming a page that is not there."""
+    pages = sorted(p.name for p in folder.glob("*.md") if p.name != "index.md")
+    listed = set(re.findall(r"\]\(([\w-]+\.md)\)", (folder / "index.md").read_text()))
+    problems = [f"{name}: not listed in index.md" for name in pages if name not in listed]
+    problems += [f"index.md lists {name}, which is not in the folder" for name in sorted(listed - set(pages))]
+    for name in pages:
+        lines = [line for line in (folder / name).read_text().splitlines() if line.strip()]
+        status = _STATUS.match(lines[1]) if len(lines) > 1 else None
+        if not lines or not lines[0].startswith("# "):
+            problems.append(f"{name}: does not start with '# <title>'")
+        elif status is None:
+            problems.append(f"{name}: its second line is not 'Status: current · Date: YYYY-MM-DD' "
+                            "(or 'Status: superseded by [Title](page.md) · Date: ...')")
+        elif status.group(2) and not (folder / status.group(2)).exists():
+            problems.append(f"{name}: superseded by {status.group(2)}, which is not in the folder")
+    return problems
+
+
+def test_every_decision_is_a_listed_page_with_a_status():
+    assert not (ROOT / "docs" / "decisions.md").exists(), "decisions are pages in docs/decisions/"
+    problems = decision_problems(DECISIONS)
+    assert not problems, "docs/decisions/:\n" + "\n".join(problems)
+
+
+def test_a_bad_decision_folder_is_caught(tmp_path):
+    (tmp_path / "index.md").write_text("# Decisions\n\n- [A](a.md) · current\n- [Gone](gone.md) · current\n")
+    (tmp_path / "a.md").write_text("# A\n\nStatus: superseded by [B](b.md) · Date: 2026-12-07\n\nText.\n")
+    (tmp_path / "c.md").write_text("# C\n\nNo status here.\n")
+    assert decision_problems(tmp_path) == [
+        "c.md: not listed in index.md", "index.md lists gone.md, which is not in the folder",
+        "a.md: superseded by b.md, which is not in the folder",
+        "c.md: its second line is not 'Status: current · Date: YYYY-MM-DD' "
+        "(or 'Status: superseded by [Title](page.md) · Date: ...')"]

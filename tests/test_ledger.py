@@ -1,4 +1,4 @@
-"""Exactly-once accounting (docs/architecture.md) on the real Ledger over a real RunState: leases, the
+"""Exactly-once accounting (docs/architecture/invariants.md) on the real Ledger over a real RunState: leases, the
 experience index, consumed batches, checkpoint replay and the counters behind the status query."""
 
 from __future__ import annotations

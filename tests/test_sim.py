@@ -214,7 +214,7 @@ def test_relay_link_from_the_relay_benchmark_report():
     from pathlib import Path
 
     from laminar.sim.scenarios import RelayLink
-    link = RelayLink.from_bench(Path(__file__).resolve().parents[1] / "docs" / "relay-bench.json")
+    link = RelayLink.from_bench(Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "data" / "relay-bench.json")
     assert 1e6 < link.bytes_per_s < 1e12 and 0 < link.t_start_s < 1
     with pytest.raises(ValueError, match="laminar bench relay"):
         RelayLink.from_bench(Path(__file__))

@@ -270,7 +270,7 @@ class LocalLauncher:
 
     def publish_table(self, stopped: bool = False) -> None:
         """Write the process table to table_path (atomically), if set: what `laminar chaos` aims its faults at
-        and checks for leaks against (format: docs/architecture.md, 'Process table')."""
+        and checks for leaks against (format: docs/architecture/failures.md, 'Process table')."""
         if self.table_path is None:
             return
         table = process_table(self.processes.values(), stopped)

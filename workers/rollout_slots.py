@@ -1,6 +1,6 @@
 """One rollout process's replica slots, shared by its two workers (workers/processes.py `rollout`): the one on the
 shared rollout queue, which starts replicas, and the one on the process's own queue, which only adopts replicas
-parked here at a continue-as-new (services/rollout/attach.py; docs/decisions.md, "A kept replica's next activity
+parked here at a continue-as-new (services/rollout/attach.py; docs/decisions/kept-replica-routing.md, "A kept replica's next activity
 comes back to its process").
 
 A parked replica keeps its engine, so it holds its slot while it waits: the shared worker polls for a new replica only
@@ -13,7 +13,7 @@ Of the slots, `spare` are for a replica whose process died (workers/launcher.py 
 polls with a spare permit only after waiting SPARE_WAIT_S for it, so that the run's fresh replicas spread over the
 processes first. Without it, the process that polled first took every replica it had slots for (the default run's
 two replicas in one process of its two, sharing one interpreter: the trainer waited on the control plane 10.5-15.4 %
-of its wall instead of 4.8-6.1 %; docs/decisions.md, "Fresh replicas spread over the rollout workers first").
+of its wall instead of 4.8-6.1 %; docs/decisions/replica-spread.md, "Fresh replicas spread over the rollout workers first").
 
 `Slots` is the count, pure and clock-free (tests/test_handover_route.py); `SharedQueueSlots` and `OwnQueueSlots`
 are its two views as Temporal's slot suppliers (temporalio.worker.CustomSlotSupplier), which the worker asks for a

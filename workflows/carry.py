@@ -1,4 +1,4 @@
-"""What a continue-as-new carries: `RunState`, with its leases as compact columns, decoded cheaply (docs/decisions.md,
+"""What a continue-as-new carries: `RunState`, with its leases as compact columns, decoded cheaply (docs/decisions/one-run-load.md,
 2026-12-02 "A smaller carried state").
 
 The open leases were one JSON object per lease (`OpenLease`: its group id, prompt id, replica id and three resume

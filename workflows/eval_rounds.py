@@ -1,4 +1,4 @@
-"""Eval rounds: held-out evaluation during training as eval leases on the rollout replicas (docs/decisions.md
+"""Eval rounds: held-out evaluation during training as eval leases on the rollout replicas (docs/decisions/eval-rounds.md
 'Held-out evaluation and trackers'). Pure and clock-free: the workflow passes versions, replica ids and times in;
 nothing here does I/O, reads a clock or imports Temporal.
 
@@ -18,7 +18,7 @@ tests/test_eval_rounds.py:
 Rounds are due (`due_versions`) at version 0 (eval.at_start), every eval.every_steps versions, and at the run's
 last step (eval.at_end). The trainer never waits for a round: leases come out of the room a replica has beyond
 its training leases, and a round still open when its replicas have moved on to newer versions waits for a replica
-that reloads v (relays keep older versions for a minute, docs/decisions.md).
+that reloads v (relays keep older versions for a minute, docs/decisions/relay-retention.md).
 """
 
 from __future__ import annotations

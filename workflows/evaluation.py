@@ -1,4 +1,4 @@
-"""Held-out evaluation during training, the workflow's side (docs/evaluation.md, docs/decisions.md 'Eval rounds
+"""Held-out evaluation during training, the workflow's side (docs/evaluation.md, docs/decisions/eval-rounds.md 'Eval rounds
 wired'): eval rounds (workflows/eval_rounds.py, pure) over `RunState.eval`, fed by the replicas' claims, and each
 closed round's record stored by one `record_eval` activity.
 

@@ -1,4 +1,4 @@
-"""Sharing one worker set's rollout slots between the live runs (docs/architecture.md, 'One worker set, several
+"""Sharing one worker set's rollout slots between the live runs (docs/architecture/handover.md, 'One worker set, several
 runs').
 
 Pure and clock-free (no Temporal, no time, no I/O), like laminar/policy.py: the slot pool workflow

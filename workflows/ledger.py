@@ -1,4 +1,4 @@
-"""Exactly-once accounting over RunState (docs/architecture.md, 'Exactly-once accounting'): leases, the
+"""Exactly-once accounting over RunState (docs/architecture/invariants.md, 'Exactly-once accounting'): leases, the
 experience index, consumed batches and counters. Pure and deterministic, so it is unit-tested without
 Temporal.
 

@@ -1,4 +1,4 @@
-"""SlotPoolWorkflow: shares one rollout queue's slots between the live runs (docs/architecture.md, 'One worker set,
+"""SlotPoolWorkflow: shares one rollout queue's slots between the live runs (docs/architecture/handover.md, 'One worker set,
 several runs').
 
 One per rollout task queue (`pool/laminar-rollout`), on `laminar-control`, started idempotently by `laminar workers`

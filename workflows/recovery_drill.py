@@ -1,4 +1,4 @@
-"""RecoveryDrillWorkflow: inject one fault into a live run and report how it recovered (docs/architecture.md,
+"""RecoveryDrillWorkflow: inject one fault into a live run and report how it recovered (docs/architecture/failures.md,
 'Recovery drills').
 
 plan (runner) -> inject (the target process's own fault queue, or the store outage on the runner)

@@ -1,5 +1,5 @@
 """One history segment of a training run: its input (the run config, and the state a continue-as-new carried over),
-its own flags and counters, and when it is full and hands over to the next (docs/architecture.md,
+its own flags and counters, and when it is full and hands over to the next (docs/architecture/handover.md,
 'Continue-as-new: the hand-over').
 
 Pure: the workflow passes `workflow.info()` in (tests/test_segment.py passes a stand-in). What a segment carries to

@@ -1,4 +1,4 @@
-"""TrainingRunWorkflow: the durable owner of one RL run (docs/architecture.md: 'Parts', the two traces,
+"""TrainingRunWorkflow: the durable owner of one RL run (docs/architecture/index.md: 'Parts', the two traces,
 'Continue-as-new: the hand-over').
 
 Owns step, policy version, committed checkpoint, prompt leases, the experience index, relay chain and

@@ -24,7 +24,7 @@ Isolation (all real kernel mechanisms; nothing here trusts the program):
 - stdout and stderr (one stream, in order) read with a byte cap: the process is killed on exceeding it.
 
 Which outcomes fail the tool (a `SandboxResult` with `failure` set, `ToolResult(ok=False)`: the replica fails
-the group with reason "sandbox", retried then dropped) and which are output the model reads (docs/decisions.md):
+the group with reason "sandbox", retried then dropped) and which are output the model reads (docs/decisions/sandbox.md):
 - failure: the wall-clock timeout (`timeout`), the CPU limit (`cpu`: SIGXCPU / SIGKILL), the output cap
   (`output`), an uncaught MemoryError or a kill at the cgroup's memory limit (`memory`), a fork or spawn refused by the process limit (`processes`),
   any socket connect/bind/send (`network`), a write, create, rename or delete outside the working directory

@@ -1,6 +1,6 @@
 """One rollout replica: the data-plane loop behind the `run_rollout_replica` activity.
 
-Loop (trajectory-level asynchrony; docs/architecture.md, 'Trace 1' and 'Trace 2'), one `RolloutReplica._turn`
+Loop (trajectory-level asynchrony; docs/architecture/traces.md, 'Trace 1' and 'Trace 2'), one `RolloutReplica._turn`
 at a time:
 - weights (`weights.py`): admit leased prompt groups into the continuous batch while the replica's policy
   version is the newest its relay holds; once a newer version is there, admit nothing more, let in-flight

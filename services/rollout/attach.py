@@ -1,5 +1,5 @@
 """A continue-as-new that replicas do not feel: live replicas parked between two history segments of their run, in
-their process, until the next segment's activity re-attaches them (docs/decisions.md, 2026-12-02 "A continue-as-new
+their process, until the next segment's activity re-attaches them (docs/decisions/one-run-load.md, 2026-12-02 "A continue-as-new
 without a hand-over").
 
 An activity scheduled by a workflow run ends with that run, so a replica's `run_rollout_replica` activity cannot

@@ -373,7 +373,7 @@ class Batch:
 
     def _interrupted(self, group: Group, t: Trajectory) -> None:
         """A resumed sample whose last call's intent was written and its output not: the call possibly ran, so
-        it is not run again; the sample reads INTERRUPTED as that call's output and goes on (docs/decisions.md)."""
+        it is not run again; the sample reads INTERRUPTED as that call's output and goes on (docs/decisions/tool-call-intents.md)."""
         rid, now = f"{group.lease.group_id}/{t.sample_index}", self.clock()
         episode = Episode.from_row(t.tool_mask, t.extra)
         found = self._intent_call(t)
