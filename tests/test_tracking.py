@@ -11,6 +11,7 @@ import pytest
 
 from laminar.config import RunConfig
 from laminar.services.tracking import Trackers, config_params, step_scalars
+from tests.fixtures.waiting import wait_until
 
 
 def _cfg(tmp_path: Path, *extra: str) -> RunConfig:
@@ -57,6 +58,7 @@ def test_a_restarted_writer_rewrites_steps_and_each_is_read_back_once(tmp_path):
     first = Trackers("r-track", cfg, tmp_path)
     for step in range(1, 6):
         first.log_step(step, {"train/reward_mean": float(step)})
+    wait_until(lambda: all(s["written"] == 5 for s in first.stats().values()), 60, "the first writer's 5 steps")
     # the process dies without closing; its successor restored the checkpoint at step 3 and writes 4.. again
     second = Trackers("r-track", cfg, tmp_path)
     for step in range(4, 8):
