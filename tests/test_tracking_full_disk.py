@@ -70,9 +70,9 @@ def test_a_disk_that_fills_and_frees_leaves_readable_trackers_with_every_step(tm
 
         wait_until(one_more_step_then_both_failing, 120, "both trackers to fail on the full disk")
         ballast.unlink()  # space returns
-        last = step + 40
-        for step in range(step + 1, last + 1):
-            t.log_step(step, {**scalars, "train/reward_mean": float(step)})
+        freed_at, last = step + 1, step + 40
+        for after in range(freed_at, last + 1):
+            t.log_step(after, {**scalars, "train/reward_mean": float(after)})
         t.close(finished=True)
     stats = t.stats()
     assert t.skipped == {}, stats
