@@ -107,7 +107,7 @@ class TensorBoardTracker:
         from tensorboard.compat.proto.event_pb2 import Event
 
         directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.laminar"
+        self.path = directory / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._config = config
         self._versioned = False
@@ -374,10 +374,23 @@ class Trackers:
         self.dir = tracker_dir(cfg, home)
         self.wanted = enabled(cfg)
         self.last_step = -1  # the highest step this process queued; -1: none yet (the next write is a resume)
-        t = cfg.tracking
-        self.writers = {name: TrackerWriter(name, lambda name=name: self._make(name), run_id=run_id,
-                                            queue_max=t.queue_max, retry_max_s=t.retry_max_s)
-                        for name in self.wanted}
+        self.writers = {name: self._writer(name) for name in self.wanted}
+        self.before: dict[str, int] = {}  # calls skipped by the writers of an earlier close, per tracker
+
+    def _writer(self, name: str) -> TrackerWriter:
+        t = self.cfg.tracking
+        return TrackerWriter(name, lambda: self._make(name), run_id=self.run_id, queue_max=t.queue_max,
+                             retry_max_s=t.retry_max_s)
+
+    def _open(self) -> dict[str, TrackerWriter]:
+        """The writers; one closed already (a write after close, e.g. a rewind past the last step) is started anew
+        and the tracker opened again, as a resume."""
+        for name, w in list(self.writers.items()):
+            if w.closed:
+                self.before[name] = self.before.get(name, 0) + w.dropped + w.given_up
+                self.writers[name] = self._writer(name)
+                self.last_step = -1
+        return self.writers
 
     def _make(self, name: str) -> Tracker:
         config = self.cfg.to_json()
@@ -392,7 +405,7 @@ class Trackers:
     def skipped(self) -> dict[str, int]:
         """Per tracker, the calls it will never write: dropped from a full queue, or given up (a permanent error,
         or pending at close); the trainer writes it into each step's record (`tracker_skipped`)."""
-        out = {name: w.dropped + w.given_up for name, w in self.writers.items()}
+        out = {name: self.before.get(name, 0) + w.dropped + w.given_up for name, w in self.writers.items()}
         return {name: n for name, n in out.items() if n}
 
     def stats(self) -> dict[str, dict[str, Any]]:
@@ -402,13 +415,14 @@ class Trackers:
 
     def log_step(self, step: int, scalars: dict[str, float]) -> None:
         """Queue one step's scalars; a first write, or a step at or below the last one queued, is a resume."""
+        writers = self._open()
         resume = self.last_step < 0 or step <= self.last_step
-        for w in self.writers.values():
+        for w in writers.values():
             w.put(Item("step", step, scalars=scalars, resume=resume))
         self.last_step = step
 
     def log_event(self, step: int, kind: str, detail: str) -> None:
-        for w in self.writers.values():
+        for w in self._open().values():
             w.put(Item("event", step, event=kind, detail=detail))
 
     def close(self, finished: bool) -> None:

@@ -116,6 +116,10 @@ class TrackerWriter:
                 self._abandoned = True
                 self._give_up_all("the writer did not finish within tracking.close_timeout_s")
 
+    @property
+    def closed(self) -> bool:
+        return self._closing is not None
+
     def stats(self) -> dict[str, Any]:
         with self._cv:
             return {"written": self.written, "dropped": self.dropped, "given_up": self.given_up,

@@ -110,3 +110,16 @@ def test_wandb_writes_an_offline_run_directory(tmp_path):
     assert t.skipped == {}
     runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*-r-track"))
     assert len(runs) == 1 and list(runs[0].glob("run-r-track.wandb")), list((tmp_path / "wandb").rglob("*"))
+
+
+def test_a_write_after_close_opens_the_tracker_again(tmp_path):
+    cfg = _cfg(tmp_path, "tracking.tensorboard=true")
+    t = Trackers("r-track", cfg, tmp_path)
+    for step in (1, 2):
+        t.log_step(step, {"train/reward_mean": float(step)})
+    t.close(finished=True)
+    t.log_step(2, {"train/reward_mean": 20.0})  # a rewind after the run's last step: a resume at step 2
+    t.log_step(3, {"train/reward_mean": 30.0})
+    t.close(finished=True)
+    assert t.skipped == {}
+    assert _tb_scalars(tmp_path / "tensorboard" / "r-track", "train/reward_mean") == [(1, 1.0), (2, 20.0), (3, 30.0)]
