@@ -554,6 +554,16 @@ class TrackingSection(_Section):
         "laminar", min_length=1, max_length=200, description="MLflow experiment and wandb project name.")
     wandb: bool = Field(
         False, description="Write a wandb run directory in offline mode (never online: `wandb sync` uploads it).")
+    queue_max: int = Field(
+        20000, ge=1, le=10_000_000,
+        description="Calls (steps and events) each tracker's writer may hold while it is slow or failing (count); "
+        "past it new calls are dropped, counted in tracker_skipped and listed as missing steps.")
+    retry_max_s: float = Field(
+        10.0, gt=0, le=3600, description="Longest back-off between two tries of a failing tracker (s).")
+    close_timeout_s: float = Field(
+        30.0, ge=0, le=3600,
+        description="How long closing the trackers at the end of a run may wait for their writers to drain (s); "
+        "what is still pending then is counted as missing.")
 
 
 class RunConfig(_Section):

@@ -125,6 +125,8 @@ def build_summary(status: RunStatus, store: ObjectStore, wall_s: float, started_
         **tool_stats(metrics),
         # writes a failing experiment tracker dropped (services/tracking.py), per tracker, as of the last step
         "tracker_skipped": (metrics[-1].get("tracker_skipped") or {}) if metrics else {},
+        # steps each tracker never wrote ("66-70,81"), where the trainer records Trackers.stats() as tracker_stats
+        **({"tracker_missing": missing} if (missing := tracker_missing(metrics)) else {}),
         # held-out evals recorded so far (laminar eval; eval rounds): version, accuracy, its standard error, prompts
         "evals": eval_lines(store, status.run_id),
         # eval rounds during training still open at the summary (policy version -> prompts not scored)
@@ -133,6 +135,12 @@ def build_summary(status: RunStatus, store: ObjectStore, wall_s: float, started_
         **({"step_end_s": [round(r["time"] - started_at, 3) for r in metrics]} if started_at is not None else {}),
         **({"profile": profile} if profile is not None else {}),
     }
+
+
+def tracker_missing(metrics: list[dict[str, Any]]) -> dict[str, str]:
+    """Per tracker, the steps it is missing as of the last step record (services/tracking.py Trackers.stats())."""
+    stats = (metrics[-1].get("tracker_stats") or {}) if metrics else {}
+    return {name: s["missing_steps"] for name, s in sorted(stats.items()) if s.get("missing_steps")}
 
 
 def eval_lines(store: ObjectStore, run_id: str) -> list[dict[str, Any]]:

@@ -12,21 +12,28 @@ Invariants (tests/test_tracking.py, tests/test_tracking_integration.py):
   read at and after that step, so the rewritten step wins; MLflow, whose stores only append, skips steps at or
   below the last one its run holds (read back when the run is resumed), so the first write of a step stands;
   wandb drops steps below its current one itself.
-- A tracker that fails never stops training: the call is dropped, counted per tracker in `skipped` (the trainer
-  writes the counts into each step's record), logged as `tracker_write_failed`, and the tracker is opened again at
-  the next call.
+- Off the trainer's path: each tracker has one writer thread and a bounded queue for the life of the Trackers
+  (services/tracking_writer.py); a failure is retried with back-off, what was missed is written once the tracker
+  answers, and one warning is logged per outage. Calls dropped (a full queue) or given up are counted per tracker
+  in `skipped` (the trainer writes the counts into each step's record) and their steps listed in `stats()`.
+- A failed write leaves no torn record: TensorBoard's records and MLflow file-store batches are whole or not at all
+  (docs/decisions/trackers-full-disk.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 import time
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from laminar.config import RunConfig
 from laminar.logs import get_logger
+from laminar.services.tracking_writer import Item, TrackerWriter
 
 log = get_logger(__name__)
 
@@ -82,42 +89,83 @@ class Tracker(Protocol):
     name: str
 
     def resume_at(self, step: int) -> None: ...  # steps >= step are about to be written (again)
-    def log(self, step: int, scalars: dict[str, float]) -> None: ...
-    def event(self, step: int, kind: str, detail: str) -> None: ...  # a fault or recovery
+    def log(self, step: int, scalars: dict[str, float], time_ms: int) -> None: ...
+    def event(self, step: int, kind: str, detail: str, time_ms: int) -> None: ...  # a fault or recovery
     def close(self, finished: bool) -> None: ...
 
 
 class TensorBoardTracker:
+    """One event file for the life of the writer, written record by record, each whole or not at all: a write cut
+    off (a full disk) is truncated back, so the file never holds a torn record, on which TensorBoard's reader would
+    stop reading the file."""
+
     name = "tensorboard"
 
     def __init__(self, directory: Path, config: dict[str, Any]) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        import socket
 
-        self.writer = SummaryWriter(log_dir=str(directory), flush_secs=5)
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._config = config
+        self._versioned = False
+        self._version_event = Event(wall_time=time.time(), file_version="brain.Event:2")
+
+    def _write(self, *events: Any) -> None:
+        """Append the events' records in one piece, or nothing (truncated back on a failure)."""
+        from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+        records = []
+        for event in ((self._version_event, *events) if not self._versioned else events):
+            data = event.SerializeToString()
+            header = struct.pack("<Q", len(data))
+            records.append(header + struct.pack("<I", masked_crc32c(header)) + data
+                           + struct.pack("<I", masked_crc32c(data)))
+        blob = memoryview(b"".join(records))
+        before = os.fstat(self.fd).st_size
+        try:
+            while blob:
+                blob = blob[os.write(self.fd, blob):]
+        except BaseException:
+            os.ftruncate(self.fd, before)
+            raise
+        self._versioned = True
 
     def resume_at(self, step: int) -> None:
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
         # TensorBoard's own restart marker: its reader purges every event at or after `step` read so far
-        self.writer.file_writer.add_event(Event(session_log=SessionLog(status=SessionLog.START)), step=step)
+        events = [Event(wall_time=time.time(), step=step, session_log=SessionLog(status=SessionLog.START))]
         if step <= 1:
-            import json
+            events.append(self._text(step, "config", f"```\n{json.dumps(self._config, indent=1)}\n```"))
+        self._write(*events)
 
-            self.writer.add_text("config", f"```\n{json.dumps(self._config, indent=1)}\n```", global_step=step)
+    @staticmethod
+    def _text(step: int, tag: str, text: str) -> Any:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from torch.utils.tensorboard.summary import text as text_summary
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        for key, value in scalars.items():
-            self.writer.add_scalar(key, value, global_step=step)
-        self.writer.flush()
+        return Event(wall_time=time.time(), step=step, summary=text_summary(tag, text))
 
-    def event(self, step: int, kind: str, detail: str) -> None:
-        self.writer.add_text(f"events/{kind}", detail, global_step=step)
-        self.writer.add_scalar(f"events/{kind}", 1.0, global_step=step)
-        self.writer.flush()
+    def log(self, step: int, scalars: dict[str, float], time_ms: int) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=k, simple_value=v) for k, v in scalars.items()]
+        self._write(Event(wall_time=time_ms / 1000, step=step, summary=Summary(value=values)))
+
+    def event(self, step: int, kind: str, detail: str, time_ms: int) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        flag = Summary(value=[Summary.Value(tag=f"events/{kind}", simple_value=1.0)])
+        self._write(self._text(step, f"events/{kind}", detail), Event(wall_time=time_ms / 1000, step=step,
+                                                                       summary=flag))
 
     def close(self, finished: bool) -> None:
-        self.writer.close()
+        os.close(self.fd)
 
 
 def mlflow_eval_run(client: Any, experiment: str, run_id: str) -> str:
@@ -148,7 +196,48 @@ def mlflow_eval_run(client: Any, experiment: str, run_id: str) -> str:
     return kept
 
 
+def mlflow_bad_lines(run_dir: Path) -> list[tuple[Path, int]]:
+    """The metric files of an MLflow file-store run that MLflow cannot parse, with the first bad line (1-based; 0:
+    an empty file): MLflow reads `timestamp value [step [dataset digest]]` per line and refuses the whole run
+    otherwise."""
+    bad = []
+    for path in sorted((run_dir / "metrics").rglob("*")):
+        if not path.is_file():
+            continue
+        lines = path.read_text(errors="replace").splitlines()
+        if not lines:
+            bad.append((path, 0))
+        for n, line in enumerate(lines, start=1):
+            parts = line.strip().split(" ")
+            try:
+                ok = len(parts) in (2, 3, 5)
+                int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) >= 3 else 0
+            except (ValueError, IndexError):
+                ok = False
+            if not ok:
+                bad.append((path, n))
+                break
+    return bad
+
+
+def _last_step(path: Path) -> int:
+    """The highest step among a file-store metric file's lines that parse (0 if none)."""
+    steps = [0]
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            parts = line.strip().split(" ")
+            if len(parts) in (3, 5) and parts[2].lstrip("-").isdigit():
+                steps.append(int(parts[2]))
+    return max(steps)
+
+
 class MlflowTracker:
+    """One MLflow run per run id. On a file store, each batch is whole or not at all: MLflow appends a line per
+    metric with a buffered write, and a write cut off by a full disk leaves a partial line that MLflow then refuses
+    to read for the whole run (and, through search, for the experiment); so the sizes of the files a batch touches
+    are noted first and restored if it fails. A store damaged anyway is reported once, with the path and the fix,
+    and the run is found and written without reading the damaged file."""
+
     name = "mlflow"
 
     def __init__(self, uri: str, experiment: str, run_id: str, config: dict[str, Any]) -> None:
@@ -158,39 +247,94 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)
+        self.root = Path(url2pathname(urlparse(uri).path)) if uri.startswith("file:") else None
         exp = self.client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(experiment)
-        found = self.client.search_runs([exp_id], filter_string=f"tags.`laminar.run_id` = '{run_id}'",
-                                        max_results=1)
-        if found:  # resumed: the steps it holds stand
-            self.run = found[0].info.run_id
-            history = self.client.get_metric_history(self.run, RESUME_KEY)
-            self.logged_through = max((m.step for m in history), default=0)
-            if found[0].info.status != "RUNNING":
+        if exp is None:
+            try:
+                self.client.create_experiment(experiment)
+            except Exception:  # another process created it first: it exists now
+                pass
+            exp = self.client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id
+        found = self._find(exp_id, run_id)
+        if found is not None:  # resumed: the steps it holds stand
+            self.run, status = found
+            self.run_dir = self.root / exp_id / self.run if self.root else None
+            if self.run_dir is not None:
+                self.logged_through = _last_step(self.run_dir / "metrics" / RESUME_KEY)
+            else:
+                history = self.client.get_metric_history(self.run, RESUME_KEY)
+                self.logged_through = max((m.step for m in history), default=0)
+            if status != "RUNNING":
                 self.client.update_run(self.run, status="RUNNING")
         else:
             self.run = self.client.create_run(exp_id, run_name=run_id, tags={"laminar.run_id": run_id}).info.run_id
+            self.run_dir = self.root / exp_id / self.run if self.root else None
             self.logged_through = 0
             from mlflow.entities import Param
 
             params = [Param(k, v) for k, v in config_params(config).items()]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
-                self.client.log_batch(self.run, params=params[i:i + 100])
+                self._batch(params=params[i:i + 100])
+
+    def _find(self, exp_id: str, run_id: str) -> tuple[str, str] | None:
+        """The run tagged with the run id and its status; on a file store, damaged metric files are reported and
+        the run is found from its tags on disk (MLflow's search reads every run's metrics)."""
+        if self.root is not None:
+            (self.root / exp_id).mkdir(parents=True, exist_ok=True)
+            for run_dir in sorted((self.root / exp_id).iterdir()):
+                for path, line in mlflow_bad_lines(run_dir):
+                    log.warning("tracker_store_corrupt", tracker="mlflow", path=str(path), line=line,
+                                fix=f"delete line {line} of that file (a write cut off before this version of "
+                                "laminar); MLflow cannot read the run until then; laminar goes on writing the run")
+            import yaml
+
+            for run_dir in sorted((self.root / exp_id).iterdir()):
+                tag = run_dir / "tags" / "laminar.run_id"
+                if not tag.is_file() or tag.read_text() != run_id or not (run_dir / "meta.yaml").is_file():
+                    continue
+                meta = yaml.safe_load((run_dir / "meta.yaml").read_text()) or {}
+                if meta.get("lifecycle_stage") != "deleted":
+                    return run_dir.name, "RUNNING" if meta.get("status") == 1 else str(meta.get("status"))
+            return None
+        found = self.client.search_runs([exp_id], filter_string=f"tags.`laminar.run_id` = '{run_id}'",
+                                        max_results=1)
+        return (found[0].info.run_id, found[0].info.status) if found else None
+
+    def _batch(self, *, metrics: list | None = None, params: list | None = None, tags: list | None = None) -> None:
+        """log_batch through the client; on a file store, whole or not at all."""
+        if self.run_dir is None:
+            self.client.log_batch(self.run, metrics=metrics or [], params=params or [], tags=tags or [])
+            return
+        touched = {self.run_dir / "metrics" / m.key for m in metrics or []}
+        touched |= {self.run_dir / "tags" / t.key for t in tags or []}
+        touched |= {self.run_dir / "params" / p.key for p in params or []}
+        sizes = {p: p.stat().st_size if p.is_file() else None for p in touched}
+        try:
+            self.client.log_batch(self.run, metrics=metrics or [], params=params or [], tags=tags or [])
+        except BaseException:
+            for path, size in sizes.items():
+                if size is None:
+                    path.unlink(missing_ok=True)
+                elif path.is_file() and path.stat().st_size != size:
+                    os.truncate(path, size)
+            raise
 
     def resume_at(self, step: int) -> None:
         """MLflow appends; a step it already holds is skipped in `log` instead."""
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
+    def log(self, step: int, scalars: dict[str, float], time_ms: int) -> None:
         if step <= self.logged_through:
             return
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        self.client.log_batch(self.run, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
+        self._batch(metrics=[Metric(k, v, time_ms, step) for k, v in scalars.items()])
         self.logged_through = step
 
-    def event(self, step: int, kind: str, detail: str) -> None:
-        self.client.set_tag(self.run, f"laminar.event.{kind}.step{step}", detail[:5000])
+    def event(self, step: int, kind: str, detail: str, time_ms: int) -> None:
+        from mlflow.entities import RunTag
+
+        self._batch(tags=[RunTag(f"laminar.event.{kind}.step{step}", detail[:5000])])
 
     def close(self, finished: bool) -> None:
         if finished:
@@ -211,10 +355,10 @@ class WandbTracker:
     def resume_at(self, step: int) -> None:
         """wandb drops a step below its current one itself."""
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
+    def log(self, step: int, scalars: dict[str, float], time_ms: int) -> None:
         self.run.log(scalars, step=step)
 
-    def event(self, step: int, kind: str, detail: str) -> None:
+    def event(self, step: int, kind: str, detail: str, time_ms: int) -> None:
         self.run.log({f"events/{kind}": 1.0}, step=step)
 
     def close(self, finished: bool) -> None:
@@ -222,16 +366,31 @@ class WandbTracker:
 
 
 class Trackers:
-    """Every tracker the run's config asks for, for one run id; failures are counted, never raised."""
+    """Every tracker the run's config asks for, for one run id, each behind its own writer thread
+    (services/tracking_writer.py): the calls only queue; failures are retried, counted, never raised."""
 
     def __init__(self, run_id: str, cfg: RunConfig, home: Path) -> None:
         self.run_id, self.cfg = run_id, cfg
         self.dir = tracker_dir(cfg, home)
         self.wanted = enabled(cfg)
-        self.open: dict[str, Tracker] = {}
-        self.skipped: dict[str, int] = {}  # tracker -> calls dropped because it failed
-        self.last_step = -1  # the highest step this process wrote; -1: none yet (the next write is a resume)
-        self.marked: set[str] = set()  # trackers told where this process resumes
+        self.last_step = -1  # the highest step this process queued; -1: none yet (the next write is a resume)
+        self.writers = {name: self._writer(name) for name in self.wanted}
+        self.before: dict[str, int] = {}  # calls skipped by the writers of an earlier close, per tracker
+
+    def _writer(self, name: str) -> TrackerWriter:
+        t = self.cfg.tracking
+        return TrackerWriter(name, lambda: self._make(name), run_id=self.run_id, queue_max=t.queue_max,
+                             retry_max_s=t.retry_max_s)
+
+    def _open(self) -> dict[str, TrackerWriter]:
+        """The writers; one closed already (a write after close, e.g. a rewind past the last step) is started anew
+        and the tracker opened again, as a resume."""
+        for name, w in list(self.writers.items()):
+            if w.closed:
+                self.before[name] = self.before.get(name, 0) + w.dropped + w.given_up
+                self.writers[name] = self._writer(name)
+                self.last_step = -1
+        return self.writers
 
     def _make(self, name: str) -> Tracker:
         config = self.cfg.to_json()
@@ -242,45 +401,35 @@ class Trackers:
             return MlflowTracker(uri, self.cfg.tracking.experiment, self.run_id, config)
         return WandbTracker(self.dir / "wandb", self.cfg.tracking.experiment, self.run_id, config)
 
-    def _each(self, what: str, call) -> None:
-        for name in self.wanted:
-            try:
-                tracker = self.open.get(name)
-                if tracker is None:
-                    tracker = self.open[name] = self._make(name)
-                call(tracker)
-            except Exception as e:  # a tracker never stops training: drop, count, say so
-                self.skipped[name] = self.skipped.get(name, 0) + 1
-                self.open.pop(name, None)
-                self.marked.discard(name)
-                log.warning("tracker_write_failed", tracker=name, run_id=self.run_id, what=what,
-                            skipped=self.skipped[name], error=f"{type(e).__name__}: {e}"[:300])
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Per tracker, the calls it will never write: dropped from a full queue, or given up (a permanent error,
+        or pending at close); the trainer writes it into each step's record (`tracker_skipped`)."""
+        out = {name: self.before.get(name, 0) + w.dropped + w.given_up for name, w in self.writers.items()}
+        return {name: n for name, n in out.items() if n}
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per tracker: items written, dropped, given up, pending, outages, failing now, and the steps it is missing
+        as ranges ("66-70,81"), for the step record (`tracker_stats`) and the summary."""
+        return {name: w.stats() for name, w in self.writers.items()}
 
     def log_step(self, step: int, scalars: dict[str, float]) -> None:
-        """Write one step's scalars; a first write, or a step at or below the last written, is a resume."""
-        if step <= self.last_step:
-            self.marked.clear()
-
-        def write(t: Tracker) -> None:
-            if t.name not in self.marked:
-                t.resume_at(step)
-                self.marked.add(t.name)
-            t.log(step, scalars)
-
-        self._each(f"step {step}", write)
+        """Queue one step's scalars; a first write, or a step at or below the last one queued, is a resume."""
+        writers = self._open()
+        resume = self.last_step < 0 or step <= self.last_step
+        for w in writers.values():
+            w.put(Item("step", step, scalars=scalars, resume=resume))
         self.last_step = step
 
     def log_event(self, step: int, kind: str, detail: str) -> None:
-        self._each(f"event {kind}", lambda t: t.event(step, kind, detail))
+        for w in self._open().values():
+            w.put(Item("event", step, event=kind, detail=detail))
 
     def close(self, finished: bool) -> None:
-        for name, tracker in list(self.open.items()):
-            try:
-                tracker.close(finished)
-            except Exception as e:
-                log.warning("tracker_close_failed", tracker=name, run_id=self.run_id, error=str(e)[:300])
-        self.open.clear()
-        self.marked.clear()
+        """Write what is queued and close each tracker, within tracking.close_timeout_s in all."""
+        deadline = time.monotonic() + self.cfg.tracking.close_timeout_s
+        for w in self.writers.values():
+            w.close(finished, deadline)
 
 
 # -- held-out eval rounds during training -------------------------------------------------------------------------

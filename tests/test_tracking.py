@@ -11,6 +11,7 @@ import pytest
 
 from laminar.config import RunConfig
 from laminar.services.tracking import Trackers, config_params, step_scalars
+from tests.fixtures.waiting import wait_until
 
 
 def _cfg(tmp_path: Path, *extra: str) -> RunConfig:
@@ -57,6 +58,7 @@ def test_a_restarted_writer_rewrites_steps_and_each_is_read_back_once(tmp_path):
     first = Trackers("r-track", cfg, tmp_path)
     for step in range(1, 6):
         first.log_step(step, {"train/reward_mean": float(step)})
+    wait_until(lambda: all(s["written"] == 5 for s in first.stats().values()), 60, "the first writer's 5 steps")
     # the process dies without closing; its successor restored the checkpoint at step 3 and writes 4.. again
     second = Trackers("r-track", cfg, tmp_path)
     for step in range(4, 8):
@@ -108,3 +110,16 @@ def test_wandb_writes_an_offline_run_directory(tmp_path):
     assert t.skipped == {}
     runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*-r-track"))
     assert len(runs) == 1 and list(runs[0].glob("run-r-track.wandb")), list((tmp_path / "wandb").rglob("*"))
+
+
+def test_a_write_after_close_opens_the_tracker_again(tmp_path):
+    cfg = _cfg(tmp_path, "tracking.tensorboard=true")
+    t = Trackers("r-track", cfg, tmp_path)
+    for step in (1, 2):
+        t.log_step(step, {"train/reward_mean": float(step)})
+    t.close(finished=True)
+    t.log_step(2, {"train/reward_mean": 20.0})  # a rewind after the run's last step: a resume at step 2
+    t.log_step(3, {"train/reward_mean": 30.0})
+    t.close(finished=True)
+    assert t.skipped == {}
+    assert _tb_scalars(tmp_path / "tensorboard" / "r-track", "train/reward_mean") == [(1, 1.0), (2, 20.0), (3, 30.0)]
