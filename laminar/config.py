@@ -314,6 +314,41 @@ class TrainerSection(_Section):
         "w is truncated to it; must be >= 1. decoupled: tokens with w above it get weight 0; 0 means no cap, "
         "otherwise >= 1.",
     )
+    advantage: Literal["group", "batch", "none", "rloo"] = Field(
+        "group",
+        description="Advantage baseline (rl/losses.py advantages): `group`: (r - group mean) / group std (GRPO); "
+        "`batch`: the group mean, the batch's std; `none`: r - group mean (Dr. GRPO); `rloo`: r - the mean of the "
+        "group's other samples (leave-one-out).",
+    )
+    ratio: Literal["token", "sequence", "cispo"] = Field(
+        "token",
+        description="Importance ratio of the loss (rl/losses.py policy_loss): `token`: per token, clipped; "
+        "`sequence`: GSPO, exp of the mean log-ratio of each sample, clipped; `cispo`: the per-token ratio capped "
+        "at 1 + eps_high and held constant, times log pi (MiniMax-M1).",
+    )
+    loss_aggregation: Literal["token", "sequence", "constant"] = Field(
+        "token",
+        description="How per-token losses become the loss: `token`: mean over the minibatch's response tokens "
+        "(DAPO); `sequence`: mean over samples of each sample's token mean (GRPO); `constant`: sum over tokens / "
+        "(samples * trainer.loss_constant_tokens) (Dr. GRPO).",
+    )
+    loss_constant_tokens: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="The constant of loss_aggregation = 'constant' (tokens per sample), usually "
+        "rollout.max_new_tokens; required with it, unused otherwise.",
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="Samples cut at the length limit (finish_reason 'length') stay in the batch but contribute "
+        "no loss (TRL's mask_truncated_completions).",
+    )
+    kl_beta: float = Field(
+        0.0, ge=0.0, le=10.0,
+        description="KL penalty to a frozen copy of the starting weights (unitless coefficient): the loss adds "
+        "kl_beta * ratio * k3(pi_theta, pi_ref) per response token (rl/losses.py policy_loss, as TRL 1.16 does). The "
+        "reference is held by the "
+        "trainer and checkpointed with it. 0: none, and no reference is kept.",
+    )
     minibatches: int = Field(
         1, ge=1, le=4096,
         description="Optimizer updates per step: the batch's samples are split into this many minibatches "
@@ -377,6 +412,16 @@ class TrainerSection(_Section):
                 f"trainer.tis_cap={self.tis_cap} with trainer.off_policy='tis' must be >= 1 (a cap below 1 "
                 f"shrinks even on-policy tokens, whose weight is 1); e.g. trainer.tis_cap=2"
             )
+        if self.loss_aggregation == "constant" and self.loss_constant_tokens is None:
+            raise ValueError("trainer.loss_aggregation='constant' needs trainer.loss_constant_tokens (tokens per "
+                             "sample, usually rollout.max_new_tokens), e.g. trainer.loss_constant_tokens=256")
+        options = (self.ratio, self.loss_aggregation) != ("token", "token") or self.kl_beta > 0
+        if options and self.entropy_coef > 0:
+            raise ValueError(f"trainer.entropy_coef={self.entropy_coef} is only implemented with ratio='token', "
+                             "loss_aggregation='token' and kl_beta=0; set trainer.entropy_coef=0 or those defaults")
+        if self.kl_beta > 0 and (self.lora is not None or self.backend != "single"):
+            raise ValueError(f"trainer.kl_beta={self.kl_beta} needs trainer.backend='single' without trainer.lora "
+                             "(the reference model is not implemented there); set trainer.kl_beta=0")
         if self.off_policy == "decoupled" and 0 < self.tis_cap < 1:
             raise ValueError(
                 f"trainer.tis_cap={self.tis_cap} with trainer.off_policy='decoupled' must be 0 (no cap) or >= 1 "

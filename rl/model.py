@@ -1,4 +1,4 @@
-"""A Llama / Qwen2-style causal LM in plain torch, configured from a Hugging Face config.json.
+"""A Llama / Qwen2 / Qwen3-style causal LM in plain torch, configured from a Hugging Face config.json.
 
 Parameter names equal the Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...), so a
 real checkpoint directory (config.json + *.safetensors + tokenizer.json) loads through the same code
@@ -31,7 +31,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The subset of a Hugging Face Llama/Qwen2 config.json this model understands."""
+    """The subset of a Hugging Face Llama/Qwen2/Qwen3 config.json this model understands. qk_norm: Qwen3's
+    RMSNorm over each head's queries and keys before the rotation; rope_llama3: Llama 3.x's rope scaling
+    (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), None without it."""
 
     vocab_size: int
     hidden_size: int
@@ -47,12 +49,19 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     raw: dict[str, Any]
+    qk_norm: bool = False
+    rope_llama3: tuple[float, float, float, int] | None = None
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
         model_type = d.get("model_type", "llama")
-        if model_type not in ("llama", "qwen2"):
-            raise ConfigError(f"config.json model_type={model_type!r} is not supported; use llama or qwen2")
+        if model_type not in BUILTIN_TYPES:
+            raise ConfigError(f"config.json model_type={model_type!r} is not supported; use llama, qwen2 or qwen3")
+        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type not in ("default", "llama3"):
+            raise ConfigError(f"config.json rope type {rope_type!r} is not supported by the built-in model (default "
+                              "or llama3 are); this model needs a rope_scaling the fast path does not implement")
         try:
             heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
@@ -70,13 +79,37 @@ class ModelConfig:
                 rope_theta=float(d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases and none on o_proj; Llama's attention_bias covers all four.
+                # Qwen2 always has q/k/v biases and none on o_proj; Llama's and Qwen3's attention_bias covers all four.
                 qkv_bias=model_type == "qwen2" or attention_bias,
-                o_bias=model_type == "llama" and attention_bias,
+                o_bias=model_type != "qwen2" and attention_bias,
                 raw=dict(d),
+                qk_norm=model_type == "qwen3",
+                rope_llama3=(float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                             int(rope["original_max_position_embeddings"])) if rope_type == "llama3" else None,
             )
         except KeyError as e:
             raise ConfigError(f"config.json is missing required key {e.args[0]!r}") from None
+
+
+BUILTIN_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def inv_freq(cfg: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """Rope inverse frequencies theta^(-2i/d), float32; with Llama 3.x scaling (transformers' `llama3` rope
+    type): wavelengths 2 pi / f above original_max / low_freq_factor are divided by factor, those below
+    original_max / high_freq_factor kept, and those between interpolated with s = (original_max / wavelength -
+    low) / (high - low): f' = (1 - s) f / factor + s f."""
+    d = cfg.head_dim
+    f = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(device=device, dtype=torch.float32) / d))
+    if cfg.rope_llama3 is None:
+        return f
+    factor, low, high, old_len = cfg.rope_llama3
+    wavelen = 2 * math.pi / f
+    scaled = torch.where(wavelen > old_len / low, f / factor, f)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 class KVCache:
@@ -119,11 +152,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.kvh * self.d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kvh * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: per-head RMSNorm of queries and keys, before the rotation
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x, cos, sin, mask, cache_kv=None, slots=None, positions=None, kv_len=0):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kvh, self.d).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.h, self.d)
+        k = self.k_proj(x).view(b, t, self.kvh, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kvh, self.d).transpose(1, 2)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if cache_kv is not None:
@@ -172,7 +212,7 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Llama/Qwen2 decoder-only LM; `state_dict()` keys match Hugging Face checkpoints."""
+    """Llama/Qwen2/Qwen3 decoder-only LM; `state_dict()` keys match Hugging Face checkpoints."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -181,17 +221,13 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        d = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq(cfg), persistent=False)
 
     def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        inv_freq = self.inv_freq
-        if inv_freq.dtype != torch.float32:  # model.to(bfloat16) cast the buffer; rounded, it shifts the angles
-            d = self.config.head_dim
-            inv_freq = 1.0 / (self.config.rope_theta ** (
-                torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d))
-        freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
+        freq = self.inv_freq
+        if freq.dtype != torch.float32:  # model.to(bfloat16) cast the buffer; rounded, it shifts the angles
+            freq = inv_freq(self.config, positions.device)
+        freqs = positions[..., None].float() * freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -235,12 +271,12 @@ class CausalLM(nn.Module):
 
 def is_builtin(hf_config: dict[str, Any]) -> bool:
     """Whether the built-in model covers this config.json (else transformers does)."""
-    return hf_config.get("model_type", "llama") in ("llama", "qwen2")
+    return hf_config.get("model_type", "llama") in BUILTIN_TYPES
 
 
 def build_model(hf_config: dict[str, Any], seed: int | None = None) -> CausalLM:
     """A freshly initialised model (normal(0, 0.02) linear/embedding weights, as Hugging Face does). An
-    architecture other than Llama/Qwen2 is built by transformers (rl/hf_model.py)."""
+    architecture other than Llama/Qwen2/Qwen3 is built by transformers (rl/hf_model.py)."""
     if not is_builtin(hf_config):
         from laminar.rl.hf_model import build_hf_model
 
@@ -251,7 +287,7 @@ def build_model(hf_config: dict[str, Any], seed: int | None = None) -> CausalLM:
     std = float(hf_config.get("initializer_range", 0.02))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            if name.endswith("norm.weight"):  # every RMSNorm: layernorms, the final norm, Qwen3's q/k norms
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()

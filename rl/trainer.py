@@ -11,6 +11,7 @@ Checkpoint parts are flat tensor dicts with string keys (safetensors-ready, no p
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -19,13 +20,15 @@ from laminar.config import TrainerSection
 from laminar.errors import ConfigError, UntrainableRowError
 from laminar.records import Trajectory, untrainable
 from laminar.rl.grpo import (
+    LossParts,
     behaviour_drift,
     clipped_token_loss,
-    group_advantages,
     lr_factor,
     split_stale,
     token_entropy,
 )
+from laminar.rl.losses import advantages as loss_advantages
+from laminar.rl.losses import policy_loss, truncated_mask
 from laminar.rl.model import CausalLM, load_model_state, model_state_dict
 
 
@@ -123,6 +126,8 @@ class Trainer:
         self.optim = torch.optim.AdamW(
             self._named.values(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8
         )
+        # trainer.kl_beta's frozen reference: the starting weights (a checkpoint's own reference replaces them)
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_beta > 0 else None
 
     def step(self, trajectories: list[Trajectory], trainer_version: int) -> UpdateMetrics:
         """One GRPO step on `trajectories`; trainer_version is the version being trained from.
@@ -137,7 +142,8 @@ class Trainer:
                 trainer_version, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, dropped, hist, updated=False
             )
         rewards = [t.reward for t in kept]
-        advantages = group_advantages(rewards, [t.group_id for t in kept]).to(self.device)
+        advantages = loss_advantages(torch.tensor(rewards, dtype=torch.float64), [t.group_id for t in kept],
+                                     cfg.advantage).float().to(self.device)
         batch = collate(kept, self.pad_id, self.device)
         # Log-probs only from the shortest prompt's last position on: the positions before it predict prompt tokens
         # of every row (mask 0), and their [B, T, vocab] log-softmax was most of the step's memory (a 135M model
@@ -145,6 +151,8 @@ class Trainer:
         start = self._first_position(kept)
         mask, targets, behaviour_logp = (x[:, start:] for x in (batch.response_mask, batch.targets,
                                                                 batch.behaviour_logp))
+        if cfg.mask_truncated:
+            mask = truncated_mask(mask, [t.finish_reason for t in kept])
 
         chunks = torch.arange(len(kept)).tensor_split(min(cfg.minibatches, len(kept)))
         micro = cfg.micro_batch_samples or len(kept)  # samples per forward and backward pass
@@ -171,7 +179,8 @@ class Trainer:
         loss_sum, clipped, grad_norms = 0.0, 0.0, []
         for minibatch in chunks:
             rows = minibatch[self.rank :: self.world]  # this rank's share (all of it in one process)
-            minibatch_tokens = max(int(mask[minibatch].sum().item()), 1)
+            per_row = cfg.loss_aggregation != "token"  # the loss is a mean over rows, not tokens
+            minibatch_tokens = len(minibatch) if per_row else max(int(mask[minibatch].sum().item()), 1)
             self.optim.zero_grad(set_to_none=True)
             for part in rows.split(micro):
                 logp_all = self._log_softmax(batch.ids[part], batch.attention_mask[part], start)
@@ -182,7 +191,8 @@ class Trainer:
                     with torch.no_grad():
                         step_ent = ent.detach() if ent is not None else token_entropy(logp_all.detach())
                         entropy_sum += float((step_ent * mask[part]).sum())
-                parts = clipped_token_loss(
+                parts = self._loss(batch, part, start, logp, behaviour_logp[part], proximal_logp[part],
+                                   advantages[part], mask[part]) if self._options() else clipped_token_loss(
                     logp,
                     behaviour_logp[part],
                     proximal_logp[part],
@@ -198,7 +208,7 @@ class Trainer:
                 # the update's loss is the minibatch's token mean: each part (a micro-batch, or a rank's share) weighs
                 # its own token mean by its share of the minibatch's tokens; times world in data parallel, because
                 # the gradient reduction averages over the ranks
-                scale = parts.tokens / minibatch_tokens * (self.world if dp else 1)
+                scale = (len(part) if per_row else parts.tokens) / minibatch_tokens * (self.world if dp else 1)
                 (parts.loss * scale).backward()
                 del logp_all, logp, ent
                 summed = self._all_sum([float(parts.loss.detach()) * parts.tokens,
@@ -231,6 +241,31 @@ class Trainer:
             kl_behaviour=drift.kl,
         )
 
+    def _options(self) -> bool:
+        """Whether the step uses rl/losses.py's options (else the default clipped token loss of rl/grpo.py)."""
+        c = self.cfg
+        return (c.ratio, c.loss_aggregation) != ("token", "token") or c.kl_beta > 0
+
+    def _loss(self, batch: Batch, part, start, logp, behaviour_logp, proximal_logp, advantages, mask) -> LossParts:
+        """rl/losses.py policy_loss under trainer.off_policy (pi_old and the weight w as clipped_token_loss has
+        them) and, with kl_beta, the reference's log-probs of the same tokens."""
+        c = self.cfg
+        weight = None
+        old = behaviour_logp if c.off_policy == "ppo" else proximal_logp
+        if c.off_policy != "ppo":
+            w = torch.exp(proximal_logp - behaviour_logp)
+            weight = (w.clamp(max=c.tis_cap) if c.off_policy == "tis" else
+                      torch.where(w <= c.tis_cap, w, torch.zeros_like(w)) if c.tis_cap > 0 else w)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self._log_softmax(batch.ids[part], batch.attention_mask[part], start, self.reference).gather(
+                    -1, batch.targets[part][:, start:][..., None])[..., 0]
+        out = policy_loss(logp, old, advantages, mask, eps_low=c.eps_low, eps_high=c.eps_high, ratio_level=c.ratio,
+                          aggregation=c.loss_aggregation, constant_tokens=c.loss_constant_tokens or 0,
+                          weight=weight, ref_logp=ref, beta=c.kl_beta)
+        return LossParts(loss=out.loss, clip_fraction=out.clip_fraction, tokens=int(mask.sum().item()))
+
     @staticmethod
     def _first_position(trajectories: list[Trajectory]) -> int:
         """The first position whose next-token log-prob any row's loss uses: the shortest prompt's last token."""
@@ -246,14 +281,16 @@ class Trainer:
         dist.all_reduce(t)
         return t.tolist()
 
-    def _log_softmax(self, ids: torch.Tensor, attention_mask: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def _log_softmax(self, ids: torch.Tensor, attention_mask: torch.Tensor, start: int = 0,
+                     model: torch.nn.Module | None = None) -> torch.Tensor:
         """[B, T-1-start, V] next-token log-probabilities at the sampling temperature (float32), from position
-        `start` on (the targets ids[:, start + 1:])."""
+        `start` on (the targets ids[:, start + 1:]); model: the policy unless given (the KL reference)."""
+        model = self.model if model is None else model
         if self.compute_dtype is not None and self.compute_dtype != torch.float32:
             with torch.autocast(self.device.type, dtype=self.compute_dtype):
-                logits = self.model(ids, attention_mask)
+                logits = model(ids, attention_mask)
         else:
-            logits = self.model(ids, attention_mask)
+            logits = model(ids, attention_mask)
         return torch.log_softmax(logits[:, start:-1].float() / self.temperature, dim=-1)
 
     @torch.no_grad()
@@ -288,7 +325,11 @@ class Trainer:
                 t = value if torch.is_tensor(value) else torch.tensor(value)
                 optim[f"{name}/{key}"] = t.detach().to("cpu", copy=True).contiguous()
         model = {k: v.to("cpu", copy=True).contiguous() for k, v in self.policy_state_dict().items()}
-        return {"model": model, "optim": optim}
+        parts = {"model": model, "optim": optim}
+        if self.reference is not None:  # trainer.kl_beta's frozen reference travels with the checkpoint
+            parts["reference"] = {k: v.to("cpu", copy=True).contiguous()
+                                  for k, v in model_state_dict(self.reference).items()}
+        return parts
 
     def _load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         if "lora.base_fingerprint" in sd:  # rl/lora.py LoraTrainer restores those
@@ -300,6 +341,8 @@ class Trainer:
         """Restore weights and AdamW state written by `state_parts` (hyperparameters come from cfg)."""
         with torch.no_grad():
             self._load_weights(parts["model"])
+            if self.reference is not None and "reference" in parts:  # else: the starting weights stay the reference
+                load_model_state(self.reference, parts["reference"])
         index = {name: i for i, name in enumerate(self._named)}
         state: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in parts["optim"].items():

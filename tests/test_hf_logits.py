@@ -28,6 +28,14 @@ CONFIGS = {
     "llama-bias": {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": True,
                    "tie_word_embeddings": False},
     "qwen2": {**BASE, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": False},
+    # Qwen3's real shape: head_dim set apart from hidden_size / heads, q/k norms, no biases, tied (0.6B) embeddings
+    "qwen3": {**BASE, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32,
+              "attention_bias": False, "tie_word_embeddings": True, "rope_theta": 1000000.0},
+    # Llama 3.2's rope scaling, its original context scaled down so that some frequencies fall in each band
+    "llama3": {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 500000.0,
+               "tie_word_embeddings": True, "rope_scaling": {"rope_type": "llama3", "factor": 32.0,
+                                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                             "original_max_position_embeddings": 64}},
 }
 TOL = 1e-4
 
@@ -63,6 +71,34 @@ def test_a_saved_checkpoint_loads_in_transformers_with_the_same_logits(name: str
     again, _, _ = load_pretrained(out)
     with torch.no_grad():
         assert torch.equal(again(ids, mask), ours)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3"])
+def test_the_torch_engine_generates_greedily_what_transformers_generates(name: str, tmp_path) -> None:
+    from laminar.rl.engine import TorchEngine
+    from laminar.rl.model import CausalLM, bytes_to_state_dict, model_state_dict, state_dict_to_bytes
+
+    model = build_model({**CONFIGS[name], "initializer_range": 0.4}, seed=3)  # far from uniform: varied tokens
+    assert isinstance(model, CausalLM)  # the fast path, with its KV cache
+    out = save_pretrained(model, build_word_tokenizer([f"w{i}" for i in range(30)]), tmp_path / name)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    engine = TorchEngine(model.eval(), None, max_inflight_seqs=3, max_new_tokens=40, temperature=0.0, seed=0,
+                         eos_id=39, max_prompt_len=8)
+    engine.load_weights(bytes_to_state_dict(state_dict_to_bytes(model_state_dict(model))), 0)  # the relay's way
+    prompts = [[1, 5, 7], [4, 9, 11, 13, 2], [8]]
+    for i, p in enumerate(prompts):
+        engine.add(f"g/{i}", p)
+    finished = {}
+    while engine.in_flight():
+        finished.update({f.request_id: f for f in engine.step()})
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False, eos_token_id=39,
+                               pad_token_id=0)[0, len(p):].tolist()
+        got = finished[f"g/{i}"].response_ids
+        assert got == want, (i, got, want)
+    # real sequences: not one token repeated in all of them
+    assert max(len(set(f.response_ids)) for f in finished.values()) > 2
 
 
 MISTRAL = {**BASE, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "tie_word_embeddings": False,
