@@ -27,6 +27,7 @@ from laminar.rl.grpo import (
     token_entropy,
 )
 from laminar.rl.model import CausalLM, load_model_state, model_state_dict
+from laminar.rl.precision import check_cpu_dtype, cpu_bf16_flags
 
 
 @dataclass
@@ -110,6 +111,7 @@ class Trainer:
         caller cast them); compute_dtype (e.g. torch.bfloat16 on CUDA) runs forward passes under autocast."""
         self.model = model
         self.device = next(model.parameters()).device
+        check_cpu_dtype("trainer.dtype", self.device, compute_dtype, cpu_bf16_flags())
         self.compute_dtype = compute_dtype
         self.cfg = cfg
         self.group_size = group_size
