@@ -22,7 +22,7 @@ from laminar.rl.grpo import (
     token_entropy,
 )
 from laminar.rl.model import build_model, bytes_to_state_dict, model_state_dict, state_dict_to_bytes
-from laminar.rl.trainer import Trainer
+from laminar.rl.trainer import Trainer, micro_batch_rows
 
 HF = {
     "model_type": "llama",
@@ -318,8 +318,8 @@ def test_leaving_out_prompt_positions_changes_nothing_in_the_step(minibatches: i
     assert max(float((got[k] - want[k]).abs().max()) for k in got) <= 1e-6
 
 
-@pytest.mark.parametrize("minibatches,micro", [(1, 4), (2, 2)])
-def test_micro_batches_give_the_same_update_as_the_whole_minibatch(minibatches: int, micro: int) -> None:
+@pytest.mark.parametrize("minibatches,micro", [(1, 4), (2, 2), (1, "budget")])
+def test_micro_batches_give_the_same_update_as_the_whole_minibatch(minibatches: int, micro: int | str) -> None:
     """trainer.micro_batch_samples bounds memory, not the algorithm: the gradients of a minibatch's micro-batches add
     up to its one update. Two steps (AdamW state and the proximal reuse included), a stale batch with every
     off-policy term active, an entropy bonus; 6 samples in parts of 4 and 2, and two minibatches of 3 in parts of 2 and 1."""
@@ -327,8 +327,12 @@ def test_micro_batches_give_the_same_update_as_the_whole_minibatch(minibatches: 
     model, stale = stale_setup()
     reference = build_model(HF, seed=0)
     reference.load_state_dict(model.state_dict())
-    whole = Trainer(reference, TrainerSection(**base), group_size=3)
-    parts = Trainer(model, TrainerSection(**base, micro_batch_samples=micro), group_size=3)
+    whole = Trainer(reference, TrainerSection(**base, memory_budget_mb=1e6), group_size=3)
+    # "budget": trainer.memory_budget_mb sizes them, here to one row each (a row of the tiny model is ~0.02 MiB)
+    split = {"memory_budget_mb": 0.03} if micro == "budget" else {"micro_batch_samples": micro}
+    if micro == "budget":
+        assert micro_batch_rows(model, 7, 5, 0.03) == 1 and micro_batch_rows(model, 7, 5, 1e6) >= 6
+    parts = Trainer(model, TrainerSection(**base, **split), group_size=3)
     for version in (1, 2):
         r, m = whole.step(stale, trainer_version=version), parts.step(stale, trainer_version=version)
         for field in ("loss", "grad_norm", "entropy", "clip_fraction", "kl_behaviour", "is_weight_mean", "tokens"):
