@@ -361,6 +361,13 @@ class TrainerSection(_Section):
         "trainer holds one micro-batch's activations and logits at a time instead of the minibatch's. Unset: the "
         "whole minibatch at once. Lower it when the trainer runs out of memory.",
     )
+    memory_budget_mb: float = Field(
+        1024.0, gt=0.0, le=1e7,
+        description="Activations and logits the trainer's forward and backward may hold at once (MiB), besides the "
+        "weights, gradients and AdamW state: with trainer.micro_batch_samples unset, each minibatch goes through in "
+        "micro-batches sized to it (rl/trainer.py micro_batch_rows: an estimate from the model's shape and the "
+        "batch's width), the same update to float rounding. Single backend only (fsdp: the whole minibatch).",
+    )
     max_staleness: int = Field(
         -1, ge=-1,
         description="Drop (and count) samples staler than this many versions; -1 keeps all, except in "

@@ -32,6 +32,7 @@ import torch
 from laminar.errors import EngineError
 from laminar.rl.engine_api import Finished, InFlight
 from laminar.rl.model import CausalLM, KVCache, load_model_state
+from laminar.rl.precision import check_cpu_dtype, cpu_bf16_flags
 
 __all__ = ["Finished", "TorchEngine", "check_resumable", "first_free_slot"]
 
@@ -133,6 +134,7 @@ class TorchEngine:
         self.policy_version: int | None = None
         first = next(model.parameters())
         self.device = first.device
+        check_cpu_dtype("rollout.dtype", self.device, first.dtype, cpu_bf16_flags())
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._cache = KVCache(model.config, max_inflight_seqs, max_prompt_len + max_new_tokens, first.dtype,
                               self.device)

@@ -30,6 +30,7 @@ from laminar.rl.grpo import (
 from laminar.rl.losses import advantages as loss_advantages
 from laminar.rl.losses import policy_loss, truncated_mask
 from laminar.rl.model import CausalLM, load_model_state, model_state_dict
+from laminar.rl.precision import check_cpu_dtype, cpu_bf16_flags
 
 
 @dataclass
@@ -96,6 +97,16 @@ def collate(trajectories: list[Trajectory], pad_id: int, device: torch.device | 
     return Batch(ids, am, ids[:, 1:], rmask, blogp)
 
 
+def micro_batch_rows(model: CausalLM, width: int, logit_positions: int, budget_mib: float) -> int:
+    """Rows per forward and backward pass that fit budget_mib: per row, float32 saved activations of about
+    8 hidden + 4 intermediate values per token and layer, and about 6 vocabulary-wide tensors per logit position
+    (logits, log-softmax, entropy and their gradients). At least one row."""
+    c = model.config
+    per_token = c.num_hidden_layers * (8 * c.hidden_size + 4 * c.intermediate_size)
+    row_bytes = 4 * (width * per_token + logit_positions * 6 * c.vocab_size)
+    return max(1, int(budget_mib * 2**20 // max(row_bytes, 1)))
+
+
 class Trainer:
     """Holds the policy and its AdamW optimizer between steps."""
 
@@ -113,6 +124,7 @@ class Trainer:
         caller cast them); compute_dtype (e.g. torch.bfloat16 on CUDA) runs forward passes under autocast."""
         self.model = model
         self.device = next(model.parameters()).device
+        check_cpu_dtype("trainer.dtype", self.device, compute_dtype, cpu_bf16_flags())
         self.compute_dtype = compute_dtype
         self.cfg = cfg
         self.group_size = group_size
@@ -155,7 +167,8 @@ class Trainer:
             mask = truncated_mask(mask, [t.finish_reason for t in kept])
 
         chunks = torch.arange(len(kept)).tensor_split(min(cfg.minibatches, len(kept)))
-        micro = cfg.micro_batch_samples or len(kept)  # samples per forward and backward pass
+        micro = cfg.micro_batch_samples or (len(kept) if self.world > 1 else micro_batch_rows(
+            self.model, batch.ids.shape[1], batch.ids.shape[1] - 1 - start, cfg.memory_budget_mb))
         # The proximal policy is the weights at the start of the step. With one minibatch the update's own
         # forward passes are at those weights (its micro-batches' gradients add up before the one update), so they
         # serve (detached) and no extra pass is paid; with more, a no-grad pass first, in micro-batches too. (The

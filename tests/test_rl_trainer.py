@@ -22,7 +22,7 @@ from laminar.rl.grpo import (
     token_entropy,
 )
 from laminar.rl.model import build_model, bytes_to_state_dict, model_state_dict, state_dict_to_bytes
-from laminar.rl.trainer import Trainer
+from laminar.rl.trainer import Trainer, micro_batch_rows
 
 HF = {
     "model_type": "llama",
@@ -318,8 +318,8 @@ def test_leaving_out_prompt_positions_changes_nothing_in_the_step(minibatches: i
     assert max(float((got[k] - want[k]).abs().max()) for k in got) <= 1e-6
 
 
-@pytest.mark.parametrize("minibatches,micro", [(1, 4), (2, 2)])
-def test_micro_batches_give_the_same_update_as_the_whole_minibatch(minibatches: int, micro: int) -> None:
+@pytest.mark.parametrize("minibatches,micro", [(1, 4), (2, 2), (1, "budget")])
+def test_micro_batches_give_the_same_update_as_the_whole_minibatch(minibatches: int, micro: int | str) -> None:
     """trainer.micro_batch_samples bounds memory, not the algorithm: the gradients of a minibatch's micro-batches add
     up to its one update. Two steps (AdamW state and the proximal reuse included), a stale batch with every
     off-policy term active, an entropy bonus; 6 samples in parts of 4 and 2, and two minibatches of 3 in parts of 2 and 1."""
@@ -327,8 +327,12 @@ def test_micro_batches_give_the_same_update_as_the_whole_minibatch(minibatches: 
     model, stale = stale_setup()
     reference = build_model(HF, seed=0)
     reference.load_state_dict(model.state_dict())
-    whole = Trainer(reference, TrainerSection(**base), group_size=3)
-    parts = Trainer(model, TrainerSection(**base, micro_batch_samples=micro), group_size=3)
+    whole = Trainer(reference, TrainerSection(**base, memory_budget_mb=1e6), group_size=3)
+    # "budget": trainer.memory_budget_mb sizes them, here to one row each (a row of the tiny model is ~0.02 MiB)
+    split = {"memory_budget_mb": 0.03} if micro == "budget" else {"micro_batch_samples": micro}
+    if micro == "budget":
+        assert micro_batch_rows(model, 7, 5, 0.03) == 1 and micro_batch_rows(model, 7, 5, 1e6) >= 6
+    parts = Trainer(model, TrainerSection(**base, **split), group_size=3)
     for version in (1, 2):
         r, m = whole.step(stale, trainer_version=version), parts.step(stale, trainer_version=version)
         for field in ("loss", "grad_norm", "entropy", "clip_fraction", "kl_behaviour", "is_weight_mean", "tokens"):
@@ -457,3 +461,36 @@ def test_minibatches_make_one_update_each() -> None:
     trainer = Trainer(model, TrainerSection(minibatches=100), group_size=3)
     trainer.step(on_policy_batch(model), trainer_version=0)
     assert {int(v) for k, v in trainer.state_parts()["optim"].items() if k.endswith("/step")} == {6}
+
+
+def test_bfloat16_is_refused_by_name_on_a_cpu_without_its_instructions() -> None:
+    from laminar.rl.precision import check_cpu_dtype
+
+    for field in ("trainer.dtype", "rollout.dtype"):
+        with pytest.raises(ConfigError, match=re.escape(f"{field}='bfloat16' on a CPU without bfloat16 instructions")):
+            check_cpu_dtype(field, "cpu", torch.bfloat16, {"avx2", "avx512f"})
+        check_cpu_dtype(field, "cpu", torch.bfloat16, {"avx512_bf16"})  # either flag is enough
+        check_cpu_dtype(field, "cpu", torch.bfloat16, {"amx_bf16"})
+        check_cpu_dtype(field, "cpu", torch.float32, set())  # float32 needs nothing
+
+
+@pytest.mark.skipif(not __import__("laminar.rl.precision", fromlist=["x"]).cpu_bf16_flags(),
+                    reason="this CPU has no bfloat16 instructions (the refusal is tested above)")
+def test_a_bfloat16_step_updates_the_weights_as_float32_does() -> None:
+    """Autocast to bfloat16 (float32 master weights and AdamW state): the update of one step points the way
+    float32's does and has its size, and a second step's figures agree (two steps: the AdamW moments differ)."""
+    model, stale = stale_setup()
+    reference = build_model(HF, seed=0)
+    reference.load_state_dict(model.state_dict())
+    before = {k: v.clone() for k, v in model_state_dict(model).items()}
+    cfg = TrainerSection(lr=1e-3)
+    fp32 = Trainer(reference, cfg, group_size=3)
+    bf16 = Trainer(model, cfg, group_size=3, compute_dtype=torch.bfloat16)
+    for version in (1, 2):
+        r, m = fp32.step(stale, trainer_version=version), bf16.step(stale, trainer_version=version)
+        assert m.loss == pytest.approx(r.loss, rel=0.05, abs=1e-3) and m.grad_norm == pytest.approx(r.grad_norm, rel=0.05)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    got = torch.cat([(v - before[k]).flatten() for k, v in model_state_dict(model).items()])
+    want = torch.cat([(v - before[k]).flatten() for k, v in model_state_dict(reference).items()])
+    cosine = float(torch.nn.functional.cosine_similarity(got, want, dim=0))
+    assert cosine > 0.95 and float(got.norm() / want.norm()) == pytest.approx(1.0, rel=0.05)
