@@ -84,9 +84,9 @@ from laminar.contract import (
     TrainStepsInput,
     relay_queue,
 )
+from laminar.drills.rules import groups_lost
 from laminar.errors import LaminarError
 from laminar.refs import CheckpointRef, SegmentRef
-from laminar.services.drill import groups_lost
 from laminar.services.rollout.attach import Parking
 from laminar.services.rollout.control import Contacts
 from laminar.services.rollout.timing import TIMING, ReplicaTiming

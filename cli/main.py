@@ -326,8 +326,8 @@ def drill(
                                "fault goes to its source replica's process)."),
 ) -> None:
     """Inject a failure into a live run, watch it recover, report (also stored under runs/<id>/drills/)."""
-    from laminar.cli.drill import render_report, run_drill
     from laminar.contract import DrillInput
+    from laminar.drills.command import render_report, run_drill
 
     with exit_codes():
         settings = Settings.from_env()

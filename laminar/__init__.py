@@ -11,8 +11,8 @@ import os as _os
 __version__ = "0.1.0"
 
 # The subpackages, in the order the layering rules list them (tests/test_layering.py, pyproject's package-dir).
-SUBPACKAGES = ("cli", "client", "chaos", "devstack", "workflows", "activities", "workers", "storage", "rl", "envs",
-               "relay", "services", "bench", "reporting", "sim")
+SUBPACKAGES = ("cli", "client", "chaos", "drills", "devstack", "workflows", "activities", "workers", "storage", "rl",
+               "envs", "relay", "services", "bench", "reporting", "sim")
 
 # A wheel installs the subpackages inside this folder; a source checkout keeps them beside it. So the folder above
 # is searched after this one (string arithmetic only: the workflow sandbox re-imports this module and forbids I/O).

@@ -1,12 +1,12 @@
-"""Drill report arithmetic (services/drill.py) on hand-made run snapshots."""
+"""Drill report arithmetic (drills/rules.py) on hand-made run snapshots."""
 
 from __future__ import annotations
 
 import pytest
 
 from laminar.contract import RelayInfo, ReplicaReport, RunStatus
+from laminar.drills import rules
 from laminar.errors import ConfigError
-from laminar.services import drill as rules
 
 
 def status(**kw) -> RunStatus:
@@ -122,7 +122,7 @@ def test_one_relay_recovers_only_once_it_is_back_in_the_chain():
 def test_control_recovery_counts_only_steps_the_workflow_scheduled_after_the_fault(tmp_path):
     import json
 
-    from laminar.activities.drill import StepClock
+    from laminar.drills.observer import StepClock
     from laminar.storage import keys
     from laminar.storage.objects import open_store
 
@@ -255,9 +255,9 @@ def test_tokens_lost_come_from_the_runs_counter_before_and_after():
 def test_laminar_drill_rejects_a_bad_preempt_target_before_starting_anything(tmp_path):
     import asyncio
 
-    from laminar.cli.drill import run_drill
     from laminar.client.settings import Settings
     from laminar.contract import DrillInput
+    from laminar.drills.command import run_drill
 
     settings = Settings.from_env({"LAMINAR_HOME": str(tmp_path)})  # nothing listens there: no connection is made
     for target in ("", "store", "trainer:2"):
@@ -268,7 +268,7 @@ def test_laminar_drill_rejects_a_bad_preempt_target_before_starting_anything(tmp
 def test_the_step_clock_reads_the_minute_before_the_fault_a_few_records_a_round(tmp_path):
     import json
 
-    from laminar.activities.drill import StepClock
+    from laminar.drills.observer import StepClock
     from laminar.storage import keys
     from laminar.storage.objects import open_store
 

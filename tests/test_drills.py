@@ -15,13 +15,13 @@ import pytest_asyncio
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
-from laminar.cli.drill import run_drill
 from laminar.client.connect import connect, store_for
 from laminar.client.run_control import start_workflow
 from laminar.client.settings import Settings
 from laminar.contract import PREEMPT_ROLES, DrillInput, DrillReport, RunStatus
 from laminar.devstack.stack import DevStack
-from laminar.services.drill import THROUGHPUT_BASELINE_MIN_S
+from laminar.drills.command import run_drill
+from laminar.drills.rules import THROUGHPUT_BASELINE_MIN_S
 from laminar.workers.launcher import LocalLauncher, plan_processes
 from tests.fixtures.s3 import free_port
 from tests.fixtures.stack import small_config
@@ -84,7 +84,7 @@ async def _finish(handle) -> RunStatus:
         await handle.execute_update("stop", result_type=str)
     except RPCError as e:
         # the run may have reached run.steps meanwhile: a drill's observer watches up to 60 s after recovery for the
-        # throughput to come back (activities/drill.py THROUGHPUT_WATCH_S); its result is checked all the same
+        # throughput to come back (drills/observer.py THROUGHPUT_WATCH_S); its result is checked all the same
         if e.status != RPCStatusCode.NOT_FOUND or "already completed" not in e.message:
             raise
     final: RunStatus = await handle.result()
@@ -178,7 +178,7 @@ async def test_relay_drill_with_one_relay(drill_stack, tmp_path):
 
 @pytest.mark.slow  # about 30 s: the run steps for 12 s before the drill
 async def test_a_drill_on_a_run_past_its_first_window_has_a_throughput_baseline(drill_stack, tmp_path):
-    """The drills above inject about a second into their runs, which is no throughput baseline (services/drill.py
+    """The drills above inject about a second into their runs, which is no throughput baseline (drills/rules.py
     THROUGHPUT_BASELINE_MIN_S; their reports say so). After 12 s of steps the run has one: its report has no such
     note. Whether the throughput is back within the observer's watch is printed, not asserted: the test task's model
     learns fast, and in one run its tokens per step halved within a minute at an unchanged step rate, so its

@@ -12,6 +12,10 @@ so imports inside functions, under `if TYPE_CHECKING:` and `importlib.import_mod
 - `chaos/` (the `laminar chaos` room) imports `laminar/`, `storage/`, `reporting/`, `client/` and `devstack/`; its
   schedule only `laminar/`, its nemesis only `laminar/` and the schedule, its checker only `laminar/`,
   `storage/` and `reporting/`. Only `cli/` imports it.
+- `drills/` (the `laminar drill` room) imports `laminar/`, `storage/`, `reporting/`, `client/` and `devstack/`; its
+  workflow only `laminar/` and `workflows/timeouts.py` (deterministic: no I/O, no torch), its rules and the fault
+  activity only `laminar/`, its observer only `laminar/`, `storage/` and the rules. Only `cli/` imports it, except
+  that `workers/` registers the workflow and the fault activity, and `bench/` counts groups lost by its rules.
 - Nothing imports the top, `cli/` (every command) and `workers/` (launchers, worker processes), except that `cli/`
   imports `workers/`; `bench/` gets the launcher passed in.
 
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import laminar
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP = {"cli", "workers"}  # nothing imports them ...
@@ -44,8 +50,20 @@ ONLY = {
     "chaos.schedule": {"laminar"},
     "chaos.nemesis": {"laminar", "chaos.schedule"},
     "chaos.checker": {"laminar", "storage", "reporting"},
+    "drills": {"laminar", "storage", "reporting", "client", "devstack"},
+    "drills.workflow": {"laminar", "workflows.timeouts"},
+    "drills.rules": {"laminar"},
+    "drills.faults": {"laminar"},
+    "drills.observer": {"laminar", "storage", "drills.rules"},
 }
-ONLY_FROM_CLI = {"chaos"}  # a command's room: only cli/ imports it
+# A command's room -> the packages that may import it (besides itself; the longest matching name rules).
+IMPORTED_ONLY_BY = {
+    "chaos": {"cli"},
+    "drills": {"cli"},
+    "drills.workflow": {"cli", "workers"},  # the control worker registers it
+    "drills.faults": {"cli", "workers"},  # every worker started with --allow-faults serves it
+    "drills.rules": {"cli", "bench"},  # the control benchmark counts groups lost
+}
 
 
 def first_party() -> set[str]:
@@ -75,7 +93,9 @@ def imported(module: str, source: str, is_package: bool = False) -> list[tuple[i
                 name = ".".join([*base, *([node.module] if node.module else [])])
             else:
                 name = node.module or ""
-            found.append((node.lineno, name))
+            # each imported name counts (`from laminar.drills import rules` is laminar.drills.rules): a name
+            # that is no module is still under its module's rule
+            found += [(node.lineno, f"{name}.{a.name}" if name and a.name != "*" else name) for a in node.names]
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute | ast.Name)
               and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
               and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
@@ -83,8 +103,7 @@ def imported(module: str, source: str, is_package: bool = False) -> list[tuple[i
     return found
 
 
-SUBPACKAGES = {"cli", "client", "chaos", "devstack", "workflows", "activities", "workers", "storage", "rl", "envs",
-               "relay", "services", "bench", "reporting", "sim"}
+SUBPACKAGES = set(laminar.SUBPACKAGES)
 
 
 def folder_name(name: str) -> str:
@@ -115,8 +134,10 @@ def violations(module: str, source: str, packages: set[str], is_package: bool = 
         elif rule is not None and not any(_under(name, p) for p in [rule, *ONLY[rule]]):
             allowed = " and ".join(_shown(p) for p in sorted(ONLY[rule])) or "nothing else"
             out.append(f"{module}:{line} imports {name}: {rule} may import only itself and {allowed}")
-        elif target in ONLY_FROM_CLI and own not in (target, "cli"):
-            out.append(f"{module}:{line} imports {name}: only the CLI imports {target}/ (it is a command's room)")
+        elif (room := max((k for k in IMPORTED_ONLY_BY if _under(name, k)), key=len, default=None)) is not None \
+                and own != target and own not in IMPORTED_ONLY_BY[room]:
+            who = " and ".join(f"{p}/" for p in sorted(IMPORTED_ONLY_BY[room]))
+            out.append(f"{module}:{line} imports {name}: only {who} import {_shown(room)} (a command's room)")
     return out
 
 
@@ -158,7 +179,7 @@ def f():
     # laminar: typing and torch are not first-party, laminar.config and `.sibling` are itself; 7, 9, 10 go upward
     found = violations("laminar.fake", text, packages)
     assert sorted(int(v.split(":")[1].split(" ")[0]) for v in found) == [7, 9, 10]
-    assert any("imports workers.settings: nothing may import workers/" in v for v in found)
+    assert any("imports workers.settings.Settings: nothing may import workers/" in v for v in found)
     # storage may import laminar, not rl
     assert violations("storage.fake", "from laminar.refs import Ref\nfrom laminar.storage import keys\n", packages) == []
     # a subpackage is imported under the installed name, never bare
@@ -207,8 +228,37 @@ def test_the_contract_and_chaos_rules() -> None:
     # only the command line imports chaos/
     assert violations("laminar.cli.chaos", "from laminar.chaos.command import run_chaos\n", packages) == []
     assert violations("laminar.workers.launcher", "from laminar.chaos.command import run_chaos\n", packages)
-    assert "only the CLI imports chaos/" in violations("services.fake", "from laminar.chaos.nemesis import Nemesis\n",
-                                                        packages)[0]
+    assert "only cli/ import chaos/" in violations("services.fake", "from laminar.chaos.nemesis import Nemesis\n",
+                                                    packages)[0]
+
+
+def test_the_drills_rules() -> None:
+    packages = {"laminar", "storage", "workers", "client", "devstack", "workflows", "reporting", "services", "drills",
+                "cli", "bench", "activities"}
+    # the workflow is deterministic: the contract and the shared timeouts, nothing that does I/O
+    assert violations("drills.workflow", "from laminar.contract import DrillInput\n"
+                      "from laminar.workflows import timeouts\n", packages) == []
+    assert "drills.workflow may import only itself and laminar/ and workflows/timeouts.py" in violations(
+        "drills.workflow", "from laminar.storage.objects import ObjectStore\n", packages)[0]
+    assert violations("drills.workflow", "from laminar.drills.observer import DrillActivities\n", packages)
+    assert violations("drills.rules", "from laminar.client.settings import Settings\n", packages)
+    assert violations("drills.faults", "from laminar.storage import keys\n", packages)
+    assert violations("drills.observer", "from laminar.drills import rules\nfrom laminar.storage import keys\n",
+                      packages) == []
+    assert violations("drills.command", "from laminar.drills.observer import DrillActivities\n"
+                      "from laminar.client.connect import connect\nfrom laminar.devstack.stack import DevStack\n"
+                      "from laminar.reporting.tool_calls import count_tool_calls\n", packages) == []
+    assert violations("drills.command", "from laminar.workers.launcher import LocalLauncher\n", packages)
+    # who may import the room: the CLI; the workers register the workflow and the fault activity; bench the rules
+    assert violations("laminar.cli.main", "from laminar.drills.command import run_drill\n", packages) == []
+    assert violations("laminar.workers.processes", "from laminar.drills.workflow import RecoveryDrillWorkflow\n"
+                      "from laminar.drills.faults import FaultActivities\n", packages) == []
+    assert "only cli/ import drills/" in violations("laminar.workers.processes",
+                                                    "from laminar.drills.command import run_drill\n", packages)[0]
+    assert violations("bench.control", "from laminar.drills.rules import groups_lost\n", packages) == []
+    assert violations("bench.control", "from laminar.drills.command import run_drill\n", packages)
+    assert violations("services.fake", "from laminar.drills.rules import groups_lost\n", packages)
+    assert violations("activities.fake", "from laminar.drills.faults import FaultActivities\n", packages)
 
 
 def test_tests_import_the_installed_name_too() -> None:

@@ -22,7 +22,7 @@ import pytest
 from temporalio.client import Client
 
 from laminar.contract import RunStatus, workflow_id_for
-from laminar.services.drill import groups_lost
+from laminar.drills.rules import groups_lost
 from laminar.storage.objects import LocalObjectStore
 from laminar.storage.runs import read_marker
 from tests.fixtures.devhome import Dev, own_dev_stack

@@ -1,5 +1,5 @@
 """The names of laminar/contract.py against the handlers: every activity the workers can register (each
-`@activity.defn` under activities/) and every workflow type, update, signal and query of the workflows is declared
+`@activity.defn` under activities/ and drills/) and every workflow type, update, signal and query of the workflows is declared
 there under its kind, and every name declared there is handled. A name declared but never handled, or handled under a name that
 is not declared, fails here; callers spell names only through the module, so they cannot drift apart."""
 
@@ -11,29 +11,30 @@ import pkgutil
 
 from temporalio import activity, workflow
 
-from laminar import activities, contract
+from laminar import activities, contract, drills
+from laminar.drills.workflow import RecoveryDrillWorkflow
 from laminar.workflows.pool import SlotPoolWorkflow
-from laminar.workflows.recovery_drill import RecoveryDrillWorkflow
 from laminar.workflows.training_run import TrainingRunWorkflow
 
 WORKFLOWS = (TrainingRunWorkflow, RecoveryDrillWorkflow, SlotPoolWorkflow)
 
 
 def _activity_names() -> dict[str, str]:
-    """Each `@activity.defn` under activities/ (methods of the classes the workers instantiate, and functions):
-    its registered name -> where it is defined."""
+    """Each `@activity.defn` under activities/ and drills/ (methods of the classes the workers instantiate, and
+    functions): its registered name -> where it is defined."""
     found: dict[str, str] = {}
-    for info in pkgutil.iter_modules(activities.__path__):
-        module = importlib.import_module(f"activities.{info.name}")
-        for owner_name, owner in vars(module).items():
-            if getattr(owner, "__module__", None) != module.__name__:
-                continue  # imported from elsewhere
-            members = vars(owner).values() if inspect.isclass(owner) else [owner]
-            for member in members:
-                defn = activity._Definition.from_callable(member) if callable(member) else None
-                if defn is not None:
-                    assert defn.name not in found, f"activity name {defn.name!r} defined twice"
-                    found[defn.name] = f"{module.__name__}.{owner_name}"
+    for package in (activities, drills):
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            for owner_name, owner in vars(module).items():
+                if getattr(owner, "__module__", None) != module.__name__:
+                    continue  # imported from elsewhere
+                members = vars(owner).values() if inspect.isclass(owner) else [owner]
+                for member in members:
+                    defn = activity._Definition.from_callable(member) if callable(member) else None
+                    if defn is not None:
+                        assert defn.name not in found, f"activity name {defn.name!r} defined twice"
+                        found[defn.name] = f"{module.__name__}.{owner_name}"
     return found
 
 

@@ -20,7 +20,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 
 from laminar.client.run_control import CONTROL_ANSWER_S
 from laminar.contract import RunStatus, workflow_id_for
-from laminar.services.drill import groups_lost
+from laminar.drills.rules import groups_lost
 from tests.fixtures.devhome import Dev, own_dev_stack
 from tests.fixtures.stack import TEST_OVERRIDES
 from tests.fixtures.waiting import async_wait_until

@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 from temporalio.client import WorkflowHandle
 
-from laminar.cli.drill import run_drill
 from laminar.cli.run import check_launcher
 from laminar.client.connect import connect
 from laminar.client.run_control import stop_run
@@ -31,6 +30,7 @@ from laminar.client.settings import Settings
 from laminar.config import RunConfig
 from laminar.contract import DrillInput, DrillReport, RunStatus, workflow_id_for
 from laminar.devstack.stack import DevStack
+from laminar.drills.command import run_drill
 from laminar.errors import ConfigError, LaminarError
 from laminar.workers.launcher import plan_processes
 from laminar.workers.launcher_ray import NAMESPACE, ROLE_CPUS, host_groups, plan_placements

@@ -22,8 +22,8 @@ import pytest
 from laminar.client.run_control import query_status, start_workflow
 from laminar.client.settings import Settings
 from laminar.contract import RunStatus
+from laminar.drills.rules import groups_lost
 from laminar.errors import LaminarError
-from laminar.services.drill import groups_lost
 from laminar.storage import keys
 from laminar.storage.objects import open_store
 from laminar.workers.launcher import LocalLauncher, plan_processes

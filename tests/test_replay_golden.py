@@ -19,8 +19,8 @@ from temporalio.worker import Replayer
 
 from laminar import contract
 from laminar.client.converter import DATA_CONVERTER
+from laminar.drills.workflow import RecoveryDrillWorkflow
 from laminar.workflows.pool import SlotPoolWorkflow
-from laminar.workflows.recovery_drill import RecoveryDrillWorkflow
 from laminar.workflows.training_run import TrainingRunWorkflow
 from tests.histories import MAX_FILE_BYTES, count, history_files, load, patch_ids, workflow_type
 

@@ -124,13 +124,13 @@ def test_laminar_eval_on_the_model_directory_renders_the_chat_template(imported)
 async def test_the_example_runs_two_steps_through_a_rollout_drill(tmp_path_factory):
     """examples/smollm2.toml as written (model directory cached under .laminar/models/), 2 steps, the rollout
     worker killed once step 1 is done; its replicas come back on the restarted worker."""
-    from laminar.cli.drill import run_drill
     from laminar.client.connect import connect
     from laminar.client.run_control import start_workflow
     from laminar.client.settings import Settings
     from laminar.config import RunConfig
     from laminar.contract import DrillInput, RunStatus
     from laminar.devstack.stack import DevStack
+    from laminar.drills.command import run_drill
     from laminar.rl.gguf_import import default_dir
     from laminar.workers.launcher import LocalLauncher, plan_processes
     from tests.fixtures.s3 import free_port

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from laminar.cli.drill import run_drill
 from laminar.client.connect import connect, store_for
 from laminar.client.run_control import start_workflow
 from laminar.client.settings import Settings
 from laminar.contract import DrillInput, RunStatus
 from laminar.devstack.stack import DevStack
+from laminar.drills.command import run_drill
 from laminar.storage import keys
 from laminar.workers.launcher import LocalLauncher, plan_processes
 from tests.fixtures.s3 import free_port

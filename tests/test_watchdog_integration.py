@@ -16,7 +16,7 @@ import time
 
 from laminar.client.run_control import query_status, start_workflow
 from laminar.contract import RunStatus
-from laminar.services.drill import groups_lost
+from laminar.drills.rules import groups_lost
 from laminar.watchdog import stall_line
 from tests.fixtures.stack import small_config
 from tests.fixtures.waiting import async_wait_until

@@ -23,7 +23,6 @@ from temporalio.worker import Worker
 
 from laminar import contract
 from laminar.activities.evaluation import EvalActivities
-from laminar.activities.faults import FaultActivities
 from laminar.activities.heartbeat import HEARTBEAT_THROTTLE
 from laminar.activities.relay import RelayActivities
 from laminar.client.connect import connect, store_for
@@ -38,10 +37,11 @@ from laminar.contract import (
     rollout_process_queue,
     workflow_id_for,
 )
+from laminar.drills.faults import FaultActivities
+from laminar.drills.workflow import RecoveryDrillWorkflow
 from laminar.logs import get_logger
 from laminar.notice import NOTICE
 from laminar.workflows.pool import SlotPoolWorkflow
-from laminar.workflows.recovery_drill import RecoveryDrillWorkflow
 from laminar.workflows.training_run import TrainingRunWorkflow
 
 log = get_logger(__name__)

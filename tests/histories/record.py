@@ -30,7 +30,6 @@ from pathlib import Path
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
 
 from laminar import contract
-from laminar.cli.drill import run_drill
 from laminar.client.connect import connect, store_for
 from laminar.client.converter import DATA_CONVERTER
 from laminar.client.run_control import ensure_pool, start_workflow
@@ -47,6 +46,7 @@ from laminar.contract import (
     SlotReport,
 )
 from laminar.devstack.stack import DevStack, free_port
+from laminar.drills.command import run_drill
 from laminar.workers.launcher import LocalLauncher, plan_processes
 from tests.fixtures.stack import TEST_OVERRIDES, quiet_status
 from tests.fixtures.waiting import async_wait_until

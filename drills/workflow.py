@@ -1,5 +1,4 @@
-"""RecoveryDrillWorkflow: inject one fault into a live run and report how it recovered (docs/architecture/failures.md,
-'Recovery drills').
+"""RecoveryDrillWorkflow: inject one fault into a live run and report how it recovered.
 
 plan (runner) -> inject (the target process's own fault queue, or the store outage on the runner)
 -> observe (runner) -> report. The observing activities run in the `laminar drill` process, outside

@@ -17,14 +17,14 @@ from rich.table import Table
 from temporalio.worker import Worker
 
 from laminar import contract
-from laminar.activities.drill import DrillActivities
 from laminar.client.connect import connect, store_for
 from laminar.client.settings import Settings
 from laminar.contract import CONTROL_UNCACHED_QUEUE, FAULTS, DrillInput, DrillReport
 from laminar.devstack.stack import DevStack
+from laminar.drills.observer import DrillActivities
+from laminar.drills.rules import parse_preempt_target
 from laminar.errors import ConfigError
 from laminar.reporting.tool_calls import count_tool_calls
-from laminar.services.drill import parse_preempt_target
 
 
 async def run_drill(settings: Settings, inp: DrillInput, report_path: Path | None = None) -> DrillReport:

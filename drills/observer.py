@@ -22,8 +22,8 @@ from laminar.contract import (
     RunStatus,
     workflow_id_for,
 )
+from laminar.drills import rules
 from laminar.errors import StoreError
-from laminar.services import drill as rules
 from laminar.storage import keys
 from laminar.storage.objects import ObjectStore
 
