@@ -1,8 +1,8 @@
 """Trainer activities: thin adapters over services.trainer.TrainerService (one per trainer process).
 
 All run as sync activities on the trainer's own queue, so the policy and optimizer stay in this process's
-memory between steps. The worker has two slots (the step running and the one scheduled behind it); the service
-lets one call at a time touch the policy. Errors a retry cannot fix (a bad model directory, no committed
+memory between steps. The worker runs the step in progress and those scheduled behind it (TRAINER_SLOTS); the
+service lets one call at a time touch the policy. Errors a retry cannot fix (a bad model directory, no committed
 checkpoint that verifies, an inconsistent replay) fail the activity for good (activities/errors.py).
 """
 

@@ -144,11 +144,6 @@ def latency_summary(samples: Iterable[float]) -> dict[str, float | int | None]:
     return {"count": len(v), "p50_s": r(percentile(v, 50)), "p99_s": r(percentile(v, 99)), "max_s": r(max(v, default=None))}
 
 
-def in_window(samples: Iterable[tuple[float, float]], t_from: float, t_to: float) -> list[float]:
-    """The values of (end time, value) samples that ended inside [t_from, t_to]."""
-    return [v for t, v in samples if t_from <= t <= t_to]
-
-
 def workflow_task_latencies(events: Iterable[tuple[str, float]]) -> tuple[list[float], list[float]]:
     """From one history's (event type, time) pairs in order: each workflow task's schedule-to-start and
     schedule-to-complete, seconds. Types as the server names them: WORKFLOW_TASK_SCHEDULED / _STARTED /

@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass
 from laminar.errors import ConfigError
 
 KINDS = ("kill", "stop", "partition", "store", "readonly", "temporal", "preempt")
-PROCESS_KINDS = ("kill", "stop", "preempt")  # aimed at a worker process of the run's table
 STORE, TEMPORAL = "store", "temporal"  # the targets of the store (and readonly) and temporal kinds
 # (min, max) seconds a fault is held before it heals; 0: healed by the run itself (a restart)
 HOLD_S = {"kill": (0.0, 0.0), "stop": (2.0, 12.0), "partition": (5.0, 15.0), "store": (2.0, 6.0),

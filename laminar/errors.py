@@ -36,10 +36,6 @@ class UntrainableRowError(CorruptDataError):
     step would refuse it again, so the step fails for good, naming the group, the sample and the reason."""
 
 
-class NoCheckpointError(StoreError):
-    """No committed, verifiable checkpoint exists for a run."""
-
-
 class InconsistentStateError(LaminarError):
     """The control plane's record and the trainer's state cannot be reconciled; a retry cannot help."""
 

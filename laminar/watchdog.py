@@ -18,8 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-WAITS_FOR = ("weights", "groups", "replicas", "trainer")
-
 
 @dataclass(frozen=True)
 class Facts:

@@ -81,7 +81,6 @@ import select
 import socket
 import struct
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import xxhash
@@ -149,17 +148,6 @@ class RunningDigest:
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
-
-
-def chunk_digests(payload: bytes | bytearray | memoryview, chunk_bytes: int) -> list[str]:
-    """d_i of every chunk of `payload` (one pass): what a sender puts in its chunk frames."""
-    view = memoryview(payload).cast("B")
-    running = RunningDigest()
-    out = []
-    for start in range(0, len(view), chunk_bytes):
-        running.update(view[start:start + chunk_bytes])
-        out.append(running.hexdigest())
-    return out
 
 
 def chain_model_s(size: int, nodes: int, bytes_per_s: float, t_start_s: float) -> float:
@@ -456,25 +444,6 @@ def recv_payload(sock: socket.socket, header: dict[str, Any]) -> bytes:
     buf = bytearray(n)
     recv_payload_into(sock, header, memoryview(buf))
     return bytes(buf)
-
-
-def iter_payload(sock: socket.socket, header: dict[str, Any], chunk_bytes: int = RECV_CHUNK_BYTES) -> Iterator[bytes]:
-    """Yield the payload announced by `header` in chunks of at most chunk_bytes (for pipelining)."""
-    left = header["payload_bytes"]
-    check = tag_check(sock) if left else None
-    try:
-        if check is not None:
-            _expect(check, header, f"{left}-byte payload")
-        while left > 0:
-            chunk = bytearray(min(left, chunk_bytes))
-            recv_exact_into(sock, memoryview(chunk), f"payload chunk ({left} bytes left)", check)
-            left -= len(chunk)
-            if left == 0 and check is not None:
-                check.wait()  # before the last piece is handed out
-            yield bytes(chunk)
-    finally:
-        if check is not None:
-            check.abort()
 
 
 def recv_frame(sock: socket.socket, *, allow_eof: bool = False) -> tuple[dict[str, Any], bytes] | None:

@@ -57,9 +57,6 @@ class Version:
         start = index * self.chunk_bytes
         return self.segment.view[start:min(start + self.chunk_bytes, self.size)]
 
-    def chunk_offset(self, index: int) -> int:
-        return index * self.chunk_bytes
-
     def chunk_landed(self, index: int, digest: str, tag: str | None = None) -> None:
         with self._cond:
             if index != len(self.digests):

@@ -21,6 +21,7 @@ from laminar.workflows.carry import COMPACT, encode_state
 from laminar.workflows.ledger import Ledger
 from laminar.workflows.segment import parse_input
 from laminar.workflows.state import LastClaim, OpenLease, ReadyGroup, RunState
+from tests.helpers import next_batch
 
 CFG = RunConfig.load(None, [])
 REPLICAS = ["replica-0", "replica-1", "replica-2"]
@@ -213,7 +214,7 @@ class KeepMachine(RuleBasedStateMachine):
         from tests.test_ledger import _input, _result
 
         ids = [g.group_id for g in self.ledger.state.ready[:n]]
-        inp = _input(self.ledger, self.ledger.next_batch(n))
+        inp = _input(self.ledger, next_batch(self.ledger, n))
         self.ledger.commit_step(inp, _result(self.ledger.state.step + 1), keep_last=2)
         self.consumed += ids
 

@@ -23,6 +23,7 @@ from laminar.storage import keys
 from laminar.storage.objects import sha256_hex
 from laminar.workflows.ledger import Ledger
 from laminar.workflows.state import RECENT_REWARDS, RunState
+from tests.helpers import next_batch
 
 RUN = "run-ledger"
 
@@ -163,17 +164,17 @@ def test_next_batch_takes_oldest_in_arrival_order_grouped_by_segment() -> None:
     for s in (a, b, c):
         ledger.add_segment(s)
     # 4 oldest: a's two, b's one, then the first of c
-    batch = ledger.next_batch(4)
+    batch = next_batch(ledger, 4)
     assert [(p.segment.key, p.group_ids) for p in batch] == [
         (a.key, ["g00000002", "g00000000"]), (b.key, ["g00000001"]), (c.key, ["g00000003"]),
     ]
     assert batch[0].segment == a and batch[2].segment == c
-    # next_batch only looks: nothing leaves ready until commit_step
+    # next_batch (tests/helpers.py) only looks: nothing leaves ready until commit_step
     assert len(ledger.state.ready) == 6
     # asking for more than is ready returns what there is
-    assert _ids(ledger.next_batch(10)) == ["g00000002", "g00000000", "g00000001", "g00000003", "g00000004",
+    assert _ids(next_batch(ledger, 10)) == ["g00000002", "g00000000", "g00000001", "g00000003", "g00000004",
                                            "g00000005"]
-    assert ledger.next_batch(0) == []
+    assert next_batch(ledger, 0) == []
 
 
 def test_commit_step_consumes_exactly_the_batch_and_prunes_segments() -> None:
@@ -183,7 +184,7 @@ def test_commit_step_consumes_exactly_the_batch_and_prunes_segments() -> None:
     b = _seg("b", ["g00000002", "g00000003"])
     ledger.add_segment(a)
     ledger.add_segment(b)
-    inp = _input(ledger, ledger.next_batch(3))  # a: g0 g1, b: g2
+    inp = _input(ledger, next_batch(ledger, 3))  # a: g0 g1, b: g2
     # a group that arrives while the step runs is not consumed by it
     ledger.add_segment(_seg("c", ["g00000004"]))
     ledger.commit_step(inp, _result(1, tokens=300, staleness={"0": 6, "1": 2}), keep_last=3)
@@ -205,7 +206,7 @@ def test_commit_step_counters_staleness_and_checkpoint_window() -> None:
     ledger.add_segment(_seg("0", [f"g{i:08d}" for i in range(8)]))
     rewards = []
     for step in range(1, 5):
-        inp = _input(ledger, ledger.next_batch(2))
+        inp = _input(ledger, next_batch(ledger, 2))
         staleness = {"0": 4, "1": 4} if step % 2 else {"2": 1, "10": 7}
         ledger.commit_step(inp, _result(step, checkpoint=True, reward=step / 10, tokens=50, staleness=staleness,
                                         consumed_twice=0), keep_last=2)
@@ -380,7 +381,7 @@ def test_status_reports_the_counts() -> None:
     ledger.note_report(_report("replica-0", 0))
     ledger.lease("replica-0", 5)
     ledger.add_segment(_seg("0", ["g00000000", "g00000001", "g00000002"]))
-    ledger.commit_step(_input(ledger, ledger.next_batch(2)), _result(1, checkpoint=True, tokens=40), keep_last=3)
+    ledger.commit_step(_input(ledger, next_batch(ledger, 2)), _result(1, checkpoint=True, tokens=40), keep_last=3)
     st = ledger.status("running", 10, history_events=300)
     assert (st.run_id, st.phase, st.step, st.total_steps, st.policy_version) == (RUN, "running", 1, 10, 1)
     # 5 leased, 3 reported (2 open), 2 consumed (1 ready)
@@ -496,7 +497,7 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 4), checkpoint=st.booleans(), r=st.sampled_from(REPLICAS), data=st.data())
     def train_step(self, n: int, checkpoint: bool, r: str, data: st.DataObject) -> None:
         oldest = _ready_ids(self.ledger)[:n]
-        inp = _input(self.ledger, self.ledger.next_batch(n))
+        inp = _input(self.ledger, next_batch(self.ledger, n))
         assert _ids(inp.batch) == oldest
         if self.held(r) and data.draw(st.booleans()):  # a report that arrives while the step runs
             self.report(r, self.held(r)[:1])

@@ -15,6 +15,7 @@ from safetensors.torch import save
 from laminar.errors import RelayError
 from laminar.relay import client, protocol
 from laminar.relay.weights import load_into, state_dict_from_buffer
+from tests.helpers import chunk_digests
 from tests.test_relay_chain import _start_subprocess_relay, relays, versions_of, wait_until, weights
 
 __all__ = ["relays"]  # the fixture, imported for this module's tests
@@ -30,7 +31,7 @@ class HeldStream:
         self.reply: dict | None = None
         view = memoryview(payload)
         n_chunks = -(-len(view) // chunk_bytes)
-        digests = protocol.chunk_digests(view, chunk_bytes)
+        digests = chunk_digests(view, chunk_bytes)
 
         def chunk(i: int) -> tuple[memoryview, str]:
             if i >= release_after:
@@ -149,7 +150,7 @@ def test_corrupted_chunk_is_rejected_and_nothing_is_served(relays):
     _, tail = relays("tail")
     payload = memoryview(os.urandom(256 * 1024))
     chunk_bytes = 64 * 1024
-    digests = protocol.chunk_digests(payload, chunk_bytes)
+    digests = chunk_digests(payload, chunk_bytes)
     sent = bytearray(payload)
     sent[2 * chunk_bytes + 7] ^= 0xFF  # one bit pattern flipped in transit, inside chunk 2 of 4
     wire = memoryview(sent)

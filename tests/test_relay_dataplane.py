@@ -11,6 +11,7 @@ import pytest
 
 from laminar.errors import RelayError
 from laminar.relay import auth, client, protocol, segments
+from tests.helpers import chunk_digests
 from tests.test_relay_chain import relays, versions_of, wait_until, weights
 
 __all__ = ["relays"]  # the fixture, imported for this module's tests
@@ -19,13 +20,13 @@ __all__ = ["relays"]  # the fixture, imported for this module's tests
 def test_running_digest_gives_each_chunk_and_the_whole_version_whatever_the_chunk_size():
     payload = os.urandom(300_000)
     # 300000 bytes in 65536-byte chunks: 4 full chunks and one of 300000 - 4 * 65536 = 37856 bytes.
-    digests = protocol.chunk_digests(payload, 65536)
+    digests = chunk_digests(payload, 65536)
     assert len(digests) == 5
     # d_i is the digest of bytes 0..end of chunk i, so the last one is the whole version's digest...
     assert digests[1] == protocol.digest_hex(payload[:131072])
     assert digests[-1] == protocol.digest_hex(payload)
     # ...whatever the chunking: the same bytes pushed with another chunk size keep their identity.
-    assert protocol.chunk_digests(payload, 100_000)[-1] == digests[-1]
+    assert chunk_digests(payload, 100_000)[-1] == digests[-1]
     assert len(protocol.digest_hex(payload)) == protocol.DIGEST_HEX_CHARS
 
 

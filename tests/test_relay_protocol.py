@@ -10,6 +10,7 @@ import pytest
 
 from laminar.errors import RelayError
 from laminar.relay import protocol
+from tests.helpers import iter_payload
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def test_header_is_read_before_payload_for_chunked_reading(pair):
     protocol.send_frame(a, {"op": "put"}, payload)
     header = protocol.recv_header(b)
     # 10_000 bytes in chunks of 4096: 4096 + 4096 + 1808.
-    assert [len(c) for c in protocol.iter_payload(b, header, chunk_bytes=4096)] == [4096, 4096, 1808]
+    assert [len(c) for c in iter_payload(b, header, chunk_bytes=4096)] == [4096, 4096, 1808]
 
 
 def test_clean_close_before_a_frame_is_eof_only_when_allowed(pair):

@@ -231,10 +231,6 @@ class Ledger:
             lease.prompt_id for lease in self.state.returned]
         return not any(lo <= p < lo + b for p in leased)
 
-    def next_batch(self, groups: int) -> list[BatchPart]:
-        """The oldest `groups` ready groups, grouped by segment in arrival order."""
-        return self.batch_parts([g.group_id for g in self.state.ready[:groups]])
-
     def batch_parts(self, group_ids: list[str]) -> list[BatchPart]:
         """These ready groups, grouped by segment in arrival order."""
         wanted = set(group_ids)
