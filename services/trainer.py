@@ -617,8 +617,10 @@ class TrainerService:
         for t in trajectories:
             versions.setdefault(t.group_id, set()).add(t.policy_version)
         record["groups"] = {g: sorted(v) for g, v in sorted(versions.items())}
-        if self.trackers is not None and self.trackers.skipped:
-            record["tracker_skipped"] = dict(self.trackers.skipped)  # writes dropped so far, per tracker
+        if self.trackers is not None:
+            if self.trackers.skipped:
+                record["tracker_skipped"] = dict(self.trackers.skipped)  # writes dropped so far, per tracker
+            record["tracker_stats"] = self.trackers.stats()  # written, pending, outages, missing steps
         self.store.put(keys.step_metrics(self.run_id, self.step), json.dumps(record).encode())
         return record
 
