@@ -426,7 +426,7 @@ class TrainerSection(_Section):
         if options and self.entropy_coef > 0:
             raise ValueError(f"trainer.entropy_coef={self.entropy_coef} is only implemented with ratio='token', "
                              "loss_aggregation='token' and kl_beta=0; set trainer.entropy_coef=0 or those defaults")
-        if self.kl_beta > 0 and (self.lora is not None or self.backend != "single"):
+        if self.kl_beta > 0 and self.lora is not None:  # the fsdp backend refuses it too (rl/fsdp.py)
             raise ValueError(f"trainer.kl_beta={self.kl_beta} needs trainer.backend='single' without trainer.lora "
                              "(the reference model is not implemented there); set trainer.kl_beta=0")
         if self.off_policy == "decoupled" and 0 < self.tis_cap < 1:

@@ -101,9 +101,11 @@ def micro_batch_rows(model: CausalLM, width: int, logit_positions: int, budget_m
     """Rows per forward and backward pass that fit budget_mib: per row, float32 saved activations of about
     8 hidden + 4 intermediate values per token and layer, and about 6 vocabulary-wide tensors per logit position
     (logits, log-softmax, entropy and their gradients). At least one row."""
-    c = model.config
-    per_token = c.num_hidden_layers * (8 * c.hidden_size + 4 * c.intermediate_size)
-    row_bytes = 4 * (width * per_token + logit_positions * 6 * c.vocab_size)
+    c = getattr(model.config, "raw", None) or model.config  # the transformers path keeps its config as a dict
+    get = c.get if isinstance(c, dict) else lambda k, d=0: getattr(c, k, d)
+    layers, hidden = get("num_hidden_layers", 0), get("hidden_size", 0)
+    per_token = layers * (8 * hidden + 4 * (get("intermediate_size", 0) or 4 * hidden))
+    row_bytes = 4 * (width * per_token + logit_positions * 6 * get("vocab_size", 0))
     return max(1, int(budget_mib * 2**20 // max(row_bytes, 1)))
 
 

@@ -147,7 +147,7 @@ def test_a_stale_path_is_caught():
 
 
 DECISIONS = ROOT / "docs" / "decisions"
-_STATUS = re.compile(r"Status: (current|superseded by \[[^\]]+\]\(([\w-]+\.md)\)) · Date: (\d{4}-\d{2}-\d{2})\b")
+_STATUS = re.compile(r"Status: (current|proposed|superseded by \[[^\]]+\]\(([\w-]+\.md)\)) · Date: (\d{4}-\d{2}-\d{2})\b")
 
 
 def decision_problems(folder: Path) -> list[str]:

@@ -218,6 +218,7 @@ SUMMARY_MEANINGS: dict[str, str] = {
     "multi_turn_share": "share of trained trajectories with two or more model turns",
     "tool_latency_s": "`calls`, `p50`, `max`: tool call latency (s)",
     "tracker_skipped": "writes a failing experiment tracker dropped, per tracker, as of the last step",
+    "tracker_missing": "steps a tracker never received (ranges, per tracker), from the last step's tracker stats",
     "evals": "held-out evals recorded so far (`laminar eval`, and eval rounds during training): policy version, "
              "accuracy, its standard error, prompts, samples, pass@k, failed samples, whether it ran during training",
     "eval_rounds_pending": "eval rounds during training not closed yet: policy version -> prompts not scored",

@@ -1,6 +1,6 @@
 """Tokens/s of the torch engine on a tiny Qwen3 at 256 new tokens per sequence (4 sequences, one CPU thread):
 the built-in fast path (KV cache) against the transformers path (the prefix recomputed per token), on the same
-weights, side by side. Run: python -m laminar.bench.fast_path"""
+weights, side by side. Run: python scripts/fast_path.py"""
 
 from __future__ import annotations
 
