@@ -346,8 +346,7 @@ class TrainerSection(_Section):
         0.0, ge=0.0, le=10.0,
         description="KL penalty to a frozen copy of the starting weights (unitless coefficient): the loss adds "
         "kl_beta * ratio * k3(pi_theta, pi_ref) per response token (rl/losses.py policy_loss, as TRL 1.16 does). The "
-        "reference is held by the "
-        "trainer and checkpointed with it. 0: none, and no reference is kept.",
+        "reference is held by the trainer and checkpointed with it. 0: none, and no reference is kept.",
     )
     minibatches: int = Field(
         1, ge=1, le=4096,
@@ -426,7 +425,7 @@ class TrainerSection(_Section):
         if options and self.entropy_coef > 0:
             raise ValueError(f"trainer.entropy_coef={self.entropy_coef} is only implemented with ratio='token', "
                              "loss_aggregation='token' and kl_beta=0; set trainer.entropy_coef=0 or those defaults")
-        if self.kl_beta > 0 and self.lora is not None:  # the fsdp backend refuses it too (rl/fsdp.py)
+        if self.kl_beta > 0 and self.lora is not None:  # the fsdp backend: rl/factory.py check_engines
             raise ValueError(f"trainer.kl_beta={self.kl_beta} needs trainer.backend='single' without trainer.lora "
                              "(the reference model is not implemented there); set trainer.kl_beta=0")
         if self.off_policy == "decoupled" and 0 < self.tis_cap < 1:

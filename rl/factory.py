@@ -89,6 +89,9 @@ def check_engines(cfg: RunConfig) -> RunConfig:
             f"trainer.micro_batch_samples={t.micro_batch_samples} with trainer.backend={t.backend!r} is not "
             "implemented: its ranks would have to run the same number of micro-batches, in step, for the gradient "
             "reduction; set trainer.backend = 'single', or remove trainer.micro_batch_samples")
+    if t.kl_beta > 0 and t.backend != "single":
+        raise ConfigError(f"trainer.kl_beta={t.kl_beta} needs trainer.backend='single' (the {t.backend} backend holds "
+                          "no reference model); set trainer.kl_beta=0 or trainer.backend='single'")
     e = cfg.eval
     if (e.every_steps > 0 or e.at_start or e.at_end) and r.engine != "torch":
         asked = ", ".join(f for f, on in (("eval.every_steps", e.every_steps), ("eval.at_start", e.at_start),

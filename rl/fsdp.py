@@ -143,9 +143,6 @@ class FsdpTrainer:
 
     def __init__(self, model_dir: str | Path, section: TrainerSection, *, group_size: int, temperature: float = 1.0,
                  pad_id: int = 0, procs: int | None = None):
-        if section.kl_beta > 0:
-            raise ConfigError(f"trainer.kl_beta={section.kl_beta} needs trainer.backend='single' (the fsdp backend "
-                              "holds no reference model); set trainer.kl_beta=0 or trainer.backend='single'")
         world = int(procs or section.fsdp_procs)
         if section.device == "cuda" and torch.cuda.is_available() and world > torch.cuda.device_count():
             raise ConfigError(f"trainer.fsdp_procs={world} exceeds the {torch.cuda.device_count()} GPUs of this "

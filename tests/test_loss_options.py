@@ -79,3 +79,13 @@ def test_mask_truncated_takes_truncated_samples_out_of_the_loss() -> None:
 def test_loss_option_conflicts_are_refused_by_name(fields, error) -> None:
     with pytest.raises(ValidationError, match=error.replace(".", r"\.")):
         TrainerSection(**fields)
+
+
+def test_kl_beta_with_the_fsdp_backend_is_refused_when_the_config_is_checked():
+    from laminar.config import RunConfig
+    from laminar.errors import ConfigError
+    from laminar.rl.factory import check_engines
+
+    cfg = RunConfig.load(None, ["--trainer.kl_beta=0.04", "--trainer.backend=fsdp"])
+    with pytest.raises(ConfigError, match="trainer.kl_beta=0.04 needs trainer.backend='single'"):
+        check_engines(cfg)
